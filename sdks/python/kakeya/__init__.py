@@ -1,0 +1,1 @@
+"""Kakeya Python SDK (placeholder, filled in below)."""
