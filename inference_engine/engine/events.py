@@ -1,0 +1,28 @@
+"""What a generation yields: plain dataclasses the servicer maps to protobuf."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TokenGenerated:
+    token_id: int
+    position: int
+
+
+@dataclass(frozen=True)
+class HistoryTruncated:
+    dropped_tokens: int
+    total_dropped_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationDone:
+    stop_reason: str  # "max_tokens" | "eos" | "cancelled" | "context_full"
+    generated_tokens: int
+    prefill_tokens: int
+    prefill_seconds: float
+    total_seconds: float
+    time_to_first_token_seconds: float
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0

@@ -1,0 +1,145 @@
+"""Assemble and run the daemon: model -> engine -> runtime -> gRPC (+ metrics, + HTTP shim)."""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inference_engine.server.grpc_service import ApiKeyInterceptor, RuntimeServicer
+from inference_engine.server.runtime import Runtime
+from kakeya.v1 import runtime_pb2 as pb
+from kakeya.v1 import runtime_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kakeya")
+
+
+@dataclass
+class ServeConfig:
+    bind: str = "127.0.0.1:50051"
+    model: str = "smollm2-135m-instruct"
+    kv_strategy: str = "sink_window"
+    sink: int = 4
+    window: int = 1020
+    capacity: int = 16
+    idle_ttl: float = 1800.0
+    metrics_port: int = 0  # 0 = off
+    http_port: int = 0  # 0 = off (deprecated OpenAI-style shim)
+    api_key: str | None = None
+    device: str = "cpu"
+    threads: int | None = None
+    prefill_chunk: int = 256
+    max_workers: int = 16
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def split_bind(bind: str) -> tuple[str, int]:
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"--bind must be HOST:PORT, got {bind!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(cfg: ServeConfig) -> None:
+    host, _ = split_bind(cfg.bind)
+    if not is_loopback(host) and not cfg.api_key:
+        raise ConfigError(
+            f"refusing to bind {cfg.bind} (not loopback) without an API key; pass --api-key or set KAKEYA_API_KEY"
+        )
+
+
+def build_runtime(cfg: ServeConfig) -> Runtime:
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.resident import KVStrategy
+    from inference_engine.model_store import resolve_model
+
+    strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)
+    model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device)
+    engine = Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads)
+    return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl)
+
+
+class RunningServer:
+    def __init__(self, grpc_server, port: int, runtime: Runtime, stoppers):
+        self.grpc_server, self.port, self.runtime, self._stoppers = grpc_server, port, runtime, stoppers
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        for stop in self._stoppers:
+            stop()
+        self.grpc_server.stop(grace).wait()
+
+    def wait(self) -> None:
+        self.grpc_server.wait_for_termination()
+
+
+def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
+    check_exposure(cfg)
+    runtime = runtime or build_runtime(cfg)
+    interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors)
+    pb_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(runtime), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = (pb.DESCRIPTOR.services_by_name["RuntimeService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(service_names, server)
+    port = server.add_insecure_port(cfg.bind)
+    if port == 0:
+        raise ConfigError(f"could not bind {cfg.bind}")
+    server.start()
+    for name in ("", service_names[0]):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stoppers = []
+    if cfg.metrics_port:
+        host, _ = split_bind(cfg.bind)
+        httpd, _thread = runtime.metrics.serve(cfg.metrics_port, addr=host or "127.0.0.1")
+        stoppers.append(httpd.shutdown)
+    if cfg.http_port:
+        from inference_engine.server.http_shim import start_http_shim
+
+        stoppers.append(start_http_shim(runtime, cfg))
+    # Idle-TTL eviction also happens on every store access; this sweeps quiet daemons.
+    stop_sweep = threading.Event()
+
+    def sweep():
+        while not stop_sweep.wait(min(30.0, max(1.0, cfg.idle_ttl / 4))):
+            runtime.store.evict_idle()
+
+    threading.Thread(target=sweep, daemon=True, name="kakeya-ttl-sweep").start()
+    stoppers.append(stop_sweep.set)
+    return RunningServer(server, port, runtime, stoppers)
+
+
+def serve_forever(cfg: ServeConfig) -> int:
+    running = start(cfg)
+    info = running.runtime.server_info()
+    log.info(
+        "kakeya serving %s on %s (kv=%s sink=%d window=%d, capacity=%d)%s",
+        info.model_id, cfg.bind.rsplit(":", 1)[0] + f":{running.port}", info.kv_strategy, info.sink, info.window, info.session_capacity,
+        f", metrics on :{cfg.metrics_port}/metrics" if cfg.metrics_port else "",
+    )
+    print(f"READY {running.port}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    running.stop(2.0)
+    return 0

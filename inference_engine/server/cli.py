@@ -1,0 +1,73 @@
+"""`kakeya` command line: serve the daemon, manage models."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from inference_engine.server.app import ConfigError, ServeConfig, serve_forever
+
+
+def _add_serve(sub) -> None:
+    d = ServeConfig()
+    p = sub.add_parser("serve", help="run the gRPC daemon", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--bind", default=d.bind, help="HOST:PORT for gRPC (port 0 = pick a free one)")
+    p.add_argument("--model", default=d.model, help="pulled model name or a local HF model directory")
+    p.add_argument("--kv-strategy", default=d.kv_strategy, choices=("full", "sink_window"))
+    p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (sink_window)")
+    p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (sink_window)")
+    p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; LRU-evicts beyond")
+    p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session is evicted (0 = never)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
+    p.add_argument("--http-port", type=int, default=d.http_port, help="deprecated OpenAI-style HTTP shim port (0 = off)")
+    p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="require 'authorization: Bearer KEY' (env KAKEYA_API_KEY)")
+    p.add_argument("--device", default=d.device, help="torch device: cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="tokens per prefill forward (bounds peak memory)")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> int:
+    cfg = ServeConfig(
+        bind=args.bind,
+        model=args.model,
+        kv_strategy=args.kv_strategy,
+        sink=args.sink,
+        window=args.window,
+        capacity=args.capacity,
+        idle_ttl=args.idle_ttl,
+        metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        api_key=args.api_key or None,
+        device=args.device,
+        threads=args.threads,
+        prefill_chunk=args.prefill_chunk,
+    )
+    return serve_forever(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from inference_engine.model_store import cli as models_cli
+
+    ap = argparse.ArgumentParser(prog="kakeya", description="Kakeya session runtime")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    models_cli.register(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"kakeya: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""gRPC servicer: protobuf <-> Runtime calls, typed errors -> gRPC status codes."""
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+
+import grpc
+
+from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
+from inference_engine.engine.sampling import SamplingParams
+from inference_engine.errors import KakeyaError
+from inference_engine.server.runtime import Runtime
+from kakeya.v1 import runtime_pb2 as pb
+from kakeya.v1 import runtime_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+STOP_REASONS = {
+    "max_tokens": pb.STOP_REASON_MAX_TOKENS,
+    "eos": pb.STOP_REASON_EOS,
+    "cancelled": pb.STOP_REASON_CANCELLED,
+    "context_full": pb.STOP_REASON_CONTEXT_FULL,
+}
+
+
+def _status(err: KakeyaError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
+
+
+def _typed_errors(method):
+    """Map KakeyaError to its status; anything else is INTERNAL and logged (the daemon lives on)."""
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except KakeyaError as e:
+            context.abort(_status(e), str(e))
+        except Exception as e:  # noqa: BLE001 - a bug must not take the daemon down
+            log.exception("internal error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    return unary
+
+
+class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
+    def __init__(self, runtime: Runtime):
+        self.rt = runtime
+
+    @_typed_errors
+    def CreateSession(self, request, context):
+        s = self.rt.create_session(list(request.initial_tokens), list(request.eos_token_ids), request.ignore_eos)
+        return pb.CreateSessionResponse(session_id=s.id, history_length=len(s.history))
+
+    @_typed_errors
+    def AppendTokens(self, request, context):
+        s = self.rt.append(request.session_id, list(request.token_ids))
+        return pb.AppendTokensResponse(history_length=len(s.history), pending_tokens=len(s.pending_tokens))
+
+    def Generate(self, request, context):
+        sp = request.sampling
+        sampling = SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p or 1.0, seed=sp.seed)
+        try:
+            for ev in self.rt.generate(request.session_id, request.max_tokens, sampling, lambda: not context.is_active()):
+                if isinstance(ev, TokenGenerated):
+                    yield pb.GenerateResponse(token=pb.TokenEvent(token_id=ev.token_id, position=ev.position))
+                elif isinstance(ev, HistoryTruncated):
+                    yield pb.GenerateResponse(
+                        history_truncated=pb.HistoryTruncatedEvent(dropped_tokens=ev.dropped_tokens, total_dropped_tokens=ev.total_dropped_tokens)
+                    )
+                elif isinstance(ev, GenerationDone):
+                    yield pb.GenerateResponse(
+                        done=pb.DoneEvent(
+                            stop_reason=STOP_REASONS[ev.stop_reason],
+                            generated_tokens=ev.generated_tokens,
+                            prefill_tokens=ev.prefill_tokens,
+                            prefill_seconds=ev.prefill_seconds,
+                            total_seconds=ev.total_seconds,
+                            time_to_first_token_seconds=ev.time_to_first_token_seconds,
+                            drafted_tokens=ev.drafted_tokens,
+                            accepted_tokens=ev.accepted_tokens,
+                        )
+                    )
+        except KakeyaError as e:
+            context.abort(_status(e), str(e))
+        except Exception as e:  # noqa: BLE001
+            log.exception("internal error in Generate")
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    @_typed_errors
+    def CloseSession(self, request, context):
+        self.rt.close(request.session_id)
+        return pb.CloseSessionResponse()
+
+    @_typed_errors
+    def GetSessionInfo(self, request, context):
+        i = self.rt.session_info(request.session_id)
+        return pb.GetSessionInfoResponse(
+            session_id=i.session_id,
+            history_length=i.history_length,
+            resident_positions=i.resident_positions,
+            pending_tokens=i.pending_tokens,
+            kv_live_bytes=i.kv_live_bytes,
+            inv1_violations=i.inv1_violations,
+            inv2_violations=i.inv2_violations,
+            idle_seconds=i.idle_seconds,
+            dropped_tokens=i.dropped_tokens,
+            eos_token_ids=list(i.eos_token_ids),
+        )
+
+    @_typed_errors
+    def GetServerInfo(self, request, context):
+        i = self.rt.server_info()
+        return pb.GetServerInfoResponse(
+            model_id=i.model_id,
+            vocab_size=i.vocab_size,
+            default_eos_token_ids=list(i.default_eos_token_ids),
+            kv_strategy=pb.KVStrategyInfo(name=i.kv_strategy, sink=i.sink, window=i.window, compressor=i.compressor),
+            max_context=i.max_context,
+            backend=i.backend,
+            device=i.device,
+            server_version=i.server_version,
+            session_capacity=i.session_capacity,
+            idle_ttl_seconds=i.idle_ttl_seconds,
+            drafter=i.drafter,
+            spec_k=i.spec_k,
+        )
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Every RPC but health checks needs `authorization: Bearer <key>` (constant-time compare)."""
+
+    EXEMPT_PREFIX = "/grpc.health.v1.Health/"
+
+    def __init__(self, api_key: str):
+        self._expected = f"Bearer {api_key}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method or ""
+        if method.startswith(self.EXEMPT_PREFIX):
+            return continuation(handler_call_details)
+        got = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+        if hmac.compare_digest(got, self._expected):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny_unary

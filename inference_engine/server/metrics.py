@@ -1,0 +1,54 @@
+"""Prometheus metrics (ADR 0008 §2.9 set, plus generation throughput) on a private registry."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RuntimeMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.session_active = Gauge("session_active", "Currently allocated sessions.", registry=r)
+        self.session_total = Counter("session_total", "Sessions that ended, by outcome.", ["outcome"], registry=r)
+        self.sessions_created = Counter("session_opened_total", "Sessions created.", registry=r)
+        self.session_kv_live_bytes = Gauge("session_kv_live_bytes", "Resident KV bytes across allocated sessions.", registry=r)
+        self.session_history_tokens = Histogram(
+            "session_history_tokens", "Per-session history length at Generate time.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.generate_prefill_tokens = Histogram(
+            "generate_prefill_tokens", "Tokens prefilled per Generate (the appended delta).", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.generate_prefill_duration_seconds = Histogram(
+            "generate_prefill_duration_seconds", "Wall time of the prefill phase per Generate.", buckets=SECONDS_BUCKETS, registry=r
+        )
+        self.cache_invariant_violations_total = Counter(
+            "cache_invariant_violations_total", "Cache invariant violations (paging-grade when non-zero).", ["kind"], registry=r
+        )
+        self.session_evicted_total = Counter("session_evicted_total", "Sessions freed, by reason.", ["reason"], registry=r)
+        self.generated_tokens_total = Counter("generate_tokens_total", "Tokens generated.", registry=r)
+        self.generate_requests_total = Counter("generate_requests_total", "Generate calls by stop reason.", ["stop_reason"], registry=r)
+        self.time_to_first_token_seconds = Histogram(
+            "generate_time_to_first_token_seconds", "Request arrival to first generated token.", buckets=SECONDS_BUCKETS, registry=r
+        )
+        self.decode_tokens_per_second = Histogram(
+            "generate_decode_tokens_per_second",
+            "Decode throughput per Generate (tokens after the first / time after the first).",
+            buckets=(1, 2, 5, 10, 20, 30, 40, 60, 80, 120, 200),
+            registry=r,
+        )
+        self.history_truncated_tokens_total = Counter(
+            "history_truncated_tokens_total", "History positions dropped from attention by a bounded KV strategy.", registry=r
+        )
+        self.spec_drafted_tokens_total = Counter("spec_drafted_tokens_total", "Tokens drafted for speculative decoding.", registry=r)
+        self.spec_accepted_tokens_total = Counter("spec_accepted_tokens_total", "Drafted tokens the verifier accepted.", registry=r)
+        for kind in ("inv1", "inv2"):
+            self.cache_invariant_violations_total.labels(kind=kind)
+        for reason in ("ttl", "lru", "close"):
+            self.session_evicted_total.labels(reason=reason)
+        for outcome in ("closed", "evicted", "failed"):
+            self.session_total.labels(outcome=outcome)
+
+    def serve(self, port: int, addr: str = "127.0.0.1"):
+        return start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,157 @@
+"""The runtime facade both transports share: SessionStore + Engine + metrics.
+
+Plain Python in, plain Python out. The gRPC servicer and the deprecated HTTP shim only
+convert their wire formats to these calls.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
+from inference_engine.engine.generate import Engine, GenerateParams
+from inference_engine.engine.sampling import SamplingParams
+from inference_engine.errors import InvalidArgument
+from inference_engine.server.metrics import RuntimeMetrics
+from inference_engine.session.store import SessionStore, StoreEvents
+
+SERVER_VERSION = "0.3.0"
+MAX_TOKENS_PER_CALL = 1 << 20
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    history_length: int
+    resident_positions: int
+    pending_tokens: int
+    kv_live_bytes: int
+    inv1_violations: int
+    inv2_violations: int
+    idle_seconds: float
+    dropped_tokens: int
+    eos_token_ids: tuple
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model_id: str
+    vocab_size: int
+    default_eos_token_ids: tuple
+    kv_strategy: str
+    sink: int
+    window: int
+    compressor: str
+    max_context: int
+    backend: str
+    device: str
+    server_version: str
+    session_capacity: int
+    idle_ttl_seconds: float
+    drafter: str
+    spec_k: int
+
+
+class Runtime:
+    def __init__(self, engine: Engine, *, capacity: int = 16, idle_ttl_s: float = 1800.0, metrics: RuntimeMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or RuntimeMetrics()
+        m = self.metrics
+        self.store = SessionStore(
+            vocab_size=engine.vocab_size,
+            kv_factory=engine.new_session_kv,
+            capacity=capacity,
+            idle_ttl_s=idle_ttl_s,
+            history_limit=engine.history_limit(),
+            default_eos_token_ids=engine.model.spec.eos_token_ids,
+            events=StoreEvents(
+                on_created=m.sessions_created.inc,
+                on_ended=lambda outcome: m.session_total.labels(outcome=outcome).inc(),
+                on_evicted=lambda reason: m.session_evicted_total.labels(reason=reason).inc(),
+                on_violation=lambda kind: m.cache_invariant_violations_total.labels(kind=kind).inc(),
+            ),
+        )
+        m.session_active.set_function(lambda: len(self.store))
+        m.session_kv_live_bytes.set_function(self.store.kv_live_bytes)
+
+    # -- RPCs ----------------------------------------------------------------------------
+    def create_session(self, initial_tokens: Sequence[int] = (), eos_token_ids: Sequence[int] = (), ignore_eos: bool = False):
+        eos = () if ignore_eos else (eos_token_ids or None)
+        return self.store.create(initial_tokens, eos)
+
+    def append(self, session_id: str, token_ids: Sequence[int]):
+        return self.store.append(session_id, token_ids)
+
+    def close(self, session_id: str) -> None:
+        self.store.close(session_id)
+
+    def generate(self, session_id: str, max_tokens: int, sampling: SamplingParams, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+        if max_tokens < 1 or max_tokens > MAX_TOKENS_PER_CALL:
+            raise InvalidArgument(f"max_tokens must be in [1, {MAX_TOKENS_PER_CALL}], got {max_tokens}")
+        sampling.validate()
+        t_arrival = time.perf_counter()
+        m = self.metrics
+        with self.store.generation(session_id) as s:
+            m.session_history_tokens.observe(len(s.history))
+            params = GenerateParams(max_tokens, sampling, s.eos_token_ids)
+            for ev in self.engine.generate(s.kv, s.pending_tokens, params, should_stop):
+                if isinstance(ev, TokenGenerated):
+                    s.record_generated(ev.token_id)
+                    m.generated_tokens_total.inc()
+                elif isinstance(ev, HistoryTruncated):
+                    m.history_truncated_tokens_total.inc(ev.dropped_tokens)
+                elif isinstance(ev, GenerationDone):
+                    self._observe_done(ev, t_arrival)
+                yield ev
+
+    def _observe_done(self, done: GenerationDone, t_arrival: float) -> None:
+        m = self.metrics
+        m.generate_prefill_tokens.observe(done.prefill_tokens)
+        m.generate_prefill_duration_seconds.observe(done.prefill_seconds)
+        m.generate_requests_total.labels(stop_reason=done.stop_reason).inc()
+        if done.generated_tokens:
+            m.time_to_first_token_seconds.observe(done.time_to_first_token_seconds)
+        if done.generated_tokens > 1:
+            decode_s = done.total_seconds - done.time_to_first_token_seconds
+            if decode_s > 0:
+                m.decode_tokens_per_second.observe((done.generated_tokens - 1) / decode_s)
+        m.spec_drafted_tokens_total.inc(done.drafted_tokens)
+        m.spec_accepted_tokens_total.inc(done.accepted_tokens)
+
+    def session_info(self, session_id: str) -> SessionInfo:
+        s = self.store.get(session_id, touch=False)
+        kv = s.kv
+        return SessionInfo(
+            session_id=s.id,
+            history_length=len(s.history),
+            resident_positions=kv.resident_positions,
+            pending_tokens=len(s.history) - kv.next_position,
+            kv_live_bytes=kv.nbytes,
+            inv1_violations=s.inv1_violations,
+            inv2_violations=s.inv2_violations,
+            idle_seconds=0.0 if s.lock.locked() else max(0.0, self.store.clock() - s.last_access),
+            dropped_tokens=kv.dropped_total,
+            eos_token_ids=tuple(sorted(s.eos_token_ids)),
+        )
+
+    def server_info(self) -> ServerInfo:
+        e, spec = self.engine, self.engine.model.spec
+        st = e.strategy
+        return ServerInfo(
+            model_id=e.model.model_id,
+            vocab_size=spec.vocab_size,
+            default_eos_token_ids=tuple(spec.eos_token_ids),
+            kv_strategy=st.name,
+            sink=st.sink if st.bounded else 0,
+            window=st.window if st.bounded else 0,
+            compressor="identity",
+            max_context=spec.max_context,
+            backend="torch",
+            device=str(e.model.device),
+            server_version=SERVER_VERSION,
+            session_capacity=self.store.capacity,
+            idle_ttl_seconds=self.store.idle_ttl_s,
+            drafter="",
+            spec_k=0,
+        )

@@ -1,0 +1,94 @@
+"""asyncio client on grpc.aio, mirroring the synchronous surface with `await` / `async for`."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from kakeya.errors import KakeyaError, from_rpc_error
+from kakeya.types import GenerationResult, ServerInfo, SessionInfo, generate_request
+from kakeya.v1 import runtime_pb2 as pb
+from kakeya.v1 import runtime_pb2_grpc as pb_grpc
+
+
+class AsyncSession:
+    def __init__(self, client: "AsyncClient", session_id: str):
+        self._client = client
+        self.id = session_id
+        self.last_result: GenerationResult | None = None
+        self.closed = False
+
+    async def append(self, token_ids: Sequence[int]) -> int:
+        r = await self._client._call(self._client._stub.AppendTokens, pb.AppendTokensRequest(session_id=self.id, token_ids=list(token_ids)))
+        return r.history_length
+
+    async def generate(self, max_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                       timeout: float | None = None) -> AsyncIterator[int]:
+        req = generate_request(self.id, max_tokens, temperature, top_k, top_p, seed)
+        call = self._client._stub.Generate(req, metadata=self._client._md, timeout=timeout)
+        tokens, truncated = [], []
+        try:
+            async for ev in call:
+                kind = ev.WhichOneof("event")
+                if kind == "token":
+                    tokens.append(ev.token.token_id)
+                    yield ev.token.token_id
+                elif kind == "history_truncated":
+                    truncated.append((ev.history_truncated.dropped_tokens, ev.history_truncated.total_dropped_tokens))
+                elif kind == "done":
+                    self.last_result = GenerationResult.from_pb(ev.done, tokens, truncated)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def generate_all(self, max_tokens: int = 128, **kwargs) -> GenerationResult:
+        async for _ in self.generate(max_tokens, **kwargs):
+            pass
+        return self.last_result
+
+    async def info(self) -> SessionInfo:
+        return SessionInfo.from_pb(await self._client._call(self._client._stub.GetSessionInfo, pb.GetSessionInfoRequest(session_id=self.id)))
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            await self._client._call(self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id))
+
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        try:
+            await self.close()
+        except KakeyaError:
+            pass
+
+
+class AsyncClient:
+    def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, options: Sequence | None = None):
+        self._channel = grpc.aio.insecure_channel(target, options=list(options or ()))
+        self._stub = pb_grpc.RuntimeServiceStub(self._channel)
+        self._md = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, metadata=self._md)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def create_session(self, initial_tokens: Sequence[int] = (), *, eos_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> AsyncSession:
+        req = pb.CreateSessionRequest(initial_tokens=list(initial_tokens), eos_token_ids=list(eos_token_ids), ignore_eos=ignore_eos)
+        return AsyncSession(self, (await self._call(self._stub.CreateSession, req)).session_id)
+
+    async def server_info(self) -> ServerInfo:
+        return ServerInfo.from_pb(await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest()))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,113 @@
+"""Synchronous client: `Client(target).create_session()` -> Session with append/generate/info/close."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from kakeya.errors import KakeyaError, from_rpc_error
+from kakeya.types import GenerationResult, ServerInfo, SessionInfo, generate_request
+from kakeya.v1 import runtime_pb2 as pb
+from kakeya.v1 import runtime_pb2_grpc as pb_grpc
+
+
+def _metadata(api_key: str | None):
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+class Session:
+    """A server-side session: raw token history + resident attention state."""
+
+    def __init__(self, client: "Client", session_id: str):
+        self._client = client
+        self.id = session_id
+        self.last_result: GenerationResult | None = None
+        self.closed = False
+
+    def append(self, token_ids: Sequence[int]) -> int:
+        """Append raw token ids; returns the history length. No model work happens here."""
+        r = self._client._call(self._client._stub.AppendTokens, pb.AppendTokensRequest(session_id=self.id, token_ids=list(token_ids)))
+        return r.history_length
+
+    def generate(self, max_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 timeout: float | None = None) -> Iterator[int]:
+        """Stream generated token ids. After the iterator ends, `last_result` has the Done event.
+
+        Closing the iterator early (break / close()) cancels the call on the server; the
+        tokens generated so far stay in the session history.
+        """
+        req = generate_request(self.id, max_tokens, temperature, top_k, top_p, seed)
+        call = self._client._stub.Generate(req, metadata=self._client._md, timeout=timeout)
+        tokens, truncated = [], []
+        try:
+            for ev in call:
+                kind = ev.WhichOneof("event")
+                if kind == "token":
+                    tokens.append(ev.token.token_id)
+                    yield ev.token.token_id
+                elif kind == "history_truncated":
+                    truncated.append((ev.history_truncated.dropped_tokens, ev.history_truncated.total_dropped_tokens))
+                elif kind == "done":
+                    self.last_result = GenerationResult.from_pb(ev.done, tokens, truncated)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    def generate_all(self, max_tokens: int = 128, **kwargs) -> GenerationResult:
+        """Run a whole Generate and return its result (tokens included)."""
+        for _ in self.generate(max_tokens, **kwargs):
+            pass
+        return self.last_result
+
+    def info(self) -> SessionInfo:
+        return SessionInfo.from_pb(self._client._call(self._client._stub.GetSessionInfo, pb.GetSessionInfoRequest(session_id=self.id)))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._client._call(self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id))
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.close()
+        except KakeyaError:
+            pass  # already gone server-side (evicted / failed); nothing left to free
+
+
+class Client:
+    """Connection to a Kakeya daemon. `target` is HOST:PORT (default daemon: 127.0.0.1:50051)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, options: Sequence | None = None):
+        self._channel = grpc.insecure_channel(target, options=list(options or ()))
+        self._stub = pb_grpc.RuntimeServiceStub(self._channel)
+        self._md = _metadata(api_key)
+
+    def _call(self, method, request):
+        try:
+            return method(request, metadata=self._md)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def create_session(self, initial_tokens: Sequence[int] = (), *, eos_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Session:
+        req = pb.CreateSessionRequest(initial_tokens=list(initial_tokens), eos_token_ids=list(eos_token_ids), ignore_eos=ignore_eos)
+        return Session(self, self._call(self._stub.CreateSession, req).session_id)
+
+    def session(self, session_id: str) -> Session:
+        """A handle on an existing session id (no RPC)."""
+        return Session(self, session_id)
+
+    def server_info(self) -> ServerInfo:
+        return ServerInfo.from_pb(self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest()))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,87 @@
+"""Typed SDK exceptions, one per gRPC status the runtime returns."""
+from __future__ import annotations
+
+import grpc
+
+
+class KakeyaError(Exception):
+    """Base class. `code` is the grpc.StatusCode, `details` the server's message."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None):
+        super().__init__(details)
+        self.details = details
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgumentError(KakeyaError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class SessionNotFoundError(KakeyaError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class UnauthenticatedError(KakeyaError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(KakeyaError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPreconditionError(KakeyaError):
+    """The session's cache broke an invariant (it was freed) or the call needs prior state."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class OutOfRangeError(KakeyaError):
+    """The history would exceed the model context under the server's KV strategy."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class ResourceExhaustedError(KakeyaError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class CancelledError(KakeyaError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class DeadlineExceededError(KakeyaError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UnavailableError(KakeyaError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class InternalError(KakeyaError):
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        SessionNotFoundError,
+        UnauthenticatedError,
+        PermissionDeniedError,
+        FailedPreconditionError,
+        OutOfRangeError,
+        ResourceExhaustedError,
+        CancelledError,
+        DeadlineExceededError,
+        UnavailableError,
+        InternalError,
+    )
+}
+
+
+def from_rpc_error(err: grpc.RpcError) -> KakeyaError:
+    code = err.code()
+    return _BY_CODE.get(code, KakeyaError)(err.details() or str(code), code)

@@ -1,0 +1,99 @@
+"""Plain result objects the SDK returns (no protobuf types leak to callers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kakeya.v1 import runtime_pb2 as pb
+
+STOP_REASONS = {
+    pb.STOP_REASON_MAX_TOKENS: "max_tokens",
+    pb.STOP_REASON_EOS: "eos",
+    pb.STOP_REASON_CANCELLED: "cancelled",
+    pb.STOP_REASON_CONTEXT_FULL: "context_full",
+    pb.STOP_REASON_UNSPECIFIED: "unspecified",
+}
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    stop_reason: str
+    generated_tokens: int
+    prefill_tokens: int
+    prefill_seconds: float
+    total_seconds: float
+    time_to_first_token_seconds: float
+    drafted_tokens: int
+    accepted_tokens: int
+    tokens: tuple = ()
+    history_truncated: tuple = ()  # (dropped_tokens, total_dropped_tokens) per event
+
+    @classmethod
+    def from_pb(cls, done, tokens, truncated) -> "GenerationResult":
+        return cls(
+            stop_reason=STOP_REASONS.get(done.stop_reason, "unspecified"),
+            generated_tokens=done.generated_tokens,
+            prefill_tokens=done.prefill_tokens,
+            prefill_seconds=done.prefill_seconds,
+            total_seconds=done.total_seconds,
+            time_to_first_token_seconds=done.time_to_first_token_seconds,
+            drafted_tokens=done.drafted_tokens,
+            accepted_tokens=done.accepted_tokens,
+            tokens=tuple(tokens),
+            history_truncated=tuple(truncated),
+        )
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    history_length: int
+    resident_positions: int
+    pending_tokens: int
+    kv_live_bytes: int
+    inv1_violations: int
+    inv2_violations: int
+    idle_seconds: float
+    dropped_tokens: int
+    eos_token_ids: tuple = field(default=())
+
+    @classmethod
+    def from_pb(cls, r) -> "SessionInfo":
+        return cls(
+            r.session_id, r.history_length, r.resident_positions, r.pending_tokens, r.kv_live_bytes,
+            r.inv1_violations, r.inv2_violations, r.idle_seconds, r.dropped_tokens, tuple(r.eos_token_ids),
+        )
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model_id: str
+    vocab_size: int
+    default_eos_token_ids: tuple
+    kv_strategy: str
+    sink: int
+    window: int
+    compressor: str
+    max_context: int
+    backend: str
+    device: str
+    server_version: str
+    session_capacity: int
+    idle_ttl_seconds: float
+    drafter: str
+    spec_k: int
+
+    @classmethod
+    def from_pb(cls, r) -> "ServerInfo":
+        k = r.kv_strategy
+        return cls(
+            r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name, k.sink, k.window, k.compressor,
+            r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
+        )
+
+
+def generate_request(session_id: str, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int):
+    return pb.GenerateRequest(
+        session_id=session_id,
+        max_tokens=max_tokens,
+        sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+    )

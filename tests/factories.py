@@ -1,0 +1,48 @@
+"""Factories shared by the test modules (plain functions, no fixture chains)."""
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import tempfile
+
+from inference_engine.model_store.tiny import make_tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_TINY_ROOT = pathlib.Path(tempfile.mkdtemp(prefix="kakeya-tiny-"))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model_dir(arch: str = "llama", seed: int = 0, **config_kwargs) -> pathlib.Path:
+    suffix = "-".join(f"{k}{v}" for k, v in sorted(config_kwargs.items()))
+    return make_tiny_model(arch, _TINY_ROOT / f"{arch}-{seed}{suffix}", seed=seed, **config_kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def load_model(path: str):
+    from inference_engine.backends.torch.model import TorchCausalLM
+
+    return TorchCausalLM.load(path)
+
+
+def make_engine(arch: str = "llama", strategy: str = "full", sink: int = 4, window: int = 1020, *, prefill_chunk: int = 256,
+                model_path: str | None = None, **config_kwargs):
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.resident import KVStrategy
+
+    path = model_path or str(tiny_model_dir(arch, **config_kwargs))
+    return Engine(load_model(path), KVStrategy(strategy, sink, window), prefill_chunk=prefill_chunk)
+
+
+def start_server(engine, *, api_key: str | None = None, capacity: int = 8, idle_ttl: float = 1800.0, metrics_port: int = 0, http_port: int = 0):
+    from inference_engine.server.app import ServeConfig, start
+    from inference_engine.server.runtime import Runtime
+
+    cfg = ServeConfig(bind="127.0.0.1:0", capacity=capacity, idle_ttl=idle_ttl, api_key=api_key, metrics_port=metrics_port, http_port=http_port)
+    return start(cfg, Runtime(engine, capacity=capacity, idle_ttl_s=idle_ttl))
+
+
+def smollm2_dir() -> pathlib.Path | None:
+    home = pathlib.Path(os.environ.get("KAKEYA_HOME", pathlib.Path.home() / ".cache" / "kakeya"))
+    p = home / "models" / "smollm2-135m-instruct"
+    return p if (p / "config.json").exists() else None
