@@ -11,7 +11,7 @@ import pathlib
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
 
-def tiny_config(arch: str, *, vocab_size: int = 256, max_position_embeddings: int = 2048):
+def tiny_config(arch: str, *, vocab_size: int = 256, max_position_embeddings: int = 2048, num_hidden_layers: int = 2):
     """A 2-layer, 64-wide config of the given family (GQA, tied embeddings where the family ties)."""
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -19,7 +19,7 @@ def tiny_config(arch: str, *, vocab_size: int = 256, max_position_embeddings: in
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
@@ -41,7 +41,7 @@ def tiny_config(arch: str, *, vocab_size: int = 256, max_position_embeddings: in
         return Gemma3TextConfig(
             head_dim=16,
             sliding_window=16,
-            layer_types=["sliding_attention", "full_attention"],
+            layer_types=(["sliding_attention", "full_attention"] * num_hidden_layers)[:num_hidden_layers],
             query_pre_attn_scalar=16,
             **common,
         )

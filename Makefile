@@ -1,0 +1,52 @@
+# Kakeya runtime. Two commands on a fresh machine:
+#   make run    set up everything, pull the default model, start the daemon
+#   make test   set up everything and run the whole suite (Python + TypeScript + buf lint)
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+STUBS   := sdks/python/kakeya/v1/runtime_pb2.py
+MODEL   ?= smollm2-135m-instruct
+ARGS    ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup proto model run test test-python test-ts lint-proto bench clean
+
+setup: $(STAMP) $(STUBS)
+
+# torch is pinned to the CPU build on local disk; any other spec can pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+$(STUBS): $(STAMP) $(wildcard proto/kakeya/v1/*.proto) scripts/gen_proto.py
+	$(BIN)/python scripts/gen_proto.py
+
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+model: setup
+	$(BIN)/kakeya models pull $(MODEL)
+
+run: setup model
+	$(BIN)/kakeya serve --model $(MODEL) $(ARGS)
+
+test: setup model test-python test-ts lint-proto
+
+test-python: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-ts: setup
+	cd sdks/typescript && npm ci --no-audit --no-fund && npm test
+
+lint-proto:
+	cd sdks/typescript && npm ci --no-audit --no-fund && npm run buf:lint
+
+bench: setup model
+	$(BIN)/python scripts/bench_agentic/bench_turns.py
+
+clean:
+	rm -rf $(VENV) sdks/python/kakeya/v1 sdks/typescript/node_modules sdks/typescript/src/gen sdks/typescript/dist

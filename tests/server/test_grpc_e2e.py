@@ -1,0 +1,220 @@
+"""Every RPC end to end: Python SDK -> real gRPC server on a real port -> engine (tiny model)."""
+import threading
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import kakeya
+from factories import make_engine, start_server
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server(make_engine("llama", "sink_window", 4, 32, prefill_chunk=16), capacity=4)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def client(server):
+    with kakeya.Client(f"127.0.0.1:{server.port}") as c:
+        yield c
+
+
+def history(n, seed):
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_server_info(client):
+    info = client.server_info()
+    assert info.vocab_size == VOCAB and info.kv_strategy == "sink_window" and (info.sink, info.window) == (4, 32)
+    assert info.default_eos_token_ids == (2,) and info.max_context == 2048 and info.session_capacity == 4
+
+
+def test_session_lifecycle(client):
+    with client.create_session(history(10, 0), ignore_eos=True) as s:
+        assert s.append(history(5, 1)) == 15
+        toks = list(s.generate(max_tokens=8))
+        assert len(toks) == 8 and all(0 <= t < VOCAB for t in toks)
+        r = s.last_result
+        assert r.stop_reason == "max_tokens" and r.prefill_tokens == 15 and r.generated_tokens == 8
+        info = s.info()
+        assert info.history_length == 23 and info.pending_tokens == 1 and info.kv_live_bytes > 0
+        assert info.inv1_violations == info.inv2_violations == 0 and info.eos_token_ids == ()
+        # next turn prefills only the delta: last generated token + appended tokens
+        s.append(history(4, 2))
+        s.generate_all(max_tokens=2)
+        assert s.last_result.prefill_tokens == 5
+    with pytest.raises(kakeya.SessionNotFoundError):
+        s.info()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.9, seed=42)])
+def test_inv3_one_append_vs_one_per_token(client, seed, sampling):
+    """ADR 0008 G3: whole history in one AppendTokens vs. one call per token -> identical tokens."""
+    h = history(60 + 17 * seed, seed)  # longer than the 4+32 window: eviction happens
+    with client.create_session(ignore_eos=True) as one:
+        one.append(h)
+        a = list(one.generate(max_tokens=16, **sampling))
+    with client.create_session(ignore_eos=True) as many:
+        for t in h:
+            many.append([t])
+        b = list(many.generate(max_tokens=16, **sampling))
+    assert a == b
+
+
+def test_bad_tokens_are_invalid_argument_and_session_unchanged(client):
+    with client.create_session([5, 6, 7]) as s:
+        for bad in ([VOCAB], [-1], [1, 2, VOCAB + 10]):
+            with pytest.raises(kakeya.InvalidArgumentError, match="vocabulary"):
+                s.append(bad)
+        with pytest.raises(kakeya.InvalidArgumentError, match="empty"):
+            s.append([])
+        assert s.info().history_length == 3
+        assert len(list(s.generate(max_tokens=2))) >= 1
+
+
+def test_unknown_session_is_not_found(client):
+    for call in (lambda s: s.append([1]), lambda s: list(s.generate(max_tokens=1)), lambda s: s.info(), lambda s: s.close()):
+        with pytest.raises(kakeya.SessionNotFoundError):
+            call(client.session("no-such-session"))
+
+
+def test_bad_generate_params(client):
+    with client.create_session([5]) as s:
+        with pytest.raises(kakeya.InvalidArgumentError, match="max_tokens"):
+            list(s.generate(max_tokens=0))
+        with pytest.raises(kakeya.InvalidArgumentError, match="top_p"):
+            list(s.generate(max_tokens=2, temperature=1.0, top_p=2.0))
+    with client.create_session() as empty:
+        with pytest.raises(kakeya.FailedPreconditionError, match="empty"):
+            list(empty.generate(max_tokens=2))
+
+
+def test_client_cancel_mid_stream_keeps_session_usable(client, server):
+    with client.create_session(history(20, 3), ignore_eos=True) as s:
+        gen = s.generate(max_tokens=10_000)
+        got = [next(gen) for _ in range(3)]
+        gen.close()  # cancels the RPC
+        # the server notices, stops, and commits what it streamed; the session lives on
+        for _ in range(100):
+            if not server.runtime.store.get(s.id, touch=False).lock.locked():
+                break
+            threading.Event().wait(0.05)
+        info = s.info()
+        assert 20 + 3 <= info.history_length < 20 + 10_000
+        assert len(list(s.generate(max_tokens=3))) == 3
+
+
+def test_capacity_evicts_lru_and_counts(server):
+    c = kakeya.Client(f"127.0.0.1:{server.port}")
+    before = server.runtime.metrics.session_evicted_total.labels(reason="lru")._value.get()
+    sessions = [c.create_session([3]) for _ in range(5)]  # capacity 4
+    after = server.runtime.metrics.session_evicted_total.labels(reason="lru")._value.get()
+    assert after >= before + 1
+    with pytest.raises(kakeya.SessionNotFoundError):
+        sessions[0].append([4])
+    for s in sessions[1:]:
+        s.close()
+    c.close()
+
+
+def test_concurrent_sessions_do_not_interfere(client, server):
+    h = history(50, 9)
+    with client.create_session(h, ignore_eos=True) as ref:
+        expected = list(ref.generate(max_tokens=12))
+    results = [None] * 3
+
+    def worker(i):
+        with kakeya.Client(f"127.0.0.1:{server.port}") as c2, c2.create_session(h, ignore_eos=True) as s:
+            results[i] = list(s.generate(max_tokens=12))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results == [expected] * 3
+
+
+def test_health_and_reflection(server):
+    ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kakeya.v1.RuntimeService"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+    reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "kakeya.v1.RuntimeService" in names
+    ch.close()
+
+
+def test_api_key_required_when_configured():
+    srv = start_server(make_engine("llama", "full"), api_key="s3cret")
+    target = f"127.0.0.1:{srv.port}"
+    try:
+        for key in (None, "wrong"):
+            with kakeya.Client(target, api_key=key) as c:
+                with pytest.raises(kakeya.UnauthenticatedError):
+                    c.create_session([1])
+                with pytest.raises(kakeya.UnauthenticatedError):
+                    list(c.session("x").generate(max_tokens=1))
+        with kakeya.Client(target, api_key="s3cret") as c, c.create_session([5, 6]) as s:
+            assert len(list(s.generate(max_tokens=2))) >= 1
+    finally:
+        srv.stop()
+
+
+def test_metrics_endpoint_exposes_session_metrics():
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    srv = start_server(make_engine("llama", "sink_window", 4, 8), metrics_port=port)
+    try:
+        with kakeya.Client(f"127.0.0.1:{srv.port}") as c, c.create_session(history(40, 4), ignore_eos=True) as s:
+            list(s.generate(max_tokens=4))
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        for name in (
+            "session_active", 'session_total{outcome="closed"}', "session_kv_live_bytes", "session_history_tokens_bucket",
+            "generate_prefill_tokens_bucket", "generate_prefill_duration_seconds_bucket", 'cache_invariant_violations_total{kind="inv1"}',
+            'session_evicted_total{reason="lru"}', "generate_tokens_total 4.0", "generate_time_to_first_token_seconds_bucket",
+            "generate_decode_tokens_per_second_bucket", "history_truncated_tokens_total",
+        ):
+            assert name in text, name
+    finally:
+        srv.stop()
+
+
+def test_non_loopback_bind_without_key_is_refused():
+    from inference_engine.server.app import ConfigError, ServeConfig, check_exposure
+
+    with pytest.raises(ConfigError, match="API key"):
+        check_exposure(ServeConfig(bind="0.0.0.0:50051"))
+    check_exposure(ServeConfig(bind="0.0.0.0:50051", api_key="k"))
+    check_exposure(ServeConfig(bind="127.0.0.1:50051"))
+    check_exposure(ServeConfig(bind="[::1]:50051"))
+
+
+def test_sink_window_kv_bytes_do_not_depend_on_history_length():
+    """Default 4 + 1020 window: a 1k-token and a 6k-token session hold the same KV bytes."""
+    srv = start_server(make_engine("llama", "sink_window", 4, 1020, max_position_embeddings=8192))
+    try:
+        with kakeya.Client(f"127.0.0.1:{srv.port}") as c:
+            sizes = {}
+            for n in (1000, 6000):
+                with c.create_session(history(n, n), ignore_eos=True) as s:
+                    list(s.generate(max_tokens=2))
+                    info = s.info()
+                    sizes[n] = info.kv_live_bytes
+                    assert info.resident_positions == min(n + 1, 4 + 1020 - 1)
+            assert sizes[1000] == sizes[6000] > 0
+    finally:
+        srv.stop()

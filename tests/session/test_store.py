@@ -1,0 +1,135 @@
+"""SessionStore lifecycle: ids, validation, LRU, TTL, close, failure. No model needed."""
+import threading
+
+import pytest
+
+from inference_engine.errors import CacheInvariantError, CapacityExhausted, ContextExhausted, InvalidArgument, SessionNotFound
+from inference_engine.session.store import SessionStore, StoreEvents
+
+
+class FakeKV:
+    next_position = 0
+    nbytes = 100
+    resident_positions = 0
+    dropped_total = 0
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def store(**kw):
+    events = {"evicted": [], "ended": [], "violations": []}
+    ev = StoreEvents(
+        on_evicted=events["evicted"].append, on_ended=events["ended"].append, on_violation=events["violations"].append
+    )
+    defaults = dict(vocab_size=100, kv_factory=FakeKV, capacity=3, idle_ttl_s=60.0, clock=Clock(), events=ev)
+    defaults.update(kw)
+    return SessionStore(**defaults), events
+
+
+def test_ids_are_unique_and_unguessable():
+    s, _ = store(capacity=1000)
+    ids = {s.create().id for _ in range(200)}
+    assert len(ids) == 200
+    assert all(len(i) >= 32 for i in ids)  # token_urlsafe(24): 192 random bits
+
+
+def test_append_validates_against_vocab_and_leaves_history_unchanged():
+    s, _ = store()
+    sess = s.create([1, 2])
+    for bad in ([5, 100], [-1], [3, 4, 1000]):
+        with pytest.raises(InvalidArgument, match="outside the model vocabulary"):
+            s.append(sess.id, bad)
+    assert sess.history == [1, 2]
+    with pytest.raises(InvalidArgument, match="empty"):
+        s.append(sess.id, [])
+    s.append(sess.id, [99])
+    assert sess.history == [1, 2, 99]
+
+
+def test_unknown_closed_and_evicted_sessions_are_not_found():
+    s, ev = store(capacity=2)
+    with pytest.raises(SessionNotFound):
+        s.get("nope")
+    a = s.create()
+    s.close(a.id)
+    with pytest.raises(SessionNotFound):
+        s.append(a.id, [1])
+    assert ev["evicted"] == ["close"] and ev["ended"] == ["closed"]
+
+
+def test_lru_eviction_at_capacity():
+    s, ev = store(capacity=2)
+    a, b = s.create(), s.create()
+    s.get(a.id)  # a is now most recently used
+    c = s.create()
+    assert ev["evicted"] == ["lru"]
+    with pytest.raises(SessionNotFound):
+        s.get(b.id)
+    s.get(a.id), s.get(c.id)
+
+
+def test_busy_sessions_are_not_evicted():
+    s, _ = store(capacity=1)
+    a = s.create()
+    with s.generation(a.id):
+        with pytest.raises(CapacityExhausted):
+            s.create()
+    s.create()  # a was idle again: evicted now
+
+
+def test_idle_ttl_eviction():
+    clock = Clock()
+    s, ev = store(clock=clock, idle_ttl_s=10)
+    a, b = s.create(), s.create()
+    clock.t = 5
+    s.get(b.id)
+    clock.t = 12
+    with pytest.raises(SessionNotFound):
+        s.get(a.id)
+    s.get(b.id)
+    assert ev["evicted"] == ["ttl"]
+
+
+def test_invariant_violation_fails_and_frees_the_session():
+    s, ev = store()
+    a = s.create([1])
+    with pytest.raises(CacheInvariantError):
+        with s.generation(a.id):
+            raise CacheInvariantError("inv2", "positions went backwards")
+    assert a.inv2_violations == 1 and ev["violations"] == ["inv2"] and ev["ended"] == ["failed"]
+    with pytest.raises(SessionNotFound):
+        s.get(a.id)
+
+
+def test_history_limit_refuses_and_keeps_session():
+    s, _ = store(history_limit=5)
+    a = s.create([1, 2, 3])
+    with pytest.raises(ContextExhausted, match="past the model's context of 5"):
+        s.append(a.id, [4, 5, 6])
+    assert a.history == [1, 2, 3]
+    s.append(a.id, [4, 5])
+
+
+def test_one_generation_per_session_at_a_time():
+    s, _ = store()
+    a = s.create([1])
+    order = []
+    entered = threading.Event()
+
+    def second():
+        with s.generation(a.id):
+            order.append("second")
+
+    with s.generation(a.id):
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(0.2)
+        order.append("first-done")
+    t.join()
+    assert order == ["first-done", "second"]
