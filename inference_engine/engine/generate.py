@@ -16,6 +16,7 @@ import torch
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.sampling import SamplingParams, sample
+from inference_engine.engine.speculative import verify_block
 from inference_engine.errors import NothingToGenerateFrom
 from inference_engine.kv.resident import KVStrategy, make_cache
 
@@ -28,12 +29,22 @@ class GenerateParams:
 
 
 class SessionKV:
-    """A session's engine-side state: its resident cache and the logits of its last token."""
+    """A session's engine-side state: its resident cache, the logits after its last committed
+    token, and the verifier hidden states of its most recent positions (drafter features)."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, hidden_keep: int = 0):
         self.cache = cache
-        self.last_logits: torch.Tensor | None = None  # (V,) after the last committed token
-        self.last_hidden: torch.Tensor | None = None  # (T, H) hidden states of the last forward
+        self.last_logits: torch.Tensor | None = None  # (V,)
+        self.hidden_keep = hidden_keep
+        self.recent_hidden: torch.Tensor | None = None  # (<= hidden_keep, H), ends at next_position
+
+    def remember_hidden(self, hidden: torch.Tensor, n_committed: int) -> None:
+        if not self.hidden_keep:
+            return
+        h = hidden[:n_committed]
+        if self.recent_hidden is not None:
+            h = torch.cat([self.recent_hidden, h])
+        self.recent_hidden = h[-self.hidden_keep :].clone()
 
     @property
     def next_position(self) -> int:
@@ -55,10 +66,17 @@ class SessionKV:
 class Engine:
     """One model, one KV strategy; many sessions' states. Thread-safe at step granularity."""
 
-    def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None):
+    def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
+                 drafter=None, spec_k: int = 0):
+        if spec_k and drafter is None:
+            raise ValueError("spec_k > 0 needs a drafter")
+        if spec_k < 0 or spec_k >= prefill_chunk:
+            raise ValueError(f"spec_k must be in [0, {prefill_chunk - 1}], got {spec_k}")
         self.model = model
         self.strategy = strategy
         self.prefill_chunk = prefill_chunk
+        self.drafter = drafter if spec_k else None
+        self.spec_k = spec_k
         # One forward at a time: concurrent sessions interleave step by step.
         self._step_lock = threading.Lock()
         if max_threads:
@@ -74,26 +92,31 @@ class Engine:
 
     def new_session_kv(self) -> SessionKV:
         cache = make_cache(self.strategy, self.model.geometry(), max_step=self.prefill_chunk, max_context=self.max_context)
-        return SessionKV(cache)
+        keep = self.drafter.context_window if self.drafter is not None and self.drafter.uses_verifier_hidden else 0
+        return SessionKV(cache, hidden_keep=keep)
 
     def history_limit(self) -> int | None:
         """Longest history the strategy can serve; None = unbounded (positions past the
         trained context use the sink re-anchoring documented in SinkWindowCache)."""
         return None if self.strategy.bounded else self.max_context
 
-    def _forward(self, kv: SessionKV, ids: Sequence[int], logits: str):
+    def _forward(self, kv: SessionKV, ids: Sequence[int], logits: str, keep: Callable[[torch.Tensor], int] | None = None):
+        """Run ids at the next positions and commit `keep(logits)` of them (all by default).
+
+        Returns (logits, n_committed, positions dropped from attention)."""
         start = kv.cache.next_position
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.model.device)
         pos = torch.arange(start, start + len(ids), device=self.model.device)
         with self._step_lock:
             try:
                 out, hidden = self.model.forward(ids_t, pos, kv.cache, logits=logits)
+                n = len(ids) if keep is None else keep(out)
             except BaseException:
                 kv.cache.abort()
                 raise
-            dropped = kv.cache.commit()
-        kv.last_hidden = hidden
-        return out, dropped
+            dropped = kv.cache.commit(n)
+        kv.remember_hidden(hidden, n)
+        return out, n, dropped
 
     def prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
         """Run pending tokens in chunks; returns (positions dropped from attention, completed)."""
@@ -101,15 +124,31 @@ class Engine:
         for i in range(0, len(pending), self.prefill_chunk):
             if should_stop():
                 return dropped, False
-            chunk = pending[i : i + self.prefill_chunk]
-            logits, d = self._forward(kv, chunk, "last")
+            logits, _, d = self._forward(kv, pending[i : i + self.prefill_chunk], "last")
             kv.last_logits = logits[-1]
             dropped += d
         return dropped, True
 
-    def generate(self, kv: SessionKV, pending: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
-        """Yield TokenGenerated / HistoryTruncated events, then one GenerationDone."""
+    def _draft(self, kv: SessionKV, context: list, k: int) -> list:
+        """Ask the drafter for up to k tokens after `context` (which ends with the token about
+        to be fed); the drafter re-encodes a bounded tail and keeps no state."""
+        if k <= 0:
+            return []
+        d = self.drafter
+        tail = context[-d.context_window :]
+        hidden = None
+        if d.uses_verifier_hidden and kv.recent_hidden is not None:
+            have = min(len(tail) - 1, kv.recent_hidden.shape[0])  # the last token was not fed yet
+            hidden = kv.recent_hidden[kv.recent_hidden.shape[0] - have :] if have > 0 else None
+            tail = tail[len(tail) - 1 - have :] if hidden is not None else tail
+        res = d.draft(torch.tensor(tail, dtype=torch.long), k, context_hidden=hidden)
+        return [int(t) for t in res.ids[:k]]
+
+    def generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+        """Prefill what `history` holds past the cache, then decode. Yields TokenGenerated /
+        HistoryTruncated events, then one GenerationDone. `history` is read, never written."""
         t0 = time.perf_counter()
+        pending = history[kv.next_position :]
         if not pending and kv.last_logits is None:
             raise NothingToGenerateFrom("the session history is empty; append tokens before Generate")
         params.sampling.validate()
@@ -119,9 +158,24 @@ class Engine:
             yield HistoryTruncated(dropped, kv.dropped_total)
         gen = torch.Generator().manual_seed(params.sampling.seed) if not params.sampling.greedy else None
         limit = self.history_limit()
-        n, ttft, decode_dropped, reason = 0, 0.0, 0, "max_tokens"
+        context = list(history[-self.drafter.context_window :]) if self.drafter is not None else []
+        n, ttft, decode_dropped, drafted, accepted, reason = 0, 0.0, 0, 0, 0, "max_tokens"
         position = kv.next_position  # position of the next token to sample
-        while completed:
+        token = None  # sampled, not yet fed
+        out: list = []
+        if completed and params.max_tokens > 0 and (limit is None or position < limit) and not should_stop():
+            out = [sample(kv.last_logits, params.sampling, gen)]
+        while out:
+            for t in out:
+                n += 1
+                if n == 1:
+                    ttft = time.perf_counter() - t0
+                yield TokenGenerated(t, position)
+                position += 1
+            token = out[-1]
+            if token in params.eos_token_ids:
+                reason = "eos"
+                break
             if n >= params.max_tokens:
                 break
             if should_stop():
@@ -130,21 +184,29 @@ class Engine:
             if limit is not None and position >= limit:
                 reason = "context_full"
                 break
-            if n > 0:  # feed the previously sampled token
-                logits, d = self._forward(kv, [token], "last")
-                kv.last_logits = logits[-1]
-                decode_dropped += d
-            token = sample(kv.last_logits, params.sampling, gen)
-            n += 1
-            if n == 1:
-                ttft = time.perf_counter() - t0
-            yield TokenGenerated(token, position)
-            position += 1
-            if token in params.eos_token_ids:
-                reason = "eos"
-                break
+            # Feed `token` plus a drafted block; keep what the verifier accepts.
+            if self.drafter is not None:
+                context = (context + out)[-self.drafter.context_window :]
+            budget = params.max_tokens - n  # tokens this step may still emit
+            room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
+            drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None else []
+            step = {}
+
+            def keep(logits):
+                acc, nxt = verify_block(drafts, logits, params.sampling, gen)
+                emitted = acc + [nxt]
+                cut = min(budget, next((i + 1 for i, t in enumerate(emitted) if t in params.eos_token_ids), len(emitted)))
+                step.update(emitted=emitted[:cut], n_acc=len(acc))
+                return cut  # token + the emitted tokens that are fed (all but the last)
+
+            logits, kept, d = self._forward(kv, [token] + drafts, "all" if drafts else "last", keep)
+            kv.last_logits = logits[kept - 1]
+            decode_dropped += d
+            drafted += len(drafts)
+            accepted += step["n_acc"]
+            out = step["emitted"]
         if not completed:
             reason = "cancelled"
         if decode_dropped:
             yield HistoryTruncated(decode_dropped, kv.dropped_total)
-        yield GenerationDone(reason, n, len(pending), prefill_s, time.perf_counter() - t0, ttft)
+        yield GenerationDone(reason, n, len(pending), prefill_s, time.perf_counter() - t0, ttft, drafted, accepted)

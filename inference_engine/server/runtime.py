@@ -95,7 +95,7 @@ class Runtime:
         with self.store.generation(session_id) as s:
             m.session_history_tokens.observe(len(s.history))
             params = GenerateParams(max_tokens, sampling, s.eos_token_ids)
-            for ev in self.engine.generate(s.kv, s.pending_tokens, params, should_stop):
+            for ev in self.engine.generate(s.kv, s.history, params, should_stop):
                 if isinstance(ev, TokenGenerated):
                     s.record_generated(ev.token_id)
                     m.generated_tokens_total.inc()

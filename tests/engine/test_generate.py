@@ -24,7 +24,7 @@ def test_multi_turn_equals_one_shot_history():
         history = []
         for turn in range(3):
             history += prompt(13, seed=turn)
-            toks, _, _ = run(engine, kv, history[kv.next_position:], 6)
+            toks, _, _ = run(engine, kv, history, 6)
             history += toks
         # Fresh session with the whole history except the last turn's output.
         kv2 = engine.new_session_kv()

@@ -1,0 +1,43 @@
+"""Speculative verification: accept/reject a block of drafted tokens against verifier logits.
+
+Drafts are treated as point proposals (q = one-hot at the drafted token). That keeps the
+output exactly the verifier's for any drafting procedure, including block-diffusion
+drafting whose unmasking order is not left to right (its per-position probabilities are
+not the conditional proposal distributions Leviathan et al. need):
+  greedy:   accept d_i while d_i == argmax(L_{i-1}); the first mismatch is replaced by the
+            argmax, and a fully accepted block earns the bonus argmax(L_k);
+  sampling: accept d_i with probability p_i(d_i); on rejection draw from p_i with d_i
+            removed (the normalized residual max(0, p - q)); a fully accepted block draws
+            the bonus token from p_k.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from inference_engine.engine.sampling import SamplingParams, target_distribution
+
+
+def verify_block(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[list, int]:
+    """logits: (len(drafts) + 1, V), row i scores the position of drafts[i] (row -1: bonus).
+
+    Returns (accepted drafts, next token drawn from the verifier).
+    """
+    if params.greedy:
+        choice = torch.argmax(logits, dim=-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == choice[n]:
+            n += 1
+        return list(drafts[:n]), choice[n]
+    probs = target_distribution(logits, params)
+    for i, d in enumerate(drafts):
+        u = torch.rand((), generator=gen)
+        if u < probs[i, d]:
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0.0
+        if residual.sum() <= 0:  # p was one-hot at d: rejection had probability 0
+            return list(drafts[: i + 1]), int(torch.multinomial(probs[i + 1], 1, generator=gen))
+        return list(drafts[:i]), int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
+    return list(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=gen))
