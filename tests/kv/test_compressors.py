@@ -22,6 +22,16 @@ kakeyalattice = pytest.importorskip("kakeyalattice")
 LATTICES = ["kakeya_d4", "kakeya_e8"]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny tensors gain nothing from a second thread and stall on a busy 2-core box.
+    # Codes do not depend on it (test_codes_do_not_depend_on_the_thread_count).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def reference_codec(name: str, head_dim: int, q_range: int):
     cls = kakeyalattice.V14KakeyaZamirLatticeGPU if name == "kakeya_d4" else kakeyalattice.V15KakeyaZamirE8GPU
     return cls(D=head_dim, q_range=q_range, device="cpu")
@@ -82,6 +92,23 @@ def test_bf16_input_matches_roundtrip_of_bf16(name):
 
 
 @pytest.mark.parametrize("name", LATTICES)
+def test_zero_vectors_and_the_fp16_norm_limit(name):
+    comp = make_compressor(name, head_dim=64, num_kv_heads=2, capacity=20)
+    k, v = random_kv(2, 20, 64)
+    k[:, 3] = 0.0
+    v[1, 7] = 1e-30
+    comp.compress(k, v, torch.arange(20))
+    codec = reference_codec(name, 64, 38)
+    k_hat, v_hat = comp.decompress()
+    assert torch.equal(k_hat, codec.roundtrip(k)) and torch.equal(v_hat, codec.roundtrip(v))
+    assert not k_hat[:, 3].any()
+    huge = k.clone()
+    huge[0, 0] = 1e4  # norm 8e4 > fp16 max
+    with pytest.raises(CompressorInputError, match="float16 range"):
+        comp.compress(huge, v, torch.arange(20))
+
+
+@pytest.mark.parametrize("name", LATTICES)
 def test_decompress_any_subset_in_any_order(name):
     comp = make_compressor(name, head_dim=128, num_kv_heads=2, capacity=64)
     k, v = random_kv(2, 50, 128)
@@ -103,6 +130,18 @@ def test_codes_do_not_depend_on_how_tokens_were_batched(name):
         pieces.compress(k[:, a:b], v[:, a:b], torch.arange(a, b))
     assert torch.equal(whole._codes, pieces._codes) and torch.equal(whole._scalars, pieces._scalars)
     assert all(torch.equal(x, y) for x, y in zip(whole.decompress(), pieces.decompress()))
+
+
+@pytest.mark.parametrize("name", LATTICES)
+def test_codes_do_not_depend_on_the_thread_count(name):
+    k, v = random_kv(1, 20, 128)
+    stores = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        comp = make_compressor(name, head_dim=128, num_kv_heads=1, capacity=20)
+        comp.compress(k, v, torch.arange(20))
+        stores.append((comp._codes, comp._scalars, comp.decompress()[0]))
+    assert all(torch.equal(a, b) for a, b in zip(*stores))
 
 
 @pytest.mark.parametrize("name", LATTICES)

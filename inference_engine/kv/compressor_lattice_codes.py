@@ -1,0 +1,165 @@
+"""Bit-exact packing of D4 / E8 lattice points into bytes: (N, blocks, block_dim) points <-> (N, code_bytes) uint8.
+
+Points arrive as `twice` = 2 * point (int64), so E8's half-integer coset stays integral.
+They are the closest-lattice-point output *before* kakeyalattice's clamp to [-Q, Q]: that
+keeps the lattice parity (D4/D8 coordinate sums are even) which is worth one bit per block,
+and the decoder re-applies the same clamp. The pre-clamp point can lie one step outside the
+box (the parity flip, E8's half shift), so the digit ranges below are that much wider.
+
+Per block the point becomes mixed-radix digits (least significant first):
+
+    [coset bit (E8 only)], u_0 .. u_{b-2}  in [0, W),  u_{b-1} >> 1  in [0, Q + 2)
+
+    u = (twice + 2Q + 2 + coset) / 2,   W = 2Q + 3 (D4) or 2Q + 4 (E8)
+
+u_{b-1}'s parity is implied because sum(u) is even for every D4 / E8 point. Digits are
+grouped so each group's code stays below 2^62 (one group per block up to Q ~ 115 for E8); every group takes ceil(log2(product of its
+radices)) bits, LSB first, concatenated block after block into one little-endian bitstream
+per vector, zero-padded to a whole byte. At Q = 38 a block is one group of 25 bits (D4) or
+51 bits (E8): the lattice bits kakeyalattice's own accounting states, as at Q = 19, 76, 152.
+Below Q ~ 19 the wider box costs 1-8 bits per block over that accounting, which counts only
+unclamped points although the codec's clamp emits others.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_MAX_GROUP_CODES = 1 << 62  # a group's code and its running product stay inside int64
+
+
+class LatticeCodePacker:
+    """Packs lattice points of one head_dim / lattice / q_range into fixed-width byte rows."""
+
+    def __init__(self, head_dim: int, block_dim: int, q_range: int, half_integer_coset: bool,
+                 device: str | torch.device = "cpu"):
+        if head_dim % block_dim:
+            raise ValueError(f"head_dim {head_dim} is not a multiple of the lattice block size {block_dim}")
+        self.block_dim = block_dim
+        self.blocks = head_dim // block_dim
+        self.q_range = q_range
+        self.half_integer_coset = half_integer_coset
+        wide = 2 * q_range + 3 + int(half_integer_coset)
+        self.radices = ([2] if half_integer_coset else []) + [wide] * (block_dim - 1) + [q_range + 2]
+        self.groups = _split_into_int64_groups(self.radices)  # [(first digit, end digit)]
+        self.group_bits = [(math.prod(self.radices[a:b]) - 1).bit_length() for a, b in self.groups]
+        self.bits_per_block = sum(self.group_bits)
+        self.bits_per_vector = self.blocks * self.bits_per_block
+        self.code_bytes = -(-self.bits_per_vector // 8)
+        self._pieces = _BitPieces(self.blocks, self.group_bits, torch.device(device))
+
+    def pack(self, twice: torch.Tensor) -> torch.Tensor:
+        """(N, blocks, block_dim) int64 twice-coordinates -> (N, code_bytes) uint8."""
+        digits = self._digits(twice)  # (N, blocks, n_digits)
+        codes = []
+        for a, b in self.groups:
+            code = digits[..., b - 1]
+            for i in range(b - 2, a - 1, -1):
+                code = code * self.radices[i] + digits[..., i]
+            codes.append(code)
+        fields = torch.stack(codes, dim=-1).reshape(twice.shape[0], -1)  # (N, blocks * n_groups)
+        return self._pieces.write(fields, self.code_bytes)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(N, code_bytes) uint8 -> (N, blocks, block_dim) int64 twice-coordinates."""
+        n = packed.shape[0]
+        fields = self._pieces.read(packed).reshape(n, self.blocks, len(self.groups))
+        digits = torch.empty(n, self.blocks, len(self.radices), dtype=torch.int64, device=packed.device)
+        for g, (a, b) in enumerate(self.groups):
+            code = fields[..., g]
+            for i in range(a, b - 1):
+                quotient = code // self.radices[i]
+                digits[..., i] = code - quotient * self.radices[i]
+                code = quotient
+            digits[..., b - 1] = code
+        u = digits[..., 1:] if self.half_integer_coset else digits  # (N, blocks, block_dim)
+        u[..., -1] = 2 * u[..., -1] + (u[..., :-1].sum(-1) & 1)  # un-halve; sum(u) is even
+        twice = 2 * u - (2 * self.q_range + 2)
+        return twice - digits[..., :1] if self.half_integer_coset else twice
+
+    def _digits(self, twice: torch.Tensor) -> torch.Tensor:
+        coset = twice[..., :1] & 1
+        u = (twice + 2 * self.q_range + 2 + coset) >> 1
+        # These hold for every point the D4 / E8 nearest-point step returns with the q_range
+        # cap of KakeyaLatticeCompressor; a failure is a codec change we must not store silently.
+        low, high = torch.aminmax(u)
+        ok = (
+            int(low) >= 0
+            and int(high) < self.radices[-2]
+            and not bool(((twice - coset) & 1).any())  # every coordinate in its block's coset
+            and not bool((u.sum(-1) & 1).any())  # the parity the last digit leaves out
+            and (self.half_integer_coset or not bool(coset.any()))
+        )
+        if not ok:
+            raise RuntimeError(
+                f"lattice point outside the packable set (q_range={self.q_range}, block_dim={self.block_dim}); "
+                "the kakeyalattice nearest-point step no longer matches this layout"
+            )
+        halved_last = u[..., -1:] >> 1
+        parts = ([coset] if self.half_integer_coset else []) + [u[..., :-1], halved_last]
+        return torch.cat(parts, dim=-1)
+
+
+def _split_into_int64_groups(radices: list[int]) -> list[tuple[int, int]]:
+    groups, start, product = [], 0, 1
+    for i, r in enumerate(radices):
+        if product * r > _MAX_GROUP_CODES:
+            groups.append((start, i))
+            start, product = i, 1
+        product *= r
+    groups.append((start, len(radices)))
+    return groups
+
+
+class _BitPieces:
+    """Moves fixed-width int64 fields to and from a little-endian bitstream, a byte window at a time.
+
+    Each field is cut into pieces of at most 32 bits; a piece starting at bit `shift` of byte
+    `byte` then lies inside the 5 bytes from `byte`, so one gather (read) or one index_add
+    (write) per piece replaces per-bit work. Pieces never overlap, so adding bytes is OR-ing.
+    """
+
+    SPAN = 5
+
+    def __init__(self, blocks: int, group_bits: list[int], device: torch.device):
+        field, low, width, start = [], [], [], []
+        offset = 0
+        for f in range(blocks * len(group_bits)):
+            bits = group_bits[f % len(group_bits)]
+            for lo in range(0, bits, 32):
+                field.append(f)
+                low.append(lo)
+                width.append(min(32, bits - lo))
+                start.append(offset + lo)
+            offset += bits
+        self.n_fields = blocks * len(group_bits)
+        self.one_piece_per_field = len(field) == self.n_fields
+        self.field = torch.tensor(field, device=device)
+        self.low = torch.tensor(low, device=device)
+        self.mask = (1 << torch.tensor(width, device=device)) - 1
+        start = torch.tensor(start, device=device)
+        self.shift = start % 8
+        self.byte_index = (start // 8).unsqueeze(-1) + torch.arange(self.SPAN, device=device)  # (P, SPAN)
+        self.byte_shift = 8 * torch.arange(self.SPAN, device=device)
+
+    def write(self, fields: torch.Tensor, n_bytes: int) -> torch.Tensor:
+        """(N, n_fields) int64 -> (N, n_bytes) uint8."""
+        n = fields.shape[0]
+        pieces = ((fields[:, self.field] >> self.low) & self.mask) << self.shift  # (N, P), < 2^39
+        window = (pieces.unsqueeze(-1) >> self.byte_shift) & 255  # (N, P, SPAN)
+        out = torch.zeros(n, n_bytes + self.SPAN, dtype=torch.int64, device=fields.device)
+        out.index_add_(1, self.byte_index.flatten(), window.reshape(n, -1))
+        return out[:, :n_bytes].to(torch.uint8)
+
+    def read(self, packed: torch.Tensor) -> torch.Tensor:
+        """(N, n_bytes) uint8 -> (N, n_fields) int64."""
+        n = packed.shape[0]
+        padded = torch.nn.functional.pad(packed, (0, self.SPAN)).to(torch.int64)
+        window = padded[:, self.byte_index]  # (N, P, SPAN)
+        pieces = ((window << self.byte_shift).sum(-1) >> self.shift) & self.mask  # (N, P)
+        if self.one_piece_per_field:
+            return pieces
+        out = torch.zeros(n, self.n_fields, dtype=torch.int64, device=packed.device)
+        out.index_add_(1, self.field, pieces << self.low)
+        return out
