@@ -67,7 +67,7 @@ class Engine:
     """One model, one KV strategy; many sessions' states. Thread-safe at step granularity."""
 
     def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
-                 drafter=None, spec_k: int = 0):
+                 drafter=None, spec_k: int = 0, drafter_name: str = ""):
         if spec_k and drafter is None:
             raise ValueError("spec_k > 0 needs a drafter")
         if spec_k < 0 or spec_k >= prefill_chunk:
@@ -77,6 +77,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.drafter = drafter if spec_k else None
         self.spec_k = spec_k
+        self.drafter_name = drafter_name if self.drafter is not None else ""
         # One forward at a time: concurrent sessions interleave step by step.
         self._step_lock = threading.Lock()
         if max_threads:

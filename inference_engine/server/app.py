@@ -36,6 +36,8 @@ class ServeConfig:
     threads: int | None = None
     prefill_chunk: int = 256
     max_workers: int = 16
+    drafter: str | None = None  # shipped drafter name or checkpoint dir; enables speculative decoding
+    spec_k: int = 4
 
 
 class ConfigError(ValueError):
@@ -74,7 +76,13 @@ def build_runtime(cfg: ServeConfig) -> Runtime:
 
     strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)
     model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device)
-    engine = Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads)
+    drafter = None
+    if cfg.drafter:
+        from kv_cache_proposer import load_drafter
+
+        drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
+    engine = Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
+                    drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "")
     return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl)
 
 

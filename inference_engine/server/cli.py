@@ -25,6 +25,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--device", default=d.device, help="torch device: cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="tokens per prefill forward (bounds peak memory)")
+    p.add_argument("--drafter", default=None, help="dLM drafter (shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir): speculative decoding")
+    p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter)")
     p.set_defaults(func=_run_serve)
 
 
@@ -43,6 +45,8 @@ def _run_serve(args) -> int:
         device=args.device,
         threads=args.threads,
         prefill_chunk=args.prefill_chunk,
+        drafter=args.drafter,
+        spec_k=args.spec_k,
     )
     return serve_forever(cfg)
 

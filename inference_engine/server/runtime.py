@@ -152,6 +152,6 @@ class Runtime:
             server_version=SERVER_VERSION,
             session_capacity=self.store.capacity,
             idle_ttl_seconds=self.store.idle_ttl_s,
-            drafter="",
-            spec_k=0,
+            drafter=e.drafter_name,
+            spec_k=e.spec_k,
         )

@@ -1,0 +1,154 @@
+"""Speculative decoding never changes the verifier's output distribution."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import inference_engine.engine.generate as generate_mod
+from drafters import HashDrafter, SelfDrafter
+from factories import load_model, tiny_model_dir
+from inference_engine.engine.events import GenerationDone, TokenGenerated
+from inference_engine.engine.generate import Engine, GenerateParams
+from inference_engine.engine.sampling import SamplingParams, target_distribution
+from inference_engine.kv.resident import KVStrategy
+
+
+def tokens(engine, history, n, sampling=SamplingParams()):
+    evs = list(engine.generate(engine.new_session_kv(), history, GenerateParams(max_tokens=n, sampling=sampling)))
+    return [e.token_id for e in evs if isinstance(e, TokenGenerated)], evs[-1]
+
+
+def prompt(n, seed=0, vocab=256):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+STRATEGIES = [KVStrategy("full"), KVStrategy("sink_window", 4, 24)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("drafter_kind", ["self", "self_corrupted", "hash"])
+def test_greedy_speculative_equals_autoregressive(arch, strategy, drafter_kind):
+    model = load_model(str(tiny_model_dir(arch)))
+    drafter = {
+        "self": lambda: SelfDrafter(model),
+        "self_corrupted": lambda: SelfDrafter(model, corrupt_every=3),
+        "hash": lambda: HashDrafter(256),
+    }[drafter_kind]()
+    ar = Engine(model, strategy, prefill_chunk=32)
+    for k in (1, 3, 7):
+        spec = Engine(model, strategy, prefill_chunk=32, drafter=drafter, spec_k=k)
+        history = prompt(70, seed=k)  # longer than the 4+24 window
+        want, _ = tokens(ar, history, 40)
+        got, done = tokens(spec, history, 40)
+        assert got == want
+        assert done.drafted_tokens > 0
+        if drafter_kind == "self" and strategy.name == "full":
+            assert done.accepted_tokens > done.drafted_tokens // 2
+
+
+def test_multi_turn_speculative_session_equals_autoregressive():
+    model = load_model(str(tiny_model_dir("qwen3")))
+    strategy = KVStrategy("sink_window", 4, 16)
+    results = []
+    for engine in (Engine(model, strategy, prefill_chunk=16), Engine(model, strategy, prefill_chunk=16, drafter=SelfDrafter(model, corrupt_every=4), spec_k=4)):
+        kv, history = engine.new_session_kv(), []
+        for turn in range(4):
+            history += prompt(9, seed=turn)
+            evs = list(engine.generate(kv, history, GenerateParams(max_tokens=11)))
+            history += [e.token_id for e in evs if isinstance(e, TokenGenerated)]
+        results.append(history)
+    assert results[0] == results[1]
+
+
+def test_eos_inside_an_accepted_block_stops_there():
+    model = load_model(str(tiny_model_dir("llama")))
+    ar = Engine(model, KVStrategy("full"))
+    history = prompt(20, seed=3)
+    ref, _ = tokens(ar, history, 12)
+    eos = ref[5]
+    first = ref.index(eos)
+    spec = Engine(model, KVStrategy("full"), drafter=SelfDrafter(model), spec_k=8)
+    evs = list(spec.generate(spec.new_session_kv(), history, GenerateParams(max_tokens=12, eos_token_ids=frozenset([eos]))))
+    got = [e.token_id for e in evs if isinstance(e, TokenGenerated)]
+    assert got == ref[: first + 1] and evs[-1].stop_reason == "eos"
+
+
+def test_speculative_sampling_is_deterministic_per_seed():
+    model = load_model(str(tiny_model_dir("llama")))
+    spec = Engine(model, KVStrategy("sink_window", 4, 16), drafter=SelfDrafter(model), spec_k=4)
+    s = lambda seed: tokens(spec, prompt(30), 20, SamplingParams(temperature=1.0, seed=seed))[0]
+    assert s(5) == s(5)
+    assert s(5) != s(6)
+
+
+# -- sampling exactness -----------------------------------------------------------------
+VOCAB = 12
+TEMP = SamplingParams(temperature=1.5)
+
+
+def exact_marginals(model, history):
+    """P(token at generated step 2) and P(step 3) by enumerating the verifier's tree."""
+    def dist(ids):
+        from inference_engine.kv.resident import make_cache
+
+        cache = make_cache(KVStrategy("full"), model.geometry(), max_step=64, max_context=model.spec.max_context)
+        logits, _ = model.forward(torch.tensor(ids), torch.arange(len(ids)), cache, logits="last")
+        return target_distribution(logits[-1], TEMP).double()
+
+    p1 = dist(history)
+    p2 = torch.zeros(VOCAB, dtype=torch.double)
+    p3 = torch.zeros(VOCAB, dtype=torch.double)
+    for x in range(VOCAB):
+        px = dist(history + [x])
+        p2 += p1[x] * px
+        for y in range(VOCAB):
+            p3 += p1[x] * px[y] * dist(history + [x, y])
+    return p2, p3
+
+
+def empirical(engine, history, n):
+    counts2 = torch.zeros(VOCAB)
+    counts3 = torch.zeros(VOCAB)
+    for seed in range(n):
+        toks, _ = tokens(engine, history, 3, SamplingParams(temperature=TEMP.temperature, seed=seed))
+        counts2[toks[1]] += 1
+        counts3[toks[2]] += 1
+    return counts2, counts3
+
+
+def chi2_pvalue(counts, probs):
+    keep = probs * counts.sum() >= 5  # pool rare cells so the chi-square approximation holds
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]]).double()
+    exp = torch.cat([probs[keep], probs[~keep].sum()[None]])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp / exp.sum() * obs.sum()
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+def always_accept(drafts, logits, params, gen):
+    """A broken acceptance rule: takes every draft, then samples a bonus token."""
+    probs = target_distribution(logits, params)
+    return list(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_setup():
+    model = load_model(str(tiny_model_dir("llama", vocab_size=VOCAB)))
+    history = [3, 7, 1, 9, 4]
+    return model, history, exact_marginals(model, history)
+
+
+def test_speculative_sampling_matches_verifier_distribution(small_vocab_setup):
+    model, history, (p2, p3) = small_vocab_setup
+    engine = Engine(model, KVStrategy("full"), drafter=HashDrafter(VOCAB), spec_k=2)
+    c2, c3 = empirical(engine, history, 2000)
+    assert chi2_pvalue(c2, p2) > 1e-3 and chi2_pvalue(c3, p3) > 1e-3
+
+
+def test_the_exactness_check_catches_a_broken_acceptance_rule(small_vocab_setup, monkeypatch):
+    model, history, (p2, p3) = small_vocab_setup
+    monkeypatch.setattr(generate_mod, "verify_block", always_accept)
+    engine = Engine(model, KVStrategy("full"), drafter=HashDrafter(VOCAB), spec_k=2)
+    c2, c3 = empirical(engine, history, 2000)
+    assert min(chi2_pvalue(c2, p2), chi2_pvalue(c3, p3)) < 1e-6
