@@ -112,18 +112,23 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     port = server.add_insecure_port(cfg.bind)
     if port == 0:
         raise ConfigError(f"could not bind {cfg.bind}")
+    stoppers = []
+    try:  # side servers first: if one fails, nothing is left running
+        if cfg.http_port:
+            from inference_engine.server.http_shim import start_http_shim
+
+            stoppers.append(start_http_shim(runtime, cfg))
+        if cfg.metrics_port:
+            host, _ = split_bind(cfg.bind)
+            httpd, _thread = runtime.metrics.serve(cfg.metrics_port, addr=host or "127.0.0.1")
+            stoppers.append(httpd.shutdown)
+    except BaseException:
+        for stop in stoppers:
+            stop()
+        raise
     server.start()
     for name in ("", service_names[0]):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    stoppers = []
-    if cfg.metrics_port:
-        host, _ = split_bind(cfg.bind)
-        httpd, _thread = runtime.metrics.serve(cfg.metrics_port, addr=host or "127.0.0.1")
-        stoppers.append(httpd.shutdown)
-    if cfg.http_port:
-        from inference_engine.server.http_shim import start_http_shim
-
-        stoppers.append(start_http_shim(runtime, cfg))
     # Idle-TTL eviction also happens on every store access; this sweeps quiet daemons.
     stop_sweep = threading.Event()
 

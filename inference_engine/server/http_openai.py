@@ -26,7 +26,7 @@ DEPRECATION_HEADERS = {
     "Link": f'<{MIGRATION_DOC}>; rel="deprecation"; type="text/markdown", <{MIGRATION_DOC}>; rel="sunset"; type="text/markdown"',
 }
 
-FINISH_REASONS = {"eos": "stop", "max_tokens": "length", "context_full": "length", "cancelled": "stop"}
+FINISH_REASONS = {"eos": "stop", "max_tokens": "length", "context_full": "length"}  # "cancelled" is an error
 
 
 class ShimError(Exception):

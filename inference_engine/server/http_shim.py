@@ -8,7 +8,9 @@ Deprecation / Sunset / Link headers; with an API key, every route needs `Authori
 Bearer <key>` (constant-time compare, like gRPC).
 
 The shim needs the model's tokenizer (from the model directory): without one it refuses to
-start; without a chat template it serves /v1/completions and answers chat with 400.
+start; without a chat template it serves /v1/completions and answers chat with 400. A prompt
+longer than the KV strategy attends to (sink + window; the model context under `full`) is
+refused with 400 rather than silently losing its middle.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,7 +46,7 @@ from inference_engine.server.http_openai import (
     unsupported_field,
 )
 from inference_engine.server.http_text import ModelText, StopMatcher, TokenizerUnavailable, load_model_text
-from inference_engine.server.runtime import Runtime
+from inference_engine.server.runtime import MAX_TOKENS_PER_CALL, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,11 @@ class SingleShot:
     async def start(self) -> None:
         """Returns once the session exists; raises the runtime's error if it could not be created."""
         threading.Thread(target=self._work, name="kakeya-http-request", daemon=True).start()
-        first = await self._queue.get()
+        try:
+            first = await self._queue.get()
+        except BaseException:  # the request died while the session was being created: don't generate for nobody
+            self.cancel()
+            raise
         if isinstance(first, BaseException):
             raise first
 
@@ -133,6 +140,9 @@ async def _texts(shot: SingleShot, text: ModelText, stops: list[str], out: _Outc
                 out.finish_reason = "stop"
                 return
         elif isinstance(ev, GenerationDone):
+            if ev.stop_reason == "cancelled":  # not by us (stop strings return above): client gone or server stopping
+                raise ShimError(503, "generation was cancelled: the server is shutting down or the client went away; retry",
+                                type="server_error", code="cancelled")
             out.finish_reason = FINISH_REASONS[ev.stop_reason]
     tail = matcher.feed(detok.flush())
     if matcher.hit:
@@ -163,10 +173,9 @@ class HttpShim:
 
     def app(self) -> FastAPI:
         app = FastAPI(title="kakeya deprecated OpenAI-style shim", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(ShimError, lambda req, e: error_response(e))
-        app.add_exception_handler(RequestValidationError, lambda req, e: error_response(_validation_error(e)))
-        app.add_exception_handler(StarletteHTTPException, lambda req, e: error_response(
-            ShimError(e.status_code, f"{req.method} {req.url.path}: {e.detail}", code="not_found" if e.status_code == 404 else None)))
+        app.add_exception_handler(ShimError, _shim_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
         app.add_exception_handler(Exception, _internal_error)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
@@ -227,9 +236,14 @@ class HttpShim:
                                  f"Shorten it, serve with a larger --window, or use the gRPC API for long sessions",
                             param=prompt_param, code="context_length_exceeded")
         max_tokens = body.token_limit() or max(1, self.rt.engine.max_context - len(prompt))
+        if max_tokens > MAX_TOKENS_PER_CALL:
+            raise ShimError(400, f"max_tokens must be at most {MAX_TOKENS_PER_CALL}, got {max_tokens}", param="max_tokens")
         temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
-        seed = secrets.randbits(63) if body.seed is None else body.seed % (1 << 64)
-        return max_tokens, SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=seed)
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if top_p == 0.0:  # OpenAI's limit of a vanishing nucleus; the engine reads top_p=0 as "off"
+            temperature, top_p = 0.0, 1.0
+        seed = secrets.randbits(63) if body.seed is None else body.seed % (1 << 64)  # no seed: fresh randomness, as OpenAI
+        return max_tokens, SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
 
     async def _respond(self, request: Request, body, prompt: list[int], shape: ResponseShape, prompt_param: str):
         stops = body.stop_strings()
@@ -266,6 +280,8 @@ class HttpShim:
             yield sse("[DONE]")
         except KakeyaError as e:
             yield sse(from_kakeya_error(e).body())  # headers are gone; the OpenAI client raises on an error event
+        except ShimError as e:
+            yield sse(e.body())
         except Exception as e:  # noqa: BLE001
             log.exception("internal error in the HTTP shim stream")
             yield sse(ShimError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body())
@@ -274,20 +290,32 @@ class HttpShim:
             watcher.cancel()
 
 
-def _internal_error(request: Request, e: Exception) -> JSONResponse:
+# -- error handlers: everything leaves in OpenAI's error shape --------------------------------
+async def _shim_error(request: Request, e: ShimError) -> JSONResponse:
+    return error_response(e)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    code = "not_found" if e.status_code == 404 else None
+    return error_response(ShimError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code))
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
     log.error("internal error in the HTTP shim on %s %s", request.method, request.url.path, exc_info=e)
     return error_response(ShimError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
 
-def _validation_error(e: RequestValidationError) -> ShimError:
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
     errs = e.errors()
     first = errs[0] if errs else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return ShimError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
-    where = ".".join(loc) or "body"
-    return ShimError(400, f"invalid request body at {where}: {first.get('msg', 'invalid')} (got {first.get('input')!r})"[:2000],
-                     param=loc[0] if loc else None)
+        err = ShimError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
+    else:
+        where = ".".join(loc) or "body"
+        err = ShimError(400, f"invalid request body at {where}: {first.get('msg', 'invalid')} (got {first.get('input')!r})"[:2000],
+                        param=loc[0] if loc else None)
+    return error_response(err)
 
 
 class _DeprecationAndAuth:
@@ -345,7 +373,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start_http_shim(runtime: Runtime, cfg) -> callable:
+def start_http_shim(runtime: Runtime, cfg) -> Callable[[], None]:
     """Serve the shim on the gRPC bind host at `cfg.http_port`; returns a zero-arg stop callable."""
     import uvicorn
 

@@ -90,6 +90,7 @@ class TorchCausalLM:
     """Weights + forward of one causal LM. Stateless: all per-session state is in the cache."""
 
     def __init__(self, hf_model, spec: ModelSpec, model_id: str):
+        self.path: pathlib.Path | None = None  # set by load(); tokenizer files live there
         self.spec = spec
         self.model_id = model_id
         self.device = next(hf_model.parameters()).device
@@ -129,7 +130,9 @@ class TorchCausalLM:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         meta = path / "kakeya_model.json"
         model_id = json.loads(meta.read_text()).get("name", path.name) if meta.exists() else path.name
-        return cls(hf, spec, model_id)
+        model = cls(hf, spec, model_id)
+        model.path = path
+        return model
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
         # Gemma stores RMSNorm weights as offsets from 1; fold the offset in once.
