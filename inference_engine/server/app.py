@@ -68,21 +68,29 @@ def check_exposure(cfg: ServeConfig) -> None:
         )
 
 
-def build_runtime(cfg: ServeConfig) -> Runtime:
+def load_model(cfg: ServeConfig):
     from inference_engine.backends.torch.model import TorchCausalLM
-    from inference_engine.engine.generate import Engine
-    from inference_engine.kv.resident import KVStrategy
     from inference_engine.model_store import resolve_model
 
-    strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)
-    model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device)
+    return TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device)
+
+
+def build_engine(cfg: ServeConfig, model):
+    """Engine for `cfg` around an already loaded model (benchmarks share one model across arms)."""
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.resident import KVStrategy
+
     drafter = None
     if cfg.drafter:
         from kv_cache_proposer import load_drafter
 
         drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
-    engine = Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
-                    drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "")
+    return Engine(model, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window), prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
+                  drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "")
+
+
+def build_runtime(cfg: ServeConfig, model=None) -> Runtime:
+    engine = build_engine(cfg, model if model is not None else load_model(cfg))
     return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl)
 
 
