@@ -126,7 +126,7 @@ class Engine:
             if should_stop():
                 return dropped, False
             logits, _, d = self._forward(kv, pending[i : i + self.prefill_chunk], "last")
-            kv.last_logits = logits[-1]
+            kv.last_logits = logits[-1].cpu()  # sampling runs on the host (seeded CPU generator)
             dropped += d
         return dropped, True
 
@@ -194,14 +194,14 @@ class Engine:
             step = {}
 
             def keep(logits):
-                acc, nxt = verify_block(drafts, logits, params.sampling, gen)
+                acc, nxt = verify_block(drafts, logits.cpu(), params.sampling, gen)
                 emitted = acc + [nxt]
                 cut = min(budget, next((i + 1 for i, t in enumerate(emitted) if t in params.eos_token_ids), len(emitted)))
                 step.update(emitted=emitted[:cut], n_acc=len(acc))
                 return cut  # token + the emitted tokens that are fed (all but the last)
 
             logits, kept, d = self._forward(kv, [token] + drafts, "all" if drafts else "last", keep)
-            kv.last_logits = logits[kept - 1]
+            kv.last_logits = logits[kept - 1].cpu()
             decode_dropped += d
             drafted += len(drafts)
             accepted += step["n_acc"]

@@ -218,3 +218,32 @@ def test_sink_window_kv_bytes_do_not_depend_on_history_length():
             assert sizes[1000] == sizes[6000] > 0
     finally:
         srv.stop()
+
+
+def test_speculative_server_reports_drafted_and_accepted():
+    from drafters import SelfDrafter
+    from factories import load_model, tiny_model_dir
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.resident import KVStrategy
+
+    model = load_model(str(tiny_model_dir("llama")))
+    spec = start_server(Engine(model, KVStrategy("sink_window", 4, 16), drafter=SelfDrafter(model), spec_k=3, drafter_name="self-test"))
+    plain = start_server(Engine(model, KVStrategy("sink_window", 4, 16)))
+    try:
+        h = history(40, 11)
+        outs, results = [], []
+        for srv in (spec, plain):
+            with kakeya.Client(f"127.0.0.1:{srv.port}") as c, c.create_session(h, ignore_eos=True) as s:
+                outs.append(list(s.generate(max_tokens=20)))
+                results.append(s.last_result)
+        with kakeya.Client(f"127.0.0.1:{spec.port}") as c:
+            info = c.server_info()
+            assert (info.drafter, info.spec_k) == ("self-test", 3)
+        assert outs[0] == outs[1]
+        m = spec.runtime.metrics
+        assert m.spec_drafted_tokens_total._value.get() > 0 and m.spec_accepted_tokens_total._value.get() > 0
+        assert results[0].drafted_tokens > 0 and 0 < results[0].accepted_tokens <= results[0].drafted_tokens
+        assert results[1].drafted_tokens == results[1].accepted_tokens == 0
+    finally:
+        spec.stop()
+        plain.stop()
