@@ -39,11 +39,16 @@ test: setup model test-python test-ts lint-proto
 test-python: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-ts: setup
-	cd sdks/typescript && npm ci --no-audit --no-fund && npm test
+TS_DEPS := sdks/typescript/node_modules/.package-lock.json
 
-lint-proto:
-	cd sdks/typescript && npm ci --no-audit --no-fund && npm run buf:lint
+$(TS_DEPS): sdks/typescript/package-lock.json
+	cd sdks/typescript && npm ci --no-audit --no-fund
+
+test-ts: setup $(TS_DEPS)
+	cd sdks/typescript && npm test
+
+lint-proto: $(TS_DEPS)
+	cd sdks/typescript && npm run buf:lint
 
 bench: setup model
 	$(BIN)/python scripts/bench_agentic/bench_turns.py

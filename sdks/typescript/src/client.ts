@@ -1,0 +1,70 @@
+/**
+ * Connection to a Kakeya daemon over gRPC (HTTP/2 via @grpc/grpc-js). Mirrors
+ * `kakeya.Client` in the Python SDK: create sessions, read server info, close.
+ */
+import type { ChannelCredentials, ClientOptions as GrpcChannelOptions } from "@grpc/grpc-js";
+
+import type { CreateSessionResponse, GetServerInfoResponse } from "./gen/kakeya/v1/runtime.js";
+import { Rpc, tokenIds, type RequestOptions } from "./rpc.js";
+import { Session } from "./session.js";
+import { serverInfo, type ServerInfo } from "./types.js";
+
+export interface ClientOptions {
+  /** Sent as `authorization: Bearer <apiKey>` on every call (daemon started with --api-key). */
+  apiKey?: string;
+  /** Channel credentials; default insecure (the daemon serves plaintext on loopback). */
+  credentials?: ChannelCredentials;
+  /** Extra grpc-js channel options, e.g. `{ "grpc.max_receive_message_length": ... }`. */
+  channelOptions?: Partial<GrpcChannelOptions>;
+}
+
+export interface CreateSessionOptions extends RequestOptions {
+  /** Initial history; validated like `Session.append`. */
+  initialTokens?: Iterable<number>;
+  /** Token ids that end generation; empty means the model's default eos ids. */
+  eosTokenIds?: Iterable<number>;
+  /** Never stop on eos (eosTokenIds is ignored). */
+  ignoreEos?: boolean;
+}
+
+export class Client {
+  readonly target: string;
+  readonly #rpc: Rpc;
+
+  /** `target` is HOST:PORT; the daemon's default is 127.0.0.1:50051. No connection is made until the first call. */
+  constructor(target = "127.0.0.1:50051", options: ClientOptions = {}) {
+    this.target = target;
+    this.#rpc = new Rpc(target, options);
+  }
+
+  async createSession(options: CreateSessionOptions = {}): Promise<Session> {
+    const request = {
+      initialTokens: tokenIds(options.initialTokens ?? [], "initialTokens"),
+      eosTokenIds: tokenIds(options.eosTokenIds ?? [], "eosTokenIds"),
+      ignoreEos: options.ignoreEos ?? false,
+    };
+    const r = await this.#rpc.unary<CreateSessionResponse>((md, o, cb) => this.#rpc.stub.createSession(request, md, o, cb), options);
+    return new Session(this.#rpc, r.sessionId);
+  }
+
+  /** A handle on an existing session id (no RPC). */
+  session(sessionId: string): Session {
+    return new Session(this.#rpc, sessionId);
+  }
+
+  /** The loaded model, vocabulary size, default eos ids and KV strategy. */
+  async serverInfo(options?: RequestOptions): Promise<ServerInfo> {
+    const r = await this.#rpc.unary<GetServerInfoResponse>((md, o, cb) => this.#rpc.stub.getServerInfo({}, md, o, cb), options);
+    return serverInfo(r);
+  }
+
+  /** Close the channel. Calls already in flight run to their end; later calls throw `CancelledError`. */
+  close(): void {
+    this.#rpc.close();
+  }
+
+  /** `using client = new Client(...)` closes it at scope exit. */
+  [Symbol.dispose](): void {
+    this.close();
+  }
+}

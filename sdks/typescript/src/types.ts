@@ -1,0 +1,130 @@
+/**
+ * Plain result objects the SDK returns (no generated protobuf types leak to callers), and
+ * their conversions from the wire messages. Mirrors `kakeya.types` in the Python SDK.
+ */
+import {
+  StopReason as PbStopReason,
+  type DoneEvent,
+  type GetServerInfoResponse,
+  type GetSessionInfoResponse,
+} from "./gen/kakeya/v1/runtime.js";
+
+export type StopReason = "max_tokens" | "eos" | "cancelled" | "context_full" | "unspecified";
+
+const STOP_REASONS: ReadonlyMap<PbStopReason, StopReason> = new Map([
+  [PbStopReason.STOP_REASON_MAX_TOKENS, "max_tokens"],
+  [PbStopReason.STOP_REASON_EOS, "eos"],
+  [PbStopReason.STOP_REASON_CANCELLED, "cancelled"],
+  [PbStopReason.STOP_REASON_CONTEXT_FULL, "context_full"],
+]);
+
+/** A bounded KV strategy dropped positions from attention during a Generate call. */
+export interface HistoryTruncation {
+  /** Positions newly dropped during this call. */
+  readonly droppedTokens: number;
+  /** Positions dropped over the session's lifetime. */
+  readonly totalDroppedTokens: number;
+}
+
+/** What one Generate call did: its Done event plus the tokens and truncations it streamed. */
+export interface GenerationResult {
+  readonly stopReason: StopReason;
+  readonly generatedTokens: number;
+  /** Tokens prefilled by this call: only those appended since the previous Generate. */
+  readonly prefillTokens: number;
+  readonly prefillSeconds: number;
+  readonly totalSeconds: number;
+  readonly timeToFirstTokenSeconds: number;
+  readonly draftedTokens: number;
+  readonly acceptedTokens: number;
+  readonly tokens: readonly number[];
+  readonly historyTruncated: readonly HistoryTruncation[];
+}
+
+export interface SessionInfo {
+  readonly sessionId: string;
+  readonly historyLength: number;
+  /** Positions whose K/V are resident (attendable without restoration). */
+  readonly residentPositions: number;
+  /** Tokens recorded but not yet prefilled (the next Generate prefills them). */
+  readonly pendingTokens: number;
+  readonly kvLiveBytes: number;
+  readonly inv1Violations: number;
+  readonly inv2Violations: number;
+  readonly idleSeconds: number;
+  /** Positions dropped from attention over the session's lifetime. */
+  readonly droppedTokens: number;
+  readonly eosTokenIds: readonly number[];
+}
+
+export interface ServerInfo {
+  readonly modelId: string;
+  readonly vocabSize: number;
+  readonly defaultEosTokenIds: readonly number[];
+  /** "full", "sink_window" or "dlm_restore". */
+  readonly kvStrategy: string;
+  readonly sink: number;
+  readonly window: number;
+  readonly compressor: string;
+  /** Trained context of the model (max_position_embeddings). */
+  readonly maxContext: number;
+  readonly backend: string;
+  readonly device: string;
+  readonly serverVersion: string;
+  readonly sessionCapacity: number;
+  readonly idleTtlSeconds: number;
+  /** Speculative decoding drafter ("" when off) and its block size. */
+  readonly drafter: string;
+  readonly specK: number;
+}
+
+export function generationResult(done: DoneEvent, tokens: readonly number[], truncated: readonly HistoryTruncation[]): GenerationResult {
+  return {
+    stopReason: STOP_REASONS.get(done.stopReason) ?? "unspecified",
+    generatedTokens: done.generatedTokens,
+    prefillTokens: done.prefillTokens,
+    prefillSeconds: done.prefillSeconds,
+    totalSeconds: done.totalSeconds,
+    timeToFirstTokenSeconds: done.timeToFirstTokenSeconds,
+    draftedTokens: done.draftedTokens,
+    acceptedTokens: done.acceptedTokens,
+    tokens: [...tokens],
+    historyTruncated: [...truncated],
+  };
+}
+
+export function sessionInfo(r: GetSessionInfoResponse): SessionInfo {
+  return {
+    sessionId: r.sessionId,
+    historyLength: r.historyLength,
+    residentPositions: r.residentPositions,
+    pendingTokens: r.pendingTokens,
+    kvLiveBytes: r.kvLiveBytes,
+    inv1Violations: r.inv1Violations,
+    inv2Violations: r.inv2Violations,
+    idleSeconds: r.idleSeconds,
+    droppedTokens: r.droppedTokens,
+    eosTokenIds: [...r.eosTokenIds],
+  };
+}
+
+export function serverInfo(r: GetServerInfoResponse): ServerInfo {
+  const k = r.kvStrategy;
+  return {
+    modelId: r.modelId,
+    vocabSize: r.vocabSize,
+    defaultEosTokenIds: [...r.defaultEosTokenIds],
+    kvStrategy: k?.name ?? "",
+    sink: k?.sink ?? 0,
+    window: k?.window ?? 0,
+    compressor: k?.compressor ?? "",
+    maxContext: r.maxContext,
+    backend: r.backend,
+    device: r.device,
+    serverVersion: r.serverVersion,
+    sessionCapacity: r.sessionCapacity,
+    idleTtlSeconds: r.idleTtlSeconds,
+    drafter: r.drafter,
+    specK: r.specK,
+  };
+}
