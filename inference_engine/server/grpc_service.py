@@ -89,6 +89,11 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     @_typed_errors
+    def GetHistory(self, request, context):
+        ids = self.rt.history(request.session_id, request.start)
+        return pb.GetHistoryResponse(token_ids=ids, history_length=request.start + len(ids))
+
+    @_typed_errors
     def CloseSession(self, request, context):
         self.rt.close(request.session_id)
         return pb.CloseSessionResponse()

@@ -83,6 +83,9 @@ class Runtime:
     def append(self, session_id: str, token_ids: Sequence[int]):
         return self.store.append(session_id, token_ids)
 
+    def history(self, session_id: str, start: int = 0) -> list:
+        return self.store.history(session_id, start)
+
     def close(self, session_id: str) -> None:
         self.store.close(session_id)
 

@@ -145,6 +145,15 @@ class SessionStore:
             s.last_access = self.clock()
         return s
 
+    def history(self, session_id: str, start: int = 0) -> list:
+        """Token ids from `start`; waits for an in-flight Generate so the answer is settled."""
+        s = self.get(session_id)
+        with s.lock:
+            self._ensure_live(s)
+            if start < 0 or start > len(s.history):
+                raise InvalidArgument(f"start must be in [0, {len(s.history)}] (the history length), got {start}")
+            return s.history[start:]
+
     def close(self, session_id: str) -> None:
         with self._lock:
             s = self._sessions.pop(session_id, None)

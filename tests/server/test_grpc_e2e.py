@@ -50,6 +50,9 @@ def test_session_lifecycle(client):
         s.append(history(4, 2))
         s.generate_all(max_tokens=2)
         assert s.last_result.prefill_tokens == 5
+        assert s.history() == history(10, 0) + history(5, 1) + toks + history(4, 2) + list(s.last_result.tokens)
+        with pytest.raises(kakeya.InvalidArgumentError, match="start"):
+            s.history(1000)
     with pytest.raises(kakeya.SessionNotFoundError):
         s.info()
 
@@ -109,6 +112,8 @@ def test_client_cancel_mid_stream_keeps_session_usable(client, server):
             threading.Event().wait(0.05)
         info = s.info()
         assert 20 + 3 <= info.history_length < 20 + 10_000
+        committed = s.history(20)  # includes tokens streamed after the client stopped reading
+        assert committed[:3] == got and len(committed) == info.history_length - 20
         assert len(list(s.generate(max_tokens=3))) == 3
 
 

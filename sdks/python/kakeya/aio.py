@@ -27,6 +27,7 @@ class AsyncSession:
         req = generate_request(self.id, max_tokens, temperature, top_k, top_p, seed)
         call = self._client._stub.Generate(req, metadata=self._client._md, timeout=timeout)
         tokens, truncated = [], []
+        self.last_result = None
         try:
             async for ev in call:
                 kind = ev.WhichOneof("event")
@@ -49,6 +50,10 @@ class AsyncSession:
 
     async def info(self) -> SessionInfo:
         return SessionInfo.from_pb(await self._client._call(self._client._stub.GetSessionInfo, pb.GetSessionInfoRequest(session_id=self.id)))
+
+    async def history(self, start: int = 0) -> list[int]:
+        """Token ids from `start`; waits for an in-flight Generate (exact after a cancel)."""
+        return list((await self._client._call(self._client._stub.GetHistory, pb.GetHistoryRequest(session_id=self.id, start=start))).token_ids)
 
     async def close(self) -> None:
         if not self.closed:

@@ -39,6 +39,7 @@ class Session:
         req = generate_request(self.id, max_tokens, temperature, top_k, top_p, seed)
         call = self._client._stub.Generate(req, metadata=self._client._md, timeout=timeout)
         tokens, truncated = [], []
+        self.last_result = None
         try:
             for ev in call:
                 kind = ev.WhichOneof("event")
@@ -62,6 +63,10 @@ class Session:
 
     def info(self) -> SessionInfo:
         return SessionInfo.from_pb(self._client._call(self._client._stub.GetSessionInfo, pb.GetSessionInfoRequest(session_id=self.id)))
+
+    def history(self, start: int = 0) -> list[int]:
+        """Token ids from `start`; waits for an in-flight Generate (exact after a cancel)."""
+        return list((self._client._call(self._client._stub.GetHistory, pb.GetHistoryRequest(session_id=self.id, start=start))).token_ids)
 
     def close(self) -> None:
         if not self.closed:

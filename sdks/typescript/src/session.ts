@@ -7,6 +7,7 @@ import type {
   AppendTokensResponse,
   CloseSessionResponse,
   GenerateResponse,
+  GetHistoryResponse,
   GetSessionInfoResponse,
 } from "./gen/kakeya/v1/runtime.js";
 import { integerOption, numberOption, tokenIds, type RequestOptions, type Rpc } from "./rpc.js";
@@ -122,6 +123,16 @@ export class Session {
     return sessionInfo(
       await this.#rpc.unary<GetSessionInfoResponse>((md, o, cb) => this.#rpc.stub.getSessionInfo(request, md, o, cb), options),
     );
+  }
+
+  /**
+   * Token ids from `start`. Waits for an in-flight generate, so after a cancelled call it
+   * returns exactly what the server committed (including tokens the client never received).
+   */
+  async history(start = 0, options?: RequestOptions): Promise<number[]> {
+    const request = { sessionId: this.id, start: integerOption("start", start, 0, Number.MAX_SAFE_INTEGER) };
+    const r = await this.#rpc.unary<GetHistoryResponse>((md, o, cb) => this.#rpc.stub.getHistory(request, md, o, cb), options);
+    return r.tokenIds;
   }
 
   /** Free the session and its KV state on the server. A second call is a no-op. */

@@ -172,9 +172,13 @@ describe("cancellation", () => {
     expect(session.lastResult).toBeUndefined();
 
     // The server stopped, far below the 100k asked for. It may have committed a few tokens
-    // past the last one received; append waits for the cancelled call to wind down, so the
-    // length it returns is exact.
+    // past the last one received; history() waits for the cancelled call to wind down and
+    // shows them all.
+    const committed = await session.history(PROMPT.length);
+    expect(committed.slice(0, 5)).toEqual(received);
+    expect(committed.length).toBeLessThan(100_000);
     const length = await session.append([11, 12]);
+    expect(length).toBe(PROMPT.length + committed.length + 2);
     expect(length).toBeGreaterThanOrEqual(PROMPT.length + 5 + 2);
     expect(length).toBeLessThan(PROMPT.length + 100_000);
     expect((await session.info()).historyLength).toBe(length);
