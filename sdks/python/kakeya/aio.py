@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kakeya.errors import KakeyaError, from_rpc_error
-from kakeya.types import GenerationResult, ServerInfo, SessionInfo, generate_request
+from kakeya.types import GenerateStream, GenerationResult, ServerInfo, SessionInfo, generate_request
 from kakeya.v1 import runtime_pb2 as pb
 from kakeya.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -26,18 +26,14 @@ class AsyncSession:
                        timeout: float | None = None) -> AsyncIterator[int]:
         req = generate_request(self.id, max_tokens, temperature, top_k, top_p, seed)
         call = self._client._stub.Generate(req, metadata=self._client._md, timeout=timeout)
-        tokens, truncated = [], []
+        stream = GenerateStream()
         self.last_result = None
         try:
             async for ev in call:
-                kind = ev.WhichOneof("event")
-                if kind == "token":
-                    tokens.append(ev.token.token_id)
-                    yield ev.token.token_id
-                elif kind == "history_truncated":
-                    truncated.append((ev.history_truncated.dropped_tokens, ev.history_truncated.total_dropped_tokens))
-                elif kind == "done":
-                    self.last_result = GenerationResult.from_pb(ev.done, tokens, truncated)
+                tok = stream.token(ev)
+                if tok is not None:
+                    yield tok
+            self.last_result = stream.result
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:

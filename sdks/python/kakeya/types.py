@@ -91,6 +91,25 @@ class ServerInfo:
         )
 
 
+class GenerateStream:
+    """Folds Generate response events into token ids and, at the end, a GenerationResult."""
+
+    def __init__(self):
+        self.tokens, self.truncated, self.result = [], [], None
+
+    def token(self, ev):
+        """The token id an event carries, or None (truncation / done events are recorded)."""
+        kind = ev.WhichOneof("event")
+        if kind == "token":
+            self.tokens.append(ev.token.token_id)
+            return ev.token.token_id
+        if kind == "history_truncated":
+            self.truncated.append((ev.history_truncated.dropped_tokens, ev.history_truncated.total_dropped_tokens))
+        elif kind == "done":
+            self.result = GenerationResult.from_pb(ev.done, self.tokens, self.truncated)
+        return None
+
+
 def generate_request(session_id: str, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int):
     return pb.GenerateRequest(
         session_id=session_id,
