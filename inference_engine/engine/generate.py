@@ -145,16 +145,19 @@ class Engine:
         res = d.draft(torch.tensor(tail, dtype=torch.long), k, context_hidden=hidden)
         return [int(t) for t in res.ids[:k]]
 
-    def generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+    def generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False,
+                 arrived_at: float | None = None) -> Iterator:
         """Prefill what `history` holds past the cache, then decode. Yields TokenGenerated /
-        HistoryTruncated events, then one GenerationDone. `history` is read, never written."""
-        t0 = time.perf_counter()
+        HistoryTruncated events, then one GenerationDone. `history` is read, never written.
+        Times count from `arrived_at` (a perf_counter reading; default: now)."""
+        t0 = time.perf_counter() if arrived_at is None else arrived_at
         pending = history[kv.next_position :]
         if not pending and kv.last_logits is None:
             raise NothingToGenerateFrom("the session history is empty; append tokens before Generate")
         params.sampling.validate()
+        t_prefill = time.perf_counter()
         dropped, completed = self.prefill(kv, pending, should_stop)
-        prefill_s = time.perf_counter() - t0
+        prefill_s = time.perf_counter() - t_prefill
         if dropped:
             yield HistoryTruncated(dropped, kv.dropped_total)
         gen = torch.Generator().manual_seed(params.sampling.seed) if not params.sampling.greedy else None

@@ -98,17 +98,17 @@ class Runtime:
         with self.store.generation(session_id) as s:
             m.session_history_tokens.observe(len(s.history))
             params = GenerateParams(max_tokens, sampling, s.eos_token_ids)
-            for ev in self.engine.generate(s.kv, s.history, params, should_stop):
+            for ev in self.engine.generate(s.kv, s.history, params, should_stop, arrived_at=t_arrival):
                 if isinstance(ev, TokenGenerated):
                     s.record_generated(ev.token_id)
                     m.generated_tokens_total.inc()
                 elif isinstance(ev, HistoryTruncated):
                     m.history_truncated_tokens_total.inc(ev.dropped_tokens)
                 elif isinstance(ev, GenerationDone):
-                    self._observe_done(ev, t_arrival)
+                    self._observe_done(ev)
                 yield ev
 
-    def _observe_done(self, done: GenerationDone, t_arrival: float) -> None:
+    def _observe_done(self, done: GenerationDone) -> None:
         m = self.metrics
         m.generate_prefill_tokens.observe(done.prefill_tokens)
         m.generate_prefill_duration_seconds.observe(done.prefill_seconds)
