@@ -82,6 +82,7 @@ class Engine:
         self._step_lock = threading.Lock()
         if max_threads:
             torch.set_num_threads(max_threads)
+        self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)
 
     @property
     def max_context(self) -> int:
@@ -97,9 +98,10 @@ class Engine:
         return SessionKV(cache, hidden_keep=keep)
 
     def history_limit(self) -> int | None:
-        """Longest history the strategy can serve; None = unbounded (positions past the
-        trained context use the sink re-anchoring documented in SinkWindowCache)."""
-        return None if self.strategy.bounded else self.max_context
+        """Longest history the strategy can serve; None = unbounded (sink_window: positions past
+        the trained context use the sink re-anchoring documented in SinkWindowCache). `full`
+        and `dlm_restore` attend to every position, so they stop at the trained context."""
+        return None if self.strategy.forgets else self.max_context
 
     def _forward(self, kv: SessionKV, ids: Sequence[int], logits: str, keep: Callable[[torch.Tensor], int] | None = None):
         """Run ids at the next positions and commit `keep(logits)` of them (all by default).

@@ -23,6 +23,7 @@ unclamped points although the codec's clamp emits others.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -77,6 +78,32 @@ class LatticeCodePacker:
         u[..., -1] = 2 * u[..., -1] + (u[..., :-1].sum(-1) & 1)  # un-halve; sum(u) is even
         twice = 2 * u - (2 * self.q_range + 2)
         return twice - digits[..., :1] if self.half_integer_coset else twice
+
+    def unpack_points(self, packed: torch.Tensor) -> torch.Tensor:
+        """(N, code_bytes) uint8 -> (N, blocks, block_dim) float32 points (twice / 2, before any clamp).
+
+        Same values as unpack(packed) / 2, in fewer passes: the decode hot path of a cache."""
+        n = packed.shape[0]
+        fields = self._pieces.read(packed).reshape(n, self.blocks, len(self.groups))
+        digits = []
+        for g, (a, b) in enumerate(self.groups):
+            code = fields[..., g]
+            if math.prod(self.radices[a:b]) < 1 << 31:
+                code = code.to(torch.int32)  # half the bytes per pass
+            for i in range(a, b - 1):
+                quotient = torch.div(code, self.radices[i], rounding_mode="floor")
+                digits.append(code - quotient * self.radices[i])
+                code = quotient
+            digits.append(code)
+        coset = digits.pop(0) if self.half_integer_coset else None
+        parity = digits[0]
+        for d in digits[1:-1]:
+            parity = parity + d
+        digits[-1] = 2 * digits[-1] + (parity & 1)  # un-halve; sum(u) is even
+        u = torch.stack(digits, dim=-1).to(torch.float32)  # (N, blocks, block_dim)
+        if coset is None:
+            return u - float(self.q_range + 1)
+        return u - (float(self.q_range + 1) + 0.5 * coset.unsqueeze(-1).to(torch.float32))
 
     def _digits(self, twice: torch.Tensor) -> torch.Tensor:
         coset = twice[..., :1] & 1
@@ -142,6 +169,23 @@ class _BitPieces:
         self.shift = start % 8
         self.byte_index = (start // 8).unsqueeze(-1) + torch.arange(self.SPAN, device=device)  # (P, SPAN)
         self.byte_shift = 8 * torch.arange(self.SPAN, device=device)
+        # Reads take each whole field from the little-endian 64-bit word holding its first bit
+        # and the next word: two gathers per row instead of SPAN byte gathers per piece.
+        # Fields are < 2^62, so one field spans at most two words.
+        field_start, field_bits, offset = [], [], 0
+        for f in range(self.n_fields):
+            field_start.append(offset)
+            field_bits.append(group_bits[f % len(group_bits)])
+            offset += field_bits[-1]
+        self.total_bits = offset
+        fs = torch.tensor(field_start, device=device)
+        self.word = fs // 64
+        sh = fs % 64
+        self.lo_shift = sh
+        self.lo_mask = torch.where(sh == 0, torch.full_like(sh, -1), (1 << (64 - sh).clamp(max=63)) - 1)
+        self.hi_shift = torch.where(sh == 0, torch.zeros_like(sh), 64 - sh)
+        self.hi_keep = torch.where(sh == 0, torch.zeros_like(sh), torch.full_like(sh, -1))
+        self.field_mask = (1 << torch.tensor(field_bits, device=device)) - 1
 
     def write(self, fields: torch.Tensor, n_bytes: int) -> torch.Tensor:
         """(N, n_fields) int64 -> (N, n_bytes) uint8."""
@@ -154,6 +198,15 @@ class _BitPieces:
 
     def read(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, n_bytes) uint8 -> (N, n_fields) int64."""
+        if sys.byteorder != "little":
+            return self._read_bytewise(packed)
+        n_words = (self.total_bits + 63) // 64 + 1  # + 1: the word after a field's first is always there
+        words = torch.nn.functional.pad(packed, (0, 8 * n_words - packed.shape[1])).view(torch.int64)  # (N, W)
+        lo = (words[:, self.word] >> self.lo_shift) & self.lo_mask  # >> sign-extends; the mask drops it
+        hi = (words[:, self.word + 1] << self.hi_shift) & self.hi_keep
+        return (lo | hi) & self.field_mask
+
+    def _read_bytewise(self, packed: torch.Tensor) -> torch.Tensor:
         n = packed.shape[0]
         padded = torch.nn.functional.pad(packed, (0, self.SPAN)).to(torch.int64)
         window = padded[:, self.byte_index]  # (N, P, SPAN)

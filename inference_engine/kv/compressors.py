@@ -144,7 +144,27 @@ class SlotCompressor:
         self._in_use = torch.cat([self._in_use, self._in_use.new_zeros(grow)])
         self.capacity = capacity
 
+    def compact(self, keep: torch.Tensor, capacity: int) -> None:
+        """Rebuild the store with `capacity` slots holding the rows of slots `keep` at 0..len(keep)-1,
+        bit for bit (payload bytes are moved, never re-encoded); every other slot ends up free."""
+        keep = self._check_slots(keep, "compact")
+        if not isinstance(capacity, int) or capacity < max(1, keep.numel()):
+            raise CompressorInputError(f"compact: capacity must be an int >= max(1, {keep.numel()} kept slots), got {capacity!r}")
+        empty = keep[~self._in_use[keep]]
+        if empty.numel():
+            raise EmptySlotError(f"compact: slots {empty.tolist()} hold no K/V")
+        for name in self._payload_names:
+            old = getattr(self, name)  # (2, Hkv, capacity, ...)
+            new = old.new_zeros(*old.shape[:2], capacity, *old.shape[3:])
+            new[:, :, : keep.numel()] = old.index_select(2, keep)
+            setattr(self, name, new)
+        self._in_use = self._in_use.new_zeros(capacity)
+        self._in_use[: keep.numel()] = True
+        self.capacity = capacity
+
     # -- subclass hooks --
+    _payload_names: tuple = ()  # attributes holding (2, Hkv, capacity, ...) payload tensors
+
     def _write(self, kv: torch.Tensor, slots: torch.Tensor) -> None:  # kv (2, Hkv, T, D)
         raise NotImplementedError
 
@@ -193,6 +213,8 @@ class SlotCompressor:
 class IdentityCompressor(SlotCompressor):
     """Stores K/V rows as they are, in `dtype` (exact when the input already has that dtype)."""
 
+    _payload_names = ("_kv",)
+
     def __init__(self, *, head_dim: int, num_kv_heads: int, capacity: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
         super().__init__(head_dim=head_dim, num_kv_heads=num_kv_heads, capacity=capacity, device=device)
@@ -217,6 +239,8 @@ class IdentityCompressor(SlotCompressor):
 
 class KakeyaLatticeCompressor(SlotCompressor):
     """D4 (kakeyalattice v1.4) or E8 (v1.5) lattice codes + two fp16 scalars per vector."""
+
+    _payload_names = ("_codes", "_scalars")
 
     def __init__(self, *, lattice: str, q_range: int, head_dim: int, num_kv_heads: int, capacity: int,
                  device: str | torch.device = "cpu"):
@@ -280,7 +304,7 @@ class KakeyaLatticeCompressor(SlotCompressor):
     def _decode(self, codes: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
         n = codes.shape[0]
         q = float(self.q_range)
-        point = (self.packer.unpack(codes).to(torch.float32) / 2).clamp(-q, q)  # (N, blocks, block_dim)
+        point = self.packer.unpack_points(codes).clamp(-q, q)  # (N, blocks, block_dim)
         scale = scalars[:, 1:].to(torch.float32) / q  # (N, 1)
         y_hat = (point * scale.unsqueeze(-1)).reshape(n, self.head_dim)
         return self._rotate(y_hat) * scalars[:, :1].to(torch.float32)

@@ -2,7 +2,7 @@
 
 A forward pass over T new tokens is three calls:
 
-    layout = cache.prepare(positions)          # pick slots, build attention masks
+    layout = cache.prepare(positions, ids)     # pick slots, build attention masks
     k_all, v_all = cache.update_and_fetch(layer, k, v)   # once per layer
     cache.commit(n_keep)                       # keep the first n_keep tokens, roll back the rest
 
@@ -13,8 +13,14 @@ reused after a commit, so a rejected verify step leaves the previous state intac
 Attention of a query at position p sees exactly the keys its strategy allows:
   full:        every position <= p
   sink_window: positions < sink, and positions in (p - window, p]
+  dlm_restore: every position <= p; the cache holds sink_window's positions, the rest
+               (the evicted ones) are restored for the step by a RestoreSource (restore.py)
 intersected with the model's own per-layer window (Gemma 3 local layers). The result
 therefore does not depend on how the history was split into chunks.
+
+Where rows live is the cache's store (stores.py): fp32 slabs, or a KVCompressor per layer
+(`compressor="kakeya_d4"` / `"kakeya_e8"`), in which case a step's own K/V are compressed
+before its queries read them back, and `nbytes` is the packed bytes of the store.
 
 Invariants (ADR 0008 §2.8) are checked at every mutation and raise `CacheInvariantError`:
 INV-1 every layer holds exactly as many K/V rows as there are resident positions;
@@ -27,25 +33,51 @@ from dataclasses import dataclass
 import torch
 
 from inference_engine.errors import CacheInvariantError
+from inference_engine.kv.compressors import COMPRESSOR_NAMES, MAX_Q_RANGE
+from inference_engine.kv.restore import RESTORE_FROM
+from inference_engine.kv.stores import make_store
+
+STRATEGY_NAMES = ("full", "sink_window", "dlm_restore")
 
 
 @dataclass(frozen=True)
 class KVStrategy:
-    """Which positions a query may attend to; `sink`/`window` only apply to `sink_window`."""
+    """Which positions a query may attend to and how the resident cache stores them.
+
+    `sink`/`window` apply to the bounded strategies; `restore_from` to `dlm_restore`;
+    `compressor`/`q_range` to every strategy (identity = uncompressed slabs)."""
 
     name: str = "full"
     sink: int = 4
     window: int = 1020
+    compressor: str = "identity"
+    q_range: int = 38
+    restore_from: str = "verifier"
 
     def __post_init__(self):
-        if self.name not in ("full", "sink_window"):
-            raise ValueError(f"unknown kv strategy {self.name!r}; choose 'full' or 'sink_window'")
-        if self.name == "sink_window" and (self.sink < 0 or self.window < 1):
-            raise ValueError(f"sink_window needs sink >= 0 and window >= 1, got sink={self.sink} window={self.window}")
+        if self.name not in STRATEGY_NAMES:
+            raise ValueError(f"unknown kv strategy {self.name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+        if self.bounded and (self.sink < 0 or self.window < 1):
+            raise ValueError(f"{self.name} needs sink >= 0 and window >= 1, got sink={self.sink} window={self.window}")
+        if self.compressor not in COMPRESSOR_NAMES:
+            raise ValueError(f"unknown kv compressor {self.compressor!r}; choose one of {', '.join(COMPRESSOR_NAMES)}")
+        if not isinstance(self.q_range, int) or not 1 <= self.q_range <= MAX_Q_RANGE:
+            raise ValueError(f"kv q_range must be an int in [1, {MAX_Q_RANGE}], got {self.q_range!r} (38 is the default)")
+        if self.restore_from not in RESTORE_FROM:
+            raise ValueError(
+                f"restore_from {self.restore_from!r} is not available; choose one of {', '.join(RESTORE_FROM)} "
+                "(cross-model restoration from a drafter is not built yet)"
+            )
 
     @property
     def bounded(self) -> bool:
+        """Resident memory stays bounded whatever the history length."""
         return self.name != "full"
+
+    @property
+    def forgets(self) -> bool:
+        """Positions leave attention for good (only sink_window; dlm_restore restores them)."""
+        return self.name == "sink_window"
 
 
 @dataclass
@@ -54,11 +86,22 @@ class AttentionLayout:
 
     positions: torch.Tensor  # (T,) positions of the new tokens
     slots: torch.Tensor  # (T,) cache slots they are written to
-    key_positions: torch.Tensor  # (N,) position held by each of the first N slots, -1 = empty
+    key_positions: torch.Tensor  # (N,) position of each key update_and_fetch returns, -1 = empty
     masks: dict  # layer window (int | None) -> (T, N) bool, True = attend
     # Past the trained context, sink keys are scored as if the query stood at a fixed
     # virtual position (see SinkWindowCache); None = never.
     sink_shift: "SinkShift | None" = None
+    key_slots: torch.Tensor | None = None  # (N,) slots the keys come from; None = slots 0..N-1
+    restore: "RestorePlan | None" = None  # dlm_restore: evicted positions to restore this step
+
+
+@dataclass
+class RestorePlan:
+    """Evicted positions a dlm_restore step attends to besides the resident keys."""
+
+    history: torch.Tensor  # (n,) token ids of positions 0 .. last position of the step
+    positions: torch.Tensor  # (E,) evicted positions, ascending
+    masks: dict  # layer window -> (T, E) bool
 
 
 @dataclass(frozen=True)
@@ -79,22 +122,33 @@ class CacheGeometry:
 
 
 class SlotKVCache:
-    """Shared machinery: per-layer K/V slabs (Hkv, capacity, D) addressed by slot."""
+    """Shared machinery: per-layer K/V rows in a store, addressed by slot.
 
-    def __init__(self, geometry: CacheGeometry, capacity: int):
+    Mutations run under inference mode: the model writes (and grows) the cache inside its
+    inference-mode forward, and the engine commits outside it."""
+
+    def __init__(self, geometry: CacheGeometry, capacity: int, *, compressor: str = "identity", q_range: int = 38):
         self.geometry = geometry
         self.capacity = capacity
         g = geometry
-        self.k = [torch.zeros(g.num_kv_heads, capacity, g.head_dim, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
+        self.store = make_store(compressor, q_range, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                                head_dim=g.head_dim, capacity=capacity, dtype=g.dtype, device=g.device)
         self.pos = torch.full((capacity,), -1, dtype=torch.long, device=g.device)
         self.next_position = 0  # committed tokens == next position to write
         self.dropped_total = 0  # positions that left attention for good
         self._layer_rows = [0] * g.num_layers  # K/V rows written per layer (INV-1)
         self._layout: AttentionLayout | None = None
+        self._peak_nbytes = self.store.nbytes
+
+    @property
+    def compressor(self) -> str:
+        return self.store.compressor
 
     # -- protocol --------------------------------------------------------------------
-    def prepare(self, positions: torch.Tensor) -> AttentionLayout:
+    @torch.inference_mode()
+    def prepare(self, positions: torch.Tensor, ids: torch.Tensor | None = None) -> AttentionLayout:
+        """Reserve slots for new tokens at `positions`; `ids` (their token ids) is only needed
+        by caches that restore evicted positions."""
         t = int(positions.numel())
         expected = self.next_position
         first = int(positions[0]) if t else expected
@@ -108,22 +162,25 @@ class SlotKVCache:
         self._rows_before = list(self._layer_rows)
         self.pos[slots] = positions
         n = self._key_count()
-        key_pos = self.pos[:n]
+        key_slots = self.store.key_slots(self.pos[:n])
+        key_pos = self.pos[:n] if key_slots is None else self.pos[key_slots]
         masks = {w: self._mask(positions, key_pos, w) for w in set(self.geometry.layer_windows)}
-        self._layout = AttentionLayout(positions, slots, key_pos, masks, self._sink_shift())
+        self._layout = AttentionLayout(positions, slots, key_pos, masks, self._sink_shift(), key_slots,
+                                       self._restore_plan(positions, ids))
         return self._layout
 
+    @torch.inference_mode()
     def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        # k, v: (Hkv, T, D)
+        """Store the step's k, v (Hkv, T, D); return every key/value its queries may read,
+        (Hkv, N, D) in layout.key_positions order, the step's own rows as stored."""
         layout = self._layout
         if layout is None or k.shape[1] != layout.slots.numel():
             raise CacheInvariantError("inv1", f"layer {layer} update does not match the prepared step")
-        self.k[layer].index_copy_(1, layout.slots, k)
-        self.v[layer].index_copy_(1, layout.slots, v)
+        self.store.write(layer, layout.slots, k, v)
         self._layer_rows[layer] += k.shape[1]
-        n = layout.key_positions.numel()
-        return self.k[layer][:, :n], self.v[layer][:, :n]
+        return self.store.fetch(layer, layout.key_positions.numel(), layout.key_slots)
 
+    @torch.inference_mode()
     def commit(self, n_keep: int | None = None) -> int:
         """Keep the first n_keep new tokens (all if None); returns positions dropped from attention."""
         layout = self._layout
@@ -138,12 +195,15 @@ class SlotKVCache:
             self._release(layout.slots[n_keep:])
         self._layer_rows = [r - (t - n_keep) for r in self._layer_rows]
         self.next_position += n_keep
-        dropped = self._evict_dead()
-        self.dropped_total += dropped
-        self._layer_rows = [r - dropped for r in self._layer_rows]
+        evicted = self._evict_dead()
+        self._layer_rows = [r - evicted for r in self._layer_rows]
+        self._settle()
         self.check_inv1()
+        dropped = self._dropped(evicted)
+        self.dropped_total += dropped
         return dropped
 
+    @torch.inference_mode()
     def abort(self) -> None:
         """Drop an uncommitted step entirely (the forward failed part-way)."""
         layout = self._layout
@@ -152,6 +212,7 @@ class SlotKVCache:
         self._layout = None
         self._release(layout.slots)
         self._layer_rows = list(self._rows_before)
+        self._settle()
 
     def check_inv1(self) -> None:
         resident = self.resident_positions
@@ -165,7 +226,27 @@ class SlotKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        """Bytes of K/V storage the cache holds (packed bytes for a compressed store)."""
+        return self.store.nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        """Most bytes of K/V storage ever held at once, transient step growth included."""
+        return max(self._peak_nbytes, self.store.nbytes)
+
+    def _resize_slots(self, capacity: int) -> None:
+        """Grow the store to `capacity` slots, or shrink it by moving the resident rows to the front."""
+        if capacity > self.capacity:
+            self.store.grow(capacity)
+            self.pos = torch.cat([self.pos, self.pos.new_full((capacity - self.capacity,), -1)])
+        else:
+            live = torch.nonzero(self.pos >= 0).flatten()
+            self.store.compact(live, capacity)
+            pos = self.pos.new_full((capacity,), -1)
+            pos[: live.numel()] = self.pos[live]
+            self.pos = pos
+        self.capacity = capacity
+        self._peak_nbytes = max(self._peak_nbytes, self.store.nbytes)
 
     # -- strategy hooks ----------------------------------------------------------------
     def _allocate(self, t: int) -> torch.Tensor:
@@ -176,11 +257,21 @@ class SlotKVCache:
 
     def _release(self, slots: torch.Tensor) -> None:
         self.pos[slots] = -1
+        self.store.evict(slots)
+
+    def _settle(self) -> None:
+        """After a step is committed or aborted: give back transient room (bounded caches)."""
 
     def _evict_dead(self) -> int:
         return 0
 
+    def _dropped(self, evicted: int) -> int:
+        return evicted
+
     def _sink_shift(self) -> SinkShift | None:
+        return None
+
+    def _restore_plan(self, positions: torch.Tensor, ids: torch.Tensor | None) -> RestorePlan | None:
         return None
 
     def _allowed(self, qp: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
@@ -198,51 +289,56 @@ class SlotKVCache:
 class FullKVCache(SlotKVCache):
     """Unbounded cache (the oracle): slots are positions; capacity doubles when full."""
 
-    def __init__(self, geometry: CacheGeometry, initial_capacity: int = 256):
-        super().__init__(geometry, initial_capacity)
+    def __init__(self, geometry: CacheGeometry, initial_capacity: int = 256, **store):
+        super().__init__(geometry, initial_capacity, **store)
 
     def _allocate(self, t: int) -> torch.Tensor:
         need = self.next_position + t
         if need > self.capacity:
-            new_cap = max(need, 2 * self.capacity)
-            grow = new_cap - self.capacity
-            self.k = [torch.cat([x, x.new_zeros(x.shape[0], grow, x.shape[2])], 1) for x in self.k]
-            self.v = [torch.cat([x, x.new_zeros(x.shape[0], grow, x.shape[2])], 1) for x in self.v]
-            self.pos = torch.cat([self.pos, self.pos.new_full((grow,), -1)])
-            self.capacity = new_cap
+            self._resize_slots(max(need, 2 * self.capacity))
         return torch.arange(self.next_position, need, device=self.pos.device)
 
     def _key_count(self) -> int:
         return self.next_position + self._layout_t
 
-    def prepare(self, positions):
+    def prepare(self, positions, ids=None):
         self._layout_t = int(positions.numel())
-        return super().prepare(positions)
+        return super().prepare(positions, ids)
 
 
 class SinkWindowCache(SlotKVCache):
-    """Attention sink + sliding window in a fixed slab of sink + window + max_step slots.
+    """Attention sink + sliding window in a slab of sink + window + min(max_step, 16) slots.
 
     Slots are reused once their position can no longer be seen by any future query, so
-    memory never grows. Key order inside the slab is not chronological; masks go by
-    position. Past the model's trained context (`max_context`), absolute distances to the
+    memory never grows between steps. A step longer than the spare room (a prefill chunk)
+    grows the slab for that step only; the commit moves the resident rows to the front and
+    gives the room back, so `nbytes` between steps is constant and `peak_nbytes` records
+    the transient. Key order inside the slab is not chronological; masks go by position. Past the model's trained context (`max_context`), absolute distances to the
     sink would leave the trained range, so a query at p >= max_context sees the sink as if
     it sat immediately before its window: the sink is scored as if the query stood at
     position sink + window - 1 (StreamingLLM's cache-position layout). Window keys keep
     their true positions; RoPE only sees their distance to the query, which is < window.
     """
 
-    def __init__(self, geometry: CacheGeometry, sink: int, window: int, max_step: int, max_context: int):
-        super().__init__(geometry, sink + window + max_step)
+    STEP_ROOM = 16  # spare slots kept between steps: decode and speculative verify steps fit
+
+    def __init__(self, geometry: CacheGeometry, sink: int, window: int, max_step: int, max_context: int, **store):
+        self.base_capacity = sink + window + min(max_step, self.STEP_ROOM)
+        super().__init__(geometry, self.base_capacity, **store)
         self.sink, self.window, self.max_step, self.max_context = sink, window, max_step, max_context
 
     def _allocate(self, t: int) -> torch.Tensor:
         if t > self.max_step:
             raise ValueError(f"a step of {t} tokens exceeds this cache's max step of {self.max_step}; prefill in smaller chunks")
         free = torch.nonzero(self.pos < 0).flatten()
-        if free.numel() < t:  # unreachable while commit evicts dead positions
-            raise CacheInvariantError("inv1", f"{free.numel()} free slots for a step of {t}")
+        if free.numel() < t:
+            self._resize_slots(self.capacity + t - free.numel())
+            free = torch.nonzero(self.pos < 0).flatten()
         return free[:t]
+
+    def _settle(self) -> None:
+        if self.capacity > self.base_capacity:  # resident rows (< sink + window) always fit
+            self._resize_slots(self.base_capacity)
 
     def _key_count(self) -> int:
         return self.capacity
@@ -256,13 +352,81 @@ class SinkWindowCache(SlotKVCache):
         n = int(dead.sum())
         if n:
             self.pos[dead] = -1
+            self.store.evict(torch.nonzero(dead).flatten())
         return n
 
     def _sink_shift(self) -> SinkShift | None:
         return SinkShift(self.max_context, self.sink, self.sink + self.window - 1)
 
 
-def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int) -> SlotKVCache:
+class DLMRestoreCache(SinkWindowCache):
+    """sink_window's resident positions; every evicted position is restored for each step.
+
+    Resident memory is exactly sink_window's. The step's queries attend causally to every
+    resident key and to the evicted positions [sink, next_position - window], whose K/V a
+    RestoreSource computes for that step only (restore.py; the backend fetches them layer by
+    layer). Nothing leaves attention, so `commit` reports no dropped positions; the cache
+    counts evictions from the resident store in `evicted_total`. It keeps the token ids of
+    the history (int32, 4 bytes a token; not K/V, not in `nbytes`) because the proposer
+    re-reads them every step. Attention is the `full` one, so the history is limited to
+    the trained context as for `full` (no sink re-anchoring).
+    """
+
+    def __init__(self, geometry: CacheGeometry, sink: int, window: int, max_step: int, max_context: int, *,
+                 restore_from: str = "verifier", restore_source=None, **store):
+        super().__init__(geometry, sink, window, max_step, max_context, **store)
+        self.restore_from = restore_from
+        self.restore_source = restore_source  # None: the backend resolves `restore_from` itself
+        self.evicted_total = 0
+        self._tokens = torch.zeros(256, dtype=torch.int32, device=self.pos.device)
+
+    def _allowed(self, qp, kp):
+        return (kp >= 0) & (kp <= qp)
+
+    def _sink_shift(self) -> SinkShift | None:
+        return None
+
+    def _dropped(self, evicted: int) -> int:
+        self.evicted_total += evicted
+        return 0
+
+    def prepare(self, positions: torch.Tensor, ids: torch.Tensor | None = None) -> AttentionLayout:
+        # Checked before any slot is taken, so a refused step leaves the cache untouched.
+        if ids is None or ids.numel() != positions.numel():
+            raise ValueError("a dlm_restore cache needs the step's token ids: call prepare(positions, ids)")
+        if positions.numel() and int(positions[-1]) >= self.max_context:
+            raise ValueError(
+                f"position {int(positions[-1])} is past the model's context of {self.max_context}; dlm_restore attends "
+                "to the whole history like `full`, so sessions stop at the trained context"
+            )
+        return super().prepare(positions, ids)
+
+    def _restore_plan(self, positions: torch.Tensor, ids: torch.Tensor | None) -> RestorePlan:
+        end = int(positions[-1]) + 1
+        if end > self._tokens.numel():
+            grown = self._tokens.new_zeros(max(end, 2 * self._tokens.numel()))
+            grown[: self._tokens.numel()] = self._tokens
+            self._tokens = grown
+        self._tokens[int(positions[0]) : end] = ids.to(self._tokens.dtype)
+        last_evicted = self.next_position - self.window  # as _evict_dead left it at the last commit
+        evicted = torch.arange(self.sink, max(self.sink, last_evicted + 1), device=self.pos.device)
+        qp, kp = positions[:, None], evicted[None, :]
+        masks = {}
+        for w in set(self.geometry.layer_windows):
+            masks[w] = (kp <= qp) if w is None else (kp > qp - w)
+        return RestorePlan(self._tokens[:end].long(), evicted, masks)
+
+
+def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int,
+               restore_source=None) -> SlotKVCache:
+    """The resident cache `strategy` names, storing rows as `strategy.compressor` says.
+
+    restore_source: for dlm_restore, the RestoreSource to use; None lets the backend use
+    `strategy.restore_from` ("verifier" = the model itself, f_θ = identity)."""
+    store = dict(compressor=strategy.compressor, q_range=strategy.q_range)
     if strategy.name == "full":
-        return FullKVCache(geometry)
-    return SinkWindowCache(geometry, strategy.sink, strategy.window, max_step, max_context)
+        return FullKVCache(geometry, **store)
+    if strategy.name == "dlm_restore":
+        return DLMRestoreCache(geometry, strategy.sink, strategy.window, max_step, max_context,
+                               restore_from=strategy.restore_from, restore_source=restore_source, **store)
+    return SinkWindowCache(geometry, strategy.sink, strategy.window, max_step, max_context, **store)

@@ -27,6 +27,9 @@ class ServeConfig:
     kv_strategy: str = "sink_window"
     sink: int = 4
     window: int = 1020
+    kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
+    kv_q_range: int = 38  # lattice q_range of the kakeya compressors
+    restore_from: str = "verifier"  # dlm_restore proposer: the verifier itself (f_θ = identity)
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off
@@ -85,7 +88,12 @@ def build_engine(cfg: ServeConfig, model):
         from kv_cache_proposer import load_drafter
 
         drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
-    return Engine(model, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window), prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
+    try:
+        strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window, compressor=cfg.kv_compressor,
+                              q_range=cfg.kv_q_range, restore_from=cfg.restore_from)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
                   drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "")
 
 

@@ -14,9 +14,15 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the gRPC daemon", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--bind", default=d.bind, help="HOST:PORT for gRPC (port 0 = pick a free one)")
     p.add_argument("--model", default=d.model, help="pulled model name or a local HF model directory")
-    p.add_argument("--kv-strategy", default=d.kv_strategy, choices=("full", "sink_window"))
-    p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (sink_window)")
-    p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (sink_window)")
+    p.add_argument("--kv-strategy", default=d.kv_strategy, choices=("full", "sink_window", "dlm_restore"),
+                   help="dlm_restore: sink_window's resident cache + every evicted position restored each step")
+    p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (sink_window, dlm_restore)")
+    p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (sink_window, dlm_restore)")
+    p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
+                   help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
+    p.add_argument("--kv-q-range", type=int, default=d.kv_q_range, help="KakeyaLattice q_range (higher = finer, more bytes)")
+    p.add_argument("--restore-from", default=d.restore_from, choices=("verifier",),
+                   help="dlm_restore proposer: verifier = the model itself, cache-free (reproduces full)")
     p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; LRU-evicts beyond")
     p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session is evicted (0 = never)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
@@ -37,6 +43,9 @@ def _run_serve(args) -> int:
         kv_strategy=args.kv_strategy,
         sink=args.sink,
         window=args.window,
+        kv_compressor=args.kv_compressor,
+        kv_q_range=args.kv_q_range,
+        restore_from=args.restore_from,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:  # ImportError: kakeyalattice missing
         print(f"kakeya: error: {e}", file=sys.stderr)
         return 2
 

@@ -169,7 +169,7 @@ class HttpShim:
         st = e.strategy
         # Longest prompt the model attends to in full: past it sink_window would silently drop
         # the prompt's middle, and `full` has no room left to generate.
-        self.prompt_limit = min(e.max_context - 1, st.sink + st.window) if st.bounded else e.max_context - 1
+        self.prompt_limit = min(e.max_context - 1, st.sink + st.window) if st.forgets else e.max_context - 1
 
     def app(self) -> FastAPI:
         app = FastAPI(title="kakeya deprecated OpenAI-style shim", docs_url=None, redoc_url=None, openapi_url=None)

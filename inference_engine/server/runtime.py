@@ -148,7 +148,7 @@ class Runtime:
             kv_strategy=st.name,
             sink=st.sink if st.bounded else 0,
             window=st.window if st.bounded else 0,
-            compressor="identity",
+            compressor=st.compressor,
             max_context=spec.max_context,
             backend="torch",
             device=str(e.model.device),

@@ -325,10 +325,17 @@ def test_model_without_tokenizer_refuses_to_start():
         start_http_shim(rt, _bare_shim_cfg(d))
 
 
-def test_tokenizer_of_another_model_refuses_to_start():
-    rt = Runtime(make_engine(vocab_size=128))
+def test_tokenizer_of_another_model_refuses_to_start(tmp_path):
+    import shutil
+
+    # A 128-token model directory carrying the 259-token tokenizer of another model.
+    d = make_tiny_model("llama", tmp_path / "mismatched", vocab_size=128)
+    for f in text_model_dir().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, d / f.name)
+    rt = Runtime(make_engine(model_path=str(d)))
     with pytest.raises(ConfigError, match="do not belong together"):
-        start_http_shim(rt, _bare_shim_cfg(text_model_dir()))
+        start_http_shim(rt, _bare_shim_cfg(d))
 
 
 def test_model_without_chat_template_serves_completions_only():

@@ -117,6 +117,7 @@ class TorchCausalLM:
             L.q_norm = self._norm_weight(a.q_norm.weight) if spec.qk_norm else None
             L.k_norm = self._norm_weight(a.k_norm.weight) if spec.qk_norm else None
             self.layers.append(L)
+        self._verifier_source = None
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "TorchCausalLM":
@@ -168,49 +169,115 @@ class TorchCausalLM:
 
         logits: "all" -> (T, V), "last" -> (1, V), "none" -> None. Also returns the final
         normed hidden states (T, H) (the LM head's input), which drafters condition on.
+        restored: a RestoreSource (kv/restore.py) for a dlm_restore cache; None = the
+        cache's own source, else its `restore_from` ("verifier": this model, f_θ = identity).
         """
         s = self.spec
-        layout: AttentionLayout = cache.prepare(positions)
-        x = F.embedding(ids, self.embed)
-        if s.embed_scale != 1.0:
-            x = x * torch.tensor(s.embed_scale, dtype=x.dtype)
-        ropes = self._rope_tables(positions, x)
-        sink_rope = self._sink_rope(layout, x)
-        t = ids.numel()
-        nq, nkv, hd = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
-        for i, L in enumerate(self.layers):
-            h = self._rms(x, L.ln_in)
-            qkv = F.linear(h, L.wqkv, L.bqkv)
-            q = qkv[:, :nq].view(t, s.num_heads, hd).transpose(0, 1)
-            k = qkv[:, nq:nq + nkv].view(t, s.num_kv_heads, hd).transpose(0, 1)
-            v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, hd).transpose(0, 1)
-            if s.qk_norm:
-                q, k = self._rms(q, L.q_norm), self._rms(k, L.k_norm)
-            cos, sin = ropes[s.layer_rope[i]]
-            q_pre = q
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            k_all, v_all = cache.update_and_fetch(i, k.contiguous(), v.contiguous())
-            mask = layout.masks[s.layer_windows[i]]
-            if sink_rope is not None and s.layer_windows[i] is None:
-                o = self._attend_with_sink_shift(q, q_pre, k_all, v_all, mask, layout, sink_rope[s.layer_rope[i]])
-            else:
-                o = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=mask, scale=s.attn_scale, enable_gqa=True)[0]
-            o = F.linear(o.transpose(0, 1).reshape(t, nq), L.wo)
-            if s.gemma_norms:
-                x = x + self._rms(o, L.ln_post_attn)
-                h = self._rms(x, L.ln_pre_ff)
-            else:
-                x = x + o
-                h = self._rms(x, L.ln_post_attn)
-            gu = F.linear(h, L.w_gate_up)
-            inter = gu.shape[-1] // 2
-            m = F.linear(self.act(gu[:, :inter]) * gu[:, inter:], L.w_down)
-            x = x + (self._rms(m, L.ln_post_ff) if s.gemma_norms else m)
+        layout: AttentionLayout = cache.prepare(positions, ids)
+        plan = layout.restore
+        step = None
+        if plan is not None and plan.positions.numel():
+            step = self._restore_source(cache, restored).open_step(plan.history, plan.positions)
+        try:
+            x = self._embed(ids)
+            ropes = self._rope_tables(positions, x)
+            sink_rope = self._sink_rope(layout, x)
+            restored_ropes = self._rope_tables(plan.positions, x) if step is not None else None
+            t = ids.numel()
+            for i, L in enumerate(self.layers):
+                q, k, v = self._project(L, self._rms(x, L.ln_in))
+                q_pre = self._rms(q, L.q_norm) if s.qk_norm else q
+                cos, sin = ropes[s.layer_rope[i]]
+                q = self._rotate(q_pre, cos, sin)
+                k = self._position_keys(L, k, cos, sin)
+                k_all, v_all = cache.update_and_fetch(i, k.contiguous(), v.contiguous())
+                mask = layout.masks[s.layer_windows[i]]
+                if step is not None:
+                    # Restored K/V live from here to the end of this layer's attention only.
+                    k_all, v_all, mask = self._with_restored(i, L, step, plan, restored_ropes, k_all, v_all, mask)
+                if sink_rope is not None and s.layer_windows[i] is None:
+                    o = self._attend_with_sink_shift(q, q_pre, k_all, v_all, mask, layout, sink_rope[s.layer_rope[i]])
+                else:
+                    o = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=mask, scale=s.attn_scale, enable_gqa=True)[0]
+                del k_all, v_all
+                x = self._finish_layer(L, x, o.transpose(0, 1).reshape(t, -1))
+        finally:
+            if step is not None:
+                step.close()
         hidden = self._rms(x, self.final_norm)
         if logits == "none":
             return None, hidden
         out = hidden[-1:] if logits == "last" else hidden
         return F.linear(out, self.lm_head).float(), hidden
+
+    # -- layer pieces, shared by forward and the same-model restore proposer -------------
+    def _embed(self, ids):
+        x = F.embedding(ids, self.embed)
+        if self.spec.embed_scale != 1.0:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        return x
+
+    def _project(self, L, h):
+        """h (T, hidden) -> q (H, T, D), k, v (Hkv, T, D): raw projections, pre-norm, pre-RoPE."""
+        s, t = self.spec, h.shape[0]
+        nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        qkv = F.linear(h, L.wqkv, L.bqkv)
+        q = qkv[:, :nq].view(t, s.num_heads, s.head_dim).transpose(0, 1)
+        k = qkv[:, nq:nq + nkv].view(t, s.num_kv_heads, s.head_dim).transpose(0, 1)
+        v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, s.head_dim).transpose(0, 1)
+        return q, k, v
+
+    def _position_keys(self, L, k, cos, sin):
+        """Raw k -> the keys attention reads: the layer's k_norm, then RoPE at the keys' positions."""
+        if self.spec.qk_norm:
+            k = self._rms(k, L.k_norm)
+        return self._rotate(k, cos, sin)
+
+    def _finish_layer(self, L, x, o):
+        """Attention output o (T, H*D) -> residual stream after the output projection and MLP."""
+        s = self.spec
+        o = F.linear(o, L.wo)
+        if s.gemma_norms:
+            x = x + self._rms(o, L.ln_post_attn)
+            h = self._rms(x, L.ln_pre_ff)
+        else:
+            x = x + o
+            h = self._rms(x, L.ln_post_attn)
+        gu = F.linear(h, L.w_gate_up)
+        inter = gu.shape[-1] // 2
+        m = F.linear(self.act(gu[:, :inter]) * gu[:, inter:], L.w_down)
+        return x + (self._rms(m, L.ln_post_ff) if s.gemma_norms else m)
+
+    # -- dlm_restore -------------------------------------------------------------------
+    def verifier_restore_source(self) -> "VerifierRestoreSource":
+        if self._verifier_source is None:
+            self._verifier_source = VerifierRestoreSource(self)
+        return self._verifier_source
+
+    def _restore_source(self, cache, restored):
+        source = restored if restored is not None else getattr(cache, "restore_source", None)
+        if source is not None:
+            return source
+        name = getattr(cache, "restore_from", None)
+        if name == "verifier":
+            return self.verifier_restore_source()
+        raise ValueError(f"this cache restores evicted K/V from {name!r}, which this model cannot supply; pass restored=<RestoreSource>")
+
+    def _with_restored(self, i, L, step, plan, restored_ropes, k_all, v_all, mask):
+        """Prepend the restored K/V of layer i (those any query of the step may see) to the resident keys."""
+        s = self.spec
+        k_r, v_r = step.kv_for_layer(i)  # (Hkv, E, D) pre-norm, pre-RoPE
+        r_mask = plan.masks[s.layer_windows[i]]
+        visible = r_mask.any(0)
+        if not bool(visible.any()):  # a local layer whose window lies inside the resident keys
+            return k_all, v_all, mask
+        cos, sin = restored_ropes[s.layer_rope[i]]
+        if not bool(visible.all()):
+            idx = visible.nonzero().flatten()
+            k_r, v_r, r_mask, cos, sin = k_r[:, idx], v_r[:, idx], r_mask[:, idx], cos[:, idx], sin[:, idx]
+        k_r = self._position_keys(L, k_r, cos, sin)
+        return (torch.cat([k_r.to(k_all.dtype), k_all], 1), torch.cat([v_r.to(v_all.dtype), v_all], 1),
+                torch.cat([r_mask, mask], 1))
 
     # -- positions past the trained context (SinkWindowCache docstring) ----------------
     def _sink_rope(self, layout: AttentionLayout, x):
@@ -232,3 +299,63 @@ class TorchCausalLM:
         shifted = (layout.positions[:, None] >= shift.from_position) & (kp >= 0) & (kp < shift.sink)
         scores = torch.where(shifted, sink_scores, scores).masked_fill(~mask, float("-inf"))
         return torch.softmax(scores.float(), -1).to(v_all.dtype) @ vx
+
+
+class VerifierRestoreSource:
+    """Same-model restoration (f_θ = identity): the verifier itself, run causally and without a
+    cache over the history up to the last evicted position, one layer per `kv_for_layer`
+    call. Causality makes its K/V at every evicted position the ones `full` would hold."""
+
+    name = "verifier"
+
+    def __init__(self, model: TorchCausalLM):
+        self.model = model
+
+    def open_step(self, history: torch.Tensor, evicted: torch.Tensor) -> "_VerifierRestoreStep":
+        return _VerifierRestoreStep(self.model, history, evicted)
+
+
+class _VerifierRestoreStep:
+    """The proposer's residual stream over positions 0..last evicted, advanced one layer per call."""
+
+    def __init__(self, model: TorchCausalLM, history: torch.Tensor, evicted: torch.Tensor):
+        self.model = model
+        n = int(evicted[-1]) + 1
+        self.n = n
+        self.evicted = evicted.to(model.device)
+        self.x = model._embed(history[:n].to(model.device))  # (n, hidden)
+        self.ropes = model._rope_tables(torch.arange(n, device=model.device), self.x)
+        self.local_masks = {}  # sliding window -> (n, n) causal band, built once per step
+        self.next_layer = 0
+
+    def kv_for_layer(self, layer: int):
+        m, s = self.model, self.model.spec
+        if self.x is None or layer != self.next_layer:
+            raise RuntimeError(f"restore step asked for layer {layer}, expected {self.next_layer} (layers run in order, once)")
+        L = m.layers[layer]
+        q, k, v = m._project(L, m._rms(self.x, L.ln_in))
+        k_out, v_out = k[:, self.evicted], v[:, self.evicted]  # (Hkv, E, D) pre-norm, pre-RoPE
+        self.next_layer += 1
+        if self.next_layer == s.num_layers:  # nothing reads the last layer's output
+            self.close()
+            return k_out, v_out
+        cos, sin = self.ropes[s.layer_rope[layer]]
+        q = m._rotate(m._rms(q, L.q_norm) if s.qk_norm else q, cos, sin)
+        k = m._position_keys(L, k, cos, sin)
+        w = s.layer_windows[layer]
+        if w is None:
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=s.attn_scale, enable_gqa=True)[0]
+        else:
+            if w not in self.local_masks:
+                p = torch.arange(self.n, device=m.device)
+                self.local_masks[w] = (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - w)  # (n, n)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=self.local_masks[w], scale=s.attn_scale,
+                                               enable_gqa=True)[0]
+        del q, k, v
+        self.x = m._finish_layer(L, self.x, o.transpose(0, 1).reshape(self.n, -1))
+        return k_out, v_out
+
+    def close(self) -> None:
+        self.x = None
+        self.ropes = None
+        self.local_masks = {}

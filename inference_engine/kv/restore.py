@@ -1,0 +1,49 @@
+"""dLM K/V restoration (ADR 0008 §11.5): the seam between a proposer and the verifier's attention.
+
+At every verifier step of a `dlm_restore` cache, the positions that left the resident
+sink+window are restored for that step only. The verifier's forward asks a RestoreSource for
+one `RestoreStep`, then, layer by layer and just before that layer's attention, asks the step
+for the layer's K/V at the evicted positions; the verifier attends over resident ⊕ restored
+and drops the restored tensors before the next layer, so at most one layer's restored K/V is
+alive at a time. The step is closed (its proposer state freed) when the forward ends.
+
+K/V crossing the seam are in the verifier's *pre-norm, pre-RoPE* space: K as the verifier's
+k_proj would emit it, V as its v_proj would. The verifier applies its own k_norm and RoPE at
+the true positions. So a proposer of another shape plugs in as
+    proposer hidden / K/V  --f_θ(layer)-->  verifier-shaped pre-RoPE K, V
+and the same-model proposer (the verifier run causally without cache, f_θ = identity)
+returns its own projections unchanged.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class RestoreStep(Protocol):
+    """One verifier step's restoration; `kv_for_layer` is called for layers 0, 1, ... in order."""
+
+    def kv_for_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v), each (Hkv, E, D): pre-norm, pre-RoPE K and V at the step's evicted positions."""
+        ...
+
+    def close(self) -> None:
+        """Free everything the step holds; called once, also when the forward fails."""
+        ...
+
+
+@runtime_checkable
+class RestoreSource(Protocol):
+    """Opens a RestoreStep per verifier step. Holds no per-session state between steps."""
+
+    name: str
+
+    def open_step(self, history: torch.Tensor, evicted: torch.Tensor) -> RestoreStep:
+        """history: (n,) token ids of every position before and in this step (the proposer
+        may read all of it); evicted: (E,) ascending positions whose K/V the step must restore."""
+        ...
+
+
+RESTORE_FROM = ("verifier",)  # "drafter" (cross-model, learned f_θ) plugs in here later
