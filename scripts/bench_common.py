@@ -7,6 +7,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,3 +42,26 @@ def write_json(path: pathlib.Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+class PeakRSS:
+    """Context manager sampling this process's RSS every `interval` s; .peak = max seen inside."""
+
+    def __init__(self, interval: float = 0.02):
+        import psutil
+
+        self.proc, self.peak, self.interval, self._stop = psutil.Process(), 0, interval, threading.Event()
+
+    def __enter__(self):
+        self.peak = self.proc.memory_info().rss
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()

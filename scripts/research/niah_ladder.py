@@ -17,11 +17,10 @@ import argparse
 import os
 import random
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from bench_common import ROOT, PeakRSS, run_metadata, write_json  # noqa: E402
 
 EVAL_SEED = 20261122
 EVAL_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -57,29 +56,6 @@ def make_sample(tok, n_tokens: int, rng: random.Random):
     k = rng.randint(0, reps)
     ids = tok(EVAL_INTRO + EVAL_FILLER * k + needle + EVAL_FILLER * (reps - k) + EVAL_QUESTION, add_special_tokens=False)["input_ids"]
     return ids, key, k / reps
-
-
-class PeakRSS:
-    """Samples this process's RSS every 20 ms; .peak is the max since start()."""
-
-    def __init__(self):
-        import psutil
-
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-    def __enter__(self):
-        self.peak = self.proc.memory_info().rss
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
 
 
 def attention_fraction(arm_cfg, history: int) -> float:

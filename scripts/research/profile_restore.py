@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from bench_common import ROOT, PeakRSS, run_metadata, write_json  # noqa: E402
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
           "A quiet river runs past the old mill, and the miller counts the sacks of flour twice. ")
@@ -89,27 +88,6 @@ class TimedSource:
         return Step()
 
 
-class PeakRSS:
-    def __init__(self):
-        import psutil
-
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-    def __enter__(self):
-        self.peak = self.proc.memory_info().rss
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -162,7 +140,7 @@ def main() -> int:
             prefill_s = time.perf_counter() - t0
             token = int(logits[-1].argmax())
             steps = []
-            with PeakRSS() as mem:
+            with PeakRSS(0.005) as mem:
                 for s in range(args.steps + 1):  # the first step warms up and is not reported
                     clock.reset()
                     sync()
