@@ -2,7 +2,7 @@
 import torch
 
 from factories import make_engine
-from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
+from inference_engine.engine.events import HistoryTruncated, TokenGenerated
 from inference_engine.engine.generate import GenerateParams
 from inference_engine.engine.sampling import SamplingParams
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from factories import load_model, make_engine, smollm2_dir, tiny_model_dir
+from factories import make_engine, smollm2_dir, tiny_model_dir
 from inference_engine.engine.generate import GenerateParams
 from inference_engine.engine.events import TokenGenerated
 

@@ -6,7 +6,7 @@ from scipy.stats import chisquare
 import inference_engine.engine.generate as generate_mod
 from drafters import HashDrafter, SelfDrafter
 from factories import load_model, tiny_model_dir
-from inference_engine.engine.events import GenerationDone, TokenGenerated
+from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.engine.sampling import SamplingParams, target_distribution
 from inference_engine.kv.resident import KVStrategy

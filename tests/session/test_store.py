@@ -120,7 +120,6 @@ def test_one_generation_per_session_at_a_time():
     s, _ = store()
     a = s.create([1])
     order = []
-    entered = threading.Event()
 
     def second():
         with s.generation(a.id):
