@@ -67,7 +67,7 @@ class Engine:
     """One model, one KV strategy; many sessions' states. Thread-safe at step granularity."""
 
     def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
-                 drafter=None, spec_k: int = 0, drafter_name: str = ""):
+                 drafter=None, spec_k: int = 0, drafter_name: str = "", restore_source=None):
         if spec_k and drafter is None:
             raise ValueError("spec_k > 0 needs a drafter")
         if spec_k < 0 or spec_k >= prefill_chunk:
@@ -78,6 +78,9 @@ class Engine:
         self.drafter = drafter if spec_k else None
         self.spec_k = spec_k
         self.drafter_name = drafter_name if self.drafter is not None else ""
+        if strategy.name == "dlm_restore" and strategy.restore_from != "verifier" and restore_source is None:
+            raise ValueError(f"dlm_restore from {strategy.restore_from!r} needs a restore_source")
+        self.restore_source = restore_source  # dlm_restore's cross-model proposer (None: the model's own)
         # One forward at a time: concurrent sessions interleave step by step.
         self._step_lock = threading.Lock()
         if max_threads:
@@ -93,7 +96,8 @@ class Engine:
         return self.model.spec.vocab_size
 
     def new_session_kv(self) -> SessionKV:
-        cache = make_cache(self.strategy, self.model.geometry(), max_step=self.prefill_chunk, max_context=self.max_context)
+        cache = make_cache(self.strategy, self.model.geometry(), max_step=self.prefill_chunk, max_context=self.max_context,
+                           restore_source=self.restore_source)
         keep = self.drafter.context_window if self.drafter is not None and self.drafter.uses_verifier_hidden else 0
         return SessionKV(cache, hidden_keep=keep)
 

@@ -46,4 +46,7 @@ class RestoreSource(Protocol):
         ...
 
 
-RESTORE_FROM = ("verifier",)  # "drafter" (cross-model, learned f_θ) plugs in here later
+# "verifier": same-model (the backend's own VerifierRestoreSource, f_θ = identity);
+# "drafter": cross-model, the shipped dLM drafter + its learned f_θ (kv_cache_proposer/restore.py),
+# built by the server and handed to the cache as its restore_source.
+RESTORE_FROM = ("verifier", "drafter")

@@ -29,7 +29,7 @@ class ServeConfig:
     window: int = 1020
     kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
     kv_q_range: int = 38  # lattice q_range of the kakeya compressors
-    restore_from: str = "verifier"  # dlm_restore proposer: the verifier itself (f_θ = identity)
+    restore_from: str = "verifier"  # dlm_restore proposer: verifier (same-model) | drafter (cross-model, needs `drafter`)
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off
@@ -93,8 +93,28 @@ def build_engine(cfg: ServeConfig, model):
                               q_range=cfg.kv_q_range, restore_from=cfg.restore_from)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    restore_source = None
+    if strategy.name == "dlm_restore" and strategy.restore_from == "drafter":
+        restore_source = drafter_restore_source(cfg, model, drafter)
     return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
-                  drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "")
+                  drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",
+                  restore_source=restore_source)
+
+
+def drafter_restore_source(cfg: ServeConfig, model, drafter):
+    """Cross-model restoration: the drafter named by --drafter plus the f_θ shipped with it."""
+    if drafter is None:
+        raise ConfigError("--restore-from drafter needs --drafter NAME (a drafter checkpoint that ships its f_θ)")
+    from kv_cache_proposer.restore import DrafterRestoreSource, check_compatible, load_projection
+
+    try:
+        proj = load_projection(cfg.drafter, device=cfg.device)
+        s = model.spec
+        check_compatible(proj, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                         hidden=s.hidden_size, drafter=drafter)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    return DrafterRestoreSource(drafter, proj, cfg.drafter)
 
 
 def build_runtime(cfg: ServeConfig, model=None) -> Runtime:

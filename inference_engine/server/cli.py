@@ -21,8 +21,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-q-range", type=int, default=d.kv_q_range, help="KakeyaLattice q_range (higher = finer, more bytes)")
-    p.add_argument("--restore-from", default=d.restore_from, choices=("verifier",),
-                   help="dlm_restore proposer: verifier = the model itself, cache-free (reproduces full)")
+    p.add_argument("--restore-from", default=d.restore_from, choices=("verifier", "drafter"),
+                   help="dlm_restore proposer: verifier = the model itself, cache-free (reproduces full); "
+                        "drafter = the --drafter checkpoint and its learned f_θ (cross-model)")
     p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; LRU-evicts beyond")
     p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session is evicted (0 = never)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
@@ -32,7 +33,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="tokens per prefill forward (bounds peak memory)")
     p.add_argument("--drafter", default=None, help="dLM drafter (shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir): speculative decoding")
-    p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter)")
+    p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used only by --restore-from drafter)")
     p.set_defaults(func=_run_serve)
 
 

@@ -197,8 +197,11 @@ def test_history_stops_at_the_trained_context():
 
 
 def test_unknown_restore_source_is_rejected():
-    with pytest.raises(ValueError, match="restore_from 'drafter'"):
-        KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter")
+    with pytest.raises(ValueError, match="restore_from 'oracle'"):
+        KVStrategy("dlm_restore", SINK, WINDOW, restore_from="oracle")
+    m = model()
+    with pytest.raises(ValueError, match="needs a restore_source"):  # cross-model without its proposer
+        Engine(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter"))
 
 
 @pytest.mark.model
