@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import random
 import sys
 import time
@@ -38,7 +39,11 @@ ARMS = {
     "sink_window_4+1020+kakeya_e8": dict(kv_strategy="sink_window", sink=4, window=1020, kv_compressor="kakeya_e8"),
     "dlm_restore_same_4+64": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="verifier"),
     "dlm_restore_same_4+64+kakeya_e8": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="verifier", kv_compressor="kakeya_e8"),
-    "dlm_restore_cross_4+64": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter", drafter="smollm2-135m-dlm"),
+    "dlm_restore_cross_4+64": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter", drafter="smollm2-135m-dlm",
+                                   spec_k=0),
+    "dlm_restore_cross_4+64+kakeya_e8": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
+                                             drafter="smollm2-135m-dlm", spec_k=0, kv_compressor="kakeya_e8"),
+    "sink_window_4+64+kakeya_e8": dict(kv_strategy="sink_window", sink=4, window=64, kv_compressor="kakeya_e8"),
 }
 
 
@@ -58,6 +63,33 @@ def make_sample(tok, n_tokens: int, rng: random.Random):
     return ids, key, k / reps
 
 
+def restore_fidelity(model, source, samples, sink: int, window: int) -> dict:
+    """Per-layer relative MSE of the restored K and V against the verifier's own (pre-RoPE) K/V at the
+    positions a decode step after the prompt restores: [sink, n - window]."""
+    import torch
+
+    from kv_cache_proposer.training.restore_data import rel_mse, verifier_kv
+
+    s = model.spec
+    kv_dim = s.num_kv_heads * s.head_dim
+    ks, vs = torch.zeros(s.num_layers), torch.zeros(s.num_layers)
+    for ids, _, _ in samples:
+        hist = torch.tensor(ids)
+        evicted = torch.arange(sink, len(ids) - window + 1)
+        true = verifier_kv(model, hist[: int(evicted[-1]) + 1])[:, sink:]
+        step = source.open_step(hist, evicted)
+        got = []
+        for layer in range(s.num_layers):
+            k, v = step.kv_for_layer(layer)
+            got.append(torch.cat([k.transpose(0, 1).reshape(evicted.numel(), -1), v.transpose(0, 1).reshape(evicted.numel(), -1)], -1))
+        step.close()
+        rk, rv = rel_mse(torch.stack(got).float(), true.float(), kv_dim)
+        ks += rk / len(samples)
+        vs += rv / len(samples)
+    return {"samples": len(samples), "k_rel_mse_mean": float(ks.mean()), "v_rel_mse_mean": float(vs.mean()),
+            "k_rel_mse_per_layer": [round(float(x), 4) for x in ks], "v_rel_mse_per_layer": [round(float(x), 4) for x in vs]}
+
+
 def attention_fraction(arm_cfg, history: int) -> float:
     if arm_cfg.kv_strategy in ("full", "dlm_restore"):
         return 1.0  # dlm_restore attends resident + restored = every position
@@ -73,8 +105,16 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-seconds-per-arm-rung", type=float, default=0, help="stop a cell early (recorded) after this long; 0 = never")
+    ap.add_argument("--arm-seconds", default="", help="per-arm cell time limits overriding the default: ARM=SECONDS,...")
+    ap.add_argument("--skip", default="", help="cells not run (recorded as skipped): ARM@RUNG,...")
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--fidelity-samples", type=int, default=1,
+                    help="cross-model arms: samples per rung whose restored K/V are compared with the verifier's (per-layer rel-MSE)")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "niah_ladder.json"))
+    ap.add_argument("--merge", default="", help="only combine these ladder JSONs (comma-separated) into --out")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge.split(","), args.out)
 
     import dataclasses
 
@@ -86,7 +126,9 @@ def main() -> int:
     from inference_engine.server.app import ServeConfig, build_runtime, load_model, start
 
     torch.set_num_threads(args.threads)
-    base = ServeConfig(bind="127.0.0.1:0", model=args.model, threads=args.threads, capacity=2)
+    base = ServeConfig(bind="127.0.0.1:0", model=args.model, threads=args.threads, capacity=2, prefill_chunk=args.prefill_chunk)
+    arm_seconds = {a: float(s) for a, s in (x.split("=") for x in args.arm_seconds.split(",") if x)}
+    skip = set(x for x in args.skip.split(",") if x)
     model = load_model(base)
     tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
     rungs = [int(r) for r in args.rungs.split(",")]
@@ -108,8 +150,13 @@ def main() -> int:
             print(f"{arm}: not run ({results[arm]['reason']})", flush=True)
             continue
         results[arm] = {"status": "ok", "config": overrides, "rungs": {}}
+        limit = arm_seconds.get(arm, args.max_seconds_per_arm_rung)
         with kakeya.Client(f"127.0.0.1:{server.port}") as client:
             for n in rungs:
+                if f"{arm}@{n}" in skip:
+                    results[arm]["rungs"][str(n)] = {"status": "skipped", "reason": "--skip (CPU time: see the note in the JSON)"}
+                    print(f"{arm} @ {n}: skipped", flush=True)
+                    continue
                 hits, ttfts, rates, kv_bytes, rows = 0, [], [], [], []
                 t_cell = time.perf_counter()
                 with PeakRSS() as mem:
@@ -125,7 +172,7 @@ def main() -> int:
                         dec = r.total_seconds - r.time_to_first_token_seconds
                         rates.append((r.generated_tokens - 1) / dec if r.generated_tokens > 1 and dec > 0 else 0.0)
                         rows.append({"key": key, "depth": round(depth, 3), "hit": hit, "answer": answer, "prompt_tokens": len(ids)})
-                        if args.max_seconds_per_arm_rung and time.perf_counter() - t_cell > args.max_seconds_per_arm_rung:
+                        if limit and time.perf_counter() - t_cell > limit:
                             break
                 done = len(rows)
                 cell = {
@@ -137,31 +184,65 @@ def main() -> int:
                     "decode_tok_s_median": sorted(rates)[done // 2],
                     "attention_fraction": attention_fraction(cfg, n),
                     "seconds": time.perf_counter() - t_cell,
+                    "time_limit_s": limit,
                     "rows": rows,
                 }
+                source = getattr(server.runtime.engine, "restore_source", None)
+                if source is not None and args.fidelity_samples:  # not timed: after the cell
+                    cell["restore_fidelity"] = restore_fidelity(model, source, samples[n][: args.fidelity_samples], cfg.sink, cfg.window)
+                    f = cell["restore_fidelity"]
+                    print(f"    restored K/V vs verifier: K rel-MSE {f['k_rel_mse_mean']:.3f}  V {f['v_rel_mse_mean']:.3f}", flush=True)
                 results[arm]["rungs"][str(n)] = cell
                 print(f"{arm} @ {n}: recall {hits}/{done}  kv {cell['kv_live_bytes_max'] / 1e6:.1f} MB  ttft {cell['ttft_s_median']:.2f}s  "
                       f"decode {cell['decode_tok_s_median']:.1f} tok/s  ({cell['seconds']:.0f}s)", flush=True)
         server.stop()
 
+    meta = run_metadata(vars(args) | {"eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
+    finish(pathlib.Path(args.out), meta, results)
+    return 0
+
+
+def vs_full(results: dict) -> dict:
+    """Per arm and rung: recall minus full's (all samples, and on the samples both ran) and decode speed over full's."""
     ratios = {}
     if results.get("full", {}).get("status") == "ok":
+        full = results["full"]["rungs"]
         for arm, r in results.items():
             if r.get("status") != "ok":
                 continue
-            ratios[arm] = {
-                n: {
-                    "recall_minus_full": c["recall"] - results["full"]["rungs"][n]["recall"],
-                    "decode_tok_s_over_full": c["decode_tok_s_median"] / max(1e-9, results["full"]["rungs"][n]["decode_tok_s_median"]),
+            ratios[arm] = {}
+            for n, c in r["rungs"].items():
+                if n not in full or "recall" not in c or "recall" not in full[n]:
+                    continue
+                common = min(c["samples"], full[n]["samples"])  # every arm runs the same samples in the same order
+                ratios[arm][n] = {
+                    "recall_minus_full": c["recall"] - full[n]["recall"],
+                    "common_samples": common,
+                    "recall_minus_full_on_common_samples": (sum(x["hit"] for x in c["rows"][:common])
+                                                            - sum(x["hit"] for x in full[n]["rows"][:common])) / common,
+                    "decode_tok_s_over_full": c["decode_tok_s_median"] / max(1e-9, full[n]["decode_tok_s_median"]),
                 }
-                for n, c in r["rungs"].items() if n in results["full"]["rungs"]
-            }
-    meta = run_metadata(vars(args) | {"eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
-    import pathlib
+    return ratios
 
-    out = pathlib.Path(args.out)
-    write_json(out, meta | {"arms": results, "vs_full": ratios})
+
+def finish(out, meta: dict, results: dict) -> None:
+    write_json(out, meta | {"arms": results, "vs_full": vs_full(results)})
     plot(results, out.with_suffix(".png"))
+
+
+def merge(parts: list[str], out) -> int:
+    """Combine ladder JSONs run side by side (e.g. two single-thread processes with disjoint arms)."""
+    import json
+
+    docs = [json.loads(pathlib.Path(p).read_text()) for p in parts]
+    results = {}
+    for d in docs:
+        results.update(d["arms"])
+    meta = {k: v for k, v in docs[0].items() if k not in ("arms", "vs_full")}
+    meta["parts"] = [{"file": p, "command": d.get("command"), "commit": d.get("commit"), "date_utc": d.get("date_utc"),
+                      "arms": list(d["arms"])} for p, d in zip(parts, docs)]
+    meta["command"] = "scripts/research/niah_ladder.py --merge " + ",".join(parts)
+    finish(pathlib.Path(out), meta, results)
     return 0
 
 
@@ -175,7 +256,7 @@ def plot(results, png):
     for arm, r in results.items():
         if r.get("status") != "ok":
             continue
-        xs = sorted(int(n) for n in r["rungs"])
+        xs = sorted(int(n) for n, c in r["rungs"].items() if "recall" in c)
         axes[0].plot(xs, [r["rungs"][str(n)]["recall"] for n in xs], marker="o", label=arm)
         axes[1].plot(xs, [r["rungs"][str(n)]["kv_live_bytes_max"] / 1e6 for n in xs], marker="o", label=arm)
     axes[0].set(title="passkey recall", xlabel="prompt tokens", ylabel="recall", ylim=(-0.05, 1.05))

@@ -1,12 +1,16 @@
-"""Where a decode step's time goes under dlm_restore (same-model proposer) vs full / sink_window.
+"""Where a decode step's time goes under dlm_restore (same-model and cross-model proposers) vs full / sink_window.
 
 For each history length, each arm prefills a real-text history (chunks of --prefill-chunk)
 and then runs --steps greedy decode steps of one token through TorchCausalLM.forward. Per
 step it records the CPU time of the forward's thread (torch runs single-threaded here, so
 this is the step's compute, robust to other processes on a shared box; `wall_s` is kept
 too), split into:
-  proposer_s        RestoreSource work: the verifier re-run causally over the evicted prefix,
-                    one layer per call (its attention included, also reported alone)
+  proposer_s        RestoreSource work, split into
+                      proposer_open_s    opening the step: same-model = embedding the prefix; cross-model = the
+                                         drafter's block encode of the prefix + f_θ's trunk (ftheta_trunk_s alone)
+                      proposer_layers_s  the per-layer calls: same-model = the verifier's layer re-run causally over
+                                         the evicted prefix (its attention also alone: proposer_attention_s);
+                                         cross-model = f_θ's per-layer heads
   attention_s       the verifier's own attention (SDPA over resident ⊕ restored keys)
   decompress_s      reading K/V back out of a compressed resident store (KakeyaLattice arms)
   other_s           the rest: projections, MLPs, compression of the new rows, masks
@@ -35,6 +39,8 @@ ARMS = {
     "sink_window_4+64": dict(name="sink_window", sink=4, window=64),
     "dlm_restore_4+64": dict(name="dlm_restore", sink=4, window=64),
     "dlm_restore_4+64+kakeya_e8": dict(name="dlm_restore", sink=4, window=64, compressor="kakeya_e8"),
+    "dlm_restore_cross_4+64": dict(name="dlm_restore", sink=4, window=64, restore_from="drafter"),
+    "dlm_restore_cross_4+64+kakeya_e8": dict(name="dlm_restore", sink=4, window=64, restore_from="drafter", compressor="kakeya_e8"),
 }
 
 
@@ -42,7 +48,8 @@ class StepClock:
     """Accumulates time per component; installed around the source, SDPA and the store."""
 
     def __init__(self):
-        self.t = {"proposer_s": 0.0, "proposer_attention_s": 0.0, "attention_s": 0.0, "decompress_s": 0.0}
+        self.t = {"proposer_s": 0.0, "proposer_open_s": 0.0, "proposer_layers_s": 0.0, "ftheta_trunk_s": 0.0,
+                  "proposer_attention_s": 0.0, "attention_s": 0.0, "decompress_s": 0.0}
         self.in_proposer = False
 
     def reset(self):
@@ -67,23 +74,25 @@ class TimedSource:
     def open_step(self, history, evicted):
         clock, outer = self.clock, self
 
-        def enter(fn, *a):
+        def enter(part, fn, *a):
             clock.in_proposer = True
+            t0 = time.thread_time()
             try:
                 return clock.timed("proposer_s", fn, *a)
             finally:
                 clock.in_proposer = False
+                clock.t[part] += time.thread_time() - t0
 
-        step = enter(self.inner.open_step, history, evicted)
+        step = enter("proposer_open_s", self.inner.open_step, history, evicted)
 
         class Step:
             def kv_for_layer(self, layer):
-                k, v = enter(step.kv_for_layer, layer)
+                k, v = enter("proposer_layers_s", step.kv_for_layer, layer)
                 outer.layer_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
                 return k, v
 
             def close(self):
-                enter(step.close)
+                enter("proposer_layers_s", step.close)
 
         return Step()
 
@@ -97,6 +106,7 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1, help="> 1 makes the CPU-time split meaningless; use wall_s then")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--drafter", default="smollm2-135m-dlm", help="cross-model arms: drafter + its shipped f_θ")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "restore_profile.json"))
     args = ap.parse_args()
 
@@ -122,13 +132,24 @@ def main() -> int:
     F.scaled_dot_product_attention = timed_sdpa
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     source = TimedSource(model.verifier_restore_source(), clock)
+    cross = None
+    if any(ARMS[a].get("restore_from") == "drafter" for a in args.arms.split(",")):
+        from kv_cache_proposer import load_drafter
+        from kv_cache_proposer.restore import DrafterRestoreSource, load_projection
+
+        drafter = load_drafter(args.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=args.device)
+        proj = load_projection(args.drafter, device=args.device)
+        trunk = proj.trunk
+        proj.trunk = lambda f: clock.timed("ftheta_trunk_s", trunk, f)
+        cross = TimedSource(DrafterRestoreSource(drafter, proj, args.drafter), clock)
     results = {}
     for n_hist in [int(h) for h in args.histories.split(",")]:
         history = (filler * (n_hist // len(filler) + 1))[:n_hist]
         for arm in args.arms.split(","):
             st = KVStrategy(**ARMS[arm])
+            arm_source = cross if st.restore_from == "drafter" else source
             cache = make_cache(st, model.geometry(), max_step=args.prefill_chunk, max_context=model.spec.max_context,
-                               restore_source=source)
+                               restore_source=arm_source)
             store_fetch = cache.store.fetch
             cache.store.fetch = lambda *a: clock.timed("decompress_s", store_fetch, *a)
             t0 = time.perf_counter()
@@ -169,15 +190,16 @@ def main() -> int:
                 "resident_kv_peak_bytes": cache.peak_nbytes,  # incl. a prefill chunk's transient room
                 "resident_positions": cache.resident_positions,
                 "restored_positions_per_step": evicted,
-                "restored_kv_bytes_one_layer": source.layer_bytes if evicted else 0,
-                "restored_kv_bytes_all_layers_if_held": source.layer_bytes * model.spec.num_layers if evicted else 0,
+                "restored_kv_bytes_one_layer": arm_source.layer_bytes if evicted else 0,
+                "restored_kv_bytes_all_layers_if_held": arm_source.layer_bytes * model.spec.num_layers if evicted else 0,
                 "rss_peak_during_decode_bytes": mem.peak,
             }
-            source.layer_bytes = 0
+            arm_source.layer_bytes = 0
             results.setdefault(str(n_hist), {})[arm] = cell
             m = mean
             print(f"H={n_hist} {arm:28s} step {m['total_s'] * 1e3:8.1f} ms = proposer {m['proposer_s'] * 1e3:8.1f}"
-                  f" (its attention {m['proposer_attention_s'] * 1e3:6.1f}) + attention {m['attention_s'] * 1e3:6.1f}"
+                  f" (open {m['proposer_open_s'] * 1e3:7.1f}, layers {m['proposer_layers_s'] * 1e3:7.1f}, f_θ trunk "
+                  f"{m['ftheta_trunk_s'] * 1e3:6.1f}, its attention {m['proposer_attention_s'] * 1e3:6.1f}) + attention {m['attention_s'] * 1e3:6.1f}"
                   f" + decompress {m['decompress_s'] * 1e3:6.1f} + other {m['other_s'] * 1e3:6.1f};"
                   f" resident {cache.nbytes / 1e6:.2f} MB; prefill {prefill_s:.1f}s", flush=True)
     for h, arms in results.items():
