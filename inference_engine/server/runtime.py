@@ -51,6 +51,7 @@ class ServerInfo:
     idle_ttl_seconds: float
     drafter: str
     spec_k: int
+    restore_from: str = ""
 
 
 class Runtime:
@@ -157,4 +158,12 @@ class Runtime:
             idle_ttl_seconds=self.store.idle_ttl_s,
             drafter=e.drafter_name,
             spec_k=e.spec_k,
+            restore_from=self._restore_from(),
         )
+
+    def _restore_from(self) -> str:
+        st, source = self.engine.strategy, self.engine.restore_source
+        if st.name != "dlm_restore":
+            return ""
+        name = getattr(source, "drafter_name", "") if source is not None else ""
+        return f"{st.restore_from}:{name}" if name else st.restore_from

@@ -208,3 +208,24 @@ def test_copied_checkpoint_without_ftheta_names_the_missing_file(tmp_path):
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(FTHETA_FILE))
     with pytest.raises(FileNotFoundError, match=str(dst)):
         load_projection(str(dst))
+
+
+def test_cross_model_server_reports_its_proposer_and_generates():
+    import kakeya
+    from factories import start_server
+
+    m = verifier()
+    d = tiny_drafter()
+    source = DrafterRestoreSource(d, projection(m, d), "tiny-dlm")
+    cross = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter"), prefill_chunk=16, restore_source=source))
+    same = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16), prefill_chunk=16))
+    try:
+        for srv, want in ((cross, "drafter:tiny-dlm"), (same, "verifier")):
+            with kakeya.Client(f"127.0.0.1:{srv.port}") as c:
+                assert c.server_info().restore_from == want
+                with c.create_session(ids(60, seed=9).tolist(), ignore_eos=True) as s:
+                    assert len(list(s.generate(max_tokens=4))) == 4
+                    assert s.info().kv_live_bytes > 0
+    finally:
+        cross.stop()
+        same.stop()

@@ -81,6 +81,7 @@ class ServerInfo:
     idle_ttl_seconds: float
     drafter: str
     spec_k: int
+    restore_from: str = ""  # dlm_restore's proposer: "verifier" or "drafter:<name>"
 
     @classmethod
     def from_pb(cls, r) -> "ServerInfo":
@@ -88,6 +89,7 @@ class ServerInfo:
         return cls(
             r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name, k.sink, k.window, k.compressor,
             r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
+            k.restore_from,
         )
 
 

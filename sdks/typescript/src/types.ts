@@ -66,6 +66,8 @@ export interface ServerInfo {
   readonly sink: number;
   readonly window: number;
   readonly compressor: string;
+  /** dlm_restore's proposer: "verifier" or "drafter:<name>"; "" for other strategies. */
+  readonly restoreFrom: string;
   /** Trained context of the model (max_position_embeddings). */
   readonly maxContext: number;
   readonly backend: string;
@@ -118,6 +120,7 @@ export function serverInfo(r: GetServerInfoResponse): ServerInfo {
     sink: k?.sink ?? 0,
     window: k?.window ?? 0,
     compressor: k?.compressor ?? "",
+    restoreFrom: k?.restoreFrom ?? "",
     maxContext: r.maxContext,
     backend: r.backend,
     device: r.device,

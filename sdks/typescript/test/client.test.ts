@@ -22,6 +22,7 @@ describe("server info", () => {
       sink: 4,
       window: 32,
       compressor: "identity",
+      restoreFrom: "",
       maxContext: 2048,
       backend: "torch",
       serverVersion: VERSION,
