@@ -34,7 +34,7 @@ import torch
 
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.compressors import COMPRESSOR_NAMES, MAX_Q_RANGE
-from inference_engine.kv.restore import RESTORE_FROM
+from inference_engine.kv.restore import RESTORE_FROM, HeldRestore
 from inference_engine.kv.stores import make_store
 
 STRATEGY_NAMES = ("full", "sink_window", "dlm_restore")
@@ -44,7 +44,8 @@ STRATEGY_NAMES = ("full", "sink_window", "dlm_restore")
 class KVStrategy:
     """Which positions a query may attend to and how the resident cache stores them.
 
-    `sink`/`window` apply to the bounded strategies; `restore_from` to `dlm_restore`;
+    `sink`/`window` apply to the bounded strategies; `restore_from` and `restore_refresh`
+    (reuse restored K/V for up to N steps; 1 = recompute every step) to `dlm_restore`;
     `compressor`/`q_range` to every strategy (identity = uncompressed slabs)."""
 
     name: str = "full"
@@ -53,6 +54,7 @@ class KVStrategy:
     compressor: str = "identity"
     q_range: int = 38
     restore_from: str = "verifier"
+    restore_refresh: int = 1
 
     def __post_init__(self):
         if self.name not in STRATEGY_NAMES:
@@ -66,8 +68,10 @@ class KVStrategy:
         if self.restore_from not in RESTORE_FROM:
             raise ValueError(
                 f"restore_from {self.restore_from!r} is not available; choose one of {', '.join(RESTORE_FROM)} "
-                "(cross-model restoration from a drafter is not built yet)"
+                "(verifier = same-model, drafter = cross-model with --drafter NAME)"
             )
+        if not isinstance(self.restore_refresh, int) or self.restore_refresh < 1:
+            raise ValueError(f"restore_refresh must be an int >= 1 (1 = restore every step), got {self.restore_refresh!r}")
 
     @property
     def bounded(self) -> bool:
@@ -102,6 +106,15 @@ class RestorePlan:
     history: torch.Tensor  # (n,) token ids of positions 0 .. last position of the step
     positions: torch.Tensor  # (E,) evicted positions, ascending
     masks: dict  # layer window -> (T, E) bool
+    held: "HeldRestore | None" = None  # refresh option: replay these instead of running the proposer
+    record: "HeldRestore | None" = None  # refresh option: keep what the proposer returns here
+
+    def open_step(self, source):
+        """The RestoreStep for this plan: a replay of held K/V, or `source`'s (recorded if asked)."""
+        if self.held is not None:
+            return self.held.replay()
+        step = source.open_step(self.history, self.positions)
+        return self.record.recording(step) if self.record is not None else step
 
 
 @dataclass(frozen=True)
@@ -246,7 +259,7 @@ class SlotKVCache:
             pos[: live.numel()] = self.pos[live]
             self.pos = pos
         self.capacity = capacity
-        self._peak_nbytes = max(self._peak_nbytes, self.store.nbytes)
+        self._peak_nbytes = max(self._peak_nbytes, self.nbytes)
 
     # -- strategy hooks ----------------------------------------------------------------
     def _allocate(self, t: int) -> torch.Tensor:
@@ -373,15 +386,78 @@ class DLMRestoreCache(SinkWindowCache):
     """
 
     def __init__(self, geometry: CacheGeometry, sink: int, window: int, max_step: int, max_context: int, *,
-                 restore_from: str = "verifier", restore_source=None, **store):
+                 restore_from: str = "verifier", restore_source=None, restore_refresh: int = 1, **store):
         super().__init__(geometry, sink, window, max_step, max_context, **store)
         self.restore_from = restore_from
         self.restore_source = restore_source  # None: the backend resolves `restore_from` itself
+        self.restore_refresh = restore_refresh
         self.evicted_total = 0
         self._tokens = torch.zeros(256, dtype=torch.int32, device=self.pos.device)
+        # Refresh option (N > 1): restored K/V of [sink, _held_upto] kept for up to N steps; positions
+        # evicted after the refresh stay resident until the next one. N = 1 never holds anything.
+        self._held: HeldRestore | None = None
+        self._held_upto = sink - 1
+        self._held_uses = 0
+        self._cover_upto = sink - 1  # this step: resident keys in [sink, _cover_upto] are served restored
+        self._recording: HeldRestore | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Resident K/V bytes plus restored K/V held for reuse (refresh option)."""
+        return self.store.nbytes + (self._held.nbytes if self._held is not None else 0)
+
+    @property
+    def peak_nbytes(self) -> int:
+        return max(self._peak_nbytes, self.nbytes)
+
+    @property
+    def held_nbytes(self) -> int:
+        return self._held.nbytes if self._held is not None else 0
 
     def _allowed(self, qp, kp):
-        return (kp >= 0) & (kp <= qp)
+        restored = (kp >= self.sink) & (kp <= self._cover_upto)  # served from the restored set instead
+        return (kp >= 0) & (kp <= qp) & ~restored
+
+    def _refreshing(self) -> bool:
+        return self.restore_refresh == 1 or self._held is None or self._held_uses >= self.restore_refresh
+
+    def _evict_dead(self) -> int:
+        if self.restore_refresh == 1:
+            return super()._evict_dead()
+        # Only positions the held set covers may leave the resident store.
+        upto = min(self.next_position - self.window, self._held_upto)
+        dead = (self.pos >= self.sink) & (self.pos <= upto)
+        n = int(dead.sum())
+        if n:
+            self.pos[dead] = -1
+            self.store.evict(torch.nonzero(dead).flatten())
+        return n
+
+    def _settle(self) -> None:
+        # Positions kept for the refresh option can outnumber sink + window: keep room for them.
+        target = max(self.base_capacity, self.resident_positions + min(self.max_step, self.STEP_ROOM))
+        if self.capacity > target:
+            self._resize_slots(target)
+
+    @torch.inference_mode()
+    def commit(self, n_keep: int | None = None) -> int:
+        layout, rec = self._layout, self._recording
+        self._recording = None
+        if layout is not None and layout.restore is not None and self.restore_refresh > 1:
+            full_step = n_keep is None or n_keep == layout.slots.numel()
+            if rec is not None and rec.complete and full_step:
+                # A rolled-back step may have shown the proposer tokens that are gone: not adopted.
+                # The old set and the new recording were both alive during the step.
+                self._peak_nbytes = max(self._peak_nbytes, self.nbytes + rec.nbytes)
+                self._held, self._held_upto, self._held_uses = rec, self._cover_upto, 1
+            elif layout.restore.held is not None:
+                self._held_uses += 1
+        return super().commit(n_keep)
+
+    @torch.inference_mode()
+    def abort(self) -> None:
+        self._recording = None
+        super().abort()
 
     def _sink_shift(self) -> SinkShift | None:
         return None
@@ -399,6 +475,9 @@ class DLMRestoreCache(SinkWindowCache):
                 f"position {int(positions[-1])} is past the model's context of {self.max_context}; dlm_restore attends "
                 "to the whole history like `full`, so sessions stop at the trained context"
             )
+        refresh = self._refreshing()
+        # Positions out of the window for this step's first query: restored now (refresh), or the held set.
+        self._cover_upto = self.next_position - self.window if refresh else self._held_upto
         return super().prepare(positions, ids)
 
     def _restore_plan(self, positions: torch.Tensor, ids: torch.Tensor | None) -> RestorePlan:
@@ -408,13 +487,18 @@ class DLMRestoreCache(SinkWindowCache):
             grown[: self._tokens.numel()] = self._tokens
             self._tokens = grown
         self._tokens[int(positions[0]) : end] = ids.to(self._tokens.dtype)
-        last_evicted = self.next_position - self.window  # as _evict_dead left it at the last commit
-        evicted = torch.arange(self.sink, max(self.sink, last_evicted + 1), device=self.pos.device)
+        evicted = torch.arange(self.sink, max(self.sink, self._cover_upto + 1), device=self.pos.device)
         qp, kp = positions[:, None], evicted[None, :]
         masks = {}
         for w in set(self.geometry.layer_windows):
             masks[w] = (kp <= qp) if w is None else (kp > qp - w)
-        return RestorePlan(self._tokens[:end].long(), evicted, masks)
+        held = record = None
+        if self.restore_refresh > 1 and evicted.numel():
+            if self._refreshing():
+                record = self._recording = HeldRestore(self.geometry.num_layers)
+            else:
+                held = self._held
+        return RestorePlan(self._tokens[:end].long(), evicted, masks, held, record)
 
 
 def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int,
@@ -428,5 +512,6 @@ def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, 
         return FullKVCache(geometry, **store)
     if strategy.name == "dlm_restore":
         return DLMRestoreCache(geometry, strategy.sink, strategy.window, max_step, max_context,
-                               restore_from=strategy.restore_from, restore_source=restore_source, **store)
+                               restore_from=strategy.restore_from, restore_source=restore_source,
+                               restore_refresh=strategy.restore_refresh, **store)
     return SinkWindowCache(geometry, strategy.sink, strategy.window, max_step, max_context, **store)

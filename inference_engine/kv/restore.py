@@ -50,3 +50,64 @@ class RestoreSource(Protocol):
 # "drafter": cross-model, the shipped dLM drafter + its learned f_θ (kv_cache_proposer/restore.py),
 # built by the server and handed to the cache as its restore_source.
 RESTORE_FROM = ("verifier", "drafter")
+
+
+class HeldRestore:
+    """Restored K/V kept across steps: the `dlm_restore` refresh option (`restore_refresh` N > 1).
+
+    A refresh step records what its RestoreStep returns for every layer (`recording`); the
+    next N - 1 steps replay those tensors (`replay`) instead of running the proposer. The cache
+    keeps positions evicted since the refresh resident until the next one, so every position
+    stays visible exactly once. The held tensors are live memory: `nbytes` counts them and the
+    cache adds them to its `nbytes` / `peak_nbytes`. N = 1 (the default) never holds anything.
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def complete(self) -> bool:
+        return len(self.layers) == self.num_layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.layers for t in kv)
+
+    def recording(self, step: RestoreStep) -> RestoreStep:
+        """Wrap a fresh step so each layer's K/V are also kept here."""
+        return _RecordingStep(self, step)
+
+    def replay(self) -> RestoreStep:
+        if not self.complete:
+            raise RuntimeError("replaying an incomplete restore recording")
+        return _ReplayStep(self)
+
+
+class _RecordingStep:
+    def __init__(self, held: HeldRestore, inner: RestoreStep):
+        self.held, self.inner = held, inner
+
+    def kv_for_layer(self, layer: int):
+        k, v = self.inner.kv_for_layer(layer)
+        if layer != len(self.held.layers):
+            raise RuntimeError(f"restore recording got layer {layer}, expected {len(self.held.layers)}")
+        self.held.layers.append((k.contiguous(), v.contiguous()))
+        return k, v
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _ReplayStep:
+    def __init__(self, held: HeldRestore):
+        self.held, self.next_layer = held, 0
+
+    def kv_for_layer(self, layer: int):
+        if layer != self.next_layer:
+            raise RuntimeError(f"restore replay asked for layer {layer}, expected {self.next_layer} (layers run in order, once)")
+        self.next_layer += 1
+        return self.held.layers[layer]
+
+    def close(self) -> None:
+        pass

@@ -34,6 +34,9 @@ EVAL_QUESTION = "\nWhat is the pass key? The pass key is"
 ARMS = {
     "full": dict(kv_strategy="full"),
     "full+kakeya_e8": dict(kv_strategy="full", kv_compressor="kakeya_e8"),
+    # q_range sweep: finer lattice, more bits per vector (bytes recorded per cell)
+    "full+kakeya_e8_q76": dict(kv_strategy="full", kv_compressor="kakeya_e8", kv_q_range=76),
+    "full+kakeya_e8_q152": dict(kv_strategy="full", kv_compressor="kakeya_e8", kv_q_range=152),
     "sink_window_4+64": dict(kv_strategy="sink_window", sink=4, window=64),
     "sink_window_4+1020": dict(kv_strategy="sink_window", sink=4, window=1020),
     "sink_window_4+1020+kakeya_e8": dict(kv_strategy="sink_window", sink=4, window=1020, kv_compressor="kakeya_e8"),

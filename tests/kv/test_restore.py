@@ -227,3 +227,77 @@ def test_smollm2_passkey_beyond_the_window_equals_full():
     got, kv = greedy(Engine(m, KVStrategy("dlm_restore", 4, 64), prefill_chunk=128, drafter=d, spec_k=2), history, 8)
     assert got == ref  # ... restoration does, token for token, through verify steps
     assert kv.resident_positions == 4 + 64 - 1
+
+
+# -- refresh option: restored K/V reused for up to N steps ------------------------------------
+
+class CountingSource:
+    """Counts proposer runs (open_step calls) of the same-model source."""
+
+    name = "counting"
+
+    def __init__(self, inner):
+        self.inner, self.opened = inner, 0
+
+    def open_step(self, history, evicted):
+        self.opened += 1
+        return self.inner.open_step(history, evicted)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("refresh", [2, 5])
+def test_refresh_reuses_restored_kv_and_still_equals_full(arch, refresh):
+    """Same-model with refresh N: the proposer runs about once per N steps, and the result is still
+    `full`'s (positions evicted after a refresh stay resident until the next one)."""
+    m = model(arch)
+    history = ids(120)
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
+    for chunk in (1, 7):
+        src = CountingSource(m.verifier_restore_source())
+        every = CountingSource(m.verifier_restore_source())
+        cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=refresh), restore_source=src)
+        torch.testing.assert_close(feed(m, cache, history, chunk), full, rtol=1e-4, atol=1e-4)
+        feed(m, new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW), restore_source=every), history, chunk)
+        assert every.opened > 0 and src.opened == pytest.approx(every.opened / refresh, abs=2)
+        assert cache.dropped_total == 0
+        # between refreshes the held set and the extra resident rows are live memory
+        assert cache.held_nbytes > 0 and cache.nbytes == cache.store.nbytes + cache.held_nbytes
+        assert cache.peak_nbytes >= cache.nbytes
+
+
+@pytest.mark.parametrize("drafter", ["self", "hash"])
+def test_refresh_greedy_equals_full_across_speculative_steps(drafter):
+    m = model("llama")
+    history = ids(70, seed=1)
+    d = {"self": SelfDrafter(m, context_window=256, corrupt_every=3), "hash": HashDrafter(m.spec.vocab_size)}[drafter]
+    ref, _ = greedy(Engine(m, KVStrategy("full"), prefill_chunk=32), history, 40)
+    got, kv = greedy(Engine(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=4), prefill_chunk=32, drafter=d, spec_k=3),
+                     history, 40)
+    assert got == ref
+    assert kv.dropped_total == 0
+
+
+def test_refresh_one_holds_nothing_and_bad_values_are_refused():
+    m = model()
+    cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=1))
+    feed(m, cache, ids(60), 8)
+    assert cache.held_nbytes == 0 and cache.resident_positions == SINK + WINDOW - 1
+    for bad in (0, -3, 1.5):
+        with pytest.raises(ValueError, match="restore_refresh"):
+            KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=bad)
+
+
+def test_refresh_rolled_back_step_is_not_adopted():
+    """A refresh step of which only part is kept (speculative rollback) leaves nothing held from it."""
+    m = model()
+    strategy = KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=3)
+    a = new_cache(m, strategy)
+    feed(m, a, ids(40), 40)  # one step: nothing evicted yet, nothing held
+    assert a.held_nbytes == 0
+    m.forward(torch.tensor(ids(6, seed=1)), torch.arange(40, 46), a)  # a refresh step (27 evicted positions)
+    a.commit(2)
+    assert a.held_nbytes == 0  # not adopted: the next step refreshes again
+    tail = ids(5, seed=2)
+    b = new_cache(m, KVStrategy("full"))
+    feed(m, b, ids(40) + ids(6, seed=1)[:2], 16)
+    torch.testing.assert_close(feed(m, a, tail, 1), feed(m, b, tail, 1), rtol=1e-4, atol=1e-4)

@@ -177,7 +177,7 @@ class TorchCausalLM:
         plan = layout.restore
         step = None
         if plan is not None and plan.positions.numel():
-            step = self._restore_source(cache, restored).open_step(plan.history, plan.positions)
+            step = plan.open_step(self._restore_source(cache, restored))
         try:
             x = self._embed(ids)
             ropes = self._rope_tables(positions, x)
