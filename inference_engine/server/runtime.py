@@ -52,6 +52,7 @@ class ServerInfo:
     drafter: str
     spec_k: int
     restore_from: str = ""
+    restore_refresh: int = 0
 
 
 class Runtime:
@@ -159,6 +160,7 @@ class Runtime:
             drafter=e.drafter_name,
             spec_k=e.spec_k,
             restore_from=self._restore_from(),
+            restore_refresh=st.restore_refresh if st.name == "dlm_restore" else 0,
         )
 
     def _restore_from(self) -> str:

@@ -217,12 +217,14 @@ def test_cross_model_server_reports_its_proposer_and_generates():
     m = verifier()
     d = tiny_drafter()
     source = DrafterRestoreSource(d, projection(m, d), "tiny-dlm")
-    cross = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter"), prefill_chunk=16, restore_source=source))
+    cross = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter", restore_refresh=3), prefill_chunk=16,
+                                restore_source=source))
     same = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16), prefill_chunk=16))
     try:
-        for srv, want in ((cross, "drafter:tiny-dlm"), (same, "verifier")):
+        for srv, want, refresh in ((cross, "drafter:tiny-dlm", 3), (same, "verifier", 1)):
             with kakeya.Client(f"127.0.0.1:{srv.port}") as c:
-                assert c.server_info().restore_from == want
+                info = c.server_info()
+                assert (info.restore_from, info.restore_refresh) == (want, refresh)
                 with c.create_session(ids(60, seed=9).tolist(), ignore_eos=True) as s:
                     assert len(list(s.generate(max_tokens=4))) == 4
                     assert s.info().kv_live_bytes > 0

@@ -68,6 +68,8 @@ export interface ServerInfo {
   readonly compressor: string;
   /** dlm_restore's proposer: "verifier" or "drafter:<name>"; "" for other strategies. */
   readonly restoreFrom: string;
+  /** dlm_restore: restored K/V are reused for up to this many steps (1 = every step); 0 for other strategies. */
+  readonly restoreRefresh: number;
   /** Trained context of the model (max_position_embeddings). */
   readonly maxContext: number;
   readonly backend: string;
@@ -121,6 +123,7 @@ export function serverInfo(r: GetServerInfoResponse): ServerInfo {
     window: k?.window ?? 0,
     compressor: k?.compressor ?? "",
     restoreFrom: k?.restoreFrom ?? "",
+    restoreRefresh: k?.restoreRefresh ?? 0,
     maxContext: r.maxContext,
     backend: r.backend,
     device: r.device,

@@ -23,6 +23,7 @@ describe("server info", () => {
       window: 32,
       compressor: "identity",
       restoreFrom: "",
+      restoreRefresh: 0,
       maxContext: 2048,
       backend: "torch",
       serverVersion: VERSION,
