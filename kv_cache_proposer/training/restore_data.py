@@ -43,6 +43,7 @@ class RetrievalDoc:
     prompt: list[int]  # ends with the question
     answer: list[int]  # the key as the verifier would continue (leading space)
     key: str
+    needle: tuple[int, int] = (0, 0)  # token span [a, b) of the needle sentence in `prompt`
 
 
 def make_retrieval_doc(tok, n_tokens: int, rng: random.Random, max_depth: float = 1.0) -> RetrievalDoc:
@@ -59,7 +60,11 @@ def make_retrieval_doc(tok, n_tokens: int, rng: random.Random, max_depth: float 
     k = rng.randint(0, int(reps * max_depth))
     prompt = tok(intro + filler * k + needle + filler * (reps - k) + question, add_special_tokens=False)["input_ids"]
     answer = tok(" " + key, add_special_tokens=False)["input_ids"]
-    return RetrievalDoc(list(prompt), list(answer), key)
+    # Token boundaries can merge across the joins, so the span is measured on the text before and
+    # through the needle and widened by one token each side.
+    a = len(tok(intro + filler * k, add_special_tokens=False)["input_ids"])
+    b = len(tok(intro + filler * k + needle, add_special_tokens=False)["input_ids"])
+    return RetrievalDoc(list(prompt), list(answer), key, (max(0, a - 1), min(len(prompt), b + 1)))
 
 
 def text_chunks(tok, texts: list[str], length: int, limit: int) -> list[list[int]]:
@@ -127,9 +132,16 @@ def split_kv(flat: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torc
     return k, v
 
 
-def rel_mse(pred: torch.Tensor, target: torch.Tensor, kv_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per layer relative MSE of K and V: pred/target (L, E, 2 * kv_dim) -> (L,), (L,)."""
+def rel_mse(pred: torch.Tensor, target: torch.Tensor, kv_dim: int,
+            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer relative MSE of K and V: pred/target (L, E, 2 * kv_dim) -> (L,), (L,).
+
+    weights: optional (E,) per-position weights (error and target energy are both weighted)."""
     err = (pred - target).pow(2)
-    tk = target[..., :kv_dim].pow(2).sum((1, 2)).clamp_min(1e-12)
-    tv = target[..., kv_dim:].pow(2).sum((1, 2)).clamp_min(1e-12)
+    tgt = target.pow(2)
+    if weights is not None:
+        w = weights.to(err.dtype)[None, :, None]
+        err, tgt = err * w, tgt * w
+    tk = tgt[..., :kv_dim].sum((1, 2)).clamp_min(1e-12)
+    tv = tgt[..., kv_dim:].sum((1, 2)).clamp_min(1e-12)
     return err[..., :kv_dim].sum((1, 2)) / tk, err[..., kv_dim:].sum((1, 2)) / tv

@@ -41,6 +41,9 @@ ARMS = {
     "dlm_restore_4+64+kakeya_e8": dict(name="dlm_restore", sink=4, window=64, compressor="kakeya_e8"),
     "dlm_restore_cross_4+64": dict(name="dlm_restore", sink=4, window=64, restore_from="drafter"),
     "dlm_restore_cross_4+64+kakeya_e8": dict(name="dlm_restore", sink=4, window=64, restore_from="drafter", compressor="kakeya_e8"),
+    # refresh option: restored K/V reused for up to 8 steps (held bytes count in resident_kv_bytes); use --steps >= 8
+    "dlm_restore_4+64_r8": dict(name="dlm_restore", sink=4, window=64, restore_refresh=8),
+    "dlm_restore_cross_4+64_r8": dict(name="dlm_restore", sink=4, window=64, restore_from="drafter", restore_refresh=8),
 }
 
 
@@ -186,7 +189,8 @@ def main() -> int:
                 "decode_steps": steps,
                 "decode_tokens_per_s": 1.0 / mean["total_s"],  # per CPU second of the step
                 "decode_tokens_per_wall_s": 1.0 / mean["wall_s"],
-                "resident_kv_bytes": cache.nbytes,
+                "resident_kv_bytes": cache.nbytes,  # refresh option: incl. the held restored K/V
+                "held_restored_kv_bytes": getattr(cache, "held_nbytes", 0),
                 "resident_kv_peak_bytes": cache.peak_nbytes,  # incl. a prefill chunk's transient room
                 "resident_positions": cache.resident_positions,
                 "restored_positions_per_step": evicted,

@@ -62,6 +62,11 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="drafter checkpoint dir to write into (default: the drafter's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", default=None,
+                    help="warm start: a drafter name/dir whose shipped f_θ initialises this run (its config is kept)")
+    ap.add_argument("--needle-weight", type=float, default=1.0,
+                    help="reconstruction weight of a retrieval document's needle-sentence positions relative to the rest")
+    ap.add_argument("--retrieval-frac", type=float, default=0.5, help="Stage 1: share of retrieval documents (rest: general text)")
     return ap.parse_args(argv)
 
 
@@ -151,12 +156,15 @@ def probe(S: Setup, args, rng, general, retrieval_held) -> dict:
 def stage1(S: Setup, proj: RestoreProjection, opt, args, rng, general, minutes: float) -> dict:
     t0, step, hist = time.time(), 0, []
     while time.time() - t0 < minutes * 60:
-        ids = rng.choice(general) if rng.random() < 0.5 else rd.make_retrieval_doc(S.tok, rng.randint(args.doc_min, args.doc_max), rng).prompt
+        doc = None
+        if rng.random() < args.retrieval_frac:
+            doc = rd.make_retrieval_doc(S.tok, rng.randint(args.doc_min, args.doc_max), rng)
+        ids = doc.prompt if doc is not None else rng.choice(general)
         t, kv = targets(S, ids, args.sink)
         with torch.no_grad():
             f = proposer_features(S.drafter.model, t, t.numel(), args.block, proj.cfg.features)[args.sink:]
         pred = proj.all_layers(proj.trunk(f))
-        rk, rv = rd.rel_mse(pred, kv, S.kv_dim)
+        rk, rv = rd.rel_mse(pred, kv, S.kv_dim, needle_weights(doc, t.numel(), args))
         loss = (rk + rv).mean()
         opt.zero_grad()
         loss.backward()
@@ -169,6 +177,16 @@ def stage1(S: Setup, proj: RestoreProjection, opt, args, rng, general, minutes: 
             log(f"stage1 step {step}: K rel-MSE {k:.3f}  V {v:.3f}")
     return {"steps": step, "seconds": round(time.time() - t0), "last20_k_rel_mse": sum(h[0] for h in hist[-20:]) / max(1, len(hist[-20:])),
             "last20_v_rel_mse": sum(h[1] for h in hist[-20:]) / max(1, len(hist[-20:]))}
+
+
+def needle_weights(doc, n: int, args):
+    """(n - sink,) reconstruction weights: --needle-weight on the doc's needle sentence, 1 elsewhere; None = uniform."""
+    if doc is None or args.needle_weight == 1.0:
+        return None
+    w = torch.ones(n)
+    a, b = doc.needle
+    w[a:b] = args.needle_weight
+    return w[args.sink:]
 
 
 def restored_prefix(S: Setup, proj, ids_t, kv_true, tail_start: int, sink: int):
@@ -198,7 +216,8 @@ def doc_pass(S: Setup, proj, doc: rd.RetrievalDoc, sink: int, window: int, grad:
         prefix, pred = restored_prefix(S, proj, ids_t, kv_true, tail_start, sink)
         student = rd.tail_logits(S.model, ids_t, prefix, tail_start)
     ans = slice(n_prompt - 1 - tail_start, len(ids) - 1 - tail_start)  # tail rows predicting the answer tokens
-    return dict(teacher=teacher, student=student, ans=ans, pred=pred, kv_true=kv_true[:, sink:], answer=torch.tensor(doc.answer))
+    return dict(teacher=teacher, student=student, ans=ans, pred=pred, kv_true=kv_true[:, sink:], answer=torch.tensor(doc.answer),
+                tail_start=tail_start)
 
 
 def kl(teacher, student):
@@ -212,7 +231,7 @@ def stage2(S: Setup, proj, opt, args, rng, minutes: float) -> dict:
         r = doc_pass(S, proj, doc, args.sink, args.window, grad=True)
         per_pos = kl(r["teacher"], r["student"])
         kl_ans, kl_tail = per_pos[r["ans"]].mean(), per_pos.mean()
-        rk, rv = rd.rel_mse(r["pred"], r["kv_true"], S.kv_dim)
+        rk, rv = rd.rel_mse(r["pred"], r["kv_true"], S.kv_dim, needle_weights(doc, r["tail_start"], args))
         loss = kl_ans + 0.25 * kl_tail + 0.1 * (rk + rv).mean()
         opt.zero_grad()
         loss.backward()
@@ -243,8 +262,13 @@ def evaluate(S: Setup, proj, args, general_held, retrieval_held) -> dict:
             acc[name][1] += rv / len(docs)
     exact_restored = exact_true = 0
     kl_ans = 0.0
+    needle_k = needle_v = 0.0
     for doc in retrieval_held:
         r = doc_pass(S, proj, doc, args.sink, args.window, grad=False)
+        a, b = (max(0, x - args.sink) for x in doc.needle)
+        nk, nv = rd.rel_mse(r["pred"][:, a:b], r["kv_true"][:, a:b], S.kv_dim)
+        needle_k += float(nk.mean()) / len(retrieval_held)
+        needle_v += float(nv.mean()) / len(retrieval_held)
         exact_true += bool((r["teacher"][r["ans"]].argmax(-1) == r["answer"]).all())
         exact_restored += bool((r["student"][r["ans"]].argmax(-1) == r["answer"]).all())
         kl_ans += float(kl(r["teacher"], r["student"])[r["ans"]].mean()) / len(retrieval_held)
@@ -257,11 +281,24 @@ def evaluate(S: Setup, proj, args, general_held, retrieval_held) -> dict:
         "retrieval_answer_exact_true_kv": exact_true / len(retrieval_held),
         "retrieval_answer_exact_restored": exact_restored / len(retrieval_held),
         "retrieval_kl_answer": round(kl_ans, 4),
+        "needle_k_rel_mse": round(needle_k, 4),
+        "needle_v_rel_mse": round(needle_v, 4),
         "window_assumed": args.window,
     }
     log(f"eval: K rel-MSE {out['mean_k_rel_mse']}  V {out['mean_v_rel_mse']}  answer exact restored "
-        f"{exact_restored}/{len(retrieval_held)} (true K/V {exact_true}/{len(retrieval_held)})")
+        f"{exact_restored}/{len(retrieval_held)} (true K/V {exact_true}/{len(retrieval_held)}); needle K {needle_k:.3f} V {needle_v:.3f}")
     return out
+
+
+def _previous_section(name: str) -> dict:
+    """The warm start's manifest record, minus bulky parts, so the lineage stays in the new manifest."""
+    import json
+
+    from kv_cache_proposer.drafter import MANIFEST_FILE
+
+    section = json.loads((resolve_checkpoint(name) / MANIFEST_FILE).read_text()).get("restore", {})
+    keep = ("command", "commit", "date_utc", "objective", "stage1", "stage2", "eval", "init")
+    return {k: section[k] for k in keep if k in section}
 
 
 def main(argv=None) -> int:
@@ -271,9 +308,10 @@ def main(argv=None) -> int:
     S = Setup(args)
     rng, general, general_held, retrieval_held, sources = build_data(S, args)
     log(f"data: {len(general)} general chunks of {args.chunk} tokens; held-out {len(general_held)} general, {len(retrieval_held)} retrieval")
-    report = {"probe": probe(S, args, rng, general, retrieval_held)} if args.features == "auto" else {}
+    run_probe = args.features == "auto" and not args.init  # a warm start keeps its representation
+    report = {"probe": probe(S, args, rng, general, retrieval_held)} if run_probe else {}
     features = args.features
-    if features == "auto":
+    if run_probe:
         best = min(report["probe"].items(), key=lambda kv: kv[1]["k_rel_mse_mean"] + kv[1]["v_rel_mse_mean"])[0]
         features = "kv" if "drafter_kv" in best else "hidden"
         report["probe_pick"] = {"best": best, "features": features}
@@ -282,7 +320,15 @@ def main(argv=None) -> int:
     cfg = ProjectionConfig(feature_dim=feature_dim(S.drafter.model, features), num_layers=s.num_layers, kv_dim=S.kv_dim,
                            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, trunk_dim=args.trunk_dim, trunk_out=args.trunk_out,
                            block=args.block, features=features, verifier=S.verifier_name)
-    proj = RestoreProjection(cfg)
+    if args.init:
+        from kv_cache_proposer.restore import load_projection
+
+        proj = load_projection(args.init)  # its own config: the trained shape and features
+        for p in proj.parameters():
+            p.requires_grad_(True)
+        report["init"] = {"from": args.init, "previous": _previous_section(args.init)}
+    else:
+        proj = RestoreProjection(cfg)
     opt = torch.optim.AdamW(proj.parameters(), lr=args.lr, weight_decay=0.0)
     report["stage1"] = stage1(S, proj, opt, args, rng, general, args.stage1_minutes)
     report["eval_after_stage1"] = evaluate(S, proj, args, general_held, retrieval_held)
@@ -305,7 +351,8 @@ def main(argv=None) -> int:
                           "doc_tokens": [args.doc_min, args.doc_max],
                           "disjoint_from": "scripts/research/niah_ladder.py EVAL_SEED/EVAL_* templates (no 'pass key' phrase)"},
         },
-        "objective": {"stage1": "mean over layers of K rel-MSE + V rel-MSE (positions >= sink)",
+        "objective": {"stage1": "mean over layers of K rel-MSE + V rel-MSE (positions >= sink; a retrieval doc's needle "
+                                f"sentence weighted x{args.needle_weight})", "retrieval_frac": args.retrieval_frac,
                       "stage2": "KL(true || restored) at answer positions + 0.25 x KL over the tail + 0.1 x stage1 loss",
                       "sink": args.sink, "window": args.window},
     } | report

@@ -1,0 +1,153 @@
+"""Which restored K/V does passkey retrieval actually need? Oracle hybrids of true and f_θ-restored K/V.
+
+The cross-model f_θ retrieves ~0/20 on the ladder while the same-model proposer retrieves like
+`full`. This script locates the gap. For each ladder-style passkey document (the ladder's own
+generator, niah_ladder.make_sample: nothing here is trained) it takes the state of a decode step
+of `dlm_restore` 4+64 at the question: the positions [sink, n - window) are evicted and must be
+restored. Every configuration builds the evicted positions' pre-RoPE K/V per layer from two
+sources, the verifier's true K/V (what the same-model proposer restores) and the shipped f_θ's
+output, mixed by layer band, by K vs V, and by position (needle sentence vs filler), then runs the
+window + answer through the verifier (teacher-forced, one forward) and records:
+  answer_exact   every answer token is the verifier's argmax (teacher-forced passkey recall)
+  kl_answer      KL(true-K/V logits || hybrid logits) on the answer tokens, mean
+  k/v_rel_mse    rel-MSE of the hybrid K/V against the true ones over the evicted positions
+
+    .venv/bin/python scripts/research/restore_hybrids.py --rungs 1000,2000 --samples 20
+writes results/research/restore_hybrids.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+
+
+def configs(num_layers: int) -> dict:
+    """name -> (layers taking f_θ, parts taking f_θ ("k", "v"), positions taking f_θ: all | needle | filler)."""
+    third = num_layers // 3
+    bands = {"0-%d" % (third - 1): range(0, third), "%d-%d" % (third, 2 * third - 1): range(third, 2 * third),
+             "%d-%d" % (2 * third, num_layers - 1): range(2 * third, num_layers)}
+    every = range(num_layers)
+    out = {
+        "true_kv (same-model)": (range(0), "kv", "all"),
+        "ftheta_all (cross-model)": (every, "kv", "all"),
+        "ftheta_k_only (true V)": (every, "k", "all"),
+        "ftheta_v_only (true K)": (every, "v", "all"),
+        "ftheta_filler_only (true needle)": (every, "kv", "filler"),
+        "ftheta_needle_only (true filler)": (every, "kv", "needle"),
+    }
+    for name, layers in bands.items():
+        out[f"ftheta_layers_{name} only"] = (layers, "kv", "all")
+        out[f"true_layers_{name} only"] = ([i for i in every if i not in layers], "kv", "all")
+    return out
+
+
+def needle_span(tok, ids, key: str) -> tuple[int, int]:
+    """Token span [a, b) covering the needle sentence (found by its key's first occurrence), with a margin."""
+    from niah_ladder import EVAL_NEEDLE
+
+    needle = tok(EVAL_NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+    key_ids = tok(" " + key, add_special_tokens=False)["input_ids"][1:3]
+    for i in range(len(ids) - len(key_ids)):
+        if ids[i : i + len(key_ids)] == key_ids:
+            start = max(0, i - 6)
+            return start, min(len(ids), start + len(needle) + 8)
+    raise ValueError("needle not found")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--drafter", default="smollm2-135m-dlm")
+    ap.add_argument("--rungs", default="1000,2000")
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "results" / "research" / "restore_hybrids.json"))
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from niah_ladder import EVAL_SEED, make_sample
+
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.model_store import resolve_model
+    from kv_cache_proposer.drafter import load_drafter
+    from kv_cache_proposer.restore import load_projection, proposer_features
+    from kv_cache_proposer.training import restore_data as rd
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    model = TorchCausalLM.load(path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    drafter = load_drafter(args.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head)
+    proj = load_projection(args.drafter)
+    s = model.spec
+    kv_dim = s.num_kv_heads * s.head_dim
+    cfgs = configs(s.num_layers)
+    results = {}
+    t0 = time.time()
+    for n in (int(r) for r in args.rungs.split(",")):
+        agg = {name: {"answer_exact": 0, "kl_answer": 0.0, "k_rel_mse": 0.0, "v_rel_mse": 0.0} for name in cfgs}
+        rows = []
+        for i in range(args.samples):
+            ids, key, depth = make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i))  # the ladder's samples
+            answer = tok(" " + key, add_special_tokens=False)["input_ids"]
+            full = torch.tensor(ids + answer)
+            tail_start = len(ids) - args.window  # evicted: [sink, tail_start)
+            a, b = needle_span(tok, ids, key)
+            with torch.inference_mode():
+                true = rd.verifier_kv(model, full[:tail_start])  # (L, tail_start, 2kv)
+                feats = proposer_features(drafter.model, full, tail_start, proj.cfg.block, proj.cfg.features)[args.sink:]
+                pred = proj.all_layers(proj.trunk(feats))  # (L, E, 2kv)
+            pos = torch.arange(args.sink, tail_start)
+            in_needle = (pos >= a) & (pos < b)
+            ans_rows = slice(len(ids) - 1 - tail_start, len(full) - 1 - tail_start)
+            teacher = None
+            row = {"key": key, "depth": round(depth, 3), "prompt_tokens": len(ids), "needle_span": [a, b]}
+            for name, (layers, parts, where) in cfgs.items():
+                hyb = true[:, args.sink:].clone()
+                sel = torch.ones_like(in_needle) if where == "all" else (in_needle if where == "needle" else ~in_needle)
+                cols = slice(0, kv_dim) if parts == "k" else slice(kv_dim, 2 * kv_dim) if parts == "v" else slice(0, 2 * kv_dim)
+                for layer in layers:
+                    hyb[layer, sel, cols] = pred[layer, sel, cols]
+                prefix = [rd.split_kv(torch.cat([true[layer, : args.sink], hyb[layer]]), s.num_kv_heads, s.head_dim)
+                          for layer in range(s.num_layers)]
+                with torch.inference_mode():
+                    logits = rd.tail_logits(model, full, prefix, tail_start)[ans_rows]
+                if teacher is None:  # the first config is the true K/V
+                    teacher = logits
+                hit = bool((logits.argmax(-1) == torch.tensor(answer)).all())
+                kl = float(F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher, -1), log_target=True,
+                                    reduction="none").sum(-1).mean())
+                rk, rv = rd.rel_mse(hyb, true[:, args.sink:], kv_dim)
+                g = agg[name]
+                g["answer_exact"] += hit
+                g["kl_answer"] += kl / args.samples
+                g["k_rel_mse"] += float(rk.mean()) / args.samples
+                g["v_rel_mse"] += float(rv.mean()) / args.samples
+                row[name] = hit
+            rows.append(row)
+            print(f"{n} sample {i}: " + " ".join(f"{int(row[c])}" for c in cfgs) + f"  ({time.time() - t0:.0f}s)", flush=True)
+        for name, g in agg.items():
+            g["answer_exact"] = f"{g['answer_exact']}/{args.samples}"
+            print(f"{n} {name:40s} exact {g['answer_exact']:>6}  KL {g['kl_answer']:.3f}  "
+                  f"K rel-MSE {g['k_rel_mse']:.3f}  V {g['v_rel_mse']:.3f}", flush=True)
+        results[str(n)] = {"configs": agg, "rows": rows}
+    meta = run_metadata(vars(args) | {"configs": {k: {"ftheta_layers": list(v[0]), "ftheta_parts": v[1], "ftheta_positions": v[2]}
+                                                  for k, v in cfgs.items()}})
+    write_json(__import__("pathlib").Path(args.out), meta | {"results": results, "seconds": round(time.time() - t0)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
