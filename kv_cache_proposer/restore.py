@@ -85,31 +85,44 @@ def feature_dim(drafter: DrafterModel, features: str) -> int:
     return 2 * drafter.cfg.verifier_hidden_size + (2 if features == "kv" else 1) * drafter.cfg.hidden_size
 
 
-def proposer_features(drafter: DrafterModel, ids: torch.Tensor, n: int, block: int, features: str = "hidden") -> torch.Tensor:
-    """Features of positions 0..n-1 of `ids` (1-D, at least n long): (n, feature_dim).
+def proposer_features(drafter: DrafterModel, ids: torch.Tensor, n: int, block: int, features: str = "hidden",
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Features of positions 0..n-1 of `ids` (1-D, at least n long): (n, feature_dim); or, with
+    `positions` (ascending, all < n), of those positions only: (len(positions), feature_dim), encoding
+    only the blocks that hold them.
 
     Blocks are aligned at absolute multiples of `block`, so a position's feature depends only on
-    the tokens of its own block (and its previous token), never on where the step starts."""
+    the tokens of its own block (and its previous token), never on where the step starts; the
+    history is cut at n (a block holding n - 1 sees nothing after it)."""
     dev = drafter.embed_weight.device
     ids = ids[:n].to(dev).long()
     nb = -(-n // block)
+    which = torch.arange(nb, device=dev) if positions is None else torch.unique(positions.to(dev) // block)
     padded = torch.zeros(nb * block, dtype=torch.long, device=dev)
     padded[:n] = ids
-    blocks = padded.view(nb, block)
+    blocks = padded.view(nb, block)[which]
     masked = torch.zeros_like(blocks, dtype=torch.bool)
     pad_mask = None
-    if nb * block != n:  # the last block is partial: its padding must not be attended to
-        valid = torch.arange(nb * block, device=dev).view(nb, block) < n
+    if nb * block != n and int(which[-1]) == nb - 1:  # the last block is partial: its padding must not be attended to
+        valid = (which[:, None] * block + torch.arange(block, device=dev)[None, :]) < n
         pad_mask = valid[:, None, None, :]
-    h, kv = drafter.encode(blocks, masked, pad_mask=pad_mask)  # (nb, block, d)
-    if features == "kv":  # last layer's K, V: (nb, H, block, D) each -> (nb, block, 2d)
+    m = which.numel()
+    h, kv = drafter.encode(blocks, masked, pad_mask=pad_mask)  # (m, block, d)
+    if features == "kv":  # last layer's K, V: (m, H, block, D) each -> (m, block, 2d)
         k, v = kv[-1]
-        h = torch.cat([k.transpose(1, 2).reshape(nb, block, -1), v.transpose(1, 2).reshape(nb, block, -1)], dim=-1)
+        h = torch.cat([k.transpose(1, 2).reshape(m, block, -1), v.transpose(1, 2).reshape(m, block, -1)], dim=-1)
     elif features != "hidden":
         raise ValueError(f"unknown proposer features {features!r}; use 'hidden' or 'kv'")
-    h = h.reshape(nb * block, -1)[:n]
-    emb = F.embedding(ids, drafter.embed_weight)
-    prev = torch.cat([torch.zeros_like(emb[:1]), emb[:-1]])
+    h = h.reshape(m * block, -1)
+    if positions is None:
+        pos = torch.arange(n, device=dev)
+        h = h[:n]
+    else:
+        pos = positions.to(dev).long()
+        slot = torch.searchsorted(which, pos // block) * block + pos % block  # row of each position in h
+        h = h[slot]
+    emb = F.embedding(ids[pos], drafter.embed_weight)
+    prev = F.embedding(ids[(pos - 1).clamp(min=0)], drafter.embed_weight) * (pos > 0)[:, None].to(emb.dtype)
     norm = drafter.emb_norm
     return torch.cat([norm(emb), norm(prev), h.to(emb.dtype)], dim=-1)
 
@@ -128,9 +141,8 @@ class DrafterRestoreSource:
     def open_step(self, history: torch.Tensor, evicted: torch.Tensor) -> "_DrafterRestoreStep":
         n = int(evicted[-1]) + 1
         c = self.projection.cfg
-        feats = proposer_features(self.drafter.model, history, n, c.block, c.features)
-        dev = feats.device
-        z = self.projection.trunk(feats[evicted.to(dev)].to(self.projection.trunk_in.weight.dtype))
+        feats = proposer_features(self.drafter.model, history, n, c.block, c.features, positions=evicted)
+        z = self.projection.trunk(feats.to(self.projection.trunk_in.weight.dtype))
         return _DrafterRestoreStep(self.projection, z)
 
 

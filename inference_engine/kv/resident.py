@@ -44,8 +44,9 @@ STRATEGY_NAMES = ("full", "sink_window", "dlm_restore")
 class KVStrategy:
     """Which positions a query may attend to and how the resident cache stores them.
 
-    `sink`/`window` apply to the bounded strategies; `restore_from` and `restore_refresh`
-    (reuse restored K/V for up to N steps; 1 = recompute every step) to `dlm_restore`;
+    `sink`/`window` apply to the bounded strategies; `restore_from`, `restore_refresh`
+    (reuse restored K/V for up to N steps; 1 = recompute every step) and `restore_pin` (keep
+    the P evicted positions the proposer restores worst resident) to `dlm_restore`;
     `compressor`/`q_range` to every strategy (identity = uncompressed slabs)."""
 
     name: str = "full"
@@ -55,6 +56,7 @@ class KVStrategy:
     q_range: int = 38
     restore_from: str = "verifier"
     restore_refresh: int = 1
+    restore_pin: int = 0
 
     def __post_init__(self):
         if self.name not in STRATEGY_NAMES:
@@ -72,6 +74,13 @@ class KVStrategy:
             )
         if not isinstance(self.restore_refresh, int) or self.restore_refresh < 1:
             raise ValueError(f"restore_refresh must be an int >= 1 (1 = restore every step), got {self.restore_refresh!r}")
+        if not isinstance(self.restore_pin, int) or self.restore_pin < 0:
+            raise ValueError(f"restore_pin must be an int >= 0 (0 = no pinned positions), got {self.restore_pin!r}")
+        if self.restore_pin and (self.name != "dlm_restore" or self.restore_from != "drafter"):
+            raise ValueError("restore_pin keeps the positions a learned proposer restores worst; it needs "
+                             "kv_strategy dlm_restore with restore_from drafter (same-model restoration is exact)")
+        if self.restore_pin and self.restore_refresh != 1:
+            raise ValueError("restore_pin and restore_refresh > 1 cannot be combined (a held set cannot follow the pins)")
 
     @property
     def bounded(self) -> bool:
@@ -383,11 +392,24 @@ class DLMRestoreCache(SinkWindowCache):
     the history (int32, 4 bytes a token; not K/V, not in `nbytes`) because the proposer
     re-reads them every step. Attention is the `full` one, so the history is limited to
     the trained context as for `full` (no sink re-anchoring).
+
+    restore_pin P > 0 (cross-model): as positions leave the window, the proposer restores them
+    once and its V error against the resident rows is measured; the P worst-restored evicted
+    positions so far stay resident ("pinned", attended exactly), the rest are evicted and
+    restored every step. Resident memory is sink + window + P rows, flat in the history.
     """
 
     def __init__(self, geometry: CacheGeometry, sink: int, window: int, max_step: int, max_context: int, *,
-                 restore_from: str = "verifier", restore_source=None, restore_refresh: int = 1, **store):
+                 restore_from: str = "verifier", restore_source=None, restore_refresh: int = 1, restore_pin: int = 0,
+                 **store):
         super().__init__(geometry, sink, window, max_step, max_context, **store)
+        self.restore_pin = restore_pin
+        # Pinned positions (restore_pin P > 0): of the evicted positions, the P the proposer restores
+        # worst (V error against the resident rows, measured as they leave the window) stay resident.
+        self._pin_pos = torch.zeros(0, dtype=torch.long, device=self.pos.device)
+        self._pin_err = torch.zeros(0, dtype=torch.float32, device=self.pos.device)
+        self._v_energy = torch.zeros(geometry.num_layers, dtype=torch.float64)  # per layer: sum |v|^2, for the error scale
+        self._v_rows = 0
         self.restore_from = restore_from
         self.restore_source = restore_source  # None: the backend resolves `restore_from` itself
         self.restore_refresh = restore_refresh
@@ -400,6 +422,9 @@ class DLMRestoreCache(SinkWindowCache):
         self._held_uses = 0
         self._cover_upto = sink - 1  # this step: resident keys in [sink, _cover_upto] are served restored
         self._recording: HeldRestore | None = None
+        if restore_pin:  # room for the pinned rows besides sink + window
+            self.base_capacity += restore_pin
+            self._resize_slots(self.base_capacity)
 
     @property
     def nbytes(self) -> int:
@@ -416,12 +441,61 @@ class DLMRestoreCache(SinkWindowCache):
 
     def _allowed(self, qp, kp):
         restored = (kp >= self.sink) & (kp <= self._cover_upto)  # served from the restored set instead
+        if self.restore_pin:
+            restored = restored & ~torch.isin(kp, self._pin_pos)  # pinned: attended as resident rows
         return (kp >= 0) & (kp <= qp) & ~restored
+
+    @property
+    def pinned_positions(self) -> list[int]:
+        return sorted(self._pin_pos.tolist())
+
+    def _evict_pinning(self) -> int:
+        """Evict the positions that left the window, except the restore_pin worst-restored ones."""
+        upto = self.next_position - self.window
+        cand = (self.pos >= self.sink) & (self.pos <= upto) & ~torch.isin(self.pos, self._pin_pos)
+        if not bool(cand.any()):
+            return 0
+        slots = torch.nonzero(cand).flatten()
+        order = torch.argsort(self.pos[slots])
+        slots = slots[order]
+        positions = self.pos[slots]
+        err = self._restoration_error(positions, slots)
+        all_pos, all_err = torch.cat([self._pin_pos, positions]), torch.cat([self._pin_err, err])
+        keep = torch.topk(all_err, min(self.restore_pin, all_err.numel())).indices
+        self._pin_pos, self._pin_err = all_pos[keep], all_err[keep]
+        dead = torch.nonzero((self.pos >= self.sink) & (self.pos <= upto) & ~torch.isin(self.pos, self._pin_pos)).flatten()
+        self.pos[dead] = -1
+        self.store.evict(dead)
+        return int(dead.numel())
+
+    def _restoration_error(self, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Per position: sum over layers of |V_restored - V_resident|^2 / (the layer's mean |V|^2 per row).
+        V crosses the restore seam exactly as the cache stores it (no norm or RoPE), so the store's
+        rows are the reference; K would need the backend's RoPE."""
+        if self.restore_source is None:
+            raise ValueError("restore_pin needs the cache's restore_source (the learned proposer)")
+        n = int(positions[-1]) + 1
+        step = self.restore_source.open_step(self._tokens[:n].long(), positions)
+        err = torch.zeros(positions.numel(), dtype=torch.float64)
+        self._v_rows += positions.numel()
+        try:
+            for layer in range(self.geometry.num_layers):
+                _, v_hat = step.kv_for_layer(layer)
+                _, v = self.store.read(layer, slots)
+                v = v.double()
+                self._v_energy[layer] += float(v.pow(2).sum())
+                scale = float(self._v_energy[layer]) / self._v_rows
+                err += (v_hat.double().cpu() - v.cpu()).pow(2).sum((0, 2)) / max(scale, 1e-30)
+        finally:
+            step.close()
+        return err.to(torch.float32).to(self.pos.device)
 
     def _refreshing(self) -> bool:
         return self.restore_refresh == 1 or self._held is None or self._held_uses >= self.restore_refresh
 
     def _evict_dead(self) -> int:
+        if self.restore_pin:
+            return self._evict_pinning()
         if self.restore_refresh == 1:
             return super()._evict_dead()
         # Only positions the held set covers may leave the resident store.
@@ -488,6 +562,8 @@ class DLMRestoreCache(SinkWindowCache):
             self._tokens = grown
         self._tokens[int(positions[0]) : end] = ids.to(self._tokens.dtype)
         evicted = torch.arange(self.sink, max(self.sink, self._cover_upto + 1), device=self.pos.device)
+        if self.restore_pin and self._pin_pos.numel():
+            evicted = evicted[~torch.isin(evicted, self._pin_pos)]
         qp, kp = positions[:, None], evicted[None, :]
         masks = {}
         for w in set(self.geometry.layer_windows):
@@ -513,5 +589,5 @@ def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, 
     if strategy.name == "dlm_restore":
         return DLMRestoreCache(geometry, strategy.sink, strategy.window, max_step, max_context,
                                restore_from=strategy.restore_from, restore_source=restore_source,
-                               restore_refresh=strategy.restore_refresh, **store)
+                               restore_refresh=strategy.restore_refresh, restore_pin=strategy.restore_pin, **store)
     return SinkWindowCache(geometry, strategy.sink, strategy.window, max_step, max_context, **store)

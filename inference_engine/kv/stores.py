@@ -39,6 +39,10 @@ class SlabStore:
     def fetch(self, layer: int, n: int, slots: torch.Tensor | None):
         return self.k[layer][:, :n], self.v[layer][:, :n]
 
+    def read(self, layer: int, slots: torch.Tensor):
+        """(k, v) rows at `slots`, each (Hkv, len(slots), D)."""
+        return self.k[layer][:, slots], self.v[layer][:, slots]
+
     def evict(self, slots: torch.Tensor) -> None:
         pass  # a freed slab row is simply overwritten later
 
@@ -89,6 +93,9 @@ class CompressedStore:
         return torch.nonzero(pos >= 0).flatten()
 
     def fetch(self, layer: int, n: int, slots: torch.Tensor):
+        return self.read(layer, slots)
+
+    def read(self, layer: int, slots: torch.Tensor):
         k, v = self.layers[layer].decompress(slots)  # float32 (Hkv, len(slots), D)
         if k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)

@@ -31,6 +31,7 @@ class ServeConfig:
     kv_q_range: int = 38  # lattice q_range of the kakeya compressors
     restore_from: str = "verifier"  # dlm_restore proposer: verifier (same-model) | drafter (cross-model, needs `drafter`)
     restore_refresh: int = 1  # dlm_restore: reuse restored K/V for up to N steps (1 = recompute every step)
+    restore_pin: int = 0  # dlm_restore cross-model: keep the P worst-restored evicted positions resident
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off
@@ -91,7 +92,8 @@ def build_engine(cfg: ServeConfig, model):
         drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
     try:
         strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window, compressor=cfg.kv_compressor,
-                              q_range=cfg.kv_q_range, restore_from=cfg.restore_from, restore_refresh=cfg.restore_refresh)
+                              q_range=cfg.kv_q_range, restore_from=cfg.restore_from, restore_refresh=cfg.restore_refresh,
+                              restore_pin=cfg.restore_pin)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     restore_source = None

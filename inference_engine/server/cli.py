@@ -27,6 +27,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--restore-refresh", type=int, default=d.restore_refresh,
                    help="dlm_restore: reuse restored K/V for up to N steps (1 = restore every step; N > 1 holds all "
                         "layers' restored K/V between steps, counted in kv_live_bytes)")
+    p.add_argument("--restore-pin", type=int, default=d.restore_pin,
+                   help="dlm_restore --restore-from drafter: keep the P evicted positions the proposer restores worst "
+                        "resident (measured as they leave the window); resident = sink + window + P rows")
     p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; LRU-evicts beyond")
     p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session is evicted (0 = never)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
@@ -51,6 +54,7 @@ def _run_serve(args) -> int:
         kv_q_range=args.kv_q_range,
         restore_from=args.restore_from,
         restore_refresh=args.restore_refresh,
+        restore_pin=args.restore_pin,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,

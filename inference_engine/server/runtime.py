@@ -53,6 +53,7 @@ class ServerInfo:
     spec_k: int
     restore_from: str = ""
     restore_refresh: int = 0
+    restore_pin: int = 0
 
 
 class Runtime:
@@ -161,6 +162,7 @@ class Runtime:
             spec_k=e.spec_k,
             restore_from=self._restore_from(),
             restore_refresh=st.restore_refresh if st.name == "dlm_restore" else 0,
+            restore_pin=st.restore_pin,
         )
 
     def _restore_from(self) -> str:

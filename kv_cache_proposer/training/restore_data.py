@@ -99,9 +99,11 @@ def verifier_kv(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def tail_logits(model, ids: torch.Tensor, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], tail_start: int) -> torch.Tensor:
+def tail_logits(model, ids: torch.Tensor, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], tail_start: int,
+                prefix_keep: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (t, V) of positions tail_start..n-1 of `ids`, run through the verifier while attending to
     `prefix_kv` (per layer pre-RoPE (K, V), each (Hkv, tail_start, D)) for positions 0..tail_start-1.
+    prefix_keep: optional (tail_start,) bool, False = that prefix position is not attended at all.
     Differentiable in prefix_kv. Global-attention models only (no per-layer windows)."""
     s = model.spec
     if any(w is not None for w in s.layer_windows):
@@ -112,6 +114,8 @@ def tail_logits(model, ids: torch.Tensor, prefix_kv: list[tuple[torch.Tensor, to
     ropes = model._rope_tables(torch.arange(n), x)
     qp = torch.arange(tail_start, n)[:, None]
     mask = torch.arange(n)[None, :] <= qp  # (t, n) causal
+    if prefix_keep is not None:
+        mask = mask & torch.cat([prefix_keep.to(torch.bool), torch.ones(t, dtype=torch.bool)])[None, :]
     for i, L in enumerate(model.layers):
         q, k, v = model._project(L, model._rms(x, L.ln_in))
         cos, sin = ropes[s.layer_rope[i]]

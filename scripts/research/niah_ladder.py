@@ -47,6 +47,13 @@ ARMS = {
     "dlm_restore_cross_4+64+kakeya_e8": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
                                              drafter="smollm2-135m-dlm", spec_k=0, kv_compressor="kakeya_e8"),
     "sink_window_4+64+kakeya_e8": dict(kv_strategy="sink_window", sink=4, window=64, kv_compressor="kakeya_e8"),
+    # cross-model + the 16 evicted positions f_θ restores worst kept resident (resident = 4 + 64 + 16 rows),
+    # and the control with the same resident budget and no restoration
+    "dlm_restore_cross_4+64+pin16": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
+                                         drafter="smollm2-135m-dlm", spec_k=0, restore_pin=16),
+    "dlm_restore_cross_4+64+pin16+kakeya_e8": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
+                                                   drafter="smollm2-135m-dlm", spec_k=0, restore_pin=16, kv_compressor="kakeya_e8"),
+    "sink_window_4+80": dict(kv_strategy="sink_window", sink=4, window=80),
 }
 
 
@@ -115,9 +122,12 @@ def main() -> int:
                     help="cross-model arms: samples per rung whose restored K/V are compared with the verifier's (per-layer rel-MSE)")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "niah_ladder.json"))
     ap.add_argument("--merge", default="", help="only combine these ladder JSONs (comma-separated) into --out")
+    ap.add_argument("--profiles", default="",
+                    help="with --merge: profile_restore.py JSONs (comma-separated) whose per-rung decode-step time split "
+                         "(proposer open / per-layer / f_θ trunk, attention, decompress, other; CPU seconds) is copied in")
     args = ap.parse_args()
     if args.merge:
-        return merge(args.merge.split(","), args.out)
+        return merge(args.merge.split(","), args.out, [p for p in args.profiles.split(",") if p])
 
     import dataclasses
 
@@ -233,18 +243,43 @@ def finish(out, meta: dict, results: dict) -> None:
     plot(results, out.with_suffix(".png"))
 
 
-def merge(parts: list[str], out) -> int:
-    """Combine ladder JSONs run side by side (e.g. two single-thread processes with disjoint arms)."""
+def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
+    """Combine ladder JSONs run side by side (e.g. two single-thread processes with disjoint arms).
+
+    An arm present in several parts keeps, per rung, the cell with the most samples (later parts win ties)."""
     import json
 
     docs = [json.loads(pathlib.Path(p).read_text()) for p in parts]
     results = {}
-    for d in docs:
-        results.update(d["arms"])
-    meta = {k: v for k, v in docs[0].items() if k not in ("arms", "vs_full")}
+    for p, d in zip(parts, docs):
+        for arm, r in d["arms"].items():
+            if r.get("status") == "ok":
+                for c in r["rungs"].values():
+                    c.setdefault("from_part", p)
+            have = results.get(arm)
+            if have is None or have.get("status") != "ok" or r.get("status") != "ok":
+                if have is None or r.get("status") == "ok":
+                    results[arm] = r
+                continue
+            for n, c in r["rungs"].items():
+                old = have["rungs"].get(n)
+                if old is None or c.get("samples", -1) >= old.get("samples", -1):
+                    have["rungs"][n] = c
+    meta = {k: v for k, v in docs[0].items() if k not in ("arms", "vs_full", "parts", "decode_step_time_split")}
     meta["parts"] = [{"file": p, "command": d.get("command"), "commit": d.get("commit"), "date_utc": d.get("date_utc"),
-                      "arms": list(d["arms"])} for p, d in zip(parts, docs)]
-    meta["command"] = "scripts/research/niah_ladder.py --merge " + ",".join(parts)
+                      "machine": d.get("machine"), "arms": list(d["arms"])} for p, d in zip(parts, docs)]
+    meta["command"] = "scripts/research/niah_ladder.py --merge " + ",".join(parts) + (
+        " --profiles " + ",".join(profiles) if profiles else "")
+    if profiles:
+        split = {}
+        for p in profiles:
+            prof = json.loads(pathlib.Path(p).read_text())
+            for n, arms in prof["results"].items():
+                for arm, cell in arms.items():
+                    split.setdefault(n, {})[arm] = {"decode_step_cpu_s": cell["decode_step_mean"],
+                                                    "tokens_per_s_ratio_to_full": cell.get("tokens_per_s_ratio_to_full"),
+                                                    "resident_kv_bytes": cell["resident_kv_bytes"], "from": p}
+        meta["decode_step_time_split"] = split
     finish(pathlib.Path(out), meta, results)
     return 0
 

@@ -41,6 +41,13 @@ def configs(num_layers: int) -> dict:
         "ftheta_filler_only (true needle)": (every, "kv", "filler"),
         "ftheta_needle_only (true filler)": (every, "kv", "needle"),
     }
+    for pin in (16, 32, 64):  # keep the P positions f_θ restores worst (measurable at eviction) exact
+        out[f"pin_top{pin}_by_ftheta_error"] = (every, "kv", f"pin{pin}")
+    out["pin_top16_by_ftheta_v_error"] = (every, "kv", "vpin16")  # V needs no RoPE: the store's rows as they are
+    # ablations: the pinned positions alone (everything else evicted and dropped, no restoration), and a
+    # window 16 positions longer instead of the pins (the same resident budget)
+    out["pin_top16_by_ftheta_error, rest dropped"] = (range(0), "kv", "pin16-drop")
+    out["no pins, window +16, rest dropped"] = (range(0), "kv", "window16-drop")
     for name, layers in bands.items():
         out[f"ftheta_layers_{name} only"] = (layers, "kv", "all")
         out[f"true_layers_{name} only"] = ([i for i in every if i not in layers], "kv", "all")
@@ -111,19 +118,43 @@ def main() -> int:
                 pred = proj.all_layers(proj.trunk(feats))  # (L, E, 2kv)
             pos = torch.arange(args.sink, tail_start)
             in_needle = (pos >= a) & (pos < b)
+            # Per-position restoration error (mean over layers of K and V relative squared error). RoPE is a
+            # rotation, so it equals the error against the resident (post-RoPE) keys at eviction time.
+            tk = true[:, args.sink:, :kv_dim].pow(2).sum(-1).mean(1, keepdim=True)
+            tv = true[:, args.sink:, kv_dim:].pow(2).sum(-1).mean(1, keepdim=True)
+            d = (pred - true[:, args.sink:]).pow(2)
+            err = (d[..., :kv_dim].sum(-1) / tk + d[..., kv_dim:].sum(-1) / tv).mean(0)  # (E,)
+            err_v = (d[..., kv_dim:].sum(-1) / tv).mean(0)
+            pinned = err.topk(min(64, err.numel())).indices + args.sink
+            row_pins = {"needle_tokens_in_top16": int(((pinned[:16] >= a) & (pinned[:16] < b)).sum()),
+                        "needle_tokens_in_top64": int(((pinned >= a) & (pinned < b)).sum()), "needle_tokens": b - a}
             ans_rows = slice(len(ids) - 1 - tail_start, len(full) - 1 - tail_start)
             teacher = None
-            row = {"key": key, "depth": round(depth, 3), "prompt_tokens": len(ids), "needle_span": [a, b]}
+            row = {"key": key, "depth": round(depth, 3), "prompt_tokens": len(ids), "needle_span": [a, b]} | row_pins
             for name, (layers, parts, where) in cfgs.items():
                 hyb = true[:, args.sink:].clone()
-                sel = torch.ones_like(in_needle) if where == "all" else (in_needle if where == "needle" else ~in_needle)
+                keep = None
+                if where.endswith("-drop"):  # prefix attends to the sink + the kept positions only
+                    keep = torch.zeros(tail_start, dtype=torch.bool)
+                    keep[: args.sink] = True
+                    if where.startswith("pin"):
+                        keep[err.topk(min(16, err.numel())).indices + args.sink] = True
+                    else:
+                        keep[tail_start - 16 :] = True
+                    sel = torch.zeros_like(in_needle)
+                elif "pin" in where:  # f_θ everywhere except the P worst-restored positions
+                    e = err_v if where.startswith("v") else err
+                    sel = torch.ones_like(in_needle)
+                    sel[e.topk(min(int(where.split("pin")[1]), e.numel())).indices] = False
+                else:
+                    sel = torch.ones_like(in_needle) if where == "all" else (in_needle if where == "needle" else ~in_needle)
                 cols = slice(0, kv_dim) if parts == "k" else slice(kv_dim, 2 * kv_dim) if parts == "v" else slice(0, 2 * kv_dim)
                 for layer in layers:
                     hyb[layer, sel, cols] = pred[layer, sel, cols]
                 prefix = [rd.split_kv(torch.cat([true[layer, : args.sink], hyb[layer]]), s.num_kv_heads, s.head_dim)
                           for layer in range(s.num_layers)]
                 with torch.inference_mode():
-                    logits = rd.tail_logits(model, full, prefix, tail_start)[ans_rows]
+                    logits = rd.tail_logits(model, full, prefix, tail_start, keep)[ans_rows]
                 if teacher is None:  # the first config is the true K/V
                     teacher = logits
                 hit = bool((logits.argmax(-1) == torch.tensor(answer)).all())
@@ -137,7 +168,8 @@ def main() -> int:
                 g["v_rel_mse"] += float(rv.mean()) / args.samples
                 row[name] = hit
             rows.append(row)
-            print(f"{n} sample {i}: " + " ".join(f"{int(row[c])}" for c in cfgs) + f"  ({time.time() - t0:.0f}s)", flush=True)
+            print(f"{n} sample {i}: " + " ".join(f"{int(row[c])}" for c in cfgs) + f"  needle in top16/top64 "
+                  f"{row['needle_tokens_in_top16']}/{row['needle_tokens_in_top64']} of {row['needle_tokens']}  ({time.time() - t0:.0f}s)", flush=True)
         for name, g in agg.items():
             g["answer_exact"] = f"{g['answer_exact']}/{args.samples}"
             print(f"{n} {name:40s} exact {g['answer_exact']:>6}  KL {g['kl_answer']:.3f}  "

@@ -301,3 +301,72 @@ def test_refresh_rolled_back_step_is_not_adopted():
     b = new_cache(m, KVStrategy("full"))
     feed(m, b, ids(40) + ids(6, seed=1)[:2], 16)
     torch.testing.assert_close(feed(m, a, tail, 1), feed(m, b, tail, 1), rtol=1e-4, atol=1e-4)
+
+
+# -- pinned positions: the worst-restored evicted positions stay resident -----------------------
+
+class CorruptingSource:
+    """The exact same-model proposer, except that K/V at `bad` positions come back far off."""
+
+    name = "corrupting"
+
+    def __init__(self, inner, bad):
+        self.inner, self.bad = inner, set(bad)
+
+    def open_step(self, history, evicted):
+        step = self.inner.open_step(history, evicted)
+        hit = torch.tensor([int(p) in self.bad for p in evicted])
+        outer_hit = hit
+
+        class Step:
+            def kv_for_layer(self, layer):
+                k, v = step.kv_for_layer(layer)
+                k, v = k.clone(), v.clone()
+                k[:, outer_hit] += 3.0
+                v[:, outer_hit] += 3.0
+                return k, v
+
+            def close(self):
+                step.close()
+
+        return Step()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_pinned_positions_are_the_worst_restored_and_make_it_exact(arch):
+    m = model(arch)
+    history = ids(120)
+    bad = [9, 30, 31, 77]
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
+    strategy = KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=len(bad))
+    for chunk in (1, 16):
+        cache = new_cache(m, strategy, restore_source=CorruptingSource(m.verifier_restore_source(), bad))
+        got = feed(m, cache, history, chunk)
+        assert cache.pinned_positions == bad
+        torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)  # the only wrong K/V are never used
+        assert cache.resident_positions == SINK + WINDOW - 1 + len(bad) and cache.dropped_total == 0
+    # the same corruption without pins changes the output: the test can fail
+    unpinned = feed(m, new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter"),
+                                 restore_source=CorruptingSource(m.verifier_restore_source(), bad)), history, 16)
+    assert not torch.allclose(unpinned[-1], full[-1], atol=1e-3)
+
+
+def test_pinned_cache_memory_is_flat_and_fewer_pins_keep_the_worst():
+    m = model()
+    bad = [12, 40, 41, 90, 130]
+    src = CorruptingSource(m.verifier_restore_source(), bad)
+    cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=3), restore_source=src)
+    feed(m, cache, ids(60), 8)
+    first = cache.nbytes
+    feed(m, cache, ids(100, seed=3), 1)
+    assert cache.nbytes == first  # sink + window + pins, whatever the history
+    assert len(cache.pinned_positions) == 3 and set(cache.pinned_positions) <= set(bad)
+
+
+def test_pin_needs_a_learned_proposer():
+    with pytest.raises(ValueError, match="restore_pin"):
+        KVStrategy("dlm_restore", SINK, WINDOW, restore_pin=4)  # same-model: exact, nothing to pin
+    with pytest.raises(ValueError, match="restore_pin"):
+        KVStrategy("sink_window", SINK, WINDOW, restore_pin=4)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4, restore_refresh=2)

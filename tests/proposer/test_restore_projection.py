@@ -55,6 +55,19 @@ def ids(n, seed=0, vocab=256):
 
 
 @pytest.mark.parametrize("features", ["hidden", "kv"])
+def test_features_of_some_positions_equal_the_full_computation(features):
+    """positions=...: only their blocks are encoded, and each row equals the all-positions feature."""
+    d = tiny_drafter()
+    x = ids(5 * BLOCK + 3)
+    for n in (x.numel(), 4 * BLOCK, 3 * BLOCK + 5, 1):
+        full = proposer_features(d.model, x, n, BLOCK, features)
+        for pos in (torch.arange(n), torch.tensor([0, 3, 2 * BLOCK + 1, n - 1]), torch.arange(max(0, n - 7), n), torch.tensor([n - 1])):
+            pos = torch.unique(pos[pos < n])
+            got = proposer_features(d.model, x, n, BLOCK, features, positions=pos)
+            torch.testing.assert_close(got, full[pos], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("features", ["hidden", "kv"])
 def test_features_depend_only_on_their_block(features):
     d = tiny_drafter()
     a = ids(3 * BLOCK + 5)
@@ -219,15 +232,18 @@ def test_cross_model_server_reports_its_proposer_and_generates():
     source = DrafterRestoreSource(d, projection(m, d), "tiny-dlm")
     cross = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter", restore_refresh=3), prefill_chunk=16,
                                 restore_source=source))
+    pinned = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter", restore_pin=5), prefill_chunk=16,
+                                 restore_source=source))
     same = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16), prefill_chunk=16))
     try:
-        for srv, want, refresh in ((cross, "drafter:tiny-dlm", 3), (same, "verifier", 1)):
+        for srv, want, refresh, pin in ((cross, "drafter:tiny-dlm", 3, 0), (pinned, "drafter:tiny-dlm", 1, 5), (same, "verifier", 1, 0)):
             with kakeya.Client(f"127.0.0.1:{srv.port}") as c:
                 info = c.server_info()
-                assert (info.restore_from, info.restore_refresh) == (want, refresh)
+                assert (info.restore_from, info.restore_refresh, info.restore_pin) == (want, refresh, pin)
                 with c.create_session(ids(60, seed=9).tolist(), ignore_eos=True) as s:
                     assert len(list(s.generate(max_tokens=4))) == 4
                     assert s.info().kv_live_bytes > 0
     finally:
         cross.stop()
+        pinned.stop()
         same.stop()

@@ -83,6 +83,7 @@ class ServerInfo:
     spec_k: int
     restore_from: str = ""  # dlm_restore's proposer: "verifier" or "drafter:<name>"
     restore_refresh: int = 0  # dlm_restore: restored K/V reused for up to N steps (1 = every step); 0 otherwise
+    restore_pin: int = 0  # dlm_restore cross-model: worst-restored evicted positions kept resident
 
     @classmethod
     def from_pb(cls, r) -> "ServerInfo":
@@ -90,7 +91,7 @@ class ServerInfo:
         return cls(
             r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name, k.sink, k.window, k.compressor,
             r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
-            k.restore_from, k.restore_refresh,
+            k.restore_from, k.restore_refresh, k.restore_pin,
         )
 
 

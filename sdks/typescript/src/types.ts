@@ -70,6 +70,8 @@ export interface ServerInfo {
   readonly restoreFrom: string;
   /** dlm_restore: restored K/V are reused for up to this many steps (1 = every step); 0 for other strategies. */
   readonly restoreRefresh: number;
+  /** dlm_restore cross-model: evicted positions kept resident because the proposer restores them worst; 0 = none. */
+  readonly restorePin: number;
   /** Trained context of the model (max_position_embeddings). */
   readonly maxContext: number;
   readonly backend: string;
@@ -124,6 +126,7 @@ export function serverInfo(r: GetServerInfoResponse): ServerInfo {
     compressor: k?.compressor ?? "",
     restoreFrom: k?.restoreFrom ?? "",
     restoreRefresh: k?.restoreRefresh ?? 0,
+    restorePin: k?.restorePin ?? 0,
     maxContext: r.maxContext,
     backend: r.backend,
     device: r.device,

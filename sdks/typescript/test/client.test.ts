@@ -24,6 +24,7 @@ describe("server info", () => {
       compressor: "identity",
       restoreFrom: "",
       restoreRefresh: 0,
+      restorePin: 0,
       maxContext: 2048,
       backend: "torch",
       serverVersion: VERSION,
