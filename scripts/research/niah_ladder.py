@@ -147,6 +147,9 @@ def main() -> int:
     rungs = [int(r) for r in args.rungs.split(",")]
     samples = {n: [make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i)) for i in range(args.samples)] for n in rungs}
     results = {}
+    # Metadata taken at the start (load average before the run); the JSON is rewritten after every cell,
+    # so a run that is cut off keeps what it measured ("complete": false until the end).
+    meta = run_metadata(vars(args) | {"eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
     for arm in args.arms.split(","):
         fields = {f.name for f in dataclasses.fields(ServeConfig)}
         overrides = ARMS[arm]
@@ -206,11 +209,11 @@ def main() -> int:
                     f = cell["restore_fidelity"]
                     print(f"    restored K/V vs verifier: K rel-MSE {f['k_rel_mse_mean']:.3f}  V {f['v_rel_mse_mean']:.3f}", flush=True)
                 results[arm]["rungs"][str(n)] = cell
+                write_json(pathlib.Path(args.out), meta | {"complete": False, "arms": results, "vs_full": vs_full(results)})
                 print(f"{arm} @ {n}: recall {hits}/{done}  kv {cell['kv_live_bytes_max'] / 1e6:.1f} MB  ttft {cell['ttft_s_median']:.2f}s  "
                       f"decode {cell['decode_tok_s_median']:.1f} tok/s  ({cell['seconds']:.0f}s)", flush=True)
         server.stop()
 
-    meta = run_metadata(vars(args) | {"eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
     finish(pathlib.Path(args.out), meta, results)
     return 0
 
@@ -239,7 +242,7 @@ def vs_full(results: dict) -> dict:
 
 
 def finish(out, meta: dict, results: dict) -> None:
-    write_json(out, meta | {"arms": results, "vs_full": vs_full(results)})
+    write_json(out, meta | {"complete": True, "arms": results, "vs_full": vs_full(results)})
     plot(results, out.with_suffix(".png"))
 
 
