@@ -44,6 +44,8 @@ ARMS = {
     # refresh option: restored K/V reused for up to 8 steps (held bytes count in resident_kv_bytes); use --steps >= 8
     "dlm_restore_4+64_r8": dict(name="dlm_restore", sink=4, window=64, restore_refresh=8),
     "dlm_restore_cross_4+64_r8": dict(name="dlm_restore", sink=4, window=64, restore_from="drafter", restore_refresh=8),
+    # pinned positions: the eviction-time scoring runs the proposer on the departing position (counted in proposer_s)
+    "dlm_restore_cross_4+64+pin16": dict(name="dlm_restore", sink=4, window=64, restore_from="drafter", restore_pin=16),
 }
 
 

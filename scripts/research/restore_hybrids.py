@@ -44,6 +44,8 @@ def configs(num_layers: int) -> dict:
     for pin in (16, 32, 64):  # keep the P positions f_θ restores worst (measurable at eviction) exact
         out[f"pin_top{pin}_by_ftheta_error"] = (every, "kv", f"pin{pin}")
     out["pin_top16_by_ftheta_v_error"] = (every, "kv", "vpin16")  # V needs no RoPE: the store's rows as they are
+    for pin, r in ((32, 4), (48, 6), (64, 8)):  # spans: a position's score is the max V error within +-r
+        out[f"pin{pin}_span{r}_by_ftheta_v_error"] = (every, "kv", f"span{r}vpin{pin}")
     # ablations: the pinned positions alone (everything else evicted and dropped, no restoration), and a
     # window 16 positions longer instead of the pins (the same resident budget)
     out["pin_top16_by_ftheta_error, rest dropped"] = (range(0), "kv", "pin16-drop")
@@ -142,6 +144,11 @@ def main() -> int:
                     else:
                         keep[tail_start - 16 :] = True
                     sel = torch.zeros_like(in_needle)
+                elif where.startswith("span"):  # f_θ except the P positions whose +-r neighbourhood is worst
+                    r, budget = (int(x) for x in where[4:].split("vpin"))
+                    e = torch.nn.functional.max_pool1d(err_v[None, None], 2 * r + 1, 1, r)[0, 0]
+                    sel = torch.ones_like(in_needle)
+                    sel[e.topk(min(budget, e.numel())).indices] = False
                 elif "pin" in where:  # f_θ everywhere except the P worst-restored positions
                     e = err_v if where.startswith("v") else err
                     sel = torch.ones_like(in_needle)
