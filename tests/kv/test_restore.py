@@ -370,3 +370,17 @@ def test_pin_needs_a_learned_proposer():
         KVStrategy("sink_window", SINK, WINDOW, restore_pin=4)
     with pytest.raises(ValueError, match="cannot be combined"):
         KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4, restore_refresh=2)
+
+
+def test_pinned_greedy_equals_full_across_speculative_steps():
+    m = model("llama")
+    history = ids(70, seed=1)
+    bad = [8, 20, 21, 45]
+    ref, _ = greedy(Engine(m, KVStrategy("full"), prefill_chunk=32), history, 40)
+    src = CorruptingSource(m.verifier_restore_source(), bad)
+    strategy = KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=len(bad))
+    engine = Engine(m, strategy, prefill_chunk=32, drafter=SelfDrafter(m, context_window=256, corrupt_every=3), spec_k=3,
+                    restore_source=src)
+    got, kv = greedy(engine, history, 40)
+    assert got == ref
+    assert kv.cache.pinned_positions == bad
