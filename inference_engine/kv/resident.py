@@ -370,12 +370,18 @@ class SinkWindowCache(SlotKVCache):
 
     def _evict_dead(self) -> int:
         # The next query sits at next_position and sees (next_position - window, next_position].
-        dead = (self.pos >= self.sink) & (self.pos <= self.next_position - self.window)
-        n = int(dead.sum())
-        if n:
-            self.pos[dead] = -1
-            self.store.evict(torch.nonzero(dead).flatten())
-        return n
+        return self._evict_through(self.next_position - self.window)
+
+    def _evict_through(self, upto: int, keep: torch.Tensor | None = None) -> int:
+        """Free the slots of positions in [sink, upto], except positions listed in `keep`."""
+        dead = (self.pos >= self.sink) & (self.pos <= upto)
+        if keep is not None and keep.numel():
+            dead &= ~torch.isin(self.pos, keep)
+        slots = torch.nonzero(dead).flatten()
+        if slots.numel():
+            self.pos[slots] = -1
+            self.store.evict(slots)
+        return int(slots.numel())
 
     def _sink_shift(self) -> SinkShift | None:
         return SinkShift(self.max_context, self.sink, self.sink + self.window - 1)
@@ -463,10 +469,7 @@ class DLMRestoreCache(SinkWindowCache):
         all_pos, all_err = torch.cat([self._pin_pos, positions]), torch.cat([self._pin_err, err])
         keep = torch.topk(all_err, min(self.restore_pin, all_err.numel())).indices
         self._pin_pos, self._pin_err = all_pos[keep], all_err[keep]
-        dead = torch.nonzero((self.pos >= self.sink) & (self.pos <= upto) & ~torch.isin(self.pos, self._pin_pos)).flatten()
-        self.pos[dead] = -1
-        self.store.evict(dead)
-        return int(dead.numel())
+        return self._evict_through(upto, keep=self._pin_pos)
 
     def _restoration_error(self, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Per position: sum over layers of |V_restored - V_resident|^2 / (the layer's mean |V|^2 per row).
@@ -499,13 +502,7 @@ class DLMRestoreCache(SinkWindowCache):
         if self.restore_refresh == 1:
             return super()._evict_dead()
         # Only positions the held set covers may leave the resident store.
-        upto = min(self.next_position - self.window, self._held_upto)
-        dead = (self.pos >= self.sink) & (self.pos <= upto)
-        n = int(dead.sum())
-        if n:
-            self.pos[dead] = -1
-            self.store.evict(torch.nonzero(dead).flatten())
-        return n
+        return self._evict_through(min(self.next_position - self.window, self._held_upto))
 
     def _settle(self) -> None:
         # Positions kept for the refresh option can outnumber sink + window: keep room for them.
