@@ -53,6 +53,8 @@ ARMS = {
                                          drafter="smollm2-135m-dlm", spec_k=0, restore_pin=16),
     "dlm_restore_cross_4+64+pin16+kakeya_e8": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
                                                    drafter="smollm2-135m-dlm", spec_k=0, restore_pin=16, kv_compressor="kakeya_e8"),
+    "dlm_restore_cross_4+64+pin64": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
+                                         drafter="smollm2-135m-dlm", spec_k=0, restore_pin=64),
     "sink_window_4+80": dict(kv_strategy="sink_window", sink=4, window=80),
 }
 
@@ -93,7 +95,7 @@ def restore_fidelity(model, source, samples, sink: int, window: int) -> dict:
             k, v = step.kv_for_layer(layer)
             got.append(torch.cat([k.transpose(0, 1).reshape(evicted.numel(), -1), v.transpose(0, 1).reshape(evicted.numel(), -1)], -1))
         step.close()
-        rk, rv = rel_mse(torch.stack(got).float(), true.float(), kv_dim)
+        rk, rv = rel_mse(torch.stack(got).float().cpu(), true.float().cpu(), kv_dim)
         ks += rk / len(samples)
         vs += rv / len(samples)
     return {"samples": len(samples), "k_rel_mse_mean": float(ks.mean()), "v_rel_mse_mean": float(vs.mean()),
@@ -114,6 +116,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--answer-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="torch device of the server's model and proposer: cpu or cuda")
     ap.add_argument("--max-seconds-per-arm-rung", type=float, default=0, help="stop a cell early (recorded) after this long; 0 = never")
     ap.add_argument("--arm-seconds", default="", help="per-arm cell time limits overriding the default: ARM=SECONDS,...")
     ap.add_argument("--skip", default="", help="cells not run (recorded as skipped): ARM@RUNG,...")
@@ -139,7 +142,8 @@ def main() -> int:
     from inference_engine.server.app import ServeConfig, build_runtime, load_model, start
 
     torch.set_num_threads(args.threads)
-    base = ServeConfig(bind="127.0.0.1:0", model=args.model, threads=args.threads, capacity=2, prefill_chunk=args.prefill_chunk)
+    base = ServeConfig(bind="127.0.0.1:0", model=args.model, threads=args.threads, capacity=2, prefill_chunk=args.prefill_chunk,
+                       device=args.device)
     arm_seconds = {a: float(s) for a, s in (x.split("=") for x in args.arm_seconds.split(",") if x)}
     skip = set(x for x in args.skip.split(",") if x)
     model = load_model(base)
@@ -149,7 +153,8 @@ def main() -> int:
     results = {}
     # Metadata taken at the start (load average before the run); the JSON is rewritten after every cell,
     # so a run that is cut off keeps what it measured ("complete": false until the end).
-    meta = run_metadata(vars(args) | {"eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
+    meta = run_metadata(vars(args) | {"accelerator": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+                                      "eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
     for arm in args.arms.split(","):
         fields = {f.name for f in dataclasses.fields(ServeConfig)}
         overrides = ARMS[arm]
