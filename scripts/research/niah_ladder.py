@@ -204,6 +204,7 @@ def main() -> int:
                     "ttft_s_median": sorted(ttfts)[done // 2],
                     "decode_tok_s_median": sorted(rates)[done // 2],
                     "attention_fraction": attention_fraction(cfg, n),
+                    "device": cell_device(meta),
                     "seconds": time.perf_counter() - t_cell,
                     "time_limit_s": limit,
                     "rows": rows,
@@ -223,47 +224,85 @@ def main() -> int:
     return 0
 
 
-def vs_full(results: dict) -> dict:
-    """Per arm and rung: recall minus full's (all samples, and on the samples both ran) and decode speed over full's."""
+def cell_device(meta: dict) -> str:
+    """Where a part's cells ran: 'cpu' or the accelerator's name (parts from before --device ran on the CPU)."""
+    cfg = meta.get("config", {})
+    return cfg.get("accelerator") or cfg.get("device") or "cpu"
+
+
+def vs_full(results: dict, full_by_device: dict | None = None) -> dict:
+    """Per arm and rung: recall minus full's (all samples, and on the samples both ran) and decode speed over full's.
+
+    Decode speed is compared only with a `full` cell measured on the same device (`full_by_device`:
+    device -> rung -> cell; by default the results' own `full`), and, for an arm with a compressor,
+    also with `full` + that compressor on the same device."""
     ratios = {}
-    if results.get("full", {}).get("status") == "ok":
-        full = results["full"]["rungs"]
-        for arm, r in results.items():
-            if r.get("status") != "ok":
-                continue
-            ratios[arm] = {}
+    if full_by_device is None:
+        full_by_device = {}
+        if results.get("full", {}).get("status") == "ok":
+            for n, c in results["full"]["rungs"].items():
+                full_by_device.setdefault(c.get("device", "cpu"), {})[n] = c
+    comp_by_device = {}
+    for arm, r in results.items():
+        comp = r.get("config", {}).get("kv_compressor") if r.get("status") == "ok" else None
+        if arm.startswith("full+") and comp and "kv_q_range" not in r["config"]:
             for n, c in r["rungs"].items():
-                if n not in full or "recall" not in c or "recall" not in full[n]:
-                    continue
-                common = min(c["samples"], full[n]["samples"])  # every arm runs the same samples in the same order
-                ratios[arm][n] = {
-                    "recall_minus_full": c["recall"] - full[n]["recall"],
-                    "common_samples": common,
-                    "recall_minus_full_on_common_samples": (sum(x["hit"] for x in c["rows"][:common])
-                                                            - sum(x["hit"] for x in full[n]["rows"][:common])) / common,
-                    "decode_tok_s_over_full": c["decode_tok_s_median"] / max(1e-9, full[n]["decode_tok_s_median"]),
-                }
+                if "recall" in c:
+                    comp_by_device.setdefault((comp, c.get("device", "cpu")), {})[n] = c
+    for arm, r in results.items():
+        if r.get("status") != "ok":
+            continue
+        ratios[arm] = {}
+        comp = r.get("config", {}).get("kv_compressor")
+        for n, c in r["rungs"].items():
+            dev = c.get("device", "cpu")
+            full = full_by_device.get(dev, {}).get(n)
+            if "recall" not in c or full is None or "recall" not in full:
+                continue
+            common = min(c["samples"], full["samples"])  # every arm runs the same samples in the same order
+            cell = {
+                "device": dev,
+                "recall_minus_full": c["recall"] - full["recall"],
+                "common_samples": common,
+                "recall_minus_full_on_common_samples": (sum(x["hit"] for x in c["rows"][:common])
+                                                        - sum(x["hit"] for x in full["rows"][:common])) / common,
+                "decode_tok_s_over_full": c["decode_tok_s_median"] / max(1e-9, full["decode_tok_s_median"]),
+            }
+            same = comp_by_device.get((comp, dev), {}).get(n) if comp else None
+            if same is not None:
+                cell["decode_tok_s_over_full_same_compressor"] = c["decode_tok_s_median"] / max(1e-9, same["decode_tok_s_median"])
+            ratios[arm][n] = cell
     return ratios
 
 
-def finish(out, meta: dict, results: dict) -> None:
-    write_json(out, meta | {"complete": True, "arms": results, "vs_full": vs_full(results)})
+def finish(out, meta: dict, results: dict, full_by_device: dict | None = None) -> None:
+    write_json(out, meta | {"complete": True, "arms": results, "vs_full": vs_full(results, full_by_device)})
     plot(results, out.with_suffix(".png"))
 
 
 def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
     """Combine ladder JSONs run side by side (e.g. two single-thread processes with disjoint arms).
 
-    An arm present in several parts keeps, per rung, the cell with the most samples (later parts win ties)."""
+    An arm present in several parts keeps, per rung, the cell with the most samples (later parts win ties).
+    Each cell records the device it ran on; decode speed is compared with `full` on the same device only."""
     import json
 
     docs = [json.loads(pathlib.Path(p).read_text()) for p in parts]
-    results = {}
+    results, full_by_device, by_device = {}, {}, {}
     for p, d in zip(parts, docs):
         for arm, r in d["arms"].items():
             if r.get("status") == "ok":
-                for c in r["rungs"].values():
+                for n, c in r["rungs"].items():
                     c.setdefault("from_part", p)
+                    c.setdefault("device", cell_device(d))
+                    if "rows" in c:
+                        old = by_device.setdefault((arm, n), {}).get(c["device"])
+                        if old is None or c["samples"] >= old["samples"]:
+                            by_device[(arm, n)][c["device"]] = c
+                    if arm == "full" and "recall" in c:
+                        old = full_by_device.setdefault(c["device"], {}).get(n)
+                        if old is None or c["samples"] >= old["samples"]:
+                            full_by_device[c["device"]][n] = c
             have = results.get(arm)
             if have is None or have.get("status") != "ok" or r.get("status") != "ok":
                 if have is None or r.get("status") == "ok":
@@ -278,6 +317,23 @@ def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
                       "machine": d.get("machine"), "arms": list(d["arms"])} for p, d in zip(parts, docs)]
     meta["command"] = "scripts/research/niah_ladder.py --merge " + ",".join(parts) + (
         " --profiles " + ",".join(profiles) if profiles else "")
+    # The same samples run on two devices (CPU and an accelerator): do the per-sample hits agree?
+    agreement = {}
+    for (arm, n), cells in by_device.items():
+        devs = sorted(cells)
+        for i, a in enumerate(devs):
+            for b in devs[i + 1:]:
+                ra, rb = cells[a]["rows"], cells[b]["rows"]
+                common = min(len(ra), len(rb))
+                agreement.setdefault(arm, {})[n] = {
+                    "devices": [a, b], "common_samples": common,
+                    "hits": [sum(x["hit"] for x in ra[:common]), sum(x["hit"] for x in rb[:common])],
+                    "samples_whose_hit_differs": sum(x["hit"] != y["hit"] for x, y in zip(ra, rb)),
+                    # parts may decode different answer lengths: compare the shorter answer with the other's start
+                    "samples_whose_answer_differs": sum(not (x["answer"].startswith(y["answer"]) or y["answer"].startswith(x["answer"]))
+                                                        for x, y in zip(ra, rb)),
+                }
+    meta["cross_device_agreement"] = agreement
     if profiles:
         split = {}
         for p in profiles:
@@ -288,7 +344,7 @@ def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
                                                     "tokens_per_s_ratio_to_full": cell.get("tokens_per_s_ratio_to_full"),
                                                     "resident_kv_bytes": cell["resident_kv_bytes"], "from": p}
         meta["decode_step_time_split"] = split
-    finish(pathlib.Path(out), meta, results)
+    finish(pathlib.Path(out), meta, results, full_by_device)
     return 0
 
 
