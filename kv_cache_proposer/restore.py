@@ -14,6 +14,13 @@ trunk activations, E × trunk_dim, are the step's proposer state and are freed a
 
 Shipped with its drafter: `<drafter checkpoint>/restore_ftheta.safetensors` plus a `restore` section in
 the drafter's manifest.json (config, training data, per-layer rel-MSE on held-out documents).
+
+Attention-mass calibration (optional, `restore_calibration.safetensors`, `restore.calibration` in the
+manifest): f_θ's keys mis-state how much attention the evicted positions draw as a whole; measured
+against the true keys, the log-sum-exp of a layer's attention logits over the restored positions is
+off by a roughly constant amount per (layer, query head). The calibration is that amount, negated: a
+logit bias (num_layers, num_heads) the verifier adds to the restored columns of its attention
+(`scripts/training/calibrate_restore.py` measures it on documents disjoint from the ladder).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from kv_cache_proposer.drafter import MANIFEST_FILE, Drafter, resolve_checkpoint
 from kv_cache_proposer.model import DrafterModel
 
 FTHETA_FILE = "restore_ftheta.safetensors"
+CALIBRATION_FILE = "restore_calibration.safetensors"
 
 
 @dataclasses.dataclass
@@ -132,10 +140,13 @@ class DrafterRestoreSource:
 
     name = "drafter"
 
-    def __init__(self, drafter: Drafter, projection: RestoreProjection, drafter_name: str = ""):
+    def __init__(self, drafter: Drafter, projection: RestoreProjection, drafter_name: str = "",
+                 logit_bias: torch.Tensor | None = None):
         self.drafter = drafter
         self.projection = projection.eval()
         self.drafter_name = drafter_name
+        # (num_layers, num_heads) added to the attention logits of restored positions; None = no calibration
+        self.logit_bias = logit_bias
 
     @torch.inference_mode()
     def open_step(self, history: torch.Tensor, evicted: torch.Tensor) -> "_DrafterRestoreStep":
@@ -143,14 +154,15 @@ class DrafterRestoreSource:
         c = self.projection.cfg
         feats = proposer_features(self.drafter.model, history, n, c.block, c.features, positions=evicted)
         z = self.projection.trunk(feats.to(self.projection.trunk_in.weight.dtype))
-        return _DrafterRestoreStep(self.projection, z)
+        return _DrafterRestoreStep(self.projection, z, self.logit_bias)
 
 
 class _DrafterRestoreStep:
-    def __init__(self, projection: RestoreProjection, z: torch.Tensor):
+    def __init__(self, projection: RestoreProjection, z: torch.Tensor, logit_bias: torch.Tensor | None = None):
         self.projection = projection
         self.z = z
         self.next_layer = 0
+        self.logit_bias = logit_bias  # read by the verifier's attention (backends/torch/model.py)
 
     @torch.inference_mode()
     def kv_for_layer(self, layer: int):
@@ -201,6 +213,35 @@ def load_projection(drafter_name_or_path: str, *, device="cpu", dtype: torch.dty
     for p in proj.parameters():
         p.requires_grad_(False)
     return proj
+
+
+def save_calibration(logit_bias: torch.Tensor, drafter_dir: str | pathlib.Path, manifest_section: dict) -> pathlib.Path:
+    """Write the attention-mass calibration (num_layers, num_heads) next to f_θ; record it under
+    `restore.calibration` in the drafter's manifest."""
+    from safetensors.torch import save_file
+
+    out = pathlib.Path(drafter_dir)
+    save_file({"logit_bias": logit_bias.detach().to("cpu", torch.float32).contiguous()}, str(out / CALIBRATION_FILE))
+    (out / CALIBRATION_FILE).chmod(0o644)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["restore"]["calibration"] = {"format": "kakeya-restore-calibration/1", "weights": CALIBRATION_FILE,
+                                          "shape": list(logit_bias.shape)} | manifest_section
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out / CALIBRATION_FILE
+
+
+def load_calibration(drafter_name_or_path: str, *, device="cpu") -> torch.Tensor:
+    """The shipped attention-mass calibration of a drafter's f_θ: (num_layers, num_heads) float32."""
+    from safetensors.torch import load_file
+
+    path = resolve_checkpoint(drafter_name_or_path)
+    section = json.loads((path / MANIFEST_FILE).read_text()).get("restore", {}).get("calibration")
+    if not section or not (path / section["weights"]).exists():
+        raise FileNotFoundError(
+            f"drafter {str(drafter_name_or_path)!r} ships no attention-mass calibration for its f_θ ({path / CALIBRATION_FILE}); "
+            "make one with scripts/training/calibrate_restore.py or use --restore-bias none"
+        )
+    return load_file(str(path / section["weights"]))["logit_bias"].to(device)
 
 
 def check_compatible(projection: RestoreProjection, *, num_layers: int, num_kv_heads: int, head_dim: int, hidden: int,

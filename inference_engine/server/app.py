@@ -32,6 +32,7 @@ class ServeConfig:
     restore_from: str = "verifier"  # dlm_restore proposer: verifier (same-model) | drafter (cross-model, needs `drafter`)
     restore_refresh: int = 1  # dlm_restore: reuse restored K/V for up to N steps (1 = recompute every step)
     restore_pin: int = 0  # dlm_restore cross-model: keep the P worst-restored evicted positions resident
+    restore_bias: str = "none"  # dlm_restore cross-model: none | calibrated (f_θ's shipped attention-mass calibration)
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off
@@ -97,6 +98,11 @@ def build_engine(cfg: ServeConfig, model):
     except ValueError as e:
         raise ConfigError(str(e)) from e
     restore_source = None
+    if cfg.restore_bias not in ("none", "calibrated"):
+        raise ConfigError(f"restore_bias must be 'none' or 'calibrated', got {cfg.restore_bias!r}")
+    if cfg.restore_bias != "none" and not (strategy.name == "dlm_restore" and strategy.restore_from == "drafter"):
+        raise ConfigError("--restore-bias calibrated applies to --kv-strategy dlm_restore --restore-from drafter only "
+                          "(same-model restoration is exact: there is nothing to calibrate)")
     if strategy.name == "dlm_restore" and strategy.restore_from == "drafter":
         restore_source = drafter_restore_source(cfg, model, drafter)
     return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
@@ -108,16 +114,22 @@ def drafter_restore_source(cfg: ServeConfig, model, drafter):
     """Cross-model restoration: the drafter named by --drafter plus the f_θ shipped with it."""
     if drafter is None:
         raise ConfigError("--restore-from drafter needs --drafter NAME (a drafter checkpoint that ships its f_θ)")
-    from kv_cache_proposer.restore import DrafterRestoreSource, check_compatible, load_projection
+    from kv_cache_proposer.restore import DrafterRestoreSource, check_compatible, load_calibration, load_projection
 
+    bias = None
     try:
         proj = load_projection(cfg.drafter, device=cfg.device)
         s = model.spec
         check_compatible(proj, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                          hidden=s.hidden_size, drafter=drafter)
+        if cfg.restore_bias == "calibrated":
+            bias = load_calibration(cfg.drafter, device=cfg.device)
+            if tuple(bias.shape) != (s.num_layers, s.num_heads):
+                raise ValueError(f"the calibration of {cfg.drafter!r} is for {tuple(bias.shape)} (layers, heads); "
+                                 f"this verifier has ({s.num_layers}, {s.num_heads})")
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
-    return DrafterRestoreSource(drafter, proj, cfg.drafter)
+    return DrafterRestoreSource(drafter, proj, cfg.drafter, logit_bias=bias)
 
 
 def build_runtime(cfg: ServeConfig, model=None) -> Runtime:

@@ -30,6 +30,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--restore-pin", type=int, default=d.restore_pin,
                    help="dlm_restore --restore-from drafter: keep the P evicted positions the proposer restores worst "
                         "resident (measured as they leave the window); resident = sink + window + P rows")
+    p.add_argument("--restore-bias", choices=("none", "calibrated"), default=d.restore_bias,
+                   help="dlm_restore --restore-from drafter: add the drafter's shipped attention-mass calibration (a logit "
+                        "offset per layer and head) to the restored positions' attention logits")
     p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; LRU-evicts beyond")
     p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session is evicted (0 = never)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
@@ -55,6 +58,7 @@ def _run_serve(args) -> int:
         restore_from=args.restore_from,
         restore_refresh=args.restore_refresh,
         restore_pin=args.restore_pin,
+        restore_bias=args.restore_bias,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,

@@ -55,6 +55,9 @@ ARMS = {
                                                    drafter="smollm2-135m-dlm", spec_k=0, restore_pin=16, kv_compressor="kakeya_e8"),
     "dlm_restore_cross_4+64+pin64": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
                                          drafter="smollm2-135m-dlm", spec_k=0, restore_pin=64),
+    # + f_θ's attention-mass calibration (scripts/training/calibrate_restore.py)
+    "dlm_restore_cross_4+64+pin16+calibrated": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
+                                                    drafter="smollm2-135m-dlm", spec_k=0, restore_pin=16, restore_bias="calibrated"),
     "sink_window_4+80": dict(kv_strategy="sink_window", sink=4, window=80),
 }
 

@@ -384,3 +384,74 @@ def test_pinned_greedy_equals_full_across_speculative_steps():
     got, kv = greedy(engine, history, 40)
     assert got == ref
     assert kv.cache.pinned_positions == bad
+
+
+# -- attention-mass calibration: a per-(layer, head) logit offset on the restored columns ------
+
+class BiasedSource:
+    """The exact same-model proposer whose steps carry a `logit_bias` (num_layers, num_heads)."""
+
+    name = "biased"
+
+    def __init__(self, inner, bias):
+        self.inner, self.bias = inner, bias
+
+    def open_step(self, history, evicted):
+        step = self.inner.open_step(history, evicted)
+        step.logit_bias = self.bias
+        return step
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_logit_bias_is_applied_to_the_restored_columns_only(arch):
+    m = model(arch)
+    s = m.spec
+    history = ids(90, seed=4)
+    strategy = KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter")
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
+    window = feed(m, new_cache(m, KVStrategy("sink_window", SINK, WINDOW)), history, 1)
+    zero = torch.zeros(s.num_layers, s.num_heads)
+    got = feed(m, new_cache(m, strategy, restore_source=BiasedSource(m.verifier_restore_source(), zero)), history, 16)
+    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)  # no offset: exact restoration is still `full`
+    # an offset of -1e9 removes the restored positions from attention: what is left is sink_window
+    # (one token per step: a prefill chunk of dlm_restore attends to all its resident keys, sink_window to each query's window)
+    gone = feed(m, new_cache(m, strategy, restore_source=BiasedSource(m.verifier_restore_source(), zero - 1e9)), history, 1)
+    torch.testing.assert_close(gone, window, rtol=1e-4, atol=1e-4)
+    # a finite offset on one head of one layer changes the output, and only from the first evicting step on
+    one = zero.clone()
+    one[0, 1] = 2.0
+    moved = feed(m, new_cache(m, strategy, restore_source=BiasedSource(m.verifier_restore_source(), one)), history, 16)
+    first_evicted = SINK + WINDOW  # the first step whose queries see a restored position
+    torch.testing.assert_close(moved[:first_evicted], full[:first_evicted], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(moved[-1], full[-1], atol=1e-3)
+
+
+def test_logit_bias_equals_attention_with_offset_logits():
+    """Reference: one decode step after a one-chunk prefill (every K/V so far computed without any
+    offset), by hand: softmax over [restored logits + b, resident logits]."""
+    m = model("llama")
+    s = m.spec
+    history = ids(40, seed=5)
+    n = len(history)
+    bias = torch.randn(s.num_layers, s.num_heads, generator=torch.Generator().manual_seed(0))
+    cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter"),
+                      restore_source=BiasedSource(m.verifier_restore_source(), bias))
+    feed(m, cache, history[:-1], n - 1)
+    got = feed(m, cache, history[-1:], 1)[-1]
+    x = m._embed(torch.tensor(history))
+    cos, sin = m._rope_tables(torch.arange(n), x)["default"]
+    g = s.num_heads // s.num_kv_heads
+    kp = torch.arange(n)
+    restored = (kp >= SINK) & (kp <= n - 1 - WINDOW)  # out of the last query's window
+    causal = kp[None, :] <= kp[:, None]
+    with torch.inference_mode():
+        for i, L in enumerate(m.layers):
+            q, k, v = m._project(L, m._rms(x, L.ln_in))
+            q, k = m._rotate(q, cos, sin), m._rotate(k, cos, sin)
+            scores = (q @ k.repeat_interleave(g, 0).transpose(1, 2)) * s.attn_scale  # (H, n, n)
+            scores[:, -1] += torch.where(restored, bias[i][:, None], torch.zeros(()))  # the decode step's row only
+            o = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v.repeat_interleave(g, 0)
+            x = m._finish_layer(L, x, o.transpose(0, 1).reshape(n, -1))
+        want = torch.nn.functional.linear(m._rms(x, m.final_norm)[-1], m.lm_head).float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, feed(m, new_cache(m, KVStrategy("full")), history, n)[-1], atol=1e-3)

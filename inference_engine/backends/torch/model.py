@@ -276,8 +276,14 @@ class TorchCausalLM:
             idx = visible.nonzero().flatten()
             k_r, v_r, r_mask, cos, sin = k_r[:, idx], v_r[:, idx], r_mask[:, idx], cos[:, idx], sin[:, idx]
         k_r = self._position_keys(L, k_r, cos, sin)
-        return (torch.cat([k_r.to(k_all.dtype), k_all], 1), torch.cat([v_r.to(v_all.dtype), v_all], 1),
-                torch.cat([r_mask, mask], 1))
+        mask = torch.cat([r_mask, mask], 1)
+        bias = getattr(step, "logit_bias", None)
+        if bias is not None:  # attention-mass calibration: a per-head logit offset on the restored columns
+            ninf = torch.tensor(float("-inf"), dtype=k_all.dtype, device=k_all.device)
+            col = torch.zeros(s.num_heads, 1, mask.shape[1], dtype=k_all.dtype, device=k_all.device)
+            col[:, :, : r_mask.shape[1]] = bias[i].to(k_all.dtype)[:, None, None]
+            mask = torch.where(mask, col, ninf)  # (H, T, N) float mask
+        return torch.cat([k_r.to(k_all.dtype), k_all], 1), torch.cat([v_r.to(v_all.dtype), v_all], 1), mask
 
     # -- positions past the trained context (SinkWindowCache docstring) ----------------
     def _sink_rope(self, layout: AttentionLayout, x):
