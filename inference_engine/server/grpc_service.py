@@ -123,7 +123,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             default_eos_token_ids=list(i.default_eos_token_ids),
             kv_strategy=pb.KVStrategyInfo(name=i.kv_strategy, sink=i.sink, window=i.window, compressor=i.compressor,
                                           restore_from=i.restore_from, restore_refresh=i.restore_refresh,
-                                          restore_pin=i.restore_pin),
+                                          restore_pin=i.restore_pin, restore_bias=i.restore_bias),
             max_context=i.max_context,
             backend=i.backend,
             device=i.device,

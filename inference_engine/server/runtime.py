@@ -54,6 +54,7 @@ class ServerInfo:
     restore_from: str = ""
     restore_refresh: int = 0
     restore_pin: int = 0
+    restore_bias: str = ""
 
 
 class Runtime:
@@ -163,7 +164,13 @@ class Runtime:
             restore_from=self._restore_from(),
             restore_refresh=st.restore_refresh if st.name == "dlm_restore" else 0,
             restore_pin=st.restore_pin,
+            restore_bias=self._restore_bias(),
         )
+
+    def _restore_bias(self) -> str:
+        if self.engine.strategy.name != "dlm_restore" or self.engine.strategy.restore_from != "drafter":
+            return ""
+        return "calibrated" if getattr(self.engine.restore_source, "logit_bias", None) is not None else "none"
 
     def _restore_from(self) -> str:
         st, source = self.engine.strategy, self.engine.restore_source

@@ -232,14 +232,16 @@ def test_cross_model_server_reports_its_proposer_and_generates():
     source = DrafterRestoreSource(d, projection(m, d), "tiny-dlm")
     cross = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter", restore_refresh=3), prefill_chunk=16,
                                 restore_source=source))
+    biased = DrafterRestoreSource(d, projection(m, d), "tiny-dlm", logit_bias=torch.zeros(m.spec.num_layers, m.spec.num_heads))
     pinned = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter", restore_pin=5), prefill_chunk=16,
-                                 restore_source=source))
+                                 restore_source=biased))
     same = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16), prefill_chunk=16))
     try:
-        for srv, want, refresh, pin in ((cross, "drafter:tiny-dlm", 3, 0), (pinned, "drafter:tiny-dlm", 1, 5), (same, "verifier", 1, 0)):
+        for srv, want, refresh, pin, bias in ((cross, "drafter:tiny-dlm", 3, 0, "none"), (pinned, "drafter:tiny-dlm", 1, 5, "calibrated"),
+                                              (same, "verifier", 1, 0, "")):
             with kakeya.Client(f"127.0.0.1:{srv.port}") as c:
                 info = c.server_info()
-                assert (info.restore_from, info.restore_refresh, info.restore_pin) == (want, refresh, pin)
+                assert (info.restore_from, info.restore_refresh, info.restore_pin, info.restore_bias) == (want, refresh, pin, bias)
                 with c.create_session(ids(60, seed=9).tolist(), ignore_eos=True) as s:
                     assert len(list(s.generate(max_tokens=4))) == 4
                     assert s.info().kv_live_bytes > 0

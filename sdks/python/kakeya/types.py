@@ -84,6 +84,7 @@ class ServerInfo:
     restore_from: str = ""  # dlm_restore's proposer: "verifier" or "drafter:<name>"
     restore_refresh: int = 0  # dlm_restore: restored K/V reused for up to N steps (1 = every step); 0 otherwise
     restore_pin: int = 0  # dlm_restore cross-model: worst-restored evicted positions kept resident
+    restore_bias: str = ""  # dlm_restore cross-model: "calibrated" (f_θ's attention-mass calibration) or "none"
 
     @classmethod
     def from_pb(cls, r) -> "ServerInfo":
@@ -91,7 +92,7 @@ class ServerInfo:
         return cls(
             r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name, k.sink, k.window, k.compressor,
             r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
-            k.restore_from, k.restore_refresh, k.restore_pin,
+            k.restore_from, k.restore_refresh, k.restore_pin, k.restore_bias,
         )
 
 

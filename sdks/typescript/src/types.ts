@@ -72,6 +72,8 @@ export interface ServerInfo {
   readonly restoreRefresh: number;
   /** dlm_restore cross-model: evicted positions kept resident because the proposer restores them worst; 0 = none. */
   readonly restorePin: number;
+  /** dlm_restore cross-model: "calibrated" (f_θ's attention-mass calibration offsets restored logits) or "none"; "" otherwise. */
+  readonly restoreBias: string;
   /** Trained context of the model (max_position_embeddings). */
   readonly maxContext: number;
   readonly backend: string;
@@ -127,6 +129,7 @@ export function serverInfo(r: GetServerInfoResponse): ServerInfo {
     restoreFrom: k?.restoreFrom ?? "",
     restoreRefresh: k?.restoreRefresh ?? 0,
     restorePin: k?.restorePin ?? 0,
+    restoreBias: k?.restoreBias ?? "",
     maxContext: r.maxContext,
     backend: r.backend,
     device: r.device,

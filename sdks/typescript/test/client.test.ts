@@ -25,6 +25,7 @@ describe("server info", () => {
       restoreFrom: "",
       restoreRefresh: 0,
       restorePin: 0,
+      restoreBias: "",
       maxContext: 2048,
       backend: "torch",
       serverVersion: VERSION,
