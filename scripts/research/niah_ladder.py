@@ -128,12 +128,14 @@ def main() -> int:
                     help="cross-model arms: samples per rung whose restored K/V are compared with the verifier's (per-layer rel-MSE)")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "niah_ladder.json"))
     ap.add_argument("--merge", default="", help="only combine these ladder JSONs (comma-separated) into --out")
+    ap.add_argument("--notes", default="",
+                    help="with --merge: a JSON file of notes copied in as `notes` (what was tried for a missed target, what next)")
     ap.add_argument("--profiles", default="",
                     help="with --merge: profile_restore.py JSONs (comma-separated) whose per-rung decode-step time split "
                          "(proposer open / per-layer / f_θ trunk, attention, decompress, other; CPU seconds) is copied in")
     args = ap.parse_args()
     if args.merge:
-        return merge(args.merge.split(","), args.out, [p for p in args.profiles.split(",") if p])
+        return merge(args.merge.split(","), args.out, [p for p in args.profiles.split(",") if p], args.notes)
 
     import dataclasses
 
@@ -182,6 +184,8 @@ def main() -> int:
                     print(f"{arm} @ {n}: skipped", flush=True)
                     continue
                 hits, ttfts, rates, kv_bytes, rows = 0, [], [], [], []
+                if args.device.startswith("cuda"):
+                    torch.cuda.reset_peak_memory_stats()
                 t_cell = time.perf_counter()
                 with PeakRSS() as mem:
                     for ids, key, depth in samples[n]:
@@ -203,7 +207,8 @@ def main() -> int:
                     "samples": done,
                     "recall": hits / done,
                     "kv_live_bytes_max": max(kv_bytes),
-                    "peak_rss_bytes": mem.peak,
+                    "peak_rss_bytes": mem.peak,  # host memory of the process (server and harness)
+                    **({"peak_accelerator_bytes": torch.cuda.max_memory_allocated()} if args.device.startswith("cuda") else {}),
                     "ttft_s_median": sorted(ttfts)[done // 2],
                     "decode_tok_s_median": sorted(rates)[done // 2],
                     "attention_fraction": attention_fraction(cfg, n),
@@ -283,7 +288,28 @@ def finish(out, meta: dict, results: dict, full_by_device: dict | None = None) -
     plot(results, out.with_suffix(".png"))
 
 
-def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
+def targets(results: dict, ratios: dict) -> dict:
+    """The issue's ladder targets, read off the merged cells: per arm and rung, recall minus full's
+    (percentage points) and whether the target holds."""
+    out = {}
+    rules = {  # arm prefix -> (target, allowed shortfall in points)
+        "dlm_restore_same": ("same-model recall == full recall (delta = 0)", 0.0),
+        "dlm_restore_cross": ("criterion 1a: cross-model recall >= full recall - 5 points", 5.0),
+    }
+    for arm, per_rung in ratios.items():
+        rule = next((r for prefix, r in rules.items() if arm.startswith(prefix)), None)
+        if rule is None:
+            continue
+        cells = {}
+        for n, c in sorted(per_rung.items(), key=lambda kv: int(kv[0])):
+            delta = 100 * c["recall_minus_full"]
+            cells[n] = {"recall_minus_full_points": round(delta, 1), "samples": results[arm]["rungs"][n]["samples"],
+                        "met": delta >= -rule[1] - 1e-9}
+        out[arm] = {"target": rule[0], "rungs": cells, "met_at_every_rung": all(c["met"] for c in cells.values())}
+    return out
+
+
+def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> int:
     """Combine ladder JSONs run side by side (e.g. two single-thread processes with disjoint arms).
 
     An arm present in several parts keeps, per rung, the cell with the most samples (later parts win ties).
@@ -337,6 +363,9 @@ def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
                                                         for x, y in zip(ra, rb)),
                 }
     meta["cross_device_agreement"] = agreement
+    meta["targets"] = targets(results, vs_full(results, full_by_device))
+    if notes:
+        meta["notes"] = json.loads(pathlib.Path(notes).read_text())
     if profiles:
         split = {}
         for p in profiles:
