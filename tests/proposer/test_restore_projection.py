@@ -17,14 +17,17 @@ from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.kv.resident import KVStrategy
 from kv_cache_proposer import CHECKPOINTS_DIR, save_drafter
 from kv_cache_proposer.restore import (
+    CALIBRATION_FILE,
     FTHETA_FILE,
     DrafterRestoreSource,
     ProjectionConfig,
     RestoreProjection,
     check_compatible,
     feature_dim,
+    load_calibration,
     load_projection,
     proposer_features,
+    save_calibration,
     save_projection,
 )
 from kv_cache_proposer.training import restore_data as rd
@@ -195,6 +198,28 @@ def test_build_engine_needs_a_drafter_for_cross_model(tmp_path):
         build_engine(cfg, m)
 
 
+def test_restore_bias_is_refused_where_it_does_not_apply():
+    from inference_engine.server.app import ConfigError, ServeConfig, build_engine
+
+    m = verifier()
+    for cfg in (ServeConfig(kv_strategy="dlm_restore", sink=4, window=16, restore_bias="calibrated"),  # same-model
+                ServeConfig(kv_strategy="full", restore_bias="calibrated")):
+        with pytest.raises(ConfigError, match="restore-bias calibrated applies to"):
+            build_engine(cfg, m)
+    with pytest.raises(ConfigError, match="'none' or 'calibrated'"):
+        build_engine(ServeConfig(kv_strategy="full", restore_bias="on"), m)
+
+
+def test_copied_checkpoint_without_calibration_names_the_missing_file(tmp_path):
+    src = CHECKPOINTS_DIR / "smollm2-135m-dlm"
+    dst = tmp_path / "copy"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(CALIBRATION_FILE))
+    with pytest.raises(FileNotFoundError, match="--restore-bias none"):
+        load_calibration(str(dst))
+    bias = load_calibration(str(src))  # the shipped one: (layers, heads) of SmolLM2-135M
+    assert tuple(bias.shape) == (30, 9) and bool(torch.isfinite(bias).all())
+
+
 @pytest.mark.model
 def test_shipped_drafter_restores_through_the_server_config():
     """The shipped SmolLM2 drafter loads with its f_θ via the same path as `--restore-from drafter`."""
@@ -249,3 +274,51 @@ def test_cross_model_server_reports_its_proposer_and_generates():
         cross.stop()
         pinned.stop()
         same.stop()
+
+
+def _calibrate_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "training" / "calibrate_restore.py"
+    spec = importlib.util.spec_from_file_location("calibrate_restore", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_calibration_measures_no_shift_for_exact_keys_and_the_shift_of_wrong_ones(tmp_path):
+    measure_cls = _calibrate_module().Measure
+    m = verifier()
+    history = ids(60, seed=3).tolist()
+    exact = measure_cls(m, m.verifier_restore_source(), 4, 16)(history, needle=(20, 24), bias=torch.zeros(m.spec.num_layers, m.spec.num_heads))
+    assert float(exact["shift"].abs().max()) < 1e-4  # restored keys == true keys: nothing to calibrate
+    share = exact["needle_share"]  # true / restored / restored + zero bias: all the same here
+    torch.testing.assert_close(share[..., 1], share[..., 0], rtol=1e-4, atol=1e-5)
+
+    class Scaled:  # keys restored 3x too long: every head's logit spread, so its log-sum-exp, grows
+        def __init__(self, inner):
+            self.inner = inner
+
+        def open_step(self, history, evicted):
+            step = self.inner.open_step(history, evicted)
+
+            class Step:
+                def kv_for_layer(self, layer):
+                    k, v = step.kv_for_layer(layer)
+                    return 3 * k, v
+
+                def close(self):
+                    step.close()
+
+            return Step()
+
+    wrong = measure_cls(m, Scaled(m.verifier_restore_source()), 4, 16)(history)["shift"]
+    assert wrong.shape == (m.spec.num_layers, m.spec.num_heads) and float(wrong.mean()) > 0.1
+    # shipped next to f_θ and read back
+    d = tiny_drafter()
+    ckpt = save_drafter(d.model, tmp_path / "tiny-dlm", {"name": "tiny-dlm"})
+    save_projection(projection(m, d), ckpt, {"trained_for_drafter": "tiny-dlm"})
+    save_calibration(-wrong, ckpt, {"objective": "test"})
+    torch.testing.assert_close(load_calibration(str(ckpt)), -wrong.float())
+    assert json.loads((ckpt / "manifest.json").read_text())["restore"]["calibration"]["shape"] == list(wrong.shape)
