@@ -401,18 +401,21 @@ def plot(results, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for arm, r in results.items():
-        if r.get("status") != "ok":
-            continue
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    arms = [a for a, r in results.items() if r.get("status") == "ok"]
+    colors = plt.get_cmap("tab20")
+    for j, arm in enumerate(arms):
+        r = results[arm]
         xs = sorted(int(n) for n, c in r["rungs"].items() if "recall" in c)
-        axes[0].plot(xs, [r["rungs"][str(n)]["recall"] for n in xs], marker="o", label=arm)
-        axes[1].plot(xs, [r["rungs"][str(n)]["kv_live_bytes_max"] / 1e6 for n in xs], marker="o", label=arm)
-    axes[0].set(title="passkey recall", xlabel="prompt tokens", ylabel="recall", ylim=(-0.05, 1.05))
+        style = dict(marker="o", color=colors(j % 20), linestyle="--" if "kakeya" in arm else "-", label=arm)
+        axes[0].plot(xs, [r["rungs"][str(n)]["recall"] for n in xs], **style)
+        axes[1].plot(xs, [r["rungs"][str(n)]["kv_live_bytes_max"] / 1e6 for n in xs], **style)
+    axes[0].set(title="passkey recall (dashed: KakeyaLattice resident cache)", xlabel="prompt tokens", ylabel="recall",
+                ylim=(-0.05, 1.05))
     axes[1].set(title="resident KV per session", xlabel="prompt tokens", ylabel="MB", yscale="log")
     for a in axes:
         a.grid(alpha=0.3)
-        a.legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"wrote {png}")
