@@ -117,6 +117,9 @@ def main() -> int:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--rungs", default="1000,2000,4000,7500")
     ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--first-sample", type=int, default=0,
+                    help="run samples FIRST .. FIRST+SAMPLES-1 of each rung (a continuation of a cut-off cell; --merge joins it "
+                         "to the cell holding samples 0 .. FIRST-1 on the same device)")
     ap.add_argument("--answer-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="torch device of the server's model and proposer: cpu or cuda")
@@ -154,7 +157,8 @@ def main() -> int:
     model = load_model(base)
     tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
     rungs = [int(r) for r in args.rungs.split(",")]
-    samples = {n: [make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i)) for i in range(args.samples)] for n in rungs}
+    samples = {n: [make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i))
+                   for i in range(args.first_sample, args.first_sample + args.samples)] for n in rungs}
     results = {}
     # Metadata taken at the start (load average before the run); the JSON is rewritten after every cell,
     # so a run that is cut off keeps what it measured ("complete": false until the end).
@@ -188,7 +192,7 @@ def main() -> int:
                     torch.cuda.reset_peak_memory_stats()
                 t_cell = time.perf_counter()
                 with PeakRSS() as mem:
-                    for ids, key, depth in samples[n]:
+                    for i, (ids, key, depth) in enumerate(samples[n], start=args.first_sample):
                         with client.create_session(ids) as s:
                             toks = list(s.generate(max_tokens=args.answer_tokens))
                             r = s.last_result
@@ -199,11 +203,13 @@ def main() -> int:
                         ttfts.append(r.time_to_first_token_seconds)
                         dec = r.total_seconds - r.time_to_first_token_seconds
                         rates.append((r.generated_tokens - 1) / dec if r.generated_tokens > 1 and dec > 0 else 0.0)
-                        rows.append({"key": key, "depth": round(depth, 3), "hit": hit, "answer": answer, "prompt_tokens": len(ids)})
+                        rows.append({"sample": i, "key": key, "depth": round(depth, 3), "hit": hit, "answer": answer,
+                                     "prompt_tokens": len(ids), "ttft_s": ttfts[-1], "decode_tok_s": rates[-1]})
                         if limit and time.perf_counter() - t_cell > limit:
                             break
                 done = len(rows)
                 cell = {
+                    "first_sample": args.first_sample,
                     "samples": done,
                     "recall": hits / done,
                     "kv_live_bytes_max": max(kv_bytes),
@@ -325,6 +331,32 @@ def targets(results: dict, ratios: dict) -> dict:
     return out
 
 
+def join_cells(a: dict, b: dict) -> dict:
+    """Cell `b` (samples first .. first+m-1 of a rung) appended to cell `a` (samples 0 .. first-1, same arm and device)."""
+    rows = [dict(x, sample=x.get("sample", i)) for i, x in enumerate(a["rows"])] + b["rows"]
+    done = len(rows)
+    cell = {k: v for k, v in a.items() if k not in ("rows", "from_part", "time_limit_s")}
+    cell |= {
+        "first_sample": 0, "samples": done, "recall": sum(x["hit"] for x in rows) / done,
+        "kv_live_bytes_max": max(a["kv_live_bytes_max"], b["kv_live_bytes_max"]),
+        "peak_rss_bytes": max(a["peak_rss_bytes"], b["peak_rss_bytes"]),
+        "seconds": a["seconds"] + b["seconds"],
+        "from_part": f"{a['from_part']} (samples 0-{a['samples'] - 1}) + {b['from_part']} (samples {b['first_sample']}-{done - 1})",
+        "time_limit_s": [a.get("time_limit_s"), b.get("time_limit_s")],
+        "rows": rows,
+    }
+    if "peak_accelerator_bytes" in a or "peak_accelerator_bytes" in b:
+        cell["peak_accelerator_bytes"] = max(a.get("peak_accelerator_bytes", 0), b.get("peak_accelerator_bytes", 0))
+    if all("ttft_s" in x and "decode_tok_s" in x for x in rows):
+        cell["ttft_s_median"] = sorted(x["ttft_s"] for x in rows)[done // 2]
+        cell["decode_tok_s_median"] = sorted(x["decode_tok_s"] for x in rows)[done // 2]
+    else:  # older rows carry no per-sample timings: the medians are the larger part's
+        big = a if a["samples"] >= b["samples"] else b
+        cell["ttft_s_median"], cell["decode_tok_s_median"] = big["ttft_s_median"], big["decode_tok_s_median"]
+        cell["speed_medians_over_samples"] = big["samples"]
+    return cell
+
+
 def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> int:
     """Combine ladder JSONs run side by side (e.g. two single-thread processes with disjoint arms).
 
@@ -337,9 +369,17 @@ def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> i
     for p, d in zip(parts, docs):
         for arm, r in d["arms"].items():
             if r.get("status") == "ok":
-                for n, c in r["rungs"].items():
+                for n, c in list(r["rungs"].items()):
                     c.setdefault("from_part", p)
                     c.setdefault("device", cell_device(d))
+                    if c.get("first_sample", 0) and "rows" in c:  # a continuation: join it to the cell it continues
+                        base = by_device.get((arm, n), {}).get(c["device"])
+                        if base is None or base.get("first_sample", 0) or base["samples"] != c["first_sample"]:
+                            print(f"merge: {p}: {arm} @ {n} starts at sample {c['first_sample']} and continues no earlier "
+                                  f"cell on {c['device']}: left out", file=sys.stderr)
+                            del r["rungs"][n]
+                            continue
+                        c = r["rungs"][n] = join_cells(base, c)
                     if "rows" in c:
                         old = by_device.setdefault((arm, n), {}).get(c["device"])
                         if old is None or c["samples"] >= old["samples"]:
