@@ -289,7 +289,29 @@ def vs_full(results: dict, full_by_device: dict | None = None) -> dict:
     return ratios
 
 
+def leading_digits(key: str, answer: str) -> int:
+    """How many of the passkey's digits the answer reproduces, in order, before its first wrong character."""
+    n = 0
+    for want, got in zip(key, answer.strip()):
+        if want != got:
+            break
+        n += 1
+    return n
+
+
+def add_partial_recall(results: dict) -> None:
+    """Per cell, read off the rows: `first_digit_recall` (the answer starts with the key's first digit: the needle
+    was found) next to `recall` (all five digits copied). Separates finding the needle from copying it."""
+    for r in results.values():
+        for c in r.get("rungs", {}).values() if r.get("status") == "ok" else ():
+            if c.get("rows"):
+                lead = [leading_digits(x["key"], x["answer"]) for x in c["rows"]]
+                c["first_digit_recall"] = sum(n >= 1 for n in lead) / len(lead)
+                c["leading_digits_mean"] = sum(lead) / len(lead)
+
+
 def finish(out, meta: dict, results: dict, full_by_device: dict | None = None) -> None:
+    add_partial_recall(results)
     write_json(out, meta | {"complete": True, "arms": results, "vs_full": vs_full(results, full_by_device)})
     plot(results, out.with_suffix(".png"))
 

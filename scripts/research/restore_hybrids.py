@@ -9,6 +9,7 @@ sources, the verifier's true K/V (what the same-model proposer restores) and the
 output, mixed by layer band, by K vs V, and by position (needle sentence vs filler), then runs the
 window + answer through the verifier (teacher-forced, one forward) and records:
   answer_exact   every answer token is the verifier's argmax (teacher-forced passkey recall)
+  first_digit_exact  the answer tokens up to the key's first digit are (finding the needle, before copying it)
   kl_answer      KL(true-K/V logits || hybrid logits) on the answer tokens, mean
   k/v_rel_mse    rel-MSE of the hybrid K/V against the true ones over the evicted positions
 
@@ -40,6 +41,9 @@ def configs(num_layers: int) -> dict:
         "ftheta_v_only (true K)": (every, "v", "all"),
         "ftheta_filler_only (true needle)": (every, "kv", "filler"),
         "ftheta_needle_only (true filler)": (every, "kv", "needle"),
+        # which half of the filler's restoration hurts: f_θ K with true V, or f_θ V with true K (needle true)
+        "ftheta_filler_k_only (true needle, true V)": (every, "k", "filler"),
+        "ftheta_filler_v_only (true needle, true K)": (every, "v", "filler"),
     }
     for pin in (16, 32, 64):  # keep the P positions f_θ restores worst (measurable at eviction) exact
         out[f"pin_top{pin}_by_ftheta_error"] = (every, "kv", f"pin{pin}")
@@ -78,6 +82,8 @@ def main() -> int:
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--configs", default="", help="only the configurations whose name matches this regex (the first one "
+                                                 "run is the teacher the KL is taken against; true_kv always runs first)")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "restore_hybrids.json"))
     args = ap.parse_args()
 
@@ -103,10 +109,14 @@ def main() -> int:
     s = model.spec
     kv_dim = s.num_kv_heads * s.head_dim
     cfgs = configs(s.num_layers)
+    if args.configs:
+        import re
+
+        cfgs = {k: v for i, (k, v) in enumerate(cfgs.items()) if i == 0 or re.search(args.configs, k)}
     results = {}
     t0 = time.time()
     for n in (int(r) for r in args.rungs.split(",")):
-        agg = {name: {"answer_exact": 0, "kl_answer": 0.0, "k_rel_mse": 0.0, "v_rel_mse": 0.0} for name in cfgs}
+        agg = {name: {"answer_exact": 0, "first_digit_exact": 0, "kl_answer": 0.0, "k_rel_mse": 0.0, "v_rel_mse": 0.0} for name in cfgs}
         rows = []
         for i in range(args.samples):
             ids, key, depth = make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i))  # the ladder's samples
@@ -164,12 +174,15 @@ def main() -> int:
                     logits = rd.tail_logits(model, full, prefix, tail_start, keep)[ans_rows]
                 if teacher is None:  # the first config is the true K/V
                     teacher = logits
-                hit = bool((logits.argmax(-1) == torch.tensor(answer)).all())
+                right = logits.argmax(-1) == torch.tensor(answer)
+                hit = bool(right.all())
+                first = bool(right[: 1 + next(j for j, t in enumerate(answer) if tok.decode([t]).strip())].all())
                 kl = float(F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher, -1), log_target=True,
                                     reduction="none").sum(-1).mean())
                 rk, rv = rd.rel_mse(hyb, true[:, args.sink:], kv_dim)
                 g = agg[name]
                 g["answer_exact"] += hit
+                g["first_digit_exact"] += first
                 g["kl_answer"] += kl / args.samples
                 g["k_rel_mse"] += float(rk.mean()) / args.samples
                 g["v_rel_mse"] += float(rv.mean()) / args.samples
@@ -179,7 +192,8 @@ def main() -> int:
                   f"{row['needle_tokens_in_top16']}/{row['needle_tokens_in_top64']} of {row['needle_tokens']}  ({time.time() - t0:.0f}s)", flush=True)
         for name, g in agg.items():
             g["answer_exact"] = f"{g['answer_exact']}/{args.samples}"
-            print(f"{n} {name:40s} exact {g['answer_exact']:>6}  KL {g['kl_answer']:.3f}  "
+            g["first_digit_exact"] = f"{g['first_digit_exact']}/{args.samples}"
+            print(f"{n} {name:40s} exact {g['answer_exact']:>6}  first digit {g['first_digit_exact']:>6}  KL {g['kl_answer']:.3f}  "
                   f"K rel-MSE {g['k_rel_mse']:.3f}  V {g['v_rel_mse']:.3f}", flush=True)
         results[str(n)] = {"configs": agg, "rows": rows}
     meta = run_metadata(vars(args) | {"configs": {k: {"ftheta_layers": list(v[0]), "ftheta_parts": v[1], "ftheta_positions": v[2]}
