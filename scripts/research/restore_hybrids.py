@@ -44,6 +44,11 @@ def configs(num_layers: int) -> dict:
         # which half of the filler's restoration hurts: f_θ K with true V, or f_θ V with true K (needle true)
         "ftheta_filler_k_only (true needle, true V)": (every, "k", "filler"),
         "ftheta_filler_v_only (true needle, true K)": (every, "v", "filler"),
+        # f_θ's V replaced by one mean V per (layer, kv head) over the evicted positions' true V (a running mean
+        # a cache can keep from the rows it evicts): is a constant V better than f_θ's?
+        "ftheta_k_mean_v (cross-model, V = evicted mean)": (every, "kv-meanv", "all"),
+        "pin_top16, rest ftheta_k_mean_v": (every, "kv-meanv", "pin16"),
+        "ftheta_filler_k_mean_v (true needle)": (every, "kv-meanv", "filler"),
     }
     for pin in (16, 32, 64):  # keep the P positions f_θ restores worst (measurable at eviction) exact
         out[f"pin_top{pin}_by_ftheta_error"] = (every, "kv", f"pin{pin}")
@@ -165,9 +170,13 @@ def main() -> int:
                     sel[e.topk(min(int(where.split("pin")[1]), e.numel())).indices] = False
                 else:
                     sel = torch.ones_like(in_needle) if where == "all" else (in_needle if where == "needle" else ~in_needle)
+                mean_v = parts.endswith("-meanv")
+                parts = parts.removesuffix("-meanv")
                 cols = slice(0, kv_dim) if parts == "k" else slice(kv_dim, 2 * kv_dim) if parts == "v" else slice(0, 2 * kv_dim)
                 for layer in layers:
                     hyb[layer, sel, cols] = pred[layer, sel, cols]
+                    if mean_v:
+                        hyb[layer, sel, kv_dim:] = true[layer, args.sink:, kv_dim:].mean(0)
                 prefix = [rd.split_kv(torch.cat([true[layer, : args.sink], hyb[layer]]), s.num_kv_heads, s.head_dim)
                           for layer in range(s.num_layers)]
                 with torch.inference_mode():
