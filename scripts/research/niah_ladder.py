@@ -209,7 +209,6 @@ def main() -> int:
                             break
                 done = len(rows)
                 cell = {
-                    "first_sample": args.first_sample,
                     "samples": done,
                     "recall": hits / done,
                     "kv_live_bytes_max": max(kv_bytes),
@@ -353,17 +352,22 @@ def targets(results: dict, ratios: dict) -> dict:
     return out
 
 
+def first_sample(cell: dict) -> int:
+    """Index of a cell's first sample (rows from before --first-sample carry no index: they start at 0)."""
+    return cell["rows"][0].get("sample", 0) if cell.get("rows") else 0
+
+
 def join_cells(a: dict, b: dict) -> dict:
     """Cell `b` (samples first .. first+m-1 of a rung) appended to cell `a` (samples 0 .. first-1, same arm and device)."""
     rows = [dict(x, sample=x.get("sample", i)) for i, x in enumerate(a["rows"])] + b["rows"]
     done = len(rows)
     cell = {k: v for k, v in a.items() if k not in ("rows", "from_part", "time_limit_s")}
     cell |= {
-        "first_sample": 0, "samples": done, "recall": sum(x["hit"] for x in rows) / done,
+        "samples": done, "recall": sum(x["hit"] for x in rows) / done,
         "kv_live_bytes_max": max(a["kv_live_bytes_max"], b["kv_live_bytes_max"]),
         "peak_rss_bytes": max(a["peak_rss_bytes"], b["peak_rss_bytes"]),
         "seconds": a["seconds"] + b["seconds"],
-        "from_part": f"{a['from_part']} (samples 0-{a['samples'] - 1}) + {b['from_part']} (samples {b['first_sample']}-{done - 1})",
+        "from_part": f"{a['from_part']} (samples 0-{a['samples'] - 1}) + {b['from_part']} (samples {first_sample(b)}-{done - 1})",
         "time_limit_s": [a.get("time_limit_s"), b.get("time_limit_s")],
         "rows": rows,
     }
@@ -394,10 +398,10 @@ def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> i
                 for n, c in list(r["rungs"].items()):
                     c.setdefault("from_part", p)
                     c.setdefault("device", cell_device(d))
-                    if c.get("first_sample", 0) and "rows" in c:  # a continuation: join it to the cell it continues
+                    if first_sample(c):  # a continuation: join it to the cell it continues
                         base = by_device.get((arm, n), {}).get(c["device"])
-                        if base is None or base.get("first_sample", 0) or base["samples"] != c["first_sample"]:
-                            print(f"merge: {p}: {arm} @ {n} starts at sample {c['first_sample']} and continues no earlier "
+                        if base is None or first_sample(base) or base["samples"] != first_sample(c):
+                            print(f"merge: {p}: {arm} @ {n} starts at sample {first_sample(c)} and continues no earlier "
                                   f"cell on {c['device']}: left out", file=sys.stderr)
                             del r["rungs"][n]
                             continue

@@ -146,6 +146,8 @@ def main() -> int:
             row_pins = {"needle_tokens_in_top16": int(((pinned[:16] >= a) & (pinned[:16] < b)).sum()),
                         "needle_tokens_in_top64": int(((pinned >= a) & (pinned < b)).sum()), "needle_tokens": b - a}
             ans_rows = slice(len(ids) - 1 - tail_start, len(full) - 1 - tail_start)
+            first_digit = 1 + next(j for j, t in enumerate(answer) if tok.decode([t]).strip())  # answer tokens through it
+            evicted_mean_v = true[:, args.sink:, kv_dim:].mean(1)  # (L, kv): per layer, over the evicted positions
             teacher = None
             row = {"key": key, "depth": round(depth, 3), "prompt_tokens": len(ids), "needle_span": [a, b]} | row_pins
             for name, (layers, parts, where) in cfgs.items():
@@ -176,7 +178,7 @@ def main() -> int:
                 for layer in layers:
                     hyb[layer, sel, cols] = pred[layer, sel, cols]
                     if mean_v:
-                        hyb[layer, sel, kv_dim:] = true[layer, args.sink:, kv_dim:].mean(0)
+                        hyb[layer, sel, kv_dim:] = evicted_mean_v[layer]
                 prefix = [rd.split_kv(torch.cat([true[layer, : args.sink], hyb[layer]]), s.num_kv_heads, s.head_dim)
                           for layer in range(s.num_layers)]
                 with torch.inference_mode():
@@ -185,7 +187,7 @@ def main() -> int:
                     teacher = logits
                 right = logits.argmax(-1) == torch.tensor(answer)
                 hit = bool(right.all())
-                first = bool(right[: 1 + next(j for j, t in enumerate(answer) if tok.decode([t]).strip())].all())
+                first = bool(right[:first_digit].all())
                 kl = float(F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher, -1), log_target=True,
                                     reduction="none").sum(-1).mean())
                 rk, rv = rd.rel_mse(hyb, true[:, args.sink:], kv_dim)
