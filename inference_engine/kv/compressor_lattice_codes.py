@@ -49,18 +49,52 @@ class LatticeCodePacker:
         self.bits_per_vector = self.blocks * self.bits_per_block
         self.code_bytes = -(-self.bits_per_vector // 8)
         self._pieces = _BitPieces(self.blocks, self.group_bits, torch.device(device))
+        # Place value of every digit inside its group (mixed radix, least significant first): a
+        # group's code is sum(digit * place). Decoding takes q_i = code // place_i for the group's
+        # places and its total, then digit_i = q_i - radix_i * q_{i+1}: one division pass instead of
+        # a Python loop of divisions. Codes below 2^53 divide in float64 (floor of a correctly
+        # rounded quotient of integers below 2^53 is the exact integer quotient); wider groups in int64.
+        dev = torch.device(device)
+        self._place, self._decode_place, self._decode_radix = [], [], []
+        for a, b in self.groups:
+            dtype = torch.float64 if math.prod(self.radices[a:b]) < 1 << 53 else torch.int64
+            places = [math.prod(self.radices[a:i]) for i in range(a, b + 1)]
+            self._place.append(torch.tensor(places[:-1], dtype=torch.int64, device=dev))
+            self._decode_place.append(torch.tensor(places, dtype=dtype, device=dev)[:, None])
+            self._decode_radix.append(torch.tensor(self.radices[a:b], dtype=dtype, device=dev)[:, None])
 
     def pack(self, twice: torch.Tensor) -> torch.Tensor:
-        """(N, blocks, block_dim) int64 twice-coordinates -> (N, code_bytes) uint8."""
+        """(N, blocks, block_dim) int64 twice-coordinates -> (N, code_bytes) uint8.
+
+        Raises RuntimeError for a point outside the packable set (see `invalid`)."""
+        if bool(self.invalid(twice)):
+            raise self.invalid_error()
+        return self.pack_unchecked(twice)
+
+    def pack_unchecked(self, twice: torch.Tensor) -> torch.Tensor:
+        """`pack` without the validity check (one host sync fewer): for a caller that folds
+        `invalid(twice)` into a check of its own before it keeps the bytes."""
         digits = self._digits(twice)  # (N, blocks, n_digits)
-        codes = []
-        for a, b in self.groups:
-            code = digits[..., b - 1]
-            for i in range(b - 2, a - 1, -1):
-                code = code * self.radices[i] + digits[..., i]
-            codes.append(code)
-        fields = torch.stack(codes, dim=-1).reshape(twice.shape[0], -1)  # (N, blocks * n_groups)
+        codes = [(digits[..., a:b] * place).sum(-1) for (a, b), place in zip(self.groups, self._place)]
+        fields = (codes[0] if len(codes) == 1 else torch.stack(codes, dim=-1)).reshape(twice.shape[0], -1)
         return self._pieces.write(fields, self.code_bytes)
+
+    def invalid(self, twice: torch.Tensor) -> torch.Tensor:
+        """0-d bool tensor, True if any point is outside what this layout can hold. These hold for
+        every point the D4 / E8 nearest-point step returns with the q_range cap of
+        KakeyaLatticeCompressor; a failure is a codec change we must not store silently."""
+        coset = twice[..., :1] & 1
+        u = (twice + 2 * self.q_range + 2 + coset) >> 1
+        bad = (u < 0) | (u >= self.radices[-2])  # every digit in its range
+        bad = bad.any() | ((twice - coset) & 1).any()  # every coordinate in its block's coset
+        bad = bad | (u.sum(-1) & 1).any()  # the parity the last digit leaves out
+        return bad if self.half_integer_coset else bad | coset.any()
+
+    def invalid_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"lattice point outside the packable set (q_range={self.q_range}, block_dim={self.block_dim}); "
+            "the kakeyalattice nearest-point step no longer matches this layout"
+        )
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, code_bytes) uint8 -> (N, blocks, block_dim) int64 twice-coordinates."""
@@ -82,47 +116,26 @@ class LatticeCodePacker:
     def unpack_points(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, code_bytes) uint8 -> (N, blocks, block_dim) float32 points (twice / 2, before any clamp).
 
-        Same values as unpack(packed) / 2, in fewer passes: the decode hot path of a cache."""
+        Same values as unpack(packed) / 2, in a fixed handful of tensor ops whatever the block
+        size: the decode hot path of a cache. Digits are laid out digit-major, (n_digits, N * blocks),
+        so every op runs over long contiguous rows."""
         n = packed.shape[0]
-        fields = self._pieces.read(packed).reshape(n, self.blocks, len(self.groups))
-        digits = []
-        for g, (a, b) in enumerate(self.groups):
-            code = fields[..., g]
-            if math.prod(self.radices[a:b]) < 1 << 31:
-                code = code.to(torch.int32)  # half the bytes per pass
-            for i in range(a, b - 1):
-                quotient = torch.div(code, self.radices[i], rounding_mode="floor")
-                digits.append(code - quotient * self.radices[i])
-                code = quotient
-            digits.append(code)
-        coset = digits.pop(0) if self.half_integer_coset else None
-        parity = digits[0]
-        for d in digits[1:-1]:
-            parity = parity + d
-        digits[-1] = 2 * digits[-1] + (parity & 1)  # un-halve; sum(u) is even
-        u = torch.stack(digits, dim=-1).to(torch.float32)  # (N, blocks, block_dim)
-        if coset is None:
-            return u - float(self.q_range + 1)
-        return u - (float(self.q_range + 1) + 0.5 * coset.unsqueeze(-1).to(torch.float32))
+        fields = self._pieces.read(packed).reshape(n * self.blocks, len(self.groups)).T  # (groups, N * blocks)
+        parts = []
+        for g, (place, radix) in enumerate(zip(self._decode_place, self._decode_radix)):
+            code = fields[g : g + 1].to(place.dtype)
+            q = torch.floor(code / place) if place.is_floating_point() else torch.div(code, place, rounding_mode="floor")
+            parts.append(q[:-1] - q[1:] * radix)  # (n_g, N * blocks)
+        digits = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.float32)  # small ints: exact
+        u = digits[1:] if self.half_integer_coset else digits  # (block_dim, N * blocks), last digit halved
+        u[-1].mul_(2).add_(torch.remainder(u[:-1].sum(0), 2))  # un-halve; sum(u) is even
+        offset = float(self.q_range + 1)
+        points = u - offset if not self.half_integer_coset else u - (offset + 0.5 * digits[0])
+        return points.T.reshape(n, self.blocks, self.block_dim)
 
     def _digits(self, twice: torch.Tensor) -> torch.Tensor:
         coset = twice[..., :1] & 1
         u = (twice + 2 * self.q_range + 2 + coset) >> 1
-        # These hold for every point the D4 / E8 nearest-point step returns with the q_range
-        # cap of KakeyaLatticeCompressor; a failure is a codec change we must not store silently.
-        low, high = torch.aminmax(u)
-        ok = (
-            int(low) >= 0
-            and int(high) < self.radices[-2]
-            and not bool(((twice - coset) & 1).any())  # every coordinate in its block's coset
-            and not bool((u.sum(-1) & 1).any())  # the parity the last digit leaves out
-            and (self.half_integer_coset or not bool(coset.any()))
-        )
-        if not ok:
-            raise RuntimeError(
-                f"lattice point outside the packable set (q_range={self.q_range}, block_dim={self.block_dim}); "
-                "the kakeyalattice nearest-point step no longer matches this layout"
-            )
         halved_last = u[..., -1:] >> 1
         parts = ([coset] if self.half_integer_coset else []) + [u[..., :-1], halved_last]
         return torch.cat(parts, dim=-1)

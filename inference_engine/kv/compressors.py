@@ -119,6 +119,20 @@ class SlotCompressor:
             out = self._read(slots)
         return out[0], out[1]
 
+    def write_rows(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """`compress` for a caller that owns the slot bookkeeping (a resident cache): k, v are
+        (Hkv, T, D) of this compressor's geometry and `slots` (T,) distinct long slots < capacity.
+        Nothing is checked that would need a host sync per call; the codec's own checks stay."""
+        self._write(torch.stack([k, v]), slots)
+        self._in_use[slots] = True
+
+    def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """`decompress` for a caller that owns the slot bookkeeping: (2, Hkv, n, D) float32 at
+        occupied long `slots`, unchecked (no host sync)."""
+        if slots.numel() == 0:
+            return torch.zeros(2, self.num_kv_heads, 0, self.head_dim, device=self.device)
+        return self._read(slots)
+
     def evict(self, slots: torch.Tensor) -> None:
         """Free slots for reuse; freeing a free slot is a no-op. The store keeps its size."""
         self._in_use[self._check_slots(slots, "evict")] = False
@@ -266,9 +280,7 @@ class KakeyaLatticeCompressor(SlotCompressor):
 
     def _write(self, kv, slots):
         rows = kv.reshape(-1, self.head_dim).to(torch.float32)  # (2*Hkv*T, D)
-        if not bool(torch.isfinite(rows).all()):
-            raise CompressorInputError("K/V contain inf or NaN; the lattice code cannot represent them")
-        codes, scalars = self._encode(rows)
+        codes, scalars = self._encode(rows)  # checked before anything is stored
         n = slots.numel()
         self._codes.index_copy_(2, slots, codes.reshape(2, self.num_kv_heads, n, -1))
         self._scalars.index_copy_(2, slots, scalars.reshape(2, self.num_kv_heads, n, 2))
@@ -294,12 +306,25 @@ class KakeyaLatticeCompressor(SlotCompressor):
         y = self._rotate(rows / norms)  # (N, D) unit vectors, Hadamard-rotated
         qmax = y.abs().max(dim=1, keepdim=True).values.clamp(min=eps)
         scalars = torch.cat([norms, qmax], dim=1).to(torch.float16)  # (N, 2)
-        if not bool(torch.isfinite(scalars).all()):
-            raise CompressorInputError("a K/V vector norm exceeds the float16 range the codec stores it in")
         scale = scalars[:, 1:].to(torch.float32) / float(self.q_range)
         blocks = (y / scale).reshape(n, self.packer.blocks, self.packer.block_dim)
         point = self.codec._closest_lattice_point(blocks)  # before the codec's clamp; see the packer
-        return self.packer.pack(torch.round(point * 2).to(torch.int64)), scalars
+        twice = torch.round(point * 2).to(torch.int64)
+        # Every check in one host sync (a decode step encodes one token per layer; on an
+        # accelerator each sync drains the launch queue). Later checks are meaningless once an
+        # earlier one fails, so the first failing one names the problem.
+        failed = torch.stack([~torch.isfinite(rows).all(), ~torch.isfinite(scalars).all(), self.packer.invalid(twice)])
+        if bool(failed.any()):
+            self._raise_first(*failed.tolist())
+        return self.packer.pack_unchecked(twice), scalars
+
+    def _raise_first(self, non_finite: bool, too_large: bool, off_lattice: bool):
+        if non_finite:
+            raise CompressorInputError("K/V contain inf or NaN; the lattice code cannot represent them")
+        if too_large:
+            raise CompressorInputError("a K/V vector norm exceeds the float16 range the codec stores it in")
+        assert off_lattice
+        raise self.packer.invalid_error()
 
     def _decode(self, codes: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
         n = codes.shape[0]

@@ -86,7 +86,8 @@ class CompressedStore:
         ]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.layers[layer].compress(k, v, slots)
+        # The cache owns slot bookkeeping: the unchecked paths skip per-layer host syncs.
+        self.layers[layer].write_rows(k, v, slots)
 
     def key_slots(self, pos: torch.Tensor) -> torch.Tensor:
         # Only occupied slots are decoded: decoding is the per-step cost of compression.
@@ -96,7 +97,7 @@ class CompressedStore:
         return self.read(layer, slots)
 
     def read(self, layer: int, slots: torch.Tensor):
-        k, v = self.layers[layer].decompress(slots)  # float32 (Hkv, len(slots), D)
+        k, v = self.layers[layer].read_rows(slots)  # float32 (Hkv, len(slots), D)
         if k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
         return k, v

@@ -323,6 +323,7 @@ def test_packer_round_trips_every_corner_of_the_point_box(block_dim, half, q):
     packed = packer.pack(twice)
     assert packed.dtype == torch.uint8 and packed.shape == (n, packer.code_bytes)
     assert torch.equal(packer.unpack(packed), twice)
+    assert torch.equal(packer.unpack_points(packed), twice.float() / 2)  # the cache's decode path
 
 
 def test_packer_refuses_a_point_off_the_lattice():
@@ -330,3 +331,41 @@ def test_packer_refuses_a_point_off_the_lattice():
     odd_sum = torch.tensor([[[2, 0, 0, 0], [0, 0, 0, 0]]])  # twice-coords: (1, 0, 0, 0) has an odd sum
     with pytest.raises(RuntimeError, match="packable"):
         packer.pack(odd_sum)
+
+
+@pytest.mark.parametrize("name", ["kakeya_d4", "kakeya_e8"])
+def test_unchecked_row_paths_store_and_read_the_same_bits(name):
+    checked = make_compressor(name, head_dim=64, num_kv_heads=3, capacity=40)
+    unchecked = make_compressor(name, head_dim=64, num_kv_heads=3, capacity=40)
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(3, 24, 64, generator=g), torch.randn(3, 24, 64, generator=g)
+    slots = torch.randperm(40, generator=g)[:24]
+    checked.compress(k, v, slots)
+    unchecked.write_rows(k, v, slots)
+    assert torch.equal(checked._codes, unchecked._codes) and torch.equal(checked._scalars, unchecked._scalars)
+    ck, cv = checked.decompress(slots.flip(0))
+    assert torch.equal(unchecked.read_rows(slots.flip(0)), torch.stack([ck, cv]))
+    assert torch.equal(unchecked.slots_in_use(), checked.slots_in_use())
+
+
+@pytest.mark.parametrize("name", ["kakeya_d4", "kakeya_e8"])
+def test_a_cache_write_syncs_once_and_a_read_never(name):
+    """A decode step writes one token and reads the live slots per layer; on an accelerator every
+    host sync drains the launch queue, so the cache paths make one of their own (the write's checks;
+    the codec's nearest-point step has its own `if mask.all()`) and none."""
+    c = make_compressor(name, head_dim=64, num_kv_heads=3, capacity=80)
+    c.write_rows(torch.randn(3, 68, 64), torch.randn(3, 68, 64), torch.arange(68))
+    k1, v1, slot = torch.randn(3, 1, 64), torch.randn(3, 1, 64), torch.tensor([68])
+    live = torch.arange(69)
+
+    def syncs(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return sum(e.name in ("aten::_local_scalar_dense", "aten::nonzero") for e in prof.events())
+
+    codec_own = syncs(lambda: c.codec._closest_lattice_point(torch.randn(6, 64 // c.packer.block_dim, c.packer.block_dim)))
+    assert syncs(lambda: c.write_rows(k1, v1, slot)) == codec_own + 1
+    assert syncs(lambda: c.read_rows(live)) == 0
+    with pytest.raises(CompressorInputError, match="inf or NaN"):  # the one sync still guards the store
+        c.write_rows(torch.full((3, 1, 64), float("nan")), v1, torch.tensor([70]))
+    assert not c._in_use[70]
