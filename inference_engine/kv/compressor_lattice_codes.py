@@ -52,12 +52,12 @@ class LatticeCodePacker:
         # Place value of every digit inside its group (mixed radix, least significant first): a
         # group's code is sum(digit * place). Decoding takes q_i = code // place_i for the group's
         # places and its total, then digit_i = q_i - radix_i * q_{i+1}: one division pass instead of
-        # a Python loop of divisions. Codes below 2^53 divide in float64 (floor of a correctly
-        # rounded quotient of integers below 2^53 is the exact integer quotient); wider groups in int64.
+        # a Python loop of divisions, in the cheapest exact dtype for the group's codes
+        # (`_division_dtype`).
         dev = torch.device(device)
         self._place, self._decode_place, self._decode_radix = [], [], []
         for a, b in self.groups:
-            dtype = torch.float64 if math.prod(self.radices[a:b]) < 1 << 53 else torch.int64
+            dtype = _division_dtype(math.prod(self.radices[a:b]))
             places = [math.prod(self.radices[a:i]) for i in range(a, b + 1)]
             self._place.append(torch.tensor(places[:-1], dtype=torch.int64, device=dev))
             self._decode_place.append(torch.tensor(places, dtype=dtype, device=dev)[:, None])
@@ -139,6 +139,17 @@ class LatticeCodePacker:
         halved_last = u[..., -1:] >> 1
         parts = ([coset] if self.half_integer_coset else []) + [u[..., :-1], halved_last]
         return torch.cat(parts, dim=-1)
+
+
+def _division_dtype(codes: int) -> torch.dtype:
+    """Cheapest dtype that divides integers below `codes` exactly: the floor of a correctly rounded
+    quotient of two integers below 2^24 (float32) or 2^53 (float64) is the integer quotient, and
+    float division vectorizes where int64 division does not."""
+    if codes <= 1 << 24:
+        return torch.float32
+    if codes <= 1 << 31:
+        return torch.int32
+    return torch.float64 if codes <= 1 << 53 else torch.int64
 
 
 def _split_into_int64_groups(radices: list[int]) -> list[tuple[int, int]]:
