@@ -28,6 +28,7 @@ import sys
 import torch
 
 _MAX_GROUP_CODES = 1 << 62  # a group's code and its running product stay inside int64
+_UNPACK_CHUNK = 16384  # blocks decoded per pass: E8's (n_digits + 1) x 16384 float64 temporaries are 1.3 MiB
 
 
 class LatticeCodePacker:
@@ -116,22 +117,29 @@ class LatticeCodePacker:
     def unpack_points(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, code_bytes) uint8 -> (N, blocks, block_dim) float32 points (twice / 2, before any clamp).
 
-        Same values as unpack(packed) / 2, in a fixed handful of tensor ops whatever the block
-        size: the decode hot path of a cache. Digits are laid out digit-major, (n_digits, N * blocks),
-        so every op runs over long contiguous rows."""
+        Same values as unpack(packed) / 2: the decode hot path of a cache. Digits are laid out
+        digit-major, (n_digits, blocks), so every op runs over contiguous rows, in column chunks
+        whose temporaries stay in cache: a few tensor ops per chunk whatever the block size (one
+        chunk for a bounded cache's few hundred vectors)."""
         n = packed.shape[0]
         fields = self._pieces.read(packed).reshape(n * self.blocks, len(self.groups)).T  # (groups, N * blocks)
+        out = torch.empty(n * self.blocks, self.block_dim, dtype=torch.float32, device=packed.device)
+        for c in range(0, n * self.blocks, _UNPACK_CHUNK):
+            out[c : c + _UNPACK_CHUNK] = self._points_digit_major(fields[:, c : c + _UNPACK_CHUNK]).T
+        return out.reshape(n, self.blocks, self.block_dim)
+
+    def _points_digit_major(self, fields: torch.Tensor) -> torch.Tensor:
+        """(groups, m) codes -> (block_dim, m) float32 points."""
         parts = []
         for g, (place, radix) in enumerate(zip(self._decode_place, self._decode_radix)):
             code = fields[g : g + 1].to(place.dtype)
             q = torch.floor(code / place) if place.is_floating_point() else torch.div(code, place, rounding_mode="floor")
-            parts.append(q[:-1] - q[1:] * radix)  # (n_g, N * blocks)
+            parts.append(q[:-1] - q[1:] * radix)  # (n_g, m)
         digits = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.float32)  # small ints: exact
-        u = digits[1:] if self.half_integer_coset else digits  # (block_dim, N * blocks), last digit halved
+        u = digits[1:] if self.half_integer_coset else digits  # (block_dim, m), last digit halved
         u[-1].mul_(2).add_(torch.remainder(u[:-1].sum(0), 2))  # un-halve; sum(u) is even
         offset = float(self.q_range + 1)
-        points = u - offset if not self.half_integer_coset else u - (offset + 0.5 * digits[0])
-        return points.T.reshape(n, self.blocks, self.block_dim)
+        return u - offset if not self.half_integer_coset else u - (offset + 0.5 * digits[0])
 
     def _digits(self, twice: torch.Tensor) -> torch.Tensor:
         coset = twice[..., :1] & 1
@@ -144,11 +152,9 @@ class LatticeCodePacker:
 def _division_dtype(codes: int) -> torch.dtype:
     """Cheapest dtype that divides integers below `codes` exactly: the floor of a correctly rounded
     quotient of two integers below 2^24 (float32) or 2^53 (float64) is the integer quotient, and
-    float division vectorizes where int64 division does not."""
+    float division vectorizes where integer division does not (measured: scripts/bench_kv_compressor.py)."""
     if codes <= 1 << 24:
         return torch.float32
-    if codes <= 1 << 31:
-        return torch.int32
     return torch.float64 if codes <= 1 << 53 else torch.int64
 
 

@@ -78,6 +78,11 @@ def make_sample(tok, n_tokens: int, rng: random.Random):
     return ids, key, k / reps
 
 
+FIDELITY_SCOPE = ("the proposer's K/V at every position a decode step after the prompt evicts, [sink, n - window], "
+                  "against the verifier's own; --restore-pin positions are included (the runtime attends them exactly), "
+                  "so for pinned arms this is f_θ's error, not the error the verifier sees")
+
+
 def restore_fidelity(model, source, samples, sink: int, window: int) -> dict:
     """Per-layer relative MSE of the restored K and V against the verifier's own (pre-RoPE) K/V at the
     positions a decode step after the prompt restores: [sink, n - window]."""
@@ -101,7 +106,7 @@ def restore_fidelity(model, source, samples, sink: int, window: int) -> dict:
         rk, rv = rel_mse(torch.stack(got).float().cpu(), true.float().cpu(), kv_dim)
         ks += rk / len(samples)
         vs += rv / len(samples)
-    return {"samples": len(samples), "k_rel_mse_mean": float(ks.mean()), "v_rel_mse_mean": float(vs.mean()),
+    return {"samples": len(samples), "scope": FIDELITY_SCOPE, "k_rel_mse_mean": float(ks.mean()), "v_rel_mse_mean": float(vs.mean()),
             "k_rel_mse_per_layer": [round(float(x), 4) for x in ks], "v_rel_mse_per_layer": [round(float(x), 4) for x in vs]}
 
 
@@ -398,6 +403,8 @@ def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> i
                 for n, c in list(r["rungs"].items()):
                     c.setdefault("from_part", p)
                     c.setdefault("device", cell_device(d))
+                    if "restore_fidelity" in c:  # parts from before the field measured the same thing
+                        c["restore_fidelity"].setdefault("scope", FIDELITY_SCOPE)
                     if first_sample(c):  # a continuation: join it to the cell it continues
                         base = by_device.get((arm, n), {}).get(c["device"])
                         if base is None or first_sample(base) or base["samples"] != first_sample(c):
