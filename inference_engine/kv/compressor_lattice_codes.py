@@ -56,6 +56,7 @@ class LatticeCodePacker:
         # a Python loop of divisions, in the cheapest exact dtype for the group's codes
         # (`_division_dtype`).
         dev = torch.device(device)
+        self._narrow = all(math.prod(self.radices[a:b]) < 1 << 31 for a, b in self.groups)
         self._place, self._decode_place, self._decode_radix = [], [], []
         for a, b in self.groups:
             dtype = _division_dtype(math.prod(self.radices[a:b]))
@@ -117,16 +118,40 @@ class LatticeCodePacker:
     def unpack_points(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, code_bytes) uint8 -> (N, blocks, block_dim) float32 points (twice / 2, before any clamp).
 
-        Same values as unpack(packed) / 2: the decode hot path of a cache. Digits are laid out
-        digit-major, (n_digits, blocks), so every op runs over contiguous rows, in column chunks
-        whose temporaries stay in cache: a few tensor ops per chunk whatever the block size (one
-        chunk for a bounded cache's few hundred vectors)."""
+        Same values as unpack(packed) / 2: the decode hot path of a cache, in a few tensor ops
+        per pass whatever the block size. Codes that fit in int32 (D4 up to q ~ 70) are split digit
+        by digit in int32; wider ones (E8) are divided by all place values at once in float64,
+        digit-major, in column chunks whose temporaries stay in cache: on the CPU each is the
+        faster of the two for its width (scripts/bench_kv_compressor.py)."""
         n = packed.shape[0]
-        fields = self._pieces.read(packed).reshape(n * self.blocks, len(self.groups)).T  # (groups, N * blocks)
+        fields = self._pieces.read(packed).reshape(n * self.blocks, len(self.groups))
+        if self._narrow:
+            return self._points_int32(fields).reshape(n, self.blocks, self.block_dim)
+        fields = fields.T  # (groups, N * blocks)
         out = torch.empty(n * self.blocks, self.block_dim, dtype=torch.float32, device=packed.device)
         for c in range(0, n * self.blocks, _UNPACK_CHUNK):
             out[c : c + _UNPACK_CHUNK] = self._points_digit_major(fields[:, c : c + _UNPACK_CHUNK]).T
         return out.reshape(n, self.blocks, self.block_dim)
+
+    def _points_int32(self, fields: torch.Tensor) -> torch.Tensor:
+        """(M, groups) codes below 2^31 -> (M, block_dim) float32 points."""
+        digits = []
+        for g, (a, b) in enumerate(self.groups):
+            code = fields[:, g].to(torch.int32)
+            for r in self.radices[a : b - 1]:
+                quotient = torch.div(code, r, rounding_mode="floor")
+                digits.append(code - quotient * r)
+                code = quotient
+            digits.append(code)
+        coset = digits.pop(0) if self.half_integer_coset else None
+        parity = digits[0]
+        for d in digits[1:-1]:
+            parity = parity + d
+        digits[-1] = 2 * digits[-1] + (parity & 1)  # un-halve; sum(u) is even
+        u = torch.stack(digits, dim=-1).to(torch.float32)
+        if coset is None:
+            return u - float(self.q_range + 1)
+        return u - (float(self.q_range + 1) + 0.5 * coset.unsqueeze(-1).to(torch.float32))
 
     def _points_digit_major(self, fields: torch.Tensor) -> torch.Tensor:
         """(groups, m) codes -> (block_dim, m) float32 points."""
