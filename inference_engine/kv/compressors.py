@@ -133,6 +133,10 @@ class SlotCompressor:
             return torch.zeros(2, self.num_kv_heads, 0, self.head_dim, device=self.device)
         return self._read(slots)
 
+    def free_rows(self, slots: torch.Tensor) -> None:
+        """`evict` for a caller that owns the slot bookkeeping: long `slots` < capacity, unchecked."""
+        self._in_use[slots] = False
+
     def evict(self, slots: torch.Tensor) -> None:
         """Free slots for reuse; freeing a free slot is a no-op. The store keeps its size."""
         self._in_use[self._check_slots(slots, "evict")] = False

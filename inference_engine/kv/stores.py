@@ -105,7 +105,7 @@ class CompressedStore:
     def evict(self, slots: torch.Tensor) -> None:
         if slots.numel():
             for c in self.layers:
-                c.evict(slots)
+                c.free_rows(slots)
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:

@@ -366,6 +366,8 @@ def test_a_cache_write_syncs_once_and_a_read_never(name):
     codec_own = syncs(lambda: c.codec._closest_lattice_point(torch.randn(6, 64 // c.packer.block_dim, c.packer.block_dim)))
     assert syncs(lambda: c.write_rows(k1, v1, slot)) == codec_own + 1
     assert syncs(lambda: c.read_rows(live)) == 0
+    assert syncs(lambda: c.free_rows(torch.tensor([3]))) == 0
+    assert c.slots_in_use().tolist() == [s for s in range(69) if s != 3]
     with pytest.raises(CompressorInputError, match="inf or NaN"):  # the one sync still guards the store
         c.write_rows(torch.full((3, 1, 64), float("nan")), v1, torch.tensor([70]))
     assert not c._in_use[70]
