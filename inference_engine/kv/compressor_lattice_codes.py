@@ -119,7 +119,7 @@ class LatticeCodePacker:
         """(N, code_bytes) uint8 -> (N, blocks, block_dim) float32 points (twice / 2, before any clamp).
 
         Same values as unpack(packed) / 2: the decode hot path of a cache, in a few tensor ops
-        per pass whatever the block size. Codes that fit in int32 (D4 up to q ~ 70) are split digit
+        per pass whatever the block size. Codes that fit in int32 (D4 up to q 126) are split digit
         by digit in int32; wider ones (E8) are divided by all place values at once in float64,
         digit-major, in column chunks whose temporaries stay in cache: on the CPU each is the
         faster of the two for its width (scripts/bench_kv_compressor.py)."""
