@@ -371,3 +371,19 @@ def test_a_cache_write_syncs_once_and_a_read_never(name):
     with pytest.raises(CompressorInputError, match="inf or NaN"):  # the one sync still guards the store
         c.write_rows(torch.full((3, 1, 64), float("nan")), v1, torch.tensor([70]))
     assert not c._in_use[70]
+
+
+def test_unpack_points_across_decode_chunks():
+    """E8 decodes in column chunks of _UNPACK_CHUNK blocks; a read longer than one chunk (a `full`
+    cache a few thousand tokens long) must decode every chunk, boundaries included."""
+    from inference_engine.kv import compressor_lattice_codes as codes
+
+    packer = LatticeCodePacker(head_dim=64, block_dim=8, q_range=38, half_integer_coset=True)
+    n = codes._UNPACK_CHUNK // packer.blocks * 2 + 3  # two whole chunks and a short third
+    g = torch.Generator().manual_seed(11)
+    h = torch.randint(-39, 39, (n, packer.blocks, 8), generator=g)
+    h[..., -1] += h.sum(-1) & 1  # even coordinate sum
+    half = torch.rand(n, packer.blocks, 1, generator=g) < 0.5
+    twice = torch.where(half, 2 * h + 1, 2 * h)
+    packed = packer.pack(twice)
+    assert torch.equal(packer.unpack_points(packed), twice.float() / 2)
