@@ -59,38 +59,40 @@ class LatticeCodePacker:
         self._narrow = all(math.prod(self.radices[a:b]) < 1 << 31 for a, b in self.groups)
         self._place, self._decode_place, self._decode_radix = [], [], []
         for a, b in self.groups:
-            dtype = _division_dtype(math.prod(self.radices[a:b]))
             places = [math.prod(self.radices[a:i]) for i in range(a, b + 1)]
             self._place.append(torch.tensor(places[:-1], dtype=torch.int64, device=dev))
-            self._decode_place.append(torch.tensor(places, dtype=dtype, device=dev)[:, None])
-            self._decode_radix.append(torch.tensor(self.radices[a:b], dtype=dtype, device=dev)[:, None])
+            if not self._narrow:  # narrow codes decode with the int32 digit loop
+                dtype = _division_dtype(places[-1])
+                self._decode_place.append(torch.tensor(places, dtype=dtype, device=dev)[:, None])
+                self._decode_radix.append(torch.tensor(self.radices[a:b], dtype=dtype, device=dev)[:, None])
 
     def pack(self, twice: torch.Tensor) -> torch.Tensor:
         """(N, blocks, block_dim) int64 twice-coordinates -> (N, code_bytes) uint8.
 
-        Raises RuntimeError for a point outside the packable set (see `invalid`)."""
-        if bool(self.invalid(twice)):
+        Raises RuntimeError for a point outside the packable set (see `pack_flagged`)."""
+        packed, invalid = self.pack_flagged(twice)
+        if bool(invalid):
             raise self.invalid_error()
-        return self.pack_unchecked(twice)
+        return packed
 
-    def pack_unchecked(self, twice: torch.Tensor) -> torch.Tensor:
-        """`pack` without the validity check (one host sync fewer): for a caller that folds
-        `invalid(twice)` into a check of its own before it keeps the bytes."""
-        digits = self._digits(twice)  # (N, blocks, n_digits)
-        codes = [(digits[..., a:b] * place).sum(-1) for (a, b), place in zip(self.groups, self._place)]
-        fields = (codes[0] if len(codes) == 1 else torch.stack(codes, dim=-1)).reshape(twice.shape[0], -1)
-        return self._pieces.write(fields, self.code_bytes)
-
-    def invalid(self, twice: torch.Tensor) -> torch.Tensor:
-        """0-d bool tensor, True if any point is outside what this layout can hold. These hold for
-        every point the D4 / E8 nearest-point step returns with the q_range cap of
-        KakeyaLatticeCompressor; a failure is a codec change we must not store silently."""
+    def pack_flagged(self, twice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed bytes, 0-d bool tensor: some point is outside what this layout holds), without a
+        host sync: for a caller that folds the flag into a check of its own before it keeps the
+        bytes (the bytes of an invalid point are meaningless). The flag holds for every point the
+        D4 / E8 nearest-point step returns with the q_range cap of KakeyaLatticeCompressor; a
+        raised one is a codec change we must not store silently."""
         coset = twice[..., :1] & 1
         u = (twice + 2 * self.q_range + 2 + coset) >> 1
-        bad = (u < 0) | (u >= self.radices[-2])  # every digit in its range
-        bad = bad.any() | ((twice - coset) & 1).any()  # every coordinate in its block's coset
-        bad = bad | (u.sum(-1) & 1).any()  # the parity the last digit leaves out
-        return bad if self.half_integer_coset else bad | coset.any()
+        invalid = ((u < 0) | (u >= self.radices[-2])).any()  # every digit in its range
+        invalid = invalid | ((twice - coset) & 1).any()  # every coordinate in its block's coset
+        invalid = invalid | (u.sum(-1) & 1).any()  # the parity the last digit leaves out
+        if not self.half_integer_coset:
+            invalid = invalid | coset.any()
+        parts = ([coset] if self.half_integer_coset else []) + [u[..., :-1], u[..., -1:] >> 1]
+        digits = torch.cat(parts, dim=-1)  # (N, blocks, n_digits), the last one halved
+        codes = [(digits[..., a:b] * place).sum(-1) for (a, b), place in zip(self.groups, self._place)]
+        fields = (codes[0] if len(codes) == 1 else torch.stack(codes, dim=-1)).reshape(twice.shape[0], -1)
+        return self._pieces.write(fields, self.code_bytes), invalid
 
     def invalid_error(self) -> RuntimeError:
         return RuntimeError(
@@ -165,14 +167,6 @@ class LatticeCodePacker:
         u[-1].mul_(2).add_(torch.remainder(u[:-1].sum(0), 2))  # un-halve; sum(u) is even
         offset = float(self.q_range + 1)
         return u - offset if not self.half_integer_coset else u - (offset + 0.5 * digits[0])
-
-    def _digits(self, twice: torch.Tensor) -> torch.Tensor:
-        coset = twice[..., :1] & 1
-        u = (twice + 2 * self.q_range + 2 + coset) >> 1
-        halved_last = u[..., -1:] >> 1
-        parts = ([coset] if self.half_integer_coset else []) + [u[..., :-1], halved_last]
-        return torch.cat(parts, dim=-1)
-
 
 def _division_dtype(codes: int) -> torch.dtype:
     """Cheapest dtype that divides integers below `codes` exactly: the floor of a correctly rounded

@@ -317,10 +317,11 @@ class KakeyaLatticeCompressor(SlotCompressor):
         # Every check in one host sync (a decode step encodes one token per layer; on an
         # accelerator each sync drains the launch queue). Later checks are meaningless once an
         # earlier one fails, so the first failing one names the problem.
-        failed = torch.stack([~torch.isfinite(rows).all(), ~torch.isfinite(scalars).all(), self.packer.invalid(twice)])
+        packed, off_lattice = self.packer.pack_flagged(twice)
+        failed = torch.stack([~torch.isfinite(rows).all(), ~torch.isfinite(scalars).all(), off_lattice])
         if bool(failed.any()):
             self._raise_first(*failed.tolist())
-        return self.packer.pack_unchecked(twice), scalars
+        return packed, scalars
 
     def _raise_first(self, non_finite: bool, too_large: bool, off_lattice: bool):
         if non_finite:

@@ -372,7 +372,9 @@ def join_cells(a: dict, b: dict) -> dict:
         "kv_live_bytes_max": max(a["kv_live_bytes_max"], b["kv_live_bytes_max"]),
         "peak_rss_bytes": max(a["peak_rss_bytes"], b["peak_rss_bytes"]),
         "seconds": a["seconds"] + b["seconds"],
-        "from_part": f"{a['from_part']} (samples 0-{a['samples'] - 1}) + {b['from_part']} (samples {first_sample(b)}-{done - 1})",
+        "from_part": (a["from_part"] if a.get("joined") else f"{a['from_part']} (samples 0-{a['samples'] - 1})")
+                     + f" + {b['from_part']} (samples {first_sample(b)}-{done - 1})",
+        "joined": True,  # from_part already names each part's samples
         "time_limit_s": [a.get("time_limit_s"), b.get("time_limit_s")],
         "rows": rows,
     }
