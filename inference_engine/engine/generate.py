@@ -15,17 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
-from inference_engine.engine.sampling import SamplingParams, sample
+from inference_engine.engine.requests import GenerateParams, ModelInfo, StrategyInfo
+from inference_engine.engine.sampling import sample
 from inference_engine.engine.speculative import verify_block
 from inference_engine.errors import NothingToGenerateFrom
 from inference_engine.kv.resident import KVStrategy, make_cache
-
-
-@dataclass
-class GenerateParams:
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_ids: frozenset = frozenset()
 
 
 class SessionKV:
@@ -86,6 +80,25 @@ class Engine:
         if max_threads:
             torch.set_num_threads(max_threads)
         self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        m, s = self.model, self.model.spec
+        path = getattr(m, "path", None)
+        return ModelInfo(model_id=m.model_id, vocab_size=s.vocab_size, eos_token_ids=tuple(s.eos_token_ids),
+                         max_context=s.max_context, backend=m.backend_name, device=str(m.device), weights=m.weights_format,
+                         path=str(path) if path else "")
+
+    def strategy_info(self) -> StrategyInfo:
+        """The strategy's name and parameters, plus the drafter/restore source the engine was built with."""
+        params = dict(self.strategy.describe())
+        source = self.restore_source
+        if self.strategy.name == "dlm_restore" and source is not None:
+            name = getattr(source, "drafter_name", "")
+            if name:
+                params["restore_from"] = f"{self.strategy.restore_from}:{name}"
+            params["restore_bias"] = "calibrated" if getattr(source, "logit_bias", None) is not None else "none"
+        return StrategyInfo(self.strategy.name, tuple(sorted(params.items())))
 
     @property
     def max_context(self) -> int:

@@ -1,31 +1,11 @@
 """Token selection from next-token logits: greedy at temperature 0, seeded sampling otherwise."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from inference_engine.engine.requests import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def validate(self) -> None:
-        from inference_engine.errors import InvalidArgument
-
-        if self.temperature < 0 or self.temperature != self.temperature:
-            raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
+__all__ = ["SamplingParams", "sample", "target_distribution"]
 
 
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -82,6 +82,18 @@ class KVStrategy:
         if self.restore_pin and self.restore_refresh != 1:
             raise ValueError("restore_pin and restore_refresh > 1 cannot be combined (a held set cannot follow the pins)")
 
+    def describe(self) -> dict:
+        """Parameters that shape this strategy, as strings (GetServerInfo reports them as a map)."""
+        out = {"compressor": self.compressor}
+        if self.compressor != "identity":
+            out["q_range"] = str(self.q_range)
+        if self.bounded:
+            out |= {"sink": str(self.sink), "window": str(self.window)}
+        if self.name == "dlm_restore":
+            out |= {"restore_from": self.restore_from, "restore_refresh": str(self.restore_refresh),
+                    "restore_pin": str(self.restore_pin)}
+        return out
+
     @property
     def bounded(self) -> bool:
         """Resident memory stays bounded whatever the history length."""

@@ -89,6 +89,8 @@ class _Layer:
 class TorchCausalLM:
     """Weights + forward of one causal LM. Stateless: all per-session state is in the cache."""
 
+    backend_name = "torch"
+
     def __init__(self, hf_model, spec: ModelSpec, model_id: str):
         self.path: pathlib.Path | None = None  # set by load(); tokenizer files live there
         self.spec = spec
@@ -118,6 +120,10 @@ class TorchCausalLM:
             L.k_norm = self._norm_weight(a.k_norm.weight) if spec.qk_norm else None
             self.layers.append(L)
         self._verifier_source = None
+
+    @property
+    def weights_format(self) -> str:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "TorchCausalLM":
