@@ -15,6 +15,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kakeya.local_models import kakeya_home, looks_like_path, models_dir  # the one path rule, shared with the SDK
+
 from .catalog import CATALOG, DEFAULT_MODEL, ModelSpec
 from .errors import ModelNotFoundError, PullError
 from .manifest import MANIFEST_NAME, check_model_dir, model_files, write_manifest
@@ -33,16 +35,6 @@ __all__ = [
 
 _WORK_PREFIX = ".partial-"
 _OLD_PREFIX = ".replaced-"
-
-
-def kakeya_home() -> Path:
-    """`$KAKEYA_HOME`, else `~/.cache/kakeya` (not created here)."""
-    env = os.environ.get("KAKEYA_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kakeya"
-
-
-def models_dir(home: str | os.PathLike | None = None) -> Path:
-    return (Path(home).expanduser() if home is not None else kakeya_home()) / "models"
 
 
 @dataclass(frozen=True)
@@ -100,8 +92,7 @@ def resolve_model(name_or_path: str | os.PathLike, *, home: str | os.PathLike | 
             f"--model {raw!r} is a file; pass a Hugging Face model directory (config.json + weights) "
             f"or a pulled model name ({_catalog_hint()})"
         )
-    looks_like_path = raw.startswith((".", "~")) or os.sep in raw or "/" in raw
-    if not looks_like_path:
+    if not looks_like_path(raw):
         pulled = models_dir(home) / raw
         check = check_model_dir(pulled)
         if check.ok:

@@ -2,7 +2,10 @@
 chat templates are the application's choice, applied here on the client side."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
+
+from kakeya.local_models import find_local_model
 
 
 def from_openai_messages(messages: Iterable[Mapping]) -> list[dict]:
@@ -38,11 +41,16 @@ def tokens_for_chat(messages: Sequence[Mapping], tokenizer, *, add_generation_pr
     return [int(t) for t in ids]
 
 
-def load_tokenizer(model_dir: str):
-    """AutoTokenizer from a local model directory (e.g. one pulled by `kakeya models pull`)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+def load_tokenizer(model: str | os.PathLike, *, home: str | os.PathLike | None = None):
+    """The tokenizer of a local model: a pulled model's name (looked up under `$KAKEYA_HOME`)
+    or a model directory (`~` expanded). Needs transformers (the SDK's `tokenizer` extra)."""
+    path = find_local_model(model, home=home)  # raises LocalModelNotFoundError naming `kakeya models pull`
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ImportError(f"load_tokenizer needs transformers ({e}); install the Kakeya SDK's `tokenizer` extra "
+                          f"(pip install 'kakeya[tokenizer]') or `pip install transformers`") from e
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def chat_delta(previous_messages: Sequence[Mapping], messages: Sequence[Mapping], tokenizer, **kw) -> list[int]:
@@ -53,3 +61,55 @@ def chat_delta(previous_messages: Sequence[Mapping], messages: Sequence[Mapping]
     if after[: len(before)] != before:
         raise ValueError("the chat template re-renders earlier turns differently; start a new session instead of appending")
     return after[len(before):]
+
+
+_PROBE = "\x00kakeya-probe\x00"
+
+
+def assistant_turn_end(reply_ids: Sequence[int], tokenizer, **template_kwargs) -> list[int]:
+    """Tokens that close a generated assistant turn the way the chat template renders one
+    (e.g. `<|im_end|>\\n` after the text): a reply stopped at EOS lacks what follows the end
+    marker, one stopped by max_tokens or a cancel lacks the marker too. Append them before the
+    next `chat_delta`, whose rendering assumes the turn was closed."""
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
+    text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False, **template_kwargs)
+    end = text[text.rindex(_PROBE) + len(_PROBE):]
+    reply = tokenizer.decode(list(reply_ids), skip_special_tokens=False)
+    last = tokenizer.decode(list(reply_ids[-1:]), skip_special_tokens=False)
+    # The reply may already hold a prefix of `end` (its EOS marker); only a match that covers
+    # the whole last token counts, so plain text ending in "<" is not mistaken for a marker.
+    done = next((k for k in range(len(end), 0, -1) if k >= len(last) > 0 and reply.endswith(end[:k])), 0)
+    return [int(t) for t in tokenizer.encode(end[done:], add_special_tokens=False)] if end[done:] else []
+
+
+class IncrementalDecoder:
+    """Token ids in, printable text out, one token at a time: a character whose bytes span
+    several tokens is held back until complete, so streamed text never shows a broken
+    character (the offsets method of vLLM's detokenizer)."""
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # decode from here, so the new token sees its left context
+        self._read = 0  # text of ids[_prefix:_read] has been returned already
+
+    def _decode(self, ids) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """The new printable text `token_id` completes ("" while a character is unfinished)."""
+        self.ids.append(int(token_id))
+        seen = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        if len(text) > len(seen) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(seen):]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end of the stream (an unfinished character shows as U+FFFD)."""
+        seen = self._decode(self.ids[self._prefix:self._read])
+        text = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return text[len(seen):]
