@@ -13,12 +13,21 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_metadata(config: dict) -> dict:
+def git_state() -> tuple[str, bool | str]:
+    """(commit, dirty_worktree) of the checkout; "unknown" for what git cannot tell (no git, not a checkout)."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True)
     except OSError:
-        commit, dirty = "unknown", True
+        return "unknown", "unknown"
+    commit = head.stdout.strip() if head.returncode == 0 else "unknown"
+    dirty = bool(status.stdout.strip()) if status.returncode == 0 else "unknown"
+    return commit, dirty
+
+
+def run_metadata(config: dict) -> dict:
+    """Provenance every results JSON carries: command, commit, dirty flag, date, machine (and its accelerator), config."""
+    commit, dirty = git_state()
     import torch
 
     return {
@@ -30,6 +39,7 @@ def run_metadata(config: dict) -> dict:
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
+            "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "load_average_at_start": os.getloadavg(),

@@ -6,7 +6,10 @@ appears in the answer. Rungs are total prompt lengths in tokens. Arms are server
 configurations (KV strategy, window, compressor, restoration). Per arm and rung we record
 recall, resident KV bytes, process peak RSS during the rung, time to first token, decode
 tokens/s and the effective attention fraction (positions a decode query attends / history).
-Writes results/research/niah_ladder.json and .png.
+A run writes one part (results/research/parts/niah_ladder_part_<date>.json and .png by default);
+--merge joins parts into results/research/niah_ladder.json and .png, each cell carrying the
+provenance (commit, dirty flag, device, machine, date) of the part(s) it came from. Notes on the
+results are prose in docs/research/niah_ladder_notes.md, which the merged JSON links.
 
 The evaluation generator uses its own seed and templates (EVAL_*); anything trained on
 retrieval data must use different ones.
@@ -22,6 +25,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import ROOT, PeakRSS, run_metadata, write_json  # noqa: E402
+
+RESULTS = ROOT / "results" / "research"
+MERGED = RESULTS / "niah_ladder.json"
+PARTS = RESULTS / "parts"
+NOTES_DOC = "docs/research/niah_ladder_notes.md"
 
 EVAL_SEED = 20261122
 EVAL_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -134,16 +142,16 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--fidelity-samples", type=int, default=1,
                     help="cross-model arms: samples per rung whose restored K/V are compared with the verifier's (per-layer rel-MSE)")
-    ap.add_argument("--out", default=str(ROOT / "results" / "research" / "niah_ladder.json"))
-    ap.add_argument("--merge", default="", help="only combine these ladder JSONs (comma-separated) into --out")
-    ap.add_argument("--notes", default="",
-                    help="with --merge: a JSON file of notes copied in as `notes` (what was tried for a missed target, what next)")
+    ap.add_argument("--out", default="", help=f"default: a run writes {PARTS.relative_to(ROOT)}/niah_ladder_part_<UTC date>.json, "
+                                                f"--merge writes {MERGED.relative_to(ROOT)}")
+    ap.add_argument("--merge", default="", help="only combine these ladder part JSONs (comma-separated) into --out")
     ap.add_argument("--profiles", default="",
                     help="with --merge: profile_restore.py JSONs (comma-separated) whose per-rung decode-step time split "
                          "(proposer open / per-layer / f_θ trunk, attention, decompress, other; CPU seconds) is copied in")
     args = ap.parse_args()
     if args.merge:
-        return merge(args.merge.split(","), args.out, [p for p in args.profiles.split(",") if p], args.notes)
+        return merge(args.merge.split(","), args.out or MERGED, [p for p in args.profiles.split(",") if p])
+    args.out = args.out or str(PARTS / time.strftime("niah_ladder_part_%Y%m%dT%H%M%SZ.json", time.gmtime()))
 
     import dataclasses
 
@@ -189,7 +197,7 @@ def main() -> int:
         with kakeya.Client(f"127.0.0.1:{server.port}") as client:
             for n in rungs:
                 if f"{arm}@{n}" in skip:
-                    results[arm]["rungs"][str(n)] = {"status": "skipped", "reason": "--skip (CPU time: see the note in the JSON)"}
+                    results[arm]["rungs"][str(n)] = {"status": "skipped", "reason": "--skip"}
                     print(f"{arm} @ {n}: skipped", flush=True)
                     continue
                 hits, ttfts, rates, kv_bytes, rows = 0, [], [], [], []
@@ -243,9 +251,19 @@ def main() -> int:
 
 
 def cell_device(meta: dict) -> str:
-    """Where a part's cells ran: 'cpu' or the accelerator's name (parts from before --device ran on the CPU)."""
+    """Where a part's cells ran: 'cpu' or the accelerator's name. Parts from before --device record no device; a
+    CPU-only torch build ('+cpu') says they ran on the CPU, anything else is 'unknown'."""
     cfg = meta.get("config", {})
-    return cfg.get("accelerator") or cfg.get("device") or "cpu"
+    if cfg.get("accelerator") or cfg.get("device"):
+        return cfg.get("accelerator") or cfg["device"]
+    return "cpu" if str(meta.get("machine", {}).get("torch", "")).endswith("+cpu") else "unknown"
+
+
+def part_provenance(path: str, meta: dict) -> dict:
+    """Where and from what code a part's cells came; a field the part does not record is 'unknown'."""
+    machine = meta.get("machine") or {}
+    return {"part": path, "commit": meta.get("commit") or "unknown", "dirty_worktree": meta.get("dirty_worktree", "unknown"),
+            "device": cell_device(meta), "machine": machine.get("platform", "unknown"), "date_utc": meta.get("date_utc", "unknown")}
 
 
 def vs_full(results: dict, full_by_device: dict | None = None) -> dict:
@@ -366,16 +384,14 @@ def join_cells(a: dict, b: dict) -> dict:
     """Cell `b` (samples first .. first+m-1 of a rung) appended to cell `a` (samples 0 .. first-1, same arm and device)."""
     rows = [dict(x, sample=x.get("sample", i)) for i, x in enumerate(a["rows"])] + b["rows"]
     done = len(rows)
-    cell = {k: v for k, v in a.items() if k not in ("rows", "from_part", "time_limit_s")}
+    cell = {k: v for k, v in a.items() if k not in ("rows", "provenance", "time_limit_s")}
     cell |= {
         "samples": done, "recall": sum(x["hit"] for x in rows) / done,
         "kv_live_bytes_max": max(a["kv_live_bytes_max"], b["kv_live_bytes_max"]),
         "peak_rss_bytes": max(a["peak_rss_bytes"], b["peak_rss_bytes"]),
         "seconds": a["seconds"] + b["seconds"],
-        "from_part": (a["from_part"] if a.get("joined") else f"{a['from_part']} (samples 0-{a['samples'] - 1})")
-                     + f" + {b['from_part']} (samples {first_sample(b)}-{done - 1})",
-        "joined": True,  # from_part already names each part's samples
-        "time_limit_s": [a.get("time_limit_s"), b.get("time_limit_s")],
+        "provenance": a["provenance"] + b["provenance"],  # one entry per part, each naming its samples
+        "time_limit_s": (a["time_limit_s"] if len(a["provenance"]) > 1 else [a.get("time_limit_s")]) + [b.get("time_limit_s")],
         "rows": rows,
     }
     if "peak_accelerator_bytes" in a or "peak_accelerator_bytes" in b:
@@ -390,11 +406,13 @@ def join_cells(a: dict, b: dict) -> dict:
     return cell
 
 
-def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> int:
-    """Combine ladder JSONs run side by side (e.g. two single-thread processes with disjoint arms).
+def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
+    """Combine ladder parts run side by side or one after another (disjoint arms, --first-sample continuations).
 
     An arm present in several parts keeps, per rung, the cell with the most samples (later parts win ties).
-    Each cell records the device it ran on; decode speed is compared with `full` on the same device only."""
+    Each cell records its device and `provenance`: per part it came from, the part's commit, dirty flag, device,
+    machine, date and samples. Decode speed is compared with `full` on the same device only. The header describes
+    the merge (its command, commit and date); the parts' own headers are listed under `parts`."""
     import json
 
     docs = [json.loads(pathlib.Path(p).read_text()) for p in parts]
@@ -403,8 +421,10 @@ def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> i
         for arm, r in d["arms"].items():
             if r.get("status") == "ok":
                 for n, c in list(r["rungs"].items()):
-                    c.setdefault("from_part", p)
+                    c.pop("from_part", None)
                     c.setdefault("device", cell_device(d))
+                    c["provenance"] = [part_provenance(p, d) | (
+                        {"samples": [first_sample(c), first_sample(c) + c["samples"] - 1]} if "samples" in c else {})]
                     if "restore_fidelity" in c:  # parts from before the field measured the same thing
                         c["restore_fidelity"].setdefault("scope", FIDELITY_SCOPE)
                     if first_sample(c):  # a continuation: join it to the cell it continues
@@ -432,11 +452,9 @@ def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> i
                 old = have["rungs"].get(n)
                 if old is None or c.get("samples", -1) >= old.get("samples", -1):
                     have["rungs"][n] = c
-    meta = {k: v for k, v in docs[0].items() if k not in ("arms", "vs_full", "parts", "decode_step_time_split")}
-    meta["parts"] = [{"file": p, "command": d.get("command"), "commit": d.get("commit"), "date_utc": d.get("date_utc"),
-                      "machine": d.get("machine"), "arms": list(d["arms"])} for p, d in zip(parts, docs)]
-    meta["command"] = "scripts/research/niah_ladder.py --merge " + ",".join(parts) + (
-        " --profiles " + ",".join(profiles) if profiles else "")
+    meta = run_metadata({"parts": parts, "profiles": list(profiles), "eval_seed": EVAL_SEED, "filler": EVAL_FILLER,
+                         "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
+    meta["parts"] = [part_provenance(p, d) | {"command": d.get("command"), "arms": list(d["arms"])} for p, d in zip(parts, docs)]
     # The same samples run on two devices (CPU and an accelerator): do the per-sample hits agree?
     agreement = {}
     for (arm, n), cells in by_device.items():
@@ -455,8 +473,7 @@ def merge(parts: list[str], out, profiles: list[str] = (), notes: str = "") -> i
                 }
     meta["cross_device_agreement"] = agreement
     meta["targets"] = targets(results, vs_full(results, full_by_device))
-    if notes:
-        meta["notes"] = json.loads(pathlib.Path(notes).read_text())
+    meta["notes"] = NOTES_DOC
     if profiles:
         split = {}
         for p in profiles:
