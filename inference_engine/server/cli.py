@@ -75,12 +75,14 @@ def _run_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from inference_engine.model_store import cli as models_cli
+    from kakeya import chat as kakeya_chat
 
     ap = argparse.ArgumentParser(prog="kakeya", description="Kakeya session runtime")
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     models_cli.register(sub)
+    kakeya_chat.register(sub)
     return ap
 
 

@@ -1,0 +1,210 @@
+"""`kakeya chat`: an interactive multi-turn chat with a running daemon over the public SDK.
+
+One conversation is one daemon session: each turn appends only the tokens the chat template
+adds for the new user message (rendered here, on the client), and the reply streams to the
+terminal as it is generated. Commands: /info, /reset, /quit. `run_chat` is the whole loop
+over plain text streams, so tests drive it with scripted input.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+from kakeya import Client, GenerationResult, KakeyaError, ServerInfo, SessionNotFoundError, UnavailableError
+from kakeya.local_models import LocalModelNotFoundError
+from kakeya.tokenization import IncrementalDecoder, assistant_turn_end, chat_delta, load_tokenizer
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+HELP = "commands: /info (session + server), /reset (new session), /quit (or Ctrl-D)"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    max_tokens: int = 512
+    temperature: float = 0.0
+    system: str | None = None
+
+
+class Conversation:
+    """The messages of one chat and the daemon session that holds their tokens."""
+
+    def __init__(self, client: Client, tokenizer, options: ChatOptions):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template, so `kakeya chat` cannot render turns; "
+                             "use an instruction-tuned model (e.g. smollm2-135m-instruct)")
+        self.client, self.tokenizer, self.options = client, tokenizer, options
+        self.session = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Close the current session (if any) and start an empty one."""
+        if self.session is not None:
+            self.session.close()
+        self.session = self.client.create_session()
+        self.messages: list[dict] = [{"role": "system", "content": self.options.system}] if self.options.system else []
+        self._turn_end: list[int] = []  # closes the last reply; sent with the next turn
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+    def turn(self, text: str, out: TextIO) -> GenerationResult | None:
+        """Send one user message, stream the reply to `out`; None if Ctrl-C cut the reply short."""
+        before = list(self.messages)
+        self.messages.append({"role": "user", "content": text})
+        start = self.session.append(self._turn_end + chat_delta(before, self.messages, self.tokenizer))
+        decoder = IncrementalDecoder(self.tokenizer)
+        stream = self.session.generate(self.options.max_tokens, temperature=self.options.temperature)
+        try:
+            for token in stream:
+                out.write(decoder.push(token))
+                out.flush()
+            reply = decoder.ids
+        except KeyboardInterrupt:
+            stream.close()  # cancels the call; what the daemon generated stays in the history
+            reply = self.session.history(start)
+            decoder = None
+        if decoder is not None:
+            out.write(decoder.flush())
+        out.write("\n")
+        self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)})
+        self._turn_end = assistant_turn_end(reply, self.tokenizer)
+        return None if decoder is None else self.session.last_result
+
+
+def describe_turn(r: GenerationResult | None) -> str:
+    if r is None:
+        return "[interrupted: the reply so far stays in the session]"
+    decode_s = max(r.total_seconds - r.time_to_first_token_seconds, 1e-9)
+    rate = f", {(r.generated_tokens - 1) / decode_s:.1f} tok/s" if r.generated_tokens > 1 else ""
+    return (f"[{r.generated_tokens} tokens{rate}, prefilled {r.prefill_tokens} new tokens, "
+            f"first token {r.time_to_first_token_seconds * 1000:.0f} ms, stop={r.stop_reason}]")
+
+
+def describe_info(conv: Conversation, server: ServerInfo) -> str:
+    s = conv.session.info()
+    return (f"session {s.session_id}: history {s.history_length} tokens ({len(conv.messages)} messages), "
+            f"{s.resident_positions} resident positions, resident KV {s.kv_live_bytes} bytes "
+            f"({s.kv_live_bytes / 2**20:.1f} MiB), {s.pending_tokens} pending\n"
+            f"server {server.server_version}: model {server.model_id}, kv {server.kv_strategy} "
+            f"(sink {server.sink}, window {server.window}, compressor {server.compressor or 'identity'}), "
+            f"{server.backend} on {server.device}, max context {server.max_context}, "
+            f"{server.session_capacity} sessions, drafter {server.drafter or 'none'}")
+
+
+def _read_line(stdin: TextIO, stdout: TextIO, prompt: str) -> str | None:
+    """One line of input, or None at end of input."""
+    if stdin is sys.stdin and stdout is sys.stdout and stdin.isatty():
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+    stdout.write(prompt)
+    stdout.flush()
+    line = stdin.readline()
+    return None if line == "" else line
+
+
+def run_chat(client: Client, tokenizer, stdin: TextIO, stdout: TextIO, options: ChatOptions = ChatOptions(),
+             server: ServerInfo | None = None) -> int:
+    """The chat loop: read lines from `stdin`, write replies and reports to `stdout`."""
+    server = server or client.server_info()
+    conv = Conversation(client, tokenizer, options)
+    stdout.write(f"kakeya chat with {server.model_id} ({server.kv_strategy}), session {conv.session.id}\n{HELP}\n")
+    try:
+        while True:
+            try:
+                line = _read_line(stdin, stdout, "> ")
+            except KeyboardInterrupt:
+                line = None
+            if line is None:
+                stdout.write("\n")
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line in ("/quit", "/exit"):
+                break
+            try:
+                if line == "/reset":
+                    conv.reset()
+                    stdout.write(f"[new session {conv.session.id}]\n")
+                elif line == "/info":
+                    stdout.write(describe_info(conv, server) + "\n")
+                elif line.startswith("/"):
+                    stdout.write(f"unknown command {line.split()[0]!r}; {HELP}\n")
+                else:
+                    stdout.write(describe_turn(conv.turn(line, stdout)) + "\n")
+            except SessionNotFoundError as e:  # evicted (idle TTL, capacity) or the daemon restarted
+                conv.session = None
+                conv.reset()
+                stdout.write(f"[the session is gone on the daemon ({e}); new session {conv.session.id}]\n")
+            except UnavailableError:
+                raise
+            except KakeyaError as e:  # e.g. the context is full: the session stays as it was
+                stdout.write(f"[error: {e}; /reset starts over]\n")
+    finally:
+        try:
+            conv.close()
+        except KakeyaError:
+            pass
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the daemon's gRPC HOST:PORT")
+    p.add_argument("--model", default=None,
+                   help="pulled model name or model directory for the tokenizer (default: the model the daemon serves)")
+    p.add_argument("--max-tokens", type=int, default=ChatOptions.max_tokens, help="most tokens per reply")
+    p.add_argument("--temperature", type=float, default=ChatOptions.temperature, help="0 = greedy")
+    p.add_argument("--system", default=None, help="system message that opens every session")
+    p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="daemon API key (env KAKEYA_API_KEY)")
+
+
+def register(subparsers) -> None:
+    """Add `chat` to a CLI's subcommands (the `kakeya` command calls this)."""
+    p = subparsers.add_parser("chat", help="interactive multi-turn chat with a running daemon",
+                              description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tokenizers load from local directories only
+    options = ChatOptions(max_tokens=args.max_tokens, temperature=args.temperature, system=args.system)
+    with Client(args.address, api_key=args.api_key or None) as client:
+        try:
+            server = client.server_info()
+        except UnavailableError:
+            print(f"kakeya chat: no daemon at {args.address}; start one with `make run` or `kakeya serve` "
+                  f"(or pass --address)", file=sys.stderr)
+            return 1
+        try:
+            tokenizer = load_tokenizer(args.model or server.model_id)
+        except LocalModelNotFoundError as e:
+            hint = "" if args.model else f"; the daemon serves {server.model_id!r}: pass --model NAME_OR_DIR for its tokenizer"
+            print(f"kakeya chat: error: {e}{hint}", file=sys.stderr)
+            return 2
+        try:
+            return run_chat(client, tokenizer, sys.stdin, sys.stdout, options, server)
+        except (ImportError, ValueError, KakeyaError) as e:
+            print(f"kakeya chat: error: {e}", file=sys.stderr)
+            return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kakeya chat", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
