@@ -1,4 +1,5 @@
 """The drafter body is bidirectional; the shared embedding/head are frozen and never saved."""
+import pytest
 import torch
 
 from proposer_factories import tiny_drafter, tiny_verifier
@@ -31,11 +32,27 @@ def test_shared_embedding_and_head_are_frozen_and_not_stored(tmp_path):
     save_drafter(m, tmp_path / "ck")
     from safetensors.torch import load_file
 
-    keys = set(load_file(str(tmp_path / "ck" / "drafter.safetensors")))
-    assert not any("embed" in k and "weight" in k and k.startswith("embed") for k in keys)
-    assert "head_weight" not in keys and "draft_vocab" in keys
-    n_saved = sum(v.numel() for v in load_file(str(tmp_path / "ck" / "drafter.safetensors")).values())
-    assert n_saved < m.embed_weight.numel() + sum(p.numel() for p in m.parameters()) + 1000
+    assert_no_shared_tensors(load_file(str(tmp_path / "ck" / "drafter.safetensors")), m)
+
+
+def assert_no_shared_tensors(saved: dict, m) -> None:
+    """The checkpoint holds the drafter's own tensors: none of the verifier's vocabulary size, nothing beyond its own."""
+    vocab = m.embed_weight.shape[0]
+    assert vocab == m.head_weight.shape[0] and vocab != m.draft_vocab.numel()  # the tiny config tells them apart
+    shared = {k: tuple(v.shape) for k, v in saved.items() if vocab in v.shape}
+    assert not shared, f"the checkpoint stores the verifier's embedding/head (vocabulary-sized tensors): {shared}"
+    own = {n for n, p in m.named_parameters()} | {n for n, b in m.named_buffers() if n in saved}
+    assert set(saved) == own and "draft_vocab" in saved
+    assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in m.parameters()) + sum(
+        b.numel() for n, b in m.named_buffers() if n in saved)
+
+
+def test_the_no_shared_tensors_check_catches_a_saved_embedding():
+    m = tiny_drafter(draft_vocab=64).model
+    state = {k: v.detach() for k, v in m.state_dict().items()}
+    for extra in ({"embed_weight": m.embed_weight}, {"head_weight": m.head_weight}, {"tok": m.embed_weight.clone()}):
+        with pytest.raises(AssertionError):
+            assert_no_shared_tensors(state | extra, m)
 
 
 def test_save_load_roundtrip_and_frozen_on_load(tmp_path):
