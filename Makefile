@@ -5,7 +5,8 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-STUBS   := sdks/python/kakeya/v1/runtime_pb2.py
+STUBS   := wire/python/kakeya_wire/v1/runtime_pb2.py
+PACKAGES := pyproject.toml wire/python/pyproject.toml sdks/python/pyproject.toml
 MODEL   ?= smollm2-135m-instruct
 ARGS    ?=
 PYTEST_ARGS ?=
@@ -15,11 +16,14 @@ PYTEST_ARGS ?=
 setup: $(STAMP) $(STUBS)
 
 # torch is pinned to the CPU build on local disk; any other spec can pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Three distributions, installed editable: the wire stubs (kakeya-wire), the SDK (kakeya) and
+# the daemon (kakeya-runtime), which depends on both. The stubs are generated after the install
+# (the generator, grpcio-tools, is a dev dependency); the editable wire package picks them up.
+$(STAMP): $(PACKAGES)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e wire/python -e sdks/python -e '.[dev]'
 	touch $@
 
 $(STUBS): $(STAMP) $(wildcard proto/kakeya/v1/*.proto) scripts/gen_proto.py
@@ -54,4 +58,4 @@ bench: setup model
 	$(BIN)/python scripts/bench_agentic/bench_turns.py
 
 clean:
-	rm -rf $(VENV) sdks/python/kakeya/v1 sdks/typescript/node_modules sdks/typescript/src/gen sdks/typescript/dist
+	rm -rf $(VENV) wire/python/kakeya_wire/v1 sdks/typescript/node_modules sdks/typescript/src/gen sdks/typescript/dist

@@ -1,77 +1,26 @@
 """Assemble and run the daemon: model -> engine -> runtime -> gRPC (+ metrics, + HTTP shim)."""
 from __future__ import annotations
 
-import ipaddress
 import logging
 import signal
 import threading
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from inference_engine.server.config import ConfigError, ResearchOptions, ServeConfig, check_exposure, split_bind
 from inference_engine.server.grpc_service import ApiKeyInterceptor, RuntimeServicer
 from inference_engine.server.runtime import Runtime
-from kakeya.v1 import runtime_pb2 as pb
-from kakeya.v1 import runtime_pb2_grpc as pb_grpc
+from kakeya_wire.v1 import runtime_pb2 as pb
+from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
+
+# Config names stay importable from here (scripts and tests build servers through this module).
+__all__ = ["ConfigError", "ResearchOptions", "RunningServer", "ServeConfig", "build_engine", "build_runtime", "check_exposure",
+           "load_model", "serve_forever", "split_bind", "start"]
 
 log = logging.getLogger("kakeya")
-
-
-@dataclass
-class ServeConfig:
-    bind: str = "127.0.0.1:50051"
-    model: str = "smollm2-135m-instruct"
-    kv_strategy: str = "sink_window"
-    sink: int = 4
-    window: int = 1020
-    kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
-    kv_q_range: int = 38  # lattice q_range of the kakeya compressors
-    restore_from: str = "verifier"  # dlm_restore proposer: verifier (same-model) | drafter (cross-model, needs `drafter`)
-    restore_refresh: int = 1  # dlm_restore: reuse restored K/V for up to N steps (1 = recompute every step)
-    restore_pin: int = 0  # dlm_restore cross-model: keep the P worst-restored evicted positions resident
-    restore_bias: str = "none"  # dlm_restore cross-model: none | calibrated (f_θ's shipped attention-mass calibration)
-    capacity: int = 16
-    idle_ttl: float = 1800.0
-    metrics_port: int = 0  # 0 = off
-    http_port: int = 0  # 0 = off (deprecated OpenAI-style shim)
-    api_key: str | None = None
-    device: str = "cpu"
-    threads: int | None = None
-    prefill_chunk: int = 256
-    max_workers: int = 16
-    drafter: str | None = None  # shipped drafter name or checkpoint dir; enables speculative decoding
-    spec_k: int = 4
-
-
-class ConfigError(ValueError):
-    pass
-
-
-def split_bind(bind: str) -> tuple[str, int]:
-    host, sep, port = bind.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"--bind must be HOST:PORT, got {bind!r}")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_exposure(cfg: ServeConfig) -> None:
-    host, _ = split_bind(cfg.bind)
-    if not is_loopback(host) and not cfg.api_key:
-        raise ConfigError(
-            f"refusing to bind {cfg.bind} (not loopback) without an API key; pass --api-key or set KAKEYA_API_KEY"
-        )
 
 
 def load_model(cfg: ServeConfig):
@@ -84,25 +33,26 @@ def load_model(cfg: ServeConfig):
 def build_engine(cfg: ServeConfig, model):
     """Engine for `cfg` around an already loaded model (benchmarks share one model across arms)."""
     from inference_engine.engine.generate import Engine
-    from inference_engine.kv.resident import KVStrategy
+    from inference_engine.kv.strategy import KVStrategy
 
     drafter = None
     if cfg.drafter:
         from kv_cache_proposer import load_drafter
 
         drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
+    r = cfg.research
     try:
         strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window, compressor=cfg.kv_compressor,
-                              q_range=cfg.kv_q_range, restore_from=cfg.restore_from, restore_refresh=cfg.restore_refresh,
-                              restore_pin=cfg.restore_pin)
+                              q_range=cfg.kv_q_range, restore_from=r.restore_from, restore_refresh=r.restore_refresh,
+                              restore_pin=r.restore_pin)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     restore_source = None
-    if cfg.restore_bias not in ("none", "calibrated"):
-        raise ConfigError(f"restore_bias must be 'none' or 'calibrated', got {cfg.restore_bias!r}")
-    if cfg.restore_bias != "none" and not (strategy.name == "dlm_restore" and strategy.restore_from == "drafter"):
-        raise ConfigError("--restore-bias calibrated applies to --kv-strategy dlm_restore --restore-from drafter only "
-                          "(same-model restoration is exact: there is nothing to calibrate)")
+    if r.restore_bias not in ("none", "calibrated"):
+        raise ConfigError(f"restore_bias must be 'none' or 'calibrated', got {r.restore_bias!r}")
+    if r.restore_bias != "none" and not (strategy.name == "dlm_restore" and strategy.restore_from == "drafter"):
+        raise ConfigError("--research-restore-bias calibrated applies to --kv-strategy dlm_restore --research-restore-from "
+                          "drafter only (same-model restoration is exact: there is nothing to calibrate)")
     if strategy.name == "dlm_restore" and strategy.restore_from == "drafter":
         restore_source = drafter_restore_source(cfg, model, drafter)
     return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
@@ -113,7 +63,7 @@ def build_engine(cfg: ServeConfig, model):
 def drafter_restore_source(cfg: ServeConfig, model, drafter):
     """Cross-model restoration: the drafter named by --drafter plus the f_θ shipped with it."""
     if drafter is None:
-        raise ConfigError("--restore-from drafter needs --drafter NAME (a drafter checkpoint that ships its f_θ)")
+        raise ConfigError("--research-restore-from drafter needs --drafter NAME (a drafter checkpoint that ships its f_θ)")
     from kv_cache_proposer.restore import DrafterRestoreSource, check_compatible, load_calibration, load_projection
 
     bias = None
@@ -122,7 +72,7 @@ def drafter_restore_source(cfg: ServeConfig, model, drafter):
         s = model.spec
         check_compatible(proj, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                          hidden=s.hidden_size, drafter=drafter)
-        if cfg.restore_bias == "calibrated":
+        if cfg.research.restore_bias == "calibrated":
             bias = load_calibration(cfg.drafter, device=cfg.device)
             if tuple(bias.shape) != (s.num_layers, s.num_heads):
                 raise ValueError(f"the calibration of {cfg.drafter!r} is for {tuple(bias.shape)} (layers, heads); "
@@ -195,9 +145,10 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
 def serve_forever(cfg: ServeConfig) -> int:
     running = start(cfg)
     info = running.runtime.server_info()
+    params = " ".join(f"{k}={v}" for k, v in sorted(info.kv_params.items()))
     log.info(
-        "kakeya serving %s on %s (kv=%s sink=%d window=%d, capacity=%d)%s",
-        info.model_id, cfg.bind.rsplit(":", 1)[0] + f":{running.port}", info.kv_strategy, info.sink, info.window, info.session_capacity,
+        "kakeya serving %s on %s (kv=%s %s, capacity=%d)%s",
+        info.model_id, cfg.bind.rsplit(":", 1)[0] + f":{running.port}", info.kv_strategy, params, info.session_capacity,
         f", metrics on :{cfg.metrics_port}/metrics" if cfg.metrics_port else "",
     )
     print(f"READY {running.port}", flush=True)

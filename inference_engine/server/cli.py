@@ -6,7 +6,8 @@ import logging
 import os
 import sys
 
-from inference_engine.server.app import ConfigError, ServeConfig, serve_forever
+from inference_engine.server.app import serve_forever
+from inference_engine.server.config import ConfigError, ResearchOptions, ServeConfig
 
 
 def _add_serve(sub) -> None:
@@ -21,18 +22,6 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-q-range", type=int, default=d.kv_q_range, help="KakeyaLattice q_range (higher = finer, more bytes)")
-    p.add_argument("--restore-from", default=d.restore_from, choices=("verifier", "drafter"),
-                   help="dlm_restore proposer: verifier = the model itself, cache-free (reproduces full); "
-                        "drafter = the --drafter checkpoint and its learned f_θ (cross-model)")
-    p.add_argument("--restore-refresh", type=int, default=d.restore_refresh,
-                   help="dlm_restore: reuse restored K/V for up to N steps (1 = restore every step; N > 1 holds all "
-                        "layers' restored K/V between steps, counted in kv_live_bytes)")
-    p.add_argument("--restore-pin", type=int, default=d.restore_pin,
-                   help="dlm_restore --restore-from drafter: keep the P evicted positions the proposer restores worst "
-                        "resident (measured as they leave the window); resident = sink + window + P rows")
-    p.add_argument("--restore-bias", choices=("none", "calibrated"), default=d.restore_bias,
-                   help="dlm_restore --restore-from drafter: add the drafter's shipped attention-mass calibration (a logit "
-                        "offset per layer and head) to the restored positions' attention logits")
     p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; LRU-evicts beyond")
     p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session is evicted (0 = never)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
@@ -42,8 +31,27 @@ def _add_serve(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="tokens per prefill forward (bounds peak memory)")
     p.add_argument("--drafter", default=None, help="dLM drafter (shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir): speculative decoding")
-    p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used only by --restore-from drafter)")
+    p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used only by --research-restore-from drafter)")
+    _add_research(p, d.research)
     p.set_defaults(func=_run_serve)
+
+
+def _add_research(p, r: ResearchOptions) -> None:
+    """dlm_restore research knobs: reachable for experiments, not part of the product surface."""
+    g = p.add_argument_group("research (not product surface)",
+                             "dlm_restore experiments (ADR 0008 §11.5); they may change or go away between releases")
+    g.add_argument("--research-restore-from", default=r.restore_from, choices=("verifier", "drafter"),
+                   help="dlm_restore proposer: verifier = the model itself, cache-free (reproduces full); "
+                        "drafter = the --drafter checkpoint and its learned f_θ (cross-model)")
+    g.add_argument("--research-restore-refresh", type=int, default=r.restore_refresh, metavar="N",
+                   help="dlm_restore: reuse restored K/V for up to N steps (1 = restore every step; N > 1 holds all "
+                        "layers' restored K/V between steps, counted in kv_live_bytes)")
+    g.add_argument("--research-restore-pin", type=int, default=r.restore_pin, metavar="P",
+                   help="dlm_restore --research-restore-from drafter: keep the P evicted positions the proposer restores "
+                        "worst resident (measured as they leave the window); resident = sink + window + P rows")
+    g.add_argument("--research-restore-bias", choices=("none", "calibrated"), default=r.restore_bias,
+                   help="dlm_restore --research-restore-from drafter: add the drafter's shipped attention-mass calibration "
+                        "(a logit offset per layer and head) to the restored positions' attention logits")
 
 
 def _run_serve(args) -> int:
@@ -55,10 +63,6 @@ def _run_serve(args) -> int:
         window=args.window,
         kv_compressor=args.kv_compressor,
         kv_q_range=args.kv_q_range,
-        restore_from=args.restore_from,
-        restore_refresh=args.restore_refresh,
-        restore_pin=args.restore_pin,
-        restore_bias=args.restore_bias,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,
@@ -69,6 +73,12 @@ def _run_serve(args) -> int:
         prefill_chunk=args.prefill_chunk,
         drafter=args.drafter,
         spec_k=args.spec_k,
+        research=ResearchOptions(
+            restore_from=args.research_restore_from,
+            restore_refresh=args.research_restore_refresh,
+            restore_pin=args.research_restore_pin,
+            restore_bias=args.research_restore_bias,
+        ),
     )
     return serve_forever(cfg)
 

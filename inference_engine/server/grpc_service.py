@@ -1,4 +1,7 @@
-"""gRPC servicer: protobuf <-> Runtime calls, typed errors -> gRPC status codes."""
+"""gRPC servicer: protobuf <-> Runtime calls, typed errors -> gRPC status codes.
+
+Imports no framework (torch, mlx): plain objects in from the runtime, protobuf out.
+"""
 from __future__ import annotations
 
 import functools
@@ -8,11 +11,11 @@ import logging
 import grpc
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
-from inference_engine.engine.sampling import SamplingParams
+from inference_engine.engine.requests import SamplingParams
 from inference_engine.errors import KakeyaError
 from inference_engine.server.runtime import Runtime
-from kakeya.v1 import runtime_pb2 as pb
-from kakeya.v1 import runtime_pb2_grpc as pb_grpc
+from kakeya_wire.v1 import runtime_pb2 as pb
+from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +124,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             model_id=i.model_id,
             vocab_size=i.vocab_size,
             default_eos_token_ids=list(i.default_eos_token_ids),
-            kv_strategy=pb.KVStrategyInfo(name=i.kv_strategy, sink=i.sink, window=i.window, compressor=i.compressor,
-                                          restore_from=i.restore_from, restore_refresh=i.restore_refresh,
-                                          restore_pin=i.restore_pin, restore_bias=i.restore_bias),
+            kv_strategy=pb.KVStrategyInfo(name=i.kv_strategy, params=dict(i.kv_params)),
             max_context=i.max_context,
             backend=i.backend,
             device=i.device,

@@ -30,8 +30,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference_engine.engine.events import GenerationDone, TokenGenerated
-from inference_engine.engine.sampling import SamplingParams
+from inference_engine.engine.requests import SamplingParams
 from inference_engine.errors import KakeyaError, SessionNotFound
+from inference_engine.server.config import ConfigError, ServeConfig, split_bind
 from inference_engine.server.http_openai import (
     DEPRECATION_HEADERS,
     FINISH_REASONS,
@@ -163,13 +164,16 @@ async def _watch_disconnect(request: Request, on_gone) -> None:
 class HttpShim:
     def __init__(self, runtime: Runtime, text: ModelText, *, model_names: set[str]):
         self.rt, self.text = runtime, text
-        self.model_id = runtime.server_info().model_id
+        info = runtime.server_info()
+        self.model_id, self.max_context, self.kv_strategy = info.model_id, info.max_context, info.kv_strategy
         self.model_names = {self.model_id, *model_names}
-        e = runtime.engine
-        st = e.strategy
-        # Longest prompt the model attends to in full: past it sink_window would silently drop
-        # the prompt's middle, and `full` has no room left to generate.
-        self.prompt_limit = min(e.max_context - 1, st.sink + st.window) if st.forgets else e.max_context - 1
+        # Longest prompt the model attends to in full: past it a strategy that forgets (no history
+        # limit: sink_window) would silently drop the prompt's middle, and `full` has no room left
+        # to generate.
+        self.prompt_limit = self.max_context - 1
+        if runtime.engine.history_limit() is None:
+            sink, window = int(info.kv_params.get("sink", 0)), int(info.kv_params.get("window", 0))
+            self.prompt_limit = min(self.prompt_limit, sink + window)
 
     def app(self) -> FastAPI:
         app = FastAPI(title="kakeya deprecated OpenAI-style shim", docs_url=None, redoc_url=None, openapi_url=None)
@@ -232,10 +236,10 @@ class HttpShim:
             raise ShimError(400, "the prompt is empty; send at least one token of text", param=prompt_param)
         if len(prompt) > self.prompt_limit:
             raise ShimError(400, f"the prompt is {len(prompt)} tokens; this server attends to at most {self.prompt_limit} "
-                                 f"(model context {self.rt.engine.max_context}, kv strategy {self.rt.engine.strategy.name}). "
+                                 f"(model context {self.max_context}, kv strategy {self.kv_strategy}). "
                                  f"Shorten it, serve with a larger --window, or use the gRPC API for long sessions",
                             param=prompt_param, code="context_length_exceeded")
-        max_tokens = body.token_limit() or max(1, self.rt.engine.max_context - len(prompt))
+        max_tokens = body.token_limit() or max(1, self.max_context - len(prompt))
         if max_tokens > MAX_TOKENS_PER_CALL:
             raise ShimError(400, f"max_tokens must be at most {MAX_TOKENS_PER_CALL}, got {max_tokens}", param="max_tokens")
         temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
@@ -349,8 +353,8 @@ class _DeprecationAndAuth:
 
 
 # -- lifecycle -----------------------------------------------------------------------------
-def _model_dir(runtime: Runtime, cfg) -> pathlib.Path:
-    recorded = getattr(runtime.engine.model, "path", None)  # where the runtime loaded its weights, if recorded
+def _model_dir(runtime: Runtime, cfg: ServeConfig) -> pathlib.Path:
+    recorded = runtime.model_info.path  # where the runtime loaded its weights, if recorded
     if recorded:
         return pathlib.Path(recorded)
     try:
@@ -373,16 +377,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start_http_shim(runtime: Runtime, cfg) -> Callable[[], None]:
+def start_http_shim(runtime: Runtime, cfg: ServeConfig) -> Callable[[], None]:
     """Serve the shim on the gRPC bind host at `cfg.http_port`; returns a zero-arg stop callable."""
     import uvicorn
 
-    from inference_engine.server.app import ConfigError, split_bind
-
     model_dir = _model_dir(runtime, cfg)
-    spec = runtime.engine.model.spec
+    info = runtime.model_info
     try:
-        text = load_model_text(model_dir, vocab_size=spec.vocab_size, model_eos_token_ids=spec.eos_token_ids)
+        text = load_model_text(model_dir, vocab_size=info.vocab_size, model_eos_token_ids=info.eos_token_ids)
     except TokenizerUnavailable as e:
         raise ConfigError(f"--http-port: {e}") from e
     shim = HttpShim(runtime, text, model_names={str(cfg.model), model_dir.name})

@@ -1,20 +1,25 @@
 """The runtime facade both transports share: SessionStore + Engine + metrics.
 
 Plain Python in, plain Python out. The gRPC servicer and the deprecated HTTP shim only
-convert their wire formats to these calls.
+convert their wire formats to these calls. The engine is reached through its public calls
+and its frozen `model_info` / `strategy_info()`; no framework is imported here, so the
+servers load torch only when an engine is built.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
-from inference_engine.engine.generate import Engine, GenerateParams
-from inference_engine.engine.sampling import SamplingParams
+from inference_engine.engine.requests import GenerateParams, ModelInfo, SamplingParams
 from inference_engine.errors import InvalidArgument
 from inference_engine.server.metrics import RuntimeMetrics
 from inference_engine.session.store import SessionStore, StoreEvents
+
+if TYPE_CHECKING:
+    from inference_engine.engine.generate import Engine
 
 SERVER_VERSION = "0.3.0"
 MAX_TOKENS_PER_CALL = 1 << 20
@@ -40,9 +45,6 @@ class ServerInfo:
     vocab_size: int
     default_eos_token_ids: tuple
     kv_strategy: str
-    sink: int
-    window: int
-    compressor: str
     max_context: int
     backend: str
     device: str
@@ -51,24 +53,22 @@ class ServerInfo:
     idle_ttl_seconds: float
     drafter: str
     spec_k: int
-    restore_from: str = ""
-    restore_refresh: int = 0
-    restore_pin: int = 0
-    restore_bias: str = ""
+    kv_params: Mapping[str, str] = field(default_factory=dict)  # the strategy's parameters (StrategyInfo.as_dict())
 
 
 class Runtime:
     def __init__(self, engine: Engine, *, capacity: int = 16, idle_ttl_s: float = 1800.0, metrics: RuntimeMetrics | None = None):
         self.engine = engine
+        self.model_info: ModelInfo = engine.model_info
         self.metrics = metrics or RuntimeMetrics()
         m = self.metrics
         self.store = SessionStore(
-            vocab_size=engine.vocab_size,
+            vocab_size=self.model_info.vocab_size,
             kv_factory=engine.new_session_kv,
             capacity=capacity,
             idle_ttl_s=idle_ttl_s,
             history_limit=engine.history_limit(),
-            default_eos_token_ids=engine.model.spec.eos_token_ids,
+            default_eos_token_ids=self.model_info.eos_token_ids,
             events=StoreEvents(
                 on_created=m.sessions_created.inc,
                 on_ended=lambda outcome: m.session_total.labels(outcome=outcome).inc(),
@@ -143,38 +143,20 @@ class Runtime:
         )
 
     def server_info(self) -> ServerInfo:
-        e, spec = self.engine, self.engine.model.spec
-        st = e.strategy
+        e, m = self.engine, self.model_info
+        strategy = e.strategy_info()
         return ServerInfo(
-            model_id=e.model.model_id,
-            vocab_size=spec.vocab_size,
-            default_eos_token_ids=tuple(spec.eos_token_ids),
-            kv_strategy=st.name,
-            sink=st.sink if st.bounded else 0,
-            window=st.window if st.bounded else 0,
-            compressor=st.compressor,
-            max_context=spec.max_context,
-            backend="torch",
-            device=str(e.model.device),
+            model_id=m.model_id,
+            vocab_size=m.vocab_size,
+            default_eos_token_ids=tuple(m.eos_token_ids),
+            kv_strategy=strategy.name,
+            max_context=m.max_context,
+            backend=m.backend,
+            device=m.device,
             server_version=SERVER_VERSION,
             session_capacity=self.store.capacity,
             idle_ttl_seconds=self.store.idle_ttl_s,
             drafter=e.drafter_name,
             spec_k=e.spec_k,
-            restore_from=self._restore_from(),
-            restore_refresh=st.restore_refresh if st.name == "dlm_restore" else 0,
-            restore_pin=st.restore_pin,
-            restore_bias=self._restore_bias(),
+            kv_params=strategy.as_dict(),
         )
-
-    def _restore_bias(self) -> str:
-        if self.engine.strategy.name != "dlm_restore" or self.engine.strategy.restore_from != "drafter":
-            return ""
-        return "calibrated" if getattr(self.engine.restore_source, "logit_bias", None) is not None else "none"
-
-    def _restore_from(self) -> str:
-        st, source = self.engine.strategy, self.engine.restore_source
-        if st.name != "dlm_restore":
-            return ""
-        name = getattr(source, "drafter_name", "") if source is not None else ""
-        return f"{st.restore_from}:{name}" if name else st.restore_from

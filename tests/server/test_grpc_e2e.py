@@ -34,6 +34,9 @@ def test_server_info(client):
     info = client.server_info()
     assert info.vocab_size == VOCAB and info.kv_strategy == "sink_window" and (info.sink, info.window) == (4, 32)
     assert info.default_eos_token_ids == (2,) and info.max_context == 2048 and info.session_capacity == 4
+    # The strategy is reported generically: a name and its parameters as strings; no research knobs.
+    assert info.kv_params == {"compressor": "identity", "sink": "4", "window": "32"} and info.compressor == "identity"
+    assert (info.backend, info.device) == ("torch", "cpu")
 
 
 def test_session_lifecycle(client):
@@ -229,7 +232,7 @@ def test_speculative_server_reports_drafted_and_accepted():
     from drafters import SelfDrafter
     from factories import load_model, tiny_model_dir
     from inference_engine.engine.generate import Engine
-    from inference_engine.kv.resident import KVStrategy
+    from inference_engine.kv.strategy import KVStrategy
 
     model = load_model(str(tiny_model_dir("llama")))
     spec = start_server(Engine(model, KVStrategy("sink_window", 4, 16), drafter=SelfDrafter(model), spec_k=3, drafter_name="self-test"))

@@ -7,8 +7,8 @@ import grpc
 
 from kakeya.errors import KakeyaError, from_rpc_error
 from kakeya.types import GenerateStream, GenerationResult, ServerInfo, SessionInfo, generate_request
-from kakeya.v1 import runtime_pb2 as pb
-from kakeya.v1 import runtime_pb2_grpc as pb_grpc
+from kakeya_wire.v1 import runtime_pb2 as pb
+from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
 
 
 def _metadata(api_key: str | None):

@@ -1,9 +1,10 @@
 """Plain result objects the SDK returns (no protobuf types leak to callers)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kakeya.v1 import runtime_pb2 as pb
+from kakeya_wire.v1 import runtime_pb2 as pb
 
 STOP_REASONS = {
     pb.STOP_REASON_MAX_TOKENS: "max_tokens",
@@ -69,10 +70,7 @@ class ServerInfo:
     model_id: str
     vocab_size: int
     default_eos_token_ids: tuple
-    kv_strategy: str
-    sink: int
-    window: int
-    compressor: str
+    kv_strategy: str  # "full", "sink_window" or "dlm_restore"
     max_context: int
     backend: str
     device: str
@@ -81,18 +79,32 @@ class ServerInfo:
     idle_ttl_seconds: float
     drafter: str
     spec_k: int
-    restore_from: str = ""  # dlm_restore's proposer: "verifier" or "drafter:<name>"
-    restore_refresh: int = 0  # dlm_restore: restored K/V reused for up to N steps (1 = every step); 0 otherwise
-    restore_pin: int = 0  # dlm_restore cross-model: worst-restored evicted positions kept resident
-    restore_bias: str = ""  # dlm_restore cross-model: "calibrated" (f_θ's attention-mass calibration) or "none"
+    # The strategy's parameters as the server reports them (strings): "compressor" always,
+    # "sink" / "window" for bounded strategies, research keys for research strategies.
+    kv_params: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def sink(self) -> int:
+        """Attention-sink positions of a bounded strategy (0 under `full`)."""
+        return int(self.kv_params.get("sink", 0))
+
+    @property
+    def window(self) -> int:
+        """Sliding-window positions of a bounded strategy (0 under `full`)."""
+        return int(self.kv_params.get("window", 0))
+
+    @property
+    def compressor(self) -> str:
+        """The resident cache store ("identity" = uncompressed)."""
+        return self.kv_params.get("compressor", "identity")
 
     @classmethod
     def from_pb(cls, r) -> "ServerInfo":
         k = r.kv_strategy
         return cls(
-            r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name, k.sink, k.window, k.compressor,
+            r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name,
             r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
-            k.restore_from, k.restore_refresh, k.restore_pin, k.restore_bias,
+            dict(sorted(k.params.items())),
         )
 
 

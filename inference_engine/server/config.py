@@ -1,0 +1,72 @@
+"""What `kakeya serve` is configured with, and the checks that need no model.
+
+`ServeConfig` holds the product options; the dlm_restore research knobs sit apart in
+`ResearchOptions` (reachable from research scripts and the `--research-*` serve flags, never
+part of the wire contract or the SDK types). No torch, grpc or HTTP framework here: the app,
+the CLI and the HTTP shim all import this module, and it imports none of them.
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A serve option the daemon cannot run with; the message names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class ResearchOptions:
+    """dlm_restore research knobs (ADR 0008 §11.5). Not product surface."""
+
+    restore_from: str = "verifier"  # proposer: verifier (same-model) | drafter (cross-model, needs ServeConfig.drafter)
+    restore_refresh: int = 1  # reuse restored K/V for up to N steps (1 = recompute every step)
+    restore_pin: int = 0  # cross-model: keep the P worst-restored evicted positions resident
+    restore_bias: str = "none"  # cross-model: none | calibrated (f_θ's shipped attention-mass calibration)
+
+
+@dataclass
+class ServeConfig:
+    bind: str = "127.0.0.1:50051"
+    model: str = "smollm2-135m-instruct"
+    kv_strategy: str = "sink_window"
+    sink: int = 4
+    window: int = 1020
+    kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
+    kv_q_range: int = 38  # lattice q_range of the kakeya compressors
+    capacity: int = 16
+    idle_ttl: float = 1800.0
+    metrics_port: int = 0  # 0 = off
+    http_port: int = 0  # 0 = off (deprecated OpenAI-style shim)
+    api_key: str | None = None
+    device: str = "cpu"
+    threads: int | None = None
+    prefill_chunk: int = 256
+    max_workers: int = 16
+    drafter: str | None = None  # shipped drafter name or checkpoint dir; enables speculative decoding
+    spec_k: int = 4
+    research: ResearchOptions = field(default_factory=ResearchOptions)
+
+
+def split_bind(bind: str) -> tuple[str, int]:
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"--bind must be HOST:PORT, got {bind!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(cfg: ServeConfig) -> None:
+    host, _ = split_bind(cfg.bind)
+    if not is_loopback(host) and not cfg.api_key:
+        raise ConfigError(
+            f"refusing to bind {cfg.bind} (not loopback) without an API key; pass --api-key or set KAKEYA_API_KEY"
+        )
