@@ -15,7 +15,7 @@ from typing import TextIO
 
 from kakeya import Client, GenerationResult, KakeyaError, ServerInfo, SessionNotFoundError, UnavailableError
 from kakeya.local_models import LocalModelNotFoundError
-from kakeya.tokenization import IncrementalDecoder, assistant_turn_end, chat_delta, load_tokenizer
+from kakeya.tokenization import ChatHistory, IncrementalDecoder, load_tokenizer
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 HELP = "commands: /info (session + server), /reset (new session), /quit (or Ctrl-D)"
@@ -29,23 +29,19 @@ class ChatOptions:
 
 
 class Conversation:
-    """The messages of one chat and the daemon session that holds their tokens."""
+    """One chat: its messages (rendered client side) and the daemon session holding their tokens."""
 
     def __init__(self, client: Client, tokenizer, options: ChatOptions):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template, so `kakeya chat` cannot render turns; "
-                             "use an instruction-tuned model (e.g. smollm2-135m-instruct)")
         self.client, self.tokenizer, self.options = client, tokenizer, options
         self.session = None
         self.reset()
 
     def reset(self) -> None:
         """Close the current session (if any) and start an empty one."""
+        self.history = ChatHistory(self.tokenizer, system=self.options.system)
         if self.session is not None:
             self.session.close()
         self.session = self.client.create_session()
-        self.messages: list[dict] = [{"role": "system", "content": self.options.system}] if self.options.system else []
-        self._turn_end: list[int] = []  # closes the last reply; sent with the next turn
 
     def close(self) -> None:
         if self.session is not None:
@@ -54,26 +50,21 @@ class Conversation:
 
     def turn(self, text: str, out: TextIO) -> GenerationResult | None:
         """Send one user message, stream the reply to `out`; None if Ctrl-C cut the reply short."""
-        before = list(self.messages)
-        self.messages.append({"role": "user", "content": text})
-        start = self.session.append(self._turn_end + chat_delta(before, self.messages, self.tokenizer))
+        start = self.session.append(self.history.user(text))
         decoder = IncrementalDecoder(self.tokenizer)
         stream = self.session.generate(self.options.max_tokens, temperature=self.options.temperature)
         try:
             for token in stream:
                 out.write(decoder.push(token))
                 out.flush()
-            reply = decoder.ids
+            out.write(decoder.flush() + "\n")
+            self.history.assistant(decoder.ids)
+            return self.session.last_result
         except KeyboardInterrupt:
             stream.close()  # cancels the call; what the daemon generated stays in the history
-            reply = self.session.history(start)
-            decoder = None
-        if decoder is not None:
-            out.write(decoder.flush())
-        out.write("\n")
-        self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)})
-        self._turn_end = assistant_turn_end(reply, self.tokenizer)
-        return None if decoder is None else self.session.last_result
+            out.write("\n")
+            self.history.assistant(self.session.history(start))
+            return None
 
 
 def describe_turn(r: GenerationResult | None) -> str:
@@ -87,11 +78,12 @@ def describe_turn(r: GenerationResult | None) -> str:
 
 def describe_info(conv: Conversation, server: ServerInfo) -> str:
     s = conv.session.info()
-    return (f"session {s.session_id}: history {s.history_length} tokens ({len(conv.messages)} messages), "
+    kv = getattr(server, "kv_params", None) or {"sink": server.sink, "window": server.window, "compressor": server.compressor}
+    params = " ".join(f"{k}={v}" for k, v in sorted(kv.items()))
+    return (f"session {s.session_id}: history {s.history_length} tokens ({len(conv.history.messages)} messages), "
             f"{s.resident_positions} resident positions, resident KV {s.kv_live_bytes} bytes "
             f"({s.kv_live_bytes / 2**20:.1f} MiB), {s.pending_tokens} pending\n"
-            f"server {server.server_version}: model {server.model_id}, kv {server.kv_strategy} "
-            f"(sink {server.sink}, window {server.window}, compressor {server.compressor or 'identity'}), "
+            f"server {server.server_version}: model {server.model_id}, kv {server.kv_strategy} ({params}), "
             f"{server.backend} on {server.device}, max context {server.max_context}, "
             f"{server.session_capacity} sessions, drafter {server.drafter or 'none'}")
 

@@ -82,6 +82,36 @@ def assistant_turn_end(reply_ids: Sequence[int], tokenizer, **template_kwargs) -
     return [int(t) for t in tokenizer.encode(end[done:], add_special_tokens=False)] if end[done:] else []
 
 
+class ChatHistory:
+    """One conversation's messages, rendered with the model's chat template on the client:
+    `user(text)` gives the token ids to append for a new user message (closing the previous
+    reply the way the template does), `assistant(reply_ids)` records what the model generated.
+    A session that received every `user(...)` holds the whole conversation, append-only."""
+
+    def __init__(self, tokenizer, *, system: str | None = None, **template_kwargs):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; use an instruction-tuned model "
+                             "(e.g. smollm2-135m-instruct) or build the token ids yourself")
+        self.tokenizer, self._kw = tokenizer, template_kwargs
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        self._turn_end: list[int] = []  # closes the last reply; sent with the next user turn
+
+    def user(self, text: str) -> list[int]:
+        """Token ids to append for the user message `text` (ends with the assistant prompt)."""
+        before = list(self.messages)
+        self.messages.append({"role": "user", "content": text})
+        ids = self._turn_end + chat_delta(before, self.messages, self.tokenizer, **self._kw)
+        self._turn_end = []
+        return ids
+
+    def assistant(self, reply_ids: Sequence[int]) -> str:
+        """Record the generated reply (as the session holds it); returns its text."""
+        text = self.tokenizer.decode(list(reply_ids), skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text})
+        self._turn_end = assistant_turn_end(reply_ids, self.tokenizer, **self._kw)
+        return text
+
+
 class IncrementalDecoder:
     """Token ids in, printable text out, one token at a time: a character whose bytes span
     several tokens is held back until complete, so streamed text never shows a broken
