@@ -1,5 +1,19 @@
+import os
+
+import pytest
 import torch
 
 # Tiny test models gain nothing from intra-op threads, and on a loaded 2-core runner
 # small ops at 2 threads stall; the suite runs single-threaded.
 torch.set_num_threads(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI, a real-model test never passes by skipping: `factories.require_smollm2` fails when the
+    model is missing, and this turns any other skip of a `@pytest.mark.model` test into a failure too."""
+    outcome = yield
+    rep = outcome.get_result()
+    if os.environ.get("CI") and rep.skipped and item.get_closest_marker("model") is not None and not hasattr(rep, "wasxfail"):
+        rep.outcome = "failed"
+        rep.longrepr = f"CI is set: the real-model test {item.nodeid} was skipped ({rep.longrepr[-1] if isinstance(rep.longrepr, tuple) else rep.longrepr})"

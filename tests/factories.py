@@ -48,3 +48,19 @@ def smollm2_dir() -> pathlib.Path | None:
     home = pathlib.Path(os.environ.get("KAKEYA_HOME", pathlib.Path.home() / ".cache" / "kakeya"))
     p = home / "models" / "smollm2-135m-instruct"
     return p if (p / "config.json").exists() else None
+
+
+def require_smollm2() -> pathlib.Path:
+    """The pulled default model's directory, for the real-model (`@pytest.mark.model`) tests.
+
+    Missing, the test is skipped on a developer machine but fails when `CI` is set: `make test`
+    pulls the model first, so a CI run without it would otherwise pass without testing anything."""
+    import pytest
+
+    path = smollm2_dir()
+    if path is None:
+        msg = "smollm2-135m-instruct is not pulled: run `kakeya models pull smollm2-135m-instruct` (or `make model`)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{msg}; CI is set, so a missing model is a failure, not a skip")
+        pytest.skip(msg)
+    return path

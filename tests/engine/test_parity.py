@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from factories import make_engine, smollm2_dir, tiny_model_dir
+from factories import make_engine, require_smollm2, tiny_model_dir
 from inference_engine.engine.generate import GenerateParams
 from inference_engine.engine.events import TokenGenerated
 
@@ -32,9 +32,7 @@ def test_tiny_full_greedy_matches_transformers(arch):
 
 @pytest.mark.model
 def test_smollm2_full_greedy_matches_transformers():
-    path = smollm2_dir()
-    if path is None:
-        pytest.skip("default model not pulled (make model)")
+    path = require_smollm2()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from factories import load_model, smollm2_dir
+from factories import load_model, require_smollm2
 from inference_engine.engine.events import GenerationDone, TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.kv.resident import KVStrategy
@@ -18,9 +18,7 @@ def generate(engine, ids, n):
 
 @pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 32)], ids=lambda s: s.name)
 def test_shipped_drafter_keeps_greedy_output(strategy):
-    path = smollm2_dir()
-    if path is None:
-        pytest.skip("default model not pulled")
+    path = require_smollm2()
     from kv_cache_proposer import load_drafter, resolve_checkpoint
 
     model = load_model(str(path))

@@ -7,7 +7,7 @@ leaves the kept codes untouched; greedy output stays close to the uncompressed c
 import pytest
 import torch
 
-from factories import load_model, smollm2_dir, tiny_model_dir
+from factories import load_model, require_smollm2, tiny_model_dir
 from inference_engine.kv.compressors import KakeyaLatticeUnavailable, bf16_reference_bytes, make_compressor
 from inference_engine.kv.resident import CacheGeometry, KVStrategy, make_cache
 from inference_engine.kv.stores import CompressedStore, SlabStore
@@ -62,7 +62,6 @@ def test_nbytes_is_the_packed_store(compressor, name, kw):
     assert cache.nbytes == GEOM.num_layers * 2 * GEOM.num_kv_heads * cache.capacity * per_vector
     assert cache.nbytes == sum(c.memory_bytes() for c in cache.store.layers)
     bf16 = GEOM.num_layers * bf16_reference_bytes(cache.capacity, GEOM.num_kv_heads, GEOM.head_dim)
-    print(f"{name}+{compressor}: {cache.nbytes} B for {cache.capacity} slots, {bf16 / cache.nbytes:.3f}x smaller than bf16")
     if compressor == "kakeya_d4":  # q 38, head_dim 64: 54 bytes a vector vs 128
         assert cache.nbytes * 2.3 <= bf16
 
@@ -139,8 +138,7 @@ def test_model_logits_close_to_uncompressed(arch, compressor):
         out[c] = logits
     agree = (out["identity"].argmax(-1) == out[compressor].argmax(-1)).float().mean().item()
     rel = ((out["identity"] - out[compressor]).norm() / out["identity"].norm()).item()
-    print(f"{arch} {compressor}: top-1 agreement {agree:.3f}, logits rel err {rel:.4f}")
-    assert agree >= 0.8 and rel < 0.15
+    assert agree >= 0.8 and rel < 0.15, f"{arch} {compressor}: top-1 agreement {agree:.3f}, logits rel err {rel:.4f}"
 
 
 def test_dlm_restore_with_a_compressed_resident_cache_runs_close_to_full():
@@ -179,9 +177,7 @@ def test_unusable_compressor_fails_with_a_clear_message(monkeypatch):
 def test_smollm2_greedy_close_to_uncompressed(compressor):
     """Teacher-forced: the uncompressed cache's greedy continuation, re-scored through the
     compressed cache; the compressed cache's argmax must agree at nearly every position."""
-    path = smollm2_dir()
-    if path is None:
-        pytest.skip("smollm2-135m-instruct is not pulled (kakeya models pull smollm2-135m-instruct)")
+    path = require_smollm2()
     from transformers import AutoTokenizer
 
     from inference_engine.engine.events import TokenGenerated
@@ -203,8 +199,7 @@ def test_smollm2_greedy_close_to_uncompressed(compressor):
     pred = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
     agree = sum(a == b for a, b in zip(pred, ref))
     first_miss = next((i for i, (a, b) in enumerate(zip(pred, ref)) if a != b), n)
-    print(f"smollm2 full+{compressor} q38: {agree}/{n} teacher-forced greedy tokens match, first mismatch at {first_miss}")
-    assert agree >= n - 3
+    assert agree >= n - 3, f"{agree}/{n} teacher-forced greedy tokens match, first mismatch at {first_miss}"
 
 
 @pytest.mark.parametrize("compressor", ["identity"] + LATTICES)

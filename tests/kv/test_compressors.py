@@ -183,7 +183,6 @@ def test_q38_head_dim_64_is_at_least_2_3x_smaller_than_bf16(name):
     capacity, hkv, d = 256, 3, 64
     comp = make_compressor(name, q_range=38, head_dim=d, num_kv_heads=hkv, capacity=capacity)
     ratio = bf16_reference_bytes(capacity, hkv, d) / comp.memory_bytes()
-    print(f"{name} q=38 head_dim=64: {comp.bytes_per_slot} B/slot, {ratio:.3f}x smaller than bf16")
     assert comp.memory_bytes() * 2.3 <= bf16_reference_bytes(capacity, hkv, d)
     # 128 bf16 bytes per vector vs 50 + 4 (D4) / 51 + 4 (E8)
     assert ratio == pytest.approx(128 / (54 if name == "kakeya_d4" else 55))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafters import HashDrafter, SelfDrafter
-from factories import load_model, smollm2_dir, tiny_model_dir
+from factories import load_model, require_smollm2, tiny_model_dir
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.kv.resident import DLMRestoreCache, KVStrategy, make_cache
@@ -208,9 +208,7 @@ def test_unknown_restore_source_is_rejected():
 def test_smollm2_passkey_beyond_the_window_equals_full():
     """SmolLM2, 4+64 window, ~400-token history with the passkey near the start (long
     evicted when the question comes), speculative verify steps: dlm_restore == full."""
-    path = smollm2_dir()
-    if path is None:
-        pytest.skip("smollm2-135m-instruct is not pulled (kakeya models pull smollm2-135m-instruct)")
+    path = require_smollm2()
     from transformers import AutoTokenizer
 
     m = load_model(str(path))

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from proposer_factories import smollm2_dir
+from factories import require_smollm2
 
 from kv_cache_proposer import CHECKPOINTS_DIR, load_drafter
 
@@ -12,9 +12,7 @@ NAME = "smollm2-135m-dlm"
 
 @pytest.mark.model
 def test_shipped_drafter_loads_by_name_and_predicts_the_verifier():
-    path = smollm2_dir()
-    if path is None:
-        pytest.skip("smollm2-135m-instruct not pulled (kakeya models pull)")
+    path = require_smollm2()
     if not (CHECKPOINTS_DIR / NAME / "drafter.safetensors").exists():
         pytest.fail(f"the shipped drafter {NAME} is missing from {CHECKPOINTS_DIR}")
     torch.set_num_threads(1)

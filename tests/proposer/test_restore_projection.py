@@ -11,7 +11,7 @@ import pytest
 import torch
 from proposer_factories import tiny_drafter, tiny_verifier
 
-from factories import load_model, smollm2_dir
+from factories import load_model, require_smollm2
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.kv.resident import KVStrategy
@@ -223,9 +223,7 @@ def test_copied_checkpoint_without_calibration_names_the_missing_file(tmp_path):
 @pytest.mark.model
 def test_shipped_drafter_restores_through_the_server_config():
     """The shipped SmolLM2 drafter loads with its f_θ via the same path as `--restore-from drafter`."""
-    path = smollm2_dir()
-    if path is None:
-        pytest.skip("smollm2-135m-instruct is not pulled (kakeya models pull smollm2-135m-instruct)")
+    path = require_smollm2()
     if not (CHECKPOINTS_DIR / "smollm2-135m-dlm" / FTHETA_FILE).exists():
         pytest.fail("the shipped drafter has no f_θ")
     from inference_engine.server.app import ServeConfig, build_engine

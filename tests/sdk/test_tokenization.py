@@ -1,6 +1,6 @@
 import pytest
 
-from factories import smollm2_dir
+from factories import require_smollm2
 from kakeya.tokenization import chat_delta, from_openai_messages, tokens_for_chat
 
 
@@ -13,9 +13,7 @@ def test_from_openai_messages_normalizes_parts():
 
 @pytest.mark.model
 def test_tokens_for_chat_uses_the_model_template():
-    path = smollm2_dir()
-    if path is None:
-        pytest.skip("default model not pulled")
+    path = require_smollm2()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)

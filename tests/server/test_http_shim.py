@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from factories import make_engine, smollm2_dir
+from factories import make_engine, require_smollm2
 from inference_engine.model_store.tiny import make_tiny_model
 from inference_engine.server.app import ConfigError, ServeConfig, start
 from inference_engine.server.http_openai import DEPRECATION_HEADERS
@@ -381,9 +381,7 @@ def test_stop_matcher_across_pieces():
 # -- the real model ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol():
-    d = smollm2_dir()
-    if d is None:
-        pytest.skip("smollm2-135m-instruct is not pulled (`kakeya models pull smollm2-135m-instruct`)")
+    d = require_smollm2()
     s = Shim(d, window=1020)
     yield s
     s.stop()
@@ -394,7 +392,7 @@ def test_real_model_chat_and_stream(smol):
     kw = dict(model=smol.model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0)
     r = smol.client.chat.completions.create(**kw)
     assert "Paris" in r.choices[0].message.content
-    tok = tokenizer_of(smollm2_dir())
+    tok = tokenizer_of(require_smollm2())
     assert r.usage.prompt_tokens == len(tok.apply_chat_template(kw["messages"], tokenize=True, add_generation_prompt=True)["input_ids"])
     streamed = "".join(c.choices[0].delta.content or "" for c in smol.client.chat.completions.create(stream=True, **kw))
     assert streamed == r.choices[0].message.content
