@@ -63,17 +63,18 @@ export interface ServerInfo {
   readonly defaultEosTokenIds: readonly number[];
   /** "full", "sink_window" or "dlm_restore". */
   readonly kvStrategy: string;
+  /**
+   * The strategy's parameters as the server reports them (strings): "compressor" always,
+   * "sink" / "window" for bounded strategies, research keys for research strategies (those
+   * are not product surface and may change between releases).
+   */
+  readonly kvParams: Readonly<Record<string, string>>;
+  /** Attention-sink positions of a bounded strategy (kvParams.sink; 0 under `full`). */
   readonly sink: number;
+  /** Sliding-window positions of a bounded strategy (kvParams.window; 0 under `full`). */
   readonly window: number;
+  /** The resident cache store (kvParams.compressor; "identity" = uncompressed). */
   readonly compressor: string;
-  /** dlm_restore's proposer: "verifier" or "drafter:<name>"; "" for other strategies. */
-  readonly restoreFrom: string;
-  /** dlm_restore: restored K/V are reused for up to this many steps (1 = every step); 0 for other strategies. */
-  readonly restoreRefresh: number;
-  /** dlm_restore cross-model: evicted positions kept resident because the proposer restores them worst; 0 = none. */
-  readonly restorePin: number;
-  /** dlm_restore cross-model: "calibrated" (f_θ's attention-mass calibration offsets restored logits) or "none"; "" otherwise. */
-  readonly restoreBias: string;
   /** Trained context of the model (max_position_embeddings). */
   readonly maxContext: number;
   readonly backend: string;
@@ -118,18 +119,16 @@ export function sessionInfo(r: GetSessionInfoResponse): SessionInfo {
 
 export function serverInfo(r: GetServerInfoResponse): ServerInfo {
   const k = r.kvStrategy;
+  const params: Record<string, string> = Object.fromEntries(Object.entries(k?.params ?? {}).sort(([a], [b]) => a.localeCompare(b)));
   return {
     modelId: r.modelId,
     vocabSize: r.vocabSize,
     defaultEosTokenIds: [...r.defaultEosTokenIds],
     kvStrategy: k?.name ?? "",
-    sink: k?.sink ?? 0,
-    window: k?.window ?? 0,
-    compressor: k?.compressor ?? "",
-    restoreFrom: k?.restoreFrom ?? "",
-    restoreRefresh: k?.restoreRefresh ?? 0,
-    restorePin: k?.restorePin ?? 0,
-    restoreBias: k?.restoreBias ?? "",
+    kvParams: Object.freeze(params),
+    sink: Number(params.sink ?? 0),
+    window: Number(params.window ?? 0),
+    compressor: params.compressor ?? "identity",
     maxContext: r.maxContext,
     backend: r.backend,
     device: r.device,

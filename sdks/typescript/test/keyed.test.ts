@@ -45,6 +45,8 @@ describe("API key", () => {
   it("the right key works", async () => {
     const info = await client.serverInfo();
     expect(info.kvStrategy).toBe("full");
+    expect(info.kvParams).toEqual({ compressor: "identity" });
+    expect([info.sink, info.window]).toEqual([0, 0]);
     const session = await client.createSession({ initialTokens: [1, 2, 3] });
     expect((await session.generateAll({ maxTokens: 3 })).generatedTokens).toBeGreaterThan(0);
     await session.close();
