@@ -1,26 +1,15 @@
 """`kakeya chat` against a real daemon serving the pulled model, driven with scripted input."""
 import io
-import os
 import re
 
 import pytest
 
 import kakeya
-from factories import smollm2_dir
+from factories import require_smollm2
 from kakeya.chat import ChatOptions, Conversation, main, run_chat
 from kakeya.tokenization import ChatHistory, load_tokenizer
 
 MODEL = "smollm2-135m-instruct"
-
-
-def pulled_model_dir():
-    d = smollm2_dir()
-    if d is None:
-        msg = f"{MODEL} is not pulled; run `kakeya models pull {MODEL}`"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return d
 
 
 class RecordingStream(io.StringIO):
@@ -39,7 +28,7 @@ class RecordingStream(io.StringIO):
 def daemon():
     from inference_engine.server.app import ServeConfig, start
 
-    running = start(ServeConfig(bind="127.0.0.1:0", model=str(pulled_model_dir()), capacity=4))
+    running = start(ServeConfig(bind="127.0.0.1:0", model=str(require_smollm2()), capacity=4))
     yield f"127.0.0.1:{running.port}"
     running.stop()
 

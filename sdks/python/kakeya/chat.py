@@ -78,8 +78,7 @@ def describe_turn(r: GenerationResult | None) -> str:
 
 def describe_info(conv: Conversation, server: ServerInfo) -> str:
     s = conv.session.info()
-    kv = getattr(server, "kv_params", None) or {"sink": server.sink, "window": server.window, "compressor": server.compressor}
-    params = " ".join(f"{k}={v}" for k, v in sorted(kv.items()))
+    params = " ".join(f"{k}={v}" for k, v in sorted(server.kv_params.items()))
     return (f"session {s.session_id}: history {s.history_length} tokens ({len(conv.history.messages)} messages), "
             f"{s.resident_positions} resident positions, resident KV {s.kv_live_bytes} bytes "
             f"({s.kv_live_bytes / 2**20:.1f} MiB), {s.pending_tokens} pending\n"
