@@ -54,8 +54,9 @@ def _add_research(p, r: ResearchOptions) -> None:
                         "(a logit offset per layer and head) to the restored positions' attention logits")
 
 
-def _run_serve(args) -> int:
-    cfg = ServeConfig(
+def serve_config(args) -> ServeConfig:
+    """The ServeConfig that `kakeya serve` arguments describe."""
+    return ServeConfig(
         bind=args.bind,
         model=args.model,
         kv_strategy=args.kv_strategy,
@@ -80,7 +81,10 @@ def _run_serve(args) -> int:
             restore_bias=args.research_restore_bias,
         ),
     )
-    return serve_forever(cfg)
+
+
+def _run_serve(args) -> int:
+    return serve_forever(serve_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
