@@ -51,7 +51,9 @@ def main() -> int:
     import torch
 
     from inference_engine.backends.torch.model import TorchCausalLM
-    from inference_engine.kv.resident import KVStrategy, make_cache
+    from inference_engine.engine.steps import forward
+    from inference_engine.kv.factory import make_cache
+    from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store.store import resolve_model
 
     torch.set_num_threads(args.threads)
@@ -69,7 +71,7 @@ def main() -> int:
             cache = make_cache(strategy, geometry, max_step=256, max_context=spec.max_context)
             for s in range(0, n, 256):  # prefill in 256-token chunks, as the server does
                 ids = history[s : min(n, s + 256)]
-                model.forward(ids, torch.arange(s, s + ids.numel()), cache, logits="none")
+                forward(model, ids, torch.arange(s, s + ids.numel()), cache, logits="none")
                 cache.commit(ids.numel())
             caches[a] = cache
         times = {a: [] for a in arms}
@@ -77,13 +79,13 @@ def main() -> int:
             p = n + step
             for a in arms:
                 t0 = time.perf_counter()
-                model.forward(history[p : p + 1], torch.tensor([p]), caches[a], logits="last")
+                forward(model, history[p : p + 1], torch.tensor([p]), caches[a], logits="last")
                 caches[a].commit(1)
                 times[a].append(time.perf_counter() - t0)
         p = n + args.steps
         for a in arms:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                model.forward(history[p : p + 1], torch.tensor([p]), caches[a], logits="last")
+                forward(model, history[p : p + 1], torch.tensor([p]), caches[a], logits="last")
                 caches[a].commit(1)
             events = [e for e in prof.events() if e.name.startswith("aten::")]
             syncs = {name: sum(e.name == name for e in events) for name in SYNC_OPS}

@@ -63,7 +63,7 @@ def main() -> int:
 
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.engine.generate import Engine
-    from inference_engine.kv.resident import KVStrategy
+    from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
     from kv_cache_proposer import load_drafter, resolve_checkpoint
 

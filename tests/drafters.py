@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from inference_engine.engine.steps import forward
 
 
 @dataclass
@@ -33,7 +34,8 @@ class SelfDrafter:
     uses_verifier_hidden = False
 
     def __init__(self, model, context_window: int = 4096, corrupt_every: int = 0):
-        from inference_engine.kv.resident import KVStrategy, make_cache
+        from inference_engine.kv.factory import make_cache
+        from inference_engine.kv.strategy import KVStrategy
 
         self.model, self.context_window, self.corrupt_every = model, context_window, corrupt_every
         self._make = lambda: make_cache(KVStrategy("full"), model.geometry(), max_step=4096, max_context=model.spec.max_context)
@@ -45,7 +47,7 @@ class SelfDrafter:
         out = []
         for _ in range(k):
             cache = self._make()
-            logits, _ = self.model.forward(torch.tensor(ids), torch.arange(len(ids)), cache, logits="last")
+            logits, _ = forward(self.model, torch.tensor(ids), torch.arange(len(ids)), cache, logits="last")
             cache.commit()
             t = int(logits[-1].argmax())
             if self.corrupt_every and (self.calls + len(out)) % self.corrupt_every == 0:

@@ -28,7 +28,7 @@ def load_model(path: str):
 def make_engine(arch: str = "llama", strategy: str = "full", sink: int = 4, window: int = 1020, *, prefill_chunk: int = 256,
                 model_path: str | None = None, **config_kwargs):
     from inference_engine.engine.generate import Engine
-    from inference_engine.kv.resident import KVStrategy
+    from inference_engine.kv.strategy import KVStrategy
 
     path = model_path or str(tiny_model_dir(arch, **config_kwargs))
     return Engine(load_model(path), KVStrategy(strategy, sink, window), prefill_chunk=prefill_chunk)

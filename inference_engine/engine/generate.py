@@ -10,51 +10,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.requests import GenerateParams, ModelInfo, StrategyInfo
 from inference_engine.engine.sampling import sample
-from inference_engine.engine.speculative import verify_block
+from inference_engine.engine.session_kv import SessionKV
+from inference_engine.engine import steps
 from inference_engine.errors import NothingToGenerateFrom
-from inference_engine.kv.resident import KVStrategy, make_cache
-
-
-class SessionKV:
-    """A session's engine-side state: its resident cache, the logits after its last committed
-    token, and the verifier hidden states of its most recent positions (drafter features)."""
-
-    def __init__(self, cache, hidden_keep: int = 0):
-        self.cache = cache
-        self.last_logits: torch.Tensor | None = None  # (V,)
-        self.hidden_keep = hidden_keep
-        self.recent_hidden: torch.Tensor | None = None  # (<= hidden_keep, H), ends at next_position
-
-    def remember_hidden(self, hidden: torch.Tensor, n_committed: int) -> None:
-        if not self.hidden_keep:
-            return
-        h = hidden[:n_committed]
-        if self.recent_hidden is not None:
-            h = torch.cat([self.recent_hidden, h])
-        self.recent_hidden = h[-self.hidden_keep :].clone()
-
-    @property
-    def next_position(self) -> int:
-        return self.cache.next_position
-
-    @property
-    def nbytes(self) -> int:
-        return self.cache.nbytes
-
-    @property
-    def resident_positions(self) -> int:
-        return self.cache.resident_positions
-
-    @property
-    def dropped_total(self) -> int:
-        return self.cache.dropped_total
+from inference_engine.kv.factory import make_cache
+from inference_engine.kv.strategy import KVStrategy
 
 
 class Engine:
@@ -120,33 +86,14 @@ class Engine:
         and `dlm_restore` attend to every position, so they stop at the trained context."""
         return None if self.strategy.forgets else self.max_context
 
-    def _forward(self, kv: SessionKV, ids: Sequence[int], logits: str, keep: Callable[[torch.Tensor], int] | None = None):
-        """Run ids at the next positions and commit `keep(logits)` of them (all by default).
-
-        Returns (logits, n_committed, positions dropped from attention)."""
-        start = kv.cache.next_position
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.model.device)
-        pos = torch.arange(start, start + len(ids), device=self.model.device)
-        with self._step_lock:
-            try:
-                out, hidden = self.model.forward(ids_t, pos, kv.cache, logits=logits)
-                n = len(ids) if keep is None else keep(out)
-            except BaseException:
-                kv.cache.abort()
-                raise
-            dropped = kv.cache.commit(n)
-        kv.remember_hidden(hidden, n)
-        return out, n, dropped
-
     def prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
         """Run pending tokens in chunks; returns (positions dropped from attention, completed)."""
         dropped = 0
         for i in range(0, len(pending), self.prefill_chunk):
             if should_stop():
                 return dropped, False
-            logits, _, d = self._forward(kv, pending[i : i + self.prefill_chunk], "last")
-            kv.last_logits = logits[-1].cpu()  # sampling runs on the host (seeded CPU generator)
-            dropped += d
+            with self._step_lock:
+                dropped += steps.prefill_chunk(self.model, kv, pending[i : i + self.prefill_chunk]).dropped
         return dropped, True
 
     def _draft(self, kv: SessionKV, context: list, k: int) -> list:
@@ -207,27 +154,24 @@ class Engine:
             if limit is not None and position >= limit:
                 reason = "context_full"
                 break
-            # Feed `token` plus a drafted block; keep what the verifier accepts.
+            # Feed `token` (plus a drafted block); keep what the verifier accepts.
             if self.drafter is not None:
                 context = (context + out)[-self.drafter.context_window :]
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None else []
-            step = {}
-
-            def keep(logits):
-                acc, nxt = verify_block(drafts, logits.cpu(), params.sampling, gen)
-                emitted = acc + [nxt]
-                cut = min(budget, next((i + 1 for i, t in enumerate(emitted) if t in params.eos_token_ids), len(emitted)))
-                step.update(emitted=emitted[:cut], n_acc=len(acc))
-                return cut  # token + the emitted tokens that are fed (all but the last)
-
-            logits, kept, d = self._forward(kv, [token] + drafts, "all" if drafts else "last", keep)
-            kv.last_logits = logits[kept - 1].cpu()
-            decode_dropped += d
-            drafted += len(drafts)
-            accepted += step["n_acc"]
-            out = step["emitted"]
+            with self._step_lock:
+                if drafts:
+                    step = steps.verify_block(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
+                                        eos_token_ids=params.eos_token_ids)
+                else:
+                    step = steps.decode_step(self.model, kv, token)
+            if drafts:
+                out = list(step.emitted)
+                drafted, accepted = drafted + len(drafts), accepted + step.accepted
+            else:
+                out = [sample(kv.last_logits, params.sampling, gen)]
+            decode_dropped += step.dropped
         if not completed:
             reason = "cancelled"
         if decode_dropped:

@@ -19,7 +19,7 @@ import torch
 from inference_engine.engine.sampling import SamplingParams, target_distribution
 
 
-def verify_block(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[list, int]:
+def accept_drafts(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[list, int]:
     """logits: (len(drafts) + 1, V), row i scores the position of drafts[i] (row -1: bonus).
 
     Returns (accepted drafts, next token drawn from the verifier).

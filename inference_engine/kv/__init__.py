@@ -1,0 +1,1 @@
+"""Per-session resident KV caches (one module per strategy), their stores and compressors."""

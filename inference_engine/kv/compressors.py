@@ -27,9 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from inference_engine.kv.compressor_lattice_codes import LatticeCodePacker
-
-COMPRESSOR_NAMES = ("identity", "kakeya_d4", "kakeya_e8")
-MAX_Q_RANGE = 1000  # above ~1024 fp16 rounding of qmax can push a coordinate past Q + 0.5
+from inference_engine.kv.compressor_names import COMPRESSOR_NAMES, MAX_Q_RANGE
 _MIN_GEMM_ROWS = 16  # see KakeyaLatticeCompressor._rotate
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -179,6 +177,18 @@ class SlotCompressor:
         self._in_use = self._in_use.new_zeros(capacity)
         self._in_use[: keep.numel()] = True
         self.capacity = capacity
+
+    @property
+    def payload_names(self) -> tuple:
+        return self._payload_names
+
+    def load_payload(self, payload: dict, in_use) -> None:
+        """Adopt stored payload tensors (as `getattr(self, name)` held them) and the occupancy
+        mask `in_use` (capacity,) bool: the inverse of reading the payload for persistence."""
+        for name in self._payload_names:
+            setattr(self, name, payload[name].to(self.device).contiguous())
+        self._in_use = torch.as_tensor(in_use, dtype=torch.bool).to(self.device)
+        self.capacity = int(self._in_use.numel())
 
     # -- subclass hooks --
     _payload_names: tuple = ()  # attributes holding (2, Hkv, capacity, ...) payload tensors

@@ -46,12 +46,6 @@ class RestoreSource(Protocol):
         ...
 
 
-# "verifier": same-model (the backend's own VerifierRestoreSource, f_θ = identity);
-# "drafter": cross-model, the shipped dLM drafter + its learned f_θ (kv_cache_proposer/restore.py),
-# built by the server and handed to the cache as its restore_source.
-RESTORE_FROM = ("verifier", "drafter")
-
-
 class HeldRestore:
     """Restored K/V kept across steps: the `dlm_restore` refresh option (`restore_refresh` N > 1).
 

@@ -1,40 +1,107 @@
-"""Slot storage behind a resident cache: where the K/V rows of resident positions live.
+"""Slot storage behind a resident cache: the only owner of K/V bytes and of slot occupancy.
 
-A cache decides which slot each position occupies and who attends to whom; a store only
-holds rows per (layer, slot). Two stores speak the same small protocol:
+A store maps slots to positions (`pos`, host numpy, -1 = empty) and holds rows per
+(layer, slot); the cache decides which slot each position takes and who attends to whom.
 
   SlabStore        per-layer (Hkv, capacity, D) slabs in the model dtype; reads are views of
                    a slab prefix, so the uncompressed path copies nothing.
   CompressedStore  one KVCompressor per layer (compressors.py): rows are stored as packed
                    lattice codes and decompressed on every read.
 
-Reads of a CompressedStore return what its compressor stores, so a token's K/V read back is
-the same whether it was written alone or in a chunk (the codes are per vector).
+`state()` returns the slot map and the stored bytes (codes, not decoded values, for a
+compressed store), so `load_state` rebuilds a store that reads back bit for bit.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from inference_engine.kv.compressors import COMPRESSOR_NAMES, CompressorInputError, make_compressor
+from inference_engine.kv.compressor_names import COMPRESSOR_NAMES
+from inference_engine.kv.compressors import CompressorInputError, make_compressor
 
 
-class SlabStore:
-    """Uncompressed rows; `fetch` returns views of the first n slots of each slab."""
+class SlotStore:
+    """Occupancy shared by every store: `pos[slot]` is the position a slot holds, or -1."""
 
     compressor = "identity"
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+    def __init__(self, capacity: int, device):
         self.capacity = capacity
+        self.device = torch.device(device)
+        self.pos = np.full(capacity, -1, dtype=np.int64)
+
+    # -- occupancy (host only) ----------------------------------------------------------
+    @property
+    def resident(self) -> int:
+        return int((self.pos >= 0).sum())
+
+    def occupied(self) -> np.ndarray:
+        return np.flatnonzero(self.pos >= 0)
+
+    def free_slots(self, t: int) -> np.ndarray:
+        return np.flatnonzero(self.pos < 0)[:t]
+
+    def occupy(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        self.pos[slots] = positions
+
+    def release(self, slots: np.ndarray) -> None:
+        self.pos[slots] = -1
+
+    def slots_tensor(self, slots: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(slots)).to(self.device)
+
+    def key_slots(self, n: int) -> np.ndarray | None:
+        """Slots a step reads: None = the prefix 0..n-1, empty slots included (masked)."""
+        return None
+
+    def resize(self, capacity: int) -> None:
+        """Grow to `capacity` slots, or shrink by moving the resident rows to the front (in slot order)."""
+        if capacity > self.capacity:
+            self._grow(capacity)
+            self.pos = np.concatenate([self.pos, np.full(capacity - self.capacity, -1, dtype=np.int64)])
+        else:
+            live = self.occupied()
+            self._compact(self.slots_tensor(live), capacity)
+            pos = np.full(capacity, -1, dtype=np.int64)
+            pos[: live.size] = self.pos[live]
+            self.pos = pos
+        self.capacity = capacity
+
+    # -- persistence ----------------------------------------------------------------------
+    def state(self) -> dict:
+        """Tensors (CPU) that rebuild this store exactly: the slot map and the stored payload."""
+        return {"pos": torch.from_numpy(self.pos.copy())} | {k: v.detach().to("cpu").clone() for k, v in self._payload().items()}
+
+    def load_state(self, state: dict) -> None:
+        self.pos = state["pos"].numpy().astype(np.int64).copy()
+        self.capacity = int(self.pos.size)
+        self._load_payload({k: v for k, v in state.items() if k != "pos"})
+
+    # -- rows (subclasses) ----------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _compact(self, keep: torch.Tensor, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _payload(self) -> dict:
+        raise NotImplementedError
+
+    def _load_payload(self, payload: dict) -> None:
+        raise NotImplementedError
+
+
+class SlabStore(SlotStore):
+    """Uncompressed rows; `fetch` returns views of the first n slots of each slab."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        super().__init__(capacity, device)
         self.k = [torch.zeros(num_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(1, slots, k)
         self.v[layer].index_copy_(1, slots, v)
-
-    def key_slots(self, pos: torch.Tensor) -> None:
-        """Slots a step reads: None = the whole prefix `pos` covers, empty slots included (masked)."""
-        return None
 
     def fetch(self, layer: int, n: int, slots: torch.Tensor | None):
         return self.k[layer][:, :n], self.v[layer][:, :n]
@@ -43,19 +110,12 @@ class SlabStore:
         """(k, v) rows at `slots`, each (Hkv, len(slots), D)."""
         return self.k[layer][:, slots], self.v[layer][:, slots]
 
-    def evict(self, slots: torch.Tensor) -> None:
-        pass  # a freed slab row is simply overwritten later
-
-    def grow(self, capacity: int) -> None:
+    def _grow(self, capacity: int) -> None:
         extra = capacity - self.capacity
-        if extra <= 0:
-            return
         self.k = [torch.cat([x, x.new_zeros(x.shape[0], extra, x.shape[2])], 1) for x in self.k]
         self.v = [torch.cat([x, x.new_zeros(x.shape[0], extra, x.shape[2])], 1) for x in self.v]
-        self.capacity = capacity
 
-    def compact(self, keep: torch.Tensor, capacity: int) -> None:
-        """Move the rows of slots `keep` to slots 0..len(keep)-1 of `capacity`-slot slabs."""
+    def _compact(self, keep: torch.Tensor, capacity: int) -> None:
         def moved(x):
             y = x.new_zeros(x.shape[0], capacity, x.shape[2])
             y[:, : keep.numel()] = x.index_select(1, keep)
@@ -63,21 +123,28 @@ class SlabStore:
 
         self.k = [moved(x) for x in self.k]
         self.v = [moved(x) for x in self.v]
-        self.capacity = capacity
+
+    def _payload(self) -> dict:
+        return {"k": torch.stack(self.k), "v": torch.stack(self.v)}  # (L, Hkv, capacity, D)
+
+    def _load_payload(self, payload: dict) -> None:
+        dev, dtype = self.k[0].device, self.k[0].dtype
+        self.k = [t.to(dev, dtype).contiguous() for t in payload["k"].unbind(0)]
+        self.v = [t.to(dev, dtype).contiguous() for t in payload["v"].unbind(0)]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
-class CompressedStore:
+class CompressedStore(SlotStore):
     """Rows held by one KVCompressor per layer; reads decompress only the slots asked for."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device,
                  *, compressor: str, q_range: int):
+        super().__init__(capacity, device)
         self.compressor = compressor
         self.q_range = q_range
-        self.capacity = capacity
         self.dtype = dtype
         self.layers = [
             make_compressor(compressor, q_range=q_range, head_dim=head_dim, num_kv_heads=num_kv_heads,
@@ -86,12 +153,18 @@ class CompressedStore:
         ]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # The cache owns slot bookkeeping: the unchecked paths skip per-layer host syncs.
         self.layers[layer].write_rows(k, v, slots)
 
-    def key_slots(self, pos: torch.Tensor) -> torch.Tensor:
+    def release(self, slots: np.ndarray) -> None:
+        super().release(slots)
+        if slots.size:
+            t = self.slots_tensor(slots)
+            for c in self.layers:
+                c.free_rows(t)
+
+    def key_slots(self, n: int) -> np.ndarray:
         # Only occupied slots are decoded: decoding is the per-step cost of compression.
-        return torch.nonzero(pos >= 0).flatten()
+        return self.occupied()
 
     def fetch(self, layer: int, n: int, slots: torch.Tensor):
         return self.read(layer, slots)
@@ -102,22 +175,23 @@ class CompressedStore:
             k, v = k.to(self.dtype), v.to(self.dtype)
         return k, v
 
-    def evict(self, slots: torch.Tensor) -> None:
-        if slots.numel():
-            for c in self.layers:
-                c.free_rows(slots)
-
-    def grow(self, capacity: int) -> None:
-        if capacity <= self.capacity:
-            return
+    def _grow(self, capacity: int) -> None:
         for c in self.layers:
             c.ensure_capacity(capacity)
-        self.capacity = capacity
 
-    def compact(self, keep: torch.Tensor, capacity: int) -> None:
+    def _compact(self, keep: torch.Tensor, capacity: int) -> None:
         for c in self.layers:
             c.compact(keep, capacity)  # moves packed bytes: codes are not re-encoded
-        self.capacity = capacity
+
+    def _payload(self) -> dict:
+        out = {}
+        for name in self.layers[0].payload_names:
+            out[name] = torch.stack([getattr(c, name) for c in self.layers])
+        return out
+
+    def _load_payload(self, payload: dict) -> None:
+        for i, c in enumerate(self.layers):
+            c.load_payload({name: t[i] for name, t in payload.items()}, self.pos >= 0)
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +199,7 @@ class CompressedStore:
 
 
 def make_store(compressor: str, q_range: int, *, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-               dtype, device):
+               dtype, device) -> SlotStore:
     if compressor == "identity":
         return SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device)
     if compressor not in COMPRESSOR_NAMES:

@@ -85,7 +85,7 @@ def verifier_kv(model, ids: torch.Tensor) -> torch.Tensor:
     """The verifier's pre-norm, pre-RoPE K and V at every position of `ids`: (L, n, 2 * Hkv * D).
 
     Reuses the backend's same-model restore step (the verifier run causally without a cache)."""
-    from inference_engine.backends.torch.model import VerifierRestoreSource
+    from inference_engine.backends.torch.verifier_restore import VerifierRestoreSource
 
     n = ids.numel()
     step = VerifierRestoreSource(model).open_step(ids, torch.arange(n))
@@ -110,22 +110,21 @@ def tail_logits(model, ids: torch.Tensor, prefix_kv: list[tuple[torch.Tensor, to
         raise ValueError("tail_logits supports global-attention models only")
     n = ids.numel()
     t = n - tail_start
-    x = model._embed(ids[tail_start:])
-    ropes = model._rope_tables(torch.arange(n), x)
+    x = model.embed_ids(ids[tail_start:])
+    rope = model.rope(torch.arange(n))
+    tail_rope = rope.select(slice(tail_start, n))
     qp = torch.arange(tail_start, n)[:, None]
     mask = torch.arange(n)[None, :] <= qp  # (t, n) causal
     if prefix_keep is not None:
         mask = mask & torch.cat([prefix_keep.to(torch.bool), torch.ones(t, dtype=torch.bool)])[None, :]
-    for i, L in enumerate(model.layers):
-        q, k, v = model._project(L, model._rms(x, L.ln_in))
-        cos, sin = ropes[s.layer_rope[i]]
+    for i in range(s.num_layers):
+        q, k, v = model.project(i, x)
         kp, vp = prefix_kv[i]
-        k_all = model._position_keys(L, torch.cat([kp.to(k.dtype), k], 1), cos, sin)
+        k_all = model.position_k(i, torch.cat([kp.to(k.dtype), k], 1), rope)
         v_all = torch.cat([vp.to(v.dtype), v], 1)
-        q = model._rotate(model._rms(q, L.q_norm) if s.qk_norm else q, cos[:, tail_start:], sin[:, tail_start:])
-        o = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=mask, scale=s.attn_scale, enable_gqa=True)[0]
-        x = model._finish_layer(L, x, o.transpose(0, 1).reshape(t, -1))
-    return F.linear(model._rms(x, model.final_norm), model.lm_head).float()
+        q, _ = model.position_q(i, q, tail_rope)
+        x = model.finish(i, x, model.attend(i, q, k_all, v_all, mask))
+    return model.logits(model.final_norm(x))
 
 
 def split_kv(flat: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

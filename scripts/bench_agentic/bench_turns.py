@@ -71,7 +71,7 @@ def main() -> int:
     import kakeya
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.engine.generate import Engine
-    from inference_engine.kv.resident import KVStrategy
+    from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
     from inference_engine.server.app import ServeConfig, start
     from inference_engine.server.runtime import Runtime

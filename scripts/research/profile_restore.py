@@ -120,7 +120,9 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from inference_engine.backends.torch.model import TorchCausalLM
-    from inference_engine.kv.resident import KVStrategy, make_cache
+    from inference_engine.engine.steps import forward
+    from inference_engine.kv.factory import make_cache
+    from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
 
     torch.set_num_threads(args.threads)
@@ -160,7 +162,7 @@ def main() -> int:
             t0 = time.perf_counter()
             for i in range(0, n_hist, args.prefill_chunk):
                 part = torch.tensor(history[i : i + args.prefill_chunk], device=model.device)
-                logits, _ = model.forward(part, torch.arange(i, i + part.numel(), device=model.device), cache, logits="last")
+                logits, _ = forward(model, part, torch.arange(i, i + part.numel(), device=model.device), cache, logits="last")
                 cache.commit()
             sync()
             prefill_s = time.perf_counter() - t0
@@ -172,7 +174,7 @@ def main() -> int:
                     sync()
                     t0, c0 = time.perf_counter(), time.thread_time()
                     p = cache.next_position
-                    logits, _ = model.forward(torch.tensor([token], device=model.device), torch.tensor([p], device=model.device),
+                    logits, _ = forward(model, torch.tensor([token], device=model.device), torch.tensor([p], device=model.device),
                                               cache, logits="last")
                     cache.commit()
                     sync()

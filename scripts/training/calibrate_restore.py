@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
+from inference_engine.backends.torch.verifier_restore import causal_layer_output  # noqa: E402
 from kv_cache_proposer import load_drafter, resolve_checkpoint  # noqa: E402
 from kv_cache_proposer.restore import DrafterRestoreSource, load_projection, save_calibration  # noqa: E402
 from kv_cache_proposer.training import corpus as corpus_mod  # noqa: E402
@@ -83,16 +83,17 @@ class Measure:
         win = torch.cat([torch.arange(self.sink), torch.arange(n - self.window + 1, n)])
         g = s.num_heads // s.num_kv_heads
         step = self.source.open_step(hist, ev)
-        x = m._embed(hist)
-        cos, sin = m._rope_tables(torch.arange(n), x)["default"]
+        x = m.embed_ids(hist)
+        rope = m.rope(torch.arange(n))
+        ev_rope = rope.select(ev)
         shift, share = [], []
         try:
-            for i, L in enumerate(m.layers):
-                q, k, v = m._project(L, m._rms(x, L.ln_in))
+            for i in range(s.num_layers):
+                q_raw, k_raw, v = m.project(i, x)
                 k_hat, _ = step.kv_for_layer(i)
-                q = m._rotate(q, cos, sin)
-                k = m._rotate(k, cos, sin)
-                k_hat = m._rotate(k_hat, cos[:, ev], sin[:, ev])
+                q, _ = m.position_q(i, q_raw, rope)
+                k = m.position_k(i, k_raw, rope)
+                k_hat = m.position_k(i, k_hat, ev_rope)
                 qw = q[:, n - self.window:]  # (H, W, D): the resident window's queries
 
                 def logits(keys):
@@ -108,9 +109,7 @@ class Measure:
                         total = torch.logsumexp(torch.cat([resident, filler, true_ev[..., at]], -1), -1)
                         row.append((torch.logsumexp(true_ev[..., at], -1) - total).exp().mean(-1))
                     share.append(torch.stack(row, -1))  # (H, 3)
-                o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=s.attn_scale,
-                                                   enable_gqa=True)[0]
-                x = m._finish_layer(L, x, o.transpose(0, 1).reshape(n, -1))
+                x = causal_layer_output(m, i, x, q_raw, k_raw, v, rope)
         finally:
             step.close()
         out = {"shift": torch.stack(shift)}  # (L, H)

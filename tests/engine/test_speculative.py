@@ -3,13 +3,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import inference_engine.engine.generate as generate_mod
+import inference_engine.engine.steps as steps_mod
 from drafters import HashDrafter, SelfDrafter
 from factories import load_model, tiny_model_dir
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.engine.sampling import SamplingParams, target_distribution
-from inference_engine.kv.resident import KVStrategy
+from inference_engine.kv.strategy import KVStrategy
+from inference_engine.engine.steps import forward
 
 
 def tokens(engine, history, n, sampling=SamplingParams()):
@@ -89,10 +90,10 @@ TEMP = SamplingParams(temperature=1.5)
 def exact_marginals(model, history):
     """P(token at generated step 2) and P(step 3) by enumerating the verifier's tree."""
     def dist(ids):
-        from inference_engine.kv.resident import make_cache
+        from inference_engine.kv.factory import make_cache
 
         cache = make_cache(KVStrategy("full"), model.geometry(), max_step=64, max_context=model.spec.max_context)
-        logits, _ = model.forward(torch.tensor(ids), torch.arange(len(ids)), cache, logits="last")
+        logits, _ = forward(model, torch.tensor(ids), torch.arange(len(ids)), cache, logits="last")
         return target_distribution(logits[-1], TEMP).double()
 
     p1 = dist(history)
@@ -148,7 +149,7 @@ def test_speculative_sampling_matches_verifier_distribution(small_vocab_setup):
 
 def test_the_exactness_check_catches_a_broken_acceptance_rule(small_vocab_setup, monkeypatch):
     model, history, (p2, p3) = small_vocab_setup
-    monkeypatch.setattr(generate_mod, "verify_block", always_accept)
+    monkeypatch.setattr(steps_mod, "accept_drafts", always_accept)
     engine = Engine(model, KVStrategy("full"), drafter=HashDrafter(VOCAB), spec_k=2)
     c2, c3 = empirical(engine, history, 2000)
     assert min(chi2_pvalue(c2, p2), chi2_pvalue(c3, p3)) < 1e-6

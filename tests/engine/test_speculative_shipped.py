@@ -6,7 +6,7 @@ import pytest
 from factories import load_model, require_smollm2
 from inference_engine.engine.events import GenerationDone, TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
-from inference_engine.kv.resident import KVStrategy
+from inference_engine.kv.strategy import KVStrategy
 
 pytestmark = pytest.mark.model
 

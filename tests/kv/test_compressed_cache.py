@@ -9,8 +9,11 @@ import torch
 
 from factories import load_model, require_smollm2, tiny_model_dir
 from inference_engine.kv.compressors import KakeyaLatticeUnavailable, bf16_reference_bytes, make_compressor
-from inference_engine.kv.resident import CacheGeometry, KVStrategy, make_cache
+from inference_engine.kv.factory import make_cache
+from inference_engine.kv.layout import CacheGeometry
+from inference_engine.kv.strategy import KVStrategy
 from inference_engine.kv.stores import CompressedStore, SlabStore
+from inference_engine.engine.steps import forward
 
 pytest.importorskip("kakeyalattice")
 
@@ -133,7 +136,7 @@ def test_model_logits_close_to_uncompressed(arch, compressor):
     out = {}
     for c in ("identity", compressor):
         cache = make_cache(strategy("full", c), m.geometry(), max_step=32, max_context=m.spec.max_context)
-        logits, _ = m.forward(history, torch.arange(80), cache)
+        logits, _ = forward(m, history, torch.arange(80), cache)
         cache.commit()
         out[c] = logits
     agree = (out["identity"].argmax(-1) == out[compressor].argmax(-1)).float().mean().item()
@@ -149,7 +152,7 @@ def test_dlm_restore_with_a_compressed_resident_cache_runs_close_to_full():
         cache = make_cache(st, m.geometry(), max_step=32, max_context=m.spec.max_context)
         logits = []
         for i in range(0, 90, 30):
-            lg, _ = m.forward(history[i : i + 30], torch.arange(i, i + 30), cache)
+            lg, _ = forward(m, history[i : i + 30], torch.arange(i, i + 30), cache)
             cache.commit()
             logits.append(lg)
         out[name] = torch.cat(logits)
@@ -194,7 +197,7 @@ def test_smollm2_greedy_close_to_uncompressed(compressor):
            if isinstance(e, TokenGenerated)]
     ids = torch.tensor(prompt + ref)
     cache = make_cache(strategy("full", compressor), m.geometry(), max_step=256, max_context=m.spec.max_context)
-    logits, _ = m.forward(ids, torch.arange(len(ids)), cache)
+    logits, _ = forward(m, ids, torch.arange(len(ids)), cache)
     cache.commit()
     pred = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
     agree = sum(a == b for a, b in zip(pred, ref))
@@ -224,8 +227,8 @@ def test_full_cache_grows_inside_a_forward_and_rolls_back_outside_it():
     m = load_model(str(tiny_model_dir("llama")))
     cache = make_cache(KVStrategy("full"), m.geometry(), max_step=64, max_context=m.spec.max_context)
     ids = torch.randint(3, 256, (262,), generator=torch.Generator().manual_seed(0))
-    m.forward(ids[:250], torch.arange(250), cache)
+    forward(m, ids[:250], torch.arange(250), cache)
     cache.commit()
-    m.forward(ids[250:], torch.arange(250, 262), cache)  # grows past the initial 256 slots
+    forward(m, ids[250:], torch.arange(250, 262), cache)  # grows past the initial 256 slots
     cache.commit(3)  # rollback writes cache tensors outside the model's inference mode
     assert cache.next_position == 253 and cache.resident_positions == 253

@@ -5,7 +5,9 @@ from transformers import AutoModelForCausalLM
 
 from factories import load_model, tiny_model_dir
 from inference_engine.errors import CacheInvariantError
-from inference_engine.kv.resident import KVStrategy, make_cache
+from inference_engine.kv.factory import make_cache
+from inference_engine.kv.strategy import KVStrategy
+from inference_engine.engine.steps import forward
 
 
 def model(arch="llama", **kw):
@@ -18,7 +20,7 @@ def feed(m, cache, ids, chunk):
     for i in range(0, len(ids), chunk):
         part = torch.tensor(ids[i : i + chunk])
         pos = torch.arange(cache.next_position, cache.next_position + len(part))
-        logits, _ = m.forward(part, pos, cache)
+        logits, _ = forward(m, part, pos, cache)
         cache.commit()
         out.append(logits)
     return torch.cat(out)
@@ -78,7 +80,7 @@ def test_rollback_is_exact(strategy):
     feed(m, a, history, 16)
     # a speculative-style step of 6 tokens of which only 2 are kept
     pos = torch.arange(a.next_position, a.next_position + 6)
-    m.forward(torch.tensor(extra), pos, a)
+    forward(m, torch.tensor(extra), pos, a)
     a.commit(2)
     b = new_cache(m, strategy)
     feed(m, b, history + extra[:2], 16)

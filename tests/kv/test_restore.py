@@ -15,8 +15,11 @@ from drafters import HashDrafter, SelfDrafter
 from factories import load_model, require_smollm2, tiny_model_dir
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
-from inference_engine.kv.resident import DLMRestoreCache, KVStrategy, make_cache
+from inference_engine.kv.dlm_restore import DLMRestoreCache
+from inference_engine.kv.factory import make_cache
+from inference_engine.kv.strategy import KVStrategy
 from inference_engine.kv.restore import RestoreSource, RestoreStep
+from inference_engine.engine.steps import forward
 
 ARCHS = ["llama", "qwen3", "gemma3"]  # gemma3: a local layer (window 16) and a global one
 SINK, WINDOW = 4, 12
@@ -35,7 +38,7 @@ def feed(m, cache, ids, chunk, restored=None):
     for i in range(0, len(ids), chunk):
         part = torch.tensor(ids[i : i + chunk])
         pos = torch.arange(cache.next_position, cache.next_position + len(part))
-        logits, _ = m.forward(part, pos, cache, restored=restored)
+        logits, _ = forward(m, part, pos, cache, restored=restored)
         cache.commit()
         out.append(logits)
     return torch.cat(out)
@@ -108,7 +111,7 @@ def test_speculative_rollback_is_exact():
     history, extra, tail = ids(40), ids(6, seed=1), ids(5, seed=2)
     a = new_cache(m, strategy)
     feed(m, a, history, 16)
-    m.forward(torch.tensor(extra), torch.arange(a.next_position, a.next_position + 6), a)
+    forward(m, torch.tensor(extra), torch.arange(a.next_position, a.next_position + 6), a)
     a.commit(2)  # a verify step of which 2 tokens are kept
     b = new_cache(m, strategy)
     feed(m, b, history + extra[:2], 16)
@@ -190,7 +193,7 @@ def test_history_stops_at_the_trained_context():
     feed(m, cache, ids(64), 16)
     resident = cache.resident_positions
     with pytest.raises(ValueError, match="trained context"):
-        m.forward(torch.tensor([5]), torch.tensor([64]), cache)
+        forward(m, torch.tensor([5]), torch.tensor([64]), cache)
     cache.abort()
     assert (cache.next_position, cache.resident_positions) == (64, resident)
     cache.check_inv1()
@@ -292,7 +295,7 @@ def test_refresh_rolled_back_step_is_not_adopted():
     a = new_cache(m, strategy)
     feed(m, a, ids(40), 40)  # one step: nothing evicted yet, nothing held
     assert a.held_nbytes == 0
-    m.forward(torch.tensor(ids(6, seed=1)), torch.arange(40, 46), a)  # a refresh step (27 evicted positions)
+    forward(m, torch.tensor(ids(6, seed=1)), torch.arange(40, 46), a)  # a refresh step (27 evicted positions)
     a.commit(2)
     assert a.held_nbytes == 0  # not adopted: the next step refreshes again
     tail = ids(5, seed=2)
@@ -436,20 +439,20 @@ def test_logit_bias_equals_attention_with_offset_logits():
                       restore_source=BiasedSource(m.verifier_restore_source(), bias))
     feed(m, cache, history[:-1], n - 1)
     got = feed(m, cache, history[-1:], 1)[-1]
-    x = m._embed(torch.tensor(history))
-    cos, sin = m._rope_tables(torch.arange(n), x)["default"]
+    x = m.embed_ids(torch.tensor(history))
+    rope = m.rope(torch.arange(n))
     g = s.num_heads // s.num_kv_heads
     kp = torch.arange(n)
     restored = (kp >= SINK) & (kp <= n - 1 - WINDOW)  # out of the last query's window
     causal = kp[None, :] <= kp[:, None]
     with torch.inference_mode():
-        for i, L in enumerate(m.layers):
-            q, k, v = m._project(L, m._rms(x, L.ln_in))
-            q, k = m._rotate(q, cos, sin), m._rotate(k, cos, sin)
+        for i in range(s.num_layers):
+            q, k, v = m.project(i, x)
+            q, k = m.position_q(i, q, rope)[0], m.position_k(i, k, rope)
             scores = (q @ k.repeat_interleave(g, 0).transpose(1, 2)) * s.attn_scale  # (H, n, n)
             scores[:, -1] += torch.where(restored, bias[i][:, None], torch.zeros(()))  # the decode step's row only
             o = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v.repeat_interleave(g, 0)
-            x = m._finish_layer(L, x, o.transpose(0, 1).reshape(n, -1))
-        want = torch.nn.functional.linear(m._rms(x, m.final_norm)[-1], m.lm_head).float()
+            x = m.finish(i, x, o)
+        want = m.logits(m.final_norm(x)[-1:])[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got, feed(m, new_cache(m, KVStrategy("full")), history, n)[-1], atol=1e-3)

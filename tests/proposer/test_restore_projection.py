@@ -14,7 +14,8 @@ from proposer_factories import tiny_drafter, tiny_verifier
 from factories import load_model, require_smollm2
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
-from inference_engine.kv.resident import KVStrategy
+from inference_engine.kv.strategy import KVStrategy
+from inference_engine.engine.steps import forward
 from kv_cache_proposer import CHECKPOINTS_DIR, save_drafter
 from kv_cache_proposer.restore import (
     CALIBRATION_FILE,
@@ -164,10 +165,10 @@ def test_tail_logits_with_true_kv_equal_the_full_forward():
     s = m.spec
     prefix = [rd.split_kv(kv[layer, :30], s.num_kv_heads, s.head_dim) for layer in range(s.num_layers)]
     got = rd.tail_logits(m, x, prefix, 30)
-    from inference_engine.kv.resident import make_cache
+    from inference_engine.kv.factory import make_cache
 
     cache = make_cache(KVStrategy("full"), m.geometry(), max_step=64, max_context=s.max_context)
-    ref, _ = m.forward(x, torch.arange(40), cache)
+    ref, _ = forward(m, x, torch.arange(40), cache)
     torch.testing.assert_close(got, ref[30:], rtol=1e-4, atol=1e-4)
 
 

@@ -1,0 +1,64 @@
+"""SessionKV: a session's engine-side state, as the session layer holds it (opaquely)."""
+from __future__ import annotations
+
+import torch
+
+from inference_engine.kv.slot_cache import CacheState, SlotKVCache
+
+
+class SessionKV:
+    """The resident cache, the logits after the last committed token, and the verifier hidden
+    states of the most recent positions (drafter features)."""
+
+    def __init__(self, cache, hidden_keep: int = 0):
+        self.cache = cache
+        self.last_logits: torch.Tensor | None = None  # (V,) float32, host
+        self.hidden_keep = hidden_keep
+        self.recent_hidden: torch.Tensor | None = None  # (<= hidden_keep, H), ends at next_position
+
+    def remember_hidden(self, hidden: torch.Tensor, n_committed: int) -> None:
+        if not self.hidden_keep:
+            return
+        h = hidden[:n_committed]
+        if self.recent_hidden is not None:
+            h = torch.cat([self.recent_hidden, h])
+        self.recent_hidden = h[-self.hidden_keep :].clone()
+
+    @property
+    def next_position(self) -> int:
+        return self.cache.next_position
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def resident_positions(self) -> int:
+        return self.cache.resident_positions
+
+    @property
+    def dropped_total(self) -> int:
+        return self.cache.dropped_total
+
+    # -- persistence ----------------------------------------------------------------------
+    def state(self) -> CacheState:
+        st = self.cache.state()
+        tensors, meta = dict(st.tensors), dict(st.meta)
+        if self.last_logits is not None:
+            tensors["session.last_logits"] = self.last_logits.cpu()
+        if self.recent_hidden is not None:
+            tensors["session.recent_hidden"] = self.recent_hidden.cpu()
+        meta["session.hidden_keep"] = self.hidden_keep
+        return CacheState(tensors, meta)
+
+    @classmethod
+    def from_state(cls, state: CacheState, geometry, *, max_step: int, max_context: int, restore_source=None,
+                   hidden_keep: int | None = None) -> "SessionKV":
+        cache = SlotKVCache.from_state(state, geometry, max_step=max_step, max_context=max_context,
+                                       restore_source=restore_source)
+        keep = state.meta["session.hidden_keep"] if hidden_keep is None else hidden_keep
+        kv = cls(cache, hidden_keep=keep)
+        kv.last_logits = state.tensors.get("session.last_logits")
+        h = state.tensors.get("session.recent_hidden")
+        kv.recent_hidden = h.to(geometry.device) if h is not None and keep else None
+        return kv

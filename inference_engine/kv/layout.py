@@ -1,0 +1,66 @@
+"""What one forward step needs from a resident cache: where the new tokens go and who sees whom.
+
+The cache builds these from host-side bookkeeping (numpy / Python ints); the tensors here are
+the only things the device sees per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_windows: tuple  # per layer: model sliding window or None
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class SinkShift:
+    from_position: int  # queries at or past this position use the virtual query position for sink keys
+    sink: int  # keys at positions < sink are the sink
+    virtual_query_position: int
+
+
+@dataclass
+class RestorePlan:
+    """Evicted positions a dlm_restore step attends to besides the resident keys."""
+
+    history: torch.Tensor  # (n,) token ids of positions 0 .. last position of the step
+    positions: torch.Tensor  # (E,) evicted positions, ascending
+    masks: dict  # layer window -> (T, E) bool
+    held: object | None = None  # HeldRestore to replay instead of running the proposer
+    record: object | None = None  # HeldRestore that keeps what the proposer returns
+
+    def open_step(self, source):
+        """The RestoreStep for this plan: a replay of held K/V, or `source`'s (recorded if asked)."""
+        if self.held is not None:
+            return self.held.replay()
+        step = source.open_step(self.history, self.positions)
+        return self.record.recording(step) if self.record is not None else step
+
+
+@dataclass
+class AttentionLayout:
+    positions: torch.Tensor  # (T,) positions of the new tokens
+    first_position: int
+    slots: torch.Tensor  # (T,) cache slots they are written to
+    key_positions: torch.Tensor  # (N,) position of each key update_and_fetch returns, -1 = empty
+    masks: dict  # layer window (int | None) -> (T, N) bool, True = attend
+    # Past the trained context, sink keys are scored as if the query stood at a fixed
+    # virtual position (see SinkWindowCache); None = never.
+    sink_shift: SinkShift | None = None
+    key_slots: torch.Tensor | None = None  # (N,) slots the keys come from; None = slots 0..N-1
+    restore: RestorePlan | None = None  # dlm_restore: evicted positions to restore this step
+
+    @property
+    def last_position(self) -> int:
+        return self.first_position + self.positions.numel() - 1
+
+    @property
+    def sink_shift_active(self) -> bool:
+        return self.sink_shift is not None and self.last_position >= self.sink_shift.from_position

@@ -1,0 +1,275 @@
+"""SlotKVCache: the protocol every resident cache speaks, and the slot machinery they share.
+
+A forward step over T new tokens is three calls:
+
+    layout = cache.prepare(positions, ids)               # pick slots, build attention masks
+    k_all, v_all = cache.update_and_fetch(layer, k, v)   # once per layer
+    cache.commit(n_keep)                                 # keep the first n_keep, roll back the rest
+
+(`abort()` drops a step whose forward failed.) Tokens written during a step are provisional
+until `commit`, which makes speculative rollback exact: slots of positions that left the
+window are only reused after a commit, so a rejected verify step leaves the state intact.
+
+Bookkeeping (positions, slots, row counts) is host-side: numpy arrays and Python ints owned
+by the store; the device sees the step's slot index, key positions and masks.
+
+`state()` -> CacheState and `SlotKVCache.from_state(state, ...)` round-trip a cache exactly:
+the store's bytes (codes for a compressed store), the slot map, counters and the strategy's
+own state, so a continued session is token-identical to one that never left memory.
+
+Invariants (ADR 0008 §2.8) are checked at every mutation and raise `CacheInvariantError`:
+INV-1 every layer holds exactly as many K/V rows as there are resident positions;
+INV-2 positions are appended contiguously and never go backwards.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from inference_engine.errors import CacheInvariantError
+from inference_engine.kv.layout import AttentionLayout, CacheGeometry, RestorePlan, SinkShift
+from inference_engine.kv.stores import make_store
+from inference_engine.kv.strategy import KVStrategy
+
+STATE_FORMAT = 1
+
+
+@dataclass
+class CacheState:
+    """A cache's persistent form: CPU tensors (safetensors-ready) and JSON-able metadata."""
+
+    tensors: dict
+    meta: dict
+
+
+class SlotKVCache:
+    """Per-layer K/V rows in a store, addressed by slot; subclasses choose slots and masks.
+
+    Mutations run under inference mode: the model writes the cache inside its inference-mode
+    forward, and the engine commits outside it."""
+
+    def __init__(self, strategy: KVStrategy, geometry: CacheGeometry, capacity: int):
+        self.strategy = strategy
+        self.geometry = geometry
+        g = geometry
+        self.store = make_store(strategy.compressor, strategy.q_range, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                                head_dim=g.head_dim, capacity=capacity, dtype=g.dtype, device=g.device)
+        self.next_position = 0  # committed tokens == next position to write
+        self.dropped_total = 0  # positions that left attention for good
+        self._layer_rows = [0] * g.num_layers  # K/V rows written per layer (INV-1)
+        self._rows_before: list = []
+        self._layout: AttentionLayout | None = None
+        self._step_slots: np.ndarray | None = None
+        self._peak_nbytes = self.store.nbytes
+
+    @property
+    def compressor(self) -> str:
+        return self.store.compressor
+
+    @property
+    def capacity(self) -> int:
+        return self.store.capacity
+
+    @property
+    def pos(self) -> np.ndarray:
+        """Position held by each slot (-1 = empty); host memory, owned by the store."""
+        return self.store.pos
+
+    # -- protocol ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare(self, positions, ids: torch.Tensor | None = None) -> AttentionLayout:
+        """Reserve slots for new tokens at `positions` (a range, or a 1-D tensor); `ids` (their
+        token ids) is only needed by caches that restore evicted positions."""
+        first, t = self._check_positions(positions)
+        if self._layout is not None:
+            raise CacheInvariantError("inv1", "prepare() called while a previous step is uncommitted")
+        slots = self._allocate(t)
+        self._rows_before = list(self._layer_rows)
+        qpos = np.arange(first, first + t, dtype=np.int64)
+        self.store.occupy(slots, qpos)
+        n = self._key_count(t)
+        key_slots = self.store.key_slots(n)
+        key_pos = self.store.pos[:n] if key_slots is None else self.store.pos[key_slots]
+        dev = self.store.device
+        masks = {w: torch.from_numpy(self._mask(qpos, key_pos, w)).to(dev) for w in set(self.geometry.layer_windows)}
+        self._step_slots = slots
+        self._layout = AttentionLayout(
+            positions=torch.arange(first, first + t, device=dev), first_position=first,
+            slots=self.store.slots_tensor(slots), key_positions=torch.from_numpy(key_pos.copy()).to(dev), masks=masks,
+            sink_shift=self._sink_shift(), key_slots=None if key_slots is None else self.store.slots_tensor(key_slots),
+            restore=self._restore_plan(first, t, ids))
+        return self._layout
+
+    @torch.inference_mode()
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store the step's k, v (Hkv, T, D); return every key/value its queries may read,
+        (Hkv, N, D) in layout.key_positions order, the step's own rows as stored."""
+        layout = self._layout
+        if layout is None or k.shape[1] != layout.slots.numel():
+            raise CacheInvariantError("inv1", f"layer {layer} update does not match the prepared step")
+        self.store.write(layer, layout.slots, k, v)
+        self._layer_rows[layer] += k.shape[1]
+        return self.store.fetch(layer, layout.key_positions.numel(), layout.key_slots)
+
+    @torch.inference_mode()
+    def commit(self, n_keep: int | None = None) -> int:
+        """Keep the first n_keep new tokens (all if None); returns positions dropped from attention."""
+        layout, slots = self._layout, self._step_slots
+        if layout is None:
+            raise CacheInvariantError("inv1", "commit() without a prepared step")
+        t = slots.size
+        n_keep = t if n_keep is None else n_keep
+        if not 0 <= n_keep <= t:
+            raise ValueError(f"n_keep must be in [0, {t}], got {n_keep}")
+        self._on_commit(layout, n_keep)
+        self._layout = self._step_slots = None
+        if n_keep < t:
+            self._release(slots[n_keep:])
+        self._layer_rows = [r - (t - n_keep) for r in self._layer_rows]
+        self.next_position += n_keep
+        evicted = self._evict_dead()
+        self._layer_rows = [r - evicted for r in self._layer_rows]
+        self._settle()
+        self.check_inv1()
+        dropped = self._dropped(evicted)
+        self.dropped_total += dropped
+        return dropped
+
+    @torch.inference_mode()
+    def abort(self) -> None:
+        """Drop an uncommitted step entirely (the forward failed part-way)."""
+        if self._layout is None:
+            return
+        slots = self._step_slots
+        self._layout = self._step_slots = None
+        self._on_abort()
+        self._release(slots)
+        self._layer_rows = list(self._rows_before)
+        self._settle()
+
+    def check_inv1(self) -> None:
+        resident = self.resident_positions
+        bad = [i for i, r in enumerate(self._layer_rows) if r != resident]
+        if bad:
+            raise CacheInvariantError("inv1", f"layers {bad} hold {[self._layer_rows[i] for i in bad]} rows for {resident} resident positions")
+
+    @property
+    def resident_positions(self) -> int:
+        return self.store.resident
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage the cache holds (packed bytes for a compressed store)."""
+        return self.store.nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        """Most bytes of K/V storage ever held at once, transient step growth included."""
+        return max(self._peak_nbytes, self.nbytes)
+
+    # -- persistence ------------------------------------------------------------------------
+    def state(self) -> CacheState:
+        if self._layout is not None:
+            raise CacheInvariantError("inv1", "state() of a cache with an uncommitted step; commit or abort first")
+        g = self.geometry
+        meta = {
+            "format": STATE_FORMAT, "cache": type(self).__name__, "strategy": asdict(self.strategy),
+            "geometry": {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+                         "dtype": str(g.dtype).removeprefix("torch.")},
+            "next_position": self.next_position, "dropped_total": self.dropped_total, "peak_nbytes": self.peak_nbytes,
+        }
+        tensors = {f"store.{k}": v for k, v in self.store.state().items()}
+        extra_t, extra_m = self._extra_state()
+        return CacheState(tensors | extra_t, meta | extra_m)
+
+    @classmethod
+    def from_state(cls, state: CacheState, geometry: CacheGeometry, *, max_step: int, max_context: int,
+                   restore_source=None) -> "SlotKVCache":
+        """Rebuild the cache `state` describes for a model of `geometry` (checked against the state)."""
+        from inference_engine.kv.factory import make_cache
+
+        meta = state.meta
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(f"cache state format {meta.get('format')!r} is not supported (this build reads {STATE_FORMAT})")
+        want = meta["geometry"]
+        got = {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
+               "dtype": str(geometry.dtype).removeprefix("torch.")}
+        if want != got:
+            raise ValueError(f"cache state is for a model with {want}; this model has {got}")
+        cache = make_cache(KVStrategy(**meta["strategy"]), geometry, max_step=max_step, max_context=max_context,
+                           restore_source=restore_source)
+        if type(cache).__name__ != meta["cache"]:
+            raise ValueError(f"cache state holds a {meta['cache']}, the strategy builds a {type(cache).__name__}")
+        cache.store.load_state({k.removeprefix("store."): v for k, v in state.tensors.items() if k.startswith("store.")})
+        cache.next_position, cache.dropped_total = int(meta["next_position"]), int(meta["dropped_total"])
+        cache._peak_nbytes = int(meta["peak_nbytes"])
+        cache._layer_rows = [cache.store.resident] * geometry.num_layers
+        cache._load_extra_state(state.tensors, meta)
+        cache.check_inv1()
+        return cache
+
+    # -- strategy hooks ----------------------------------------------------------------
+    def _allocate(self, t: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _key_count(self, t: int) -> int:
+        raise NotImplementedError
+
+    def _release(self, slots: np.ndarray) -> None:
+        self.store.release(slots)
+
+    def _resize(self, capacity: int) -> None:
+        self.store.resize(capacity)
+        self._peak_nbytes = max(self._peak_nbytes, self.nbytes)
+
+    def _settle(self) -> None:
+        """After a step is committed or aborted: give back transient room (bounded caches)."""
+
+    def _evict_dead(self) -> int:
+        return 0
+
+    def _dropped(self, evicted: int) -> int:
+        return evicted
+
+    def _on_commit(self, layout: AttentionLayout, n_keep: int) -> None:
+        pass
+
+    def _on_abort(self) -> None:
+        pass
+
+    def _sink_shift(self) -> SinkShift | None:
+        return None
+
+    def _restore_plan(self, first: int, t: int, ids: torch.Tensor | None) -> RestorePlan | None:
+        return None
+
+    def _extra_state(self) -> tuple[dict, dict]:
+        return {}, {}
+
+    def _load_extra_state(self, tensors: dict, meta: dict) -> None:
+        pass
+
+    def _allowed(self, qp: np.ndarray, kp: np.ndarray) -> np.ndarray:
+        return (kp >= 0) & (kp <= qp)
+
+    def _mask(self, qpos: np.ndarray, key_pos: np.ndarray, layer_window) -> np.ndarray:
+        qp, kp = qpos[:, None], key_pos[None, :]
+        m = self._allowed(qp, kp)
+        if layer_window is not None:
+            m = m & (kp > qp - layer_window)
+        return m
+
+    def _check_positions(self, positions) -> tuple[int, int]:
+        expected = self.next_position
+        if isinstance(positions, range):
+            first, t, ok = positions.start, len(positions), positions.step == 1
+        else:
+            vals = positions.tolist()
+            t = len(vals)
+            first = vals[0] if t else expected
+            ok = vals == list(range(first, first + t))
+        if t == 0 or not ok or first != expected:
+            raise CacheInvariantError("inv2", f"new positions must continue at {expected} contiguously, got {first}..{first + t - 1}")
+        return first, t
