@@ -20,6 +20,18 @@ from dataclasses import dataclass, field
 from inference_engine.errors import CacheInvariantError, ContextExhausted, InvalidArgument, SessionNotFound
 
 
+SHOWN_ID_CHARS = 64
+
+
+def _shown(session_id: str) -> str:
+    """A caller's session id as error messages quote it: bounded, because the message travels in a
+    gRPC trailer (8 KiB soft limit, non-ASCII percent-encoded) and an unbounded echo of a huge id
+    turned NOT_FOUND into the client's RESOURCE_EXHAUSTED 'metadata size exceeds soft limit'."""
+    if len(session_id) <= SHOWN_ID_CHARS:
+        return repr(session_id)
+    return f"{session_id[:SHOWN_ID_CHARS]!r}... ({len(session_id)} characters)"
+
+
 @dataclass
 class StoreEvents:
     """Hooks the server wires to metrics; all optional."""
@@ -127,7 +139,7 @@ class SessionStore:
             self.evict_idle()
             s = self._sessions.get(session_id)
             if s is None:
-                raise SessionNotFound(f"session {session_id!r} does not exist (never created, closed, evicted or failed); create a new session")
+                raise SessionNotFound(f"session {_shown(session_id)} does not exist (never created, closed, evicted or failed); create a new session")
             if touch:
                 s.last_access = self.clock()
                 self._sessions.move_to_end(session_id)
@@ -158,7 +170,7 @@ class SessionStore:
         with self._lock:
             s = self._sessions.pop(session_id, None)
         if s is None:
-            raise SessionNotFound(f"session {session_id!r} does not exist (already closed or evicted)")
+            raise SessionNotFound(f"session {_shown(session_id)} does not exist (already closed or evicted)")
         s.closed = True
         self.events.on_evicted("close")
         self.events.on_ended("closed")
@@ -196,7 +208,7 @@ class SessionStore:
 
     def _ensure_live(self, s: Session) -> None:
         if s.closed:
-            raise SessionNotFound(f"session {s.id!r} was closed or evicted while this call waited")
+            raise SessionNotFound(f"session {_shown(s.id)} was closed or evicted while this call waited")
 
     # -- eviction ---------------------------------------------------------------------
     def _remove(self, session_id: str, reason: str) -> None:
