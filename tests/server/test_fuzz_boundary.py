@@ -573,6 +573,45 @@ def test_random_rpc_sequences_across_sessions(daemon):
     run_state_machine_as_test(SessionsMachine, settings=budget(80, stateful_step_count=30))
 
 
+# -- concurrent calls on one session --------------------------------------------------------
+def tiles(history: list, segments: list) -> bool:
+    """Whether `history` is the concatenation of all `segments` in some order (each one contiguous)."""
+    if not segments:
+        return not history
+    return any(history[: len(seg)] == seg and tiles(history[len(seg) :], segments[:i] + segments[i + 1 :])
+               for i, seg in enumerate(segments) if seg)
+
+
+@budget(15)
+@given(chunks=st.lists(st.lists(valid_token, min_size=1, max_size=8), min_size=1, max_size=5),
+       gens=st.lists(st.integers(1, 4), max_size=3), close_midway=st.booleans())
+def test_concurrent_calls_on_one_session(daemon, chunks, gens, close_midway):
+    """Appends, Generates and infos racing on one session: each append and each Generate's
+    tokens land contiguously, nothing is lost or duplicated; a racing Close only turns the calls
+    that lose the race into NOT_FOUND."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    EXAMPLES["concurrent_one_session"] += 1
+    prop = "concurrent_one_session"
+    s, _ = daemon.fresh([5, 6, 7])
+    jobs = [("AppendTokens", lambda c=c: (s.append(c), c)[1]) for c in chunks]
+    jobs += [("Generate", lambda n=n: list(s.generate(n))) for n in gens]
+    jobs += [("GetSessionInfo", s.info)] * 2
+    if close_midway:
+        jobs.insert(len(jobs) // 2, ("CloseSession", lambda: daemon.client.session(s.id).close()))
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        replies = list(pool.map(lambda job: (job[0], call(prop, job[0], job[1])), jobs))
+    for method, r in replies:
+        assert r.ok or (close_midway and r.code == "NOT_FOUND"), f"{method}: {r.code} {r.details!r}"
+    if close_midway:
+        expect(call(prop, "GetHistory", s.history), "NOT_FOUND", "does not exist")
+        return
+    landed = [r.value for m, r in replies if m in ("AppendTokens", "Generate")]
+    hist = s.history()
+    assert hist[:3] == [5, 6, 7] and tiles(hist[3:], landed)
+    s.close()
+
+
 # -- the `full` strategy: the model's context is a hard limit ---------------------------------
 @pytest.fixture(scope="module")
 def full_daemon():
