@@ -7,6 +7,7 @@ pending + generated tokens; the history before them lives in the cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -111,6 +112,15 @@ class Engine:
         res = d.draft(torch.tensor(tail, dtype=torch.long), k, context_hidden=hidden)
         return [int(t) for t in res.ids[:k]]
 
+    def _advance(self, kv: SessionKV, token: int, drafts: list, params: GenerateParams, gen, budget: int) -> steps.StepResult:
+        """Feed `token` (and a drafted block) in one step; the result's `emitted` are the next tokens."""
+        with self._step_lock:
+            if drafts:
+                return steps.verify_block(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
+                                          eos_token_ids=params.eos_token_ids)
+            step = steps.decode_step(self.model, kv, token)
+        return dataclasses.replace(step, emitted=(sample(kv.last_logits, params.sampling, gen),))
+
     def generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False,
                  arrived_at: float | None = None) -> Iterator:
         """Prefill what `history` holds past the cache, then decode. Yields TokenGenerated /
@@ -160,18 +170,9 @@ class Engine:
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None else []
-            with self._step_lock:
-                if drafts:
-                    step = steps.verify_block(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
-                                        eos_token_ids=params.eos_token_ids)
-                else:
-                    step = steps.decode_step(self.model, kv, token)
-            if drafts:
-                out = list(step.emitted)
-                drafted, accepted = drafted + len(drafts), accepted + step.accepted
-            else:
-                out = [sample(kv.last_logits, params.sampling, gen)]
-            decode_dropped += step.dropped
+            step = self._advance(kv, token, drafts, params, gen, budget)
+            out = list(step.emitted)
+            drafted, accepted, decode_dropped = drafted + len(drafts), accepted + step.accepted, decode_dropped + step.dropped
         if not completed:
             reason = "cancelled"
         if decode_dropped:

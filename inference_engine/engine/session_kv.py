@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from inference_engine.kv.slot_cache import CacheState, SlotKVCache
+from inference_engine.kv.factory import cache_from_state
+from inference_engine.kv.slot_cache import CacheState
 
 
 class SessionKV:
@@ -54,8 +55,8 @@ class SessionKV:
     @classmethod
     def from_state(cls, state: CacheState, geometry, *, max_step: int, max_context: int, restore_source=None,
                    hidden_keep: int | None = None) -> "SessionKV":
-        cache = SlotKVCache.from_state(state, geometry, max_step=max_step, max_context=max_context,
-                                       restore_source=restore_source)
+        cache = cache_from_state(state, geometry, max_step=max_step, max_context=max_context,
+                                 restore_source=restore_source)
         keep = state.meta["session.hidden_keep"] if hidden_keep is None else hidden_keep
         kv = cls(cache, hidden_keep=keep)
         kv.last_logits = state.tensors.get("session.last_logits")

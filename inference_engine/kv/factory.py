@@ -5,7 +5,7 @@ from inference_engine.kv.dlm_restore import DLMRestoreCache
 from inference_engine.kv.full import FullKVCache
 from inference_engine.kv.layout import CacheGeometry
 from inference_engine.kv.sink_window import SinkWindowCache
-from inference_engine.kv.slot_cache import SlotKVCache
+from inference_engine.kv.slot_cache import STATE_FORMAT, CacheState, SlotKVCache
 from inference_engine.kv.strategy import KVStrategy
 
 
@@ -18,3 +18,19 @@ def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, 
     if strategy.name == "dlm_restore":
         return DLMRestoreCache(strategy, geometry, max_step, max_context, restore_source=restore_source)
     return SinkWindowCache(strategy, geometry, max_step, max_context)
+
+
+def cache_from_state(state: CacheState, geometry: CacheGeometry, *, max_step: int, max_context: int,
+                     restore_source=None) -> SlotKVCache:
+    """Rebuild the cache `state` describes for a model of `geometry` (checked against the state)."""
+    meta = state.meta
+    if meta.get("format") != STATE_FORMAT:
+        raise ValueError(f"cache state format {meta.get('format')!r} is not supported (this build reads {STATE_FORMAT})")
+    got = {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
+           "dtype": str(geometry.dtype).removeprefix("torch.")}
+    if meta["geometry"] != got:
+        raise ValueError(f"cache state is for a model with {meta['geometry']}; this model has {got}")
+    cache = make_cache(KVStrategy(**meta["strategy"]), geometry, max_step=max_step, max_context=max_context,
+                       restore_source=restore_source)
+    cache.load_state(state)
+    return cache

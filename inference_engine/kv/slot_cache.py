@@ -13,7 +13,7 @@ window are only reused after a commit, so a rejected verify step leaves the stat
 Bookkeeping (positions, slots, row counts) is host-side: numpy arrays and Python ints owned
 by the store; the device sees the step's slot index, key positions and masks.
 
-`state()` -> CacheState and `SlotKVCache.from_state(state, ...)` round-trip a cache exactly:
+`state()` -> CacheState and `factory.cache_from_state(state, ...)` round-trip a cache exactly:
 the store's bytes (codes for a compressed store), the slot map, counters and the strategy's
 own state, so a continued session is token-identical to one that never left memory.
 
@@ -184,31 +184,18 @@ class SlotKVCache:
         extra_t, extra_m = self._extra_state()
         return CacheState(tensors | extra_t, meta | extra_m)
 
-    @classmethod
-    def from_state(cls, state: CacheState, geometry: CacheGeometry, *, max_step: int, max_context: int,
-                   restore_source=None) -> "SlotKVCache":
-        """Rebuild the cache `state` describes for a model of `geometry` (checked against the state)."""
-        from inference_engine.kv.factory import make_cache
-
+    def load_state(self, state: CacheState) -> None:
+        """Adopt `state` (from `state()` of a cache built from the same strategy and geometry):
+        factory.cache_from_state checks those and calls this on a fresh cache."""
         meta = state.meta
-        if meta.get("format") != STATE_FORMAT:
-            raise ValueError(f"cache state format {meta.get('format')!r} is not supported (this build reads {STATE_FORMAT})")
-        want = meta["geometry"]
-        got = {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
-               "dtype": str(geometry.dtype).removeprefix("torch.")}
-        if want != got:
-            raise ValueError(f"cache state is for a model with {want}; this model has {got}")
-        cache = make_cache(KVStrategy(**meta["strategy"]), geometry, max_step=max_step, max_context=max_context,
-                           restore_source=restore_source)
-        if type(cache).__name__ != meta["cache"]:
-            raise ValueError(f"cache state holds a {meta['cache']}, the strategy builds a {type(cache).__name__}")
-        cache.store.load_state({k.removeprefix("store."): v for k, v in state.tensors.items() if k.startswith("store.")})
-        cache.next_position, cache.dropped_total = int(meta["next_position"]), int(meta["dropped_total"])
-        cache._peak_nbytes = int(meta["peak_nbytes"])
-        cache._layer_rows = [cache.store.resident] * geometry.num_layers
-        cache._load_extra_state(state.tensors, meta)
-        cache.check_inv1()
-        return cache
+        if type(self).__name__ != meta["cache"]:
+            raise ValueError(f"cache state holds a {meta['cache']}, the strategy builds a {type(self).__name__}")
+        self.store.load_state({k.removeprefix("store."): v for k, v in state.tensors.items() if k.startswith("store.")})
+        self.next_position, self.dropped_total = int(meta["next_position"]), int(meta["dropped_total"])
+        self._peak_nbytes = int(meta["peak_nbytes"])
+        self._layer_rows = [self.store.resident] * self.geometry.num_layers
+        self._load_extra_state(state.tensors, meta)
+        self.check_inv1()
 
     # -- strategy hooks ----------------------------------------------------------------
     def _allocate(self, t: int) -> np.ndarray:
