@@ -160,7 +160,7 @@ def main() -> int:
 
     import kakeya
     from inference_engine.model_store import resolve_model
-    from inference_engine.server.app import ServeConfig, build_runtime, load_model, start
+    from inference_engine.server.app import ResearchOptions, ServeConfig, build_runtime, load_model, start
 
     torch.set_num_threads(args.threads)
     base = ServeConfig(bind="127.0.0.1:0", model=args.model, threads=args.threads, capacity=2, prefill_chunk=args.prefill_chunk,
@@ -179,13 +179,16 @@ def main() -> int:
                                       "eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
     for arm in args.arms.split(","):
         fields = {f.name for f in dataclasses.fields(ServeConfig)}
+        research_fields = {f.name for f in dataclasses.fields(ResearchOptions)}
         overrides = ARMS[arm]
-        missing = sorted(set(overrides) - fields)
+        product = {k: v for k, v in overrides.items() if k not in research_fields}
+        research = ResearchOptions(**{k: v for k, v in overrides.items() if k in research_fields})
+        missing = sorted(set(product) - fields)
         if missing:
             results[arm] = {"status": "not_run", "reason": f"this build has no {', '.join(missing)} option"}
             print(f"{arm}: not run ({results[arm]['reason']})", flush=True)
             continue
-        cfg = dataclasses.replace(base, **overrides)
+        cfg = dataclasses.replace(base, **product, research=research)
         try:
             server = start(cfg, build_runtime(cfg, model))
         except Exception as e:  # noqa: BLE001 - an arm the build cannot serve is recorded, not fatal

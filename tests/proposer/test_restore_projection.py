@@ -191,24 +191,25 @@ def test_stage2_loss_reaches_ftheta():
 
 
 def test_build_engine_needs_a_drafter_for_cross_model(tmp_path):
-    from inference_engine.server.app import ConfigError, ServeConfig, build_engine
+    from inference_engine.server.app import ConfigError, ResearchOptions, ServeConfig, build_engine
 
     m = verifier()
-    cfg = ServeConfig(kv_strategy="dlm_restore", sink=4, window=16, restore_from="drafter")
+    cfg = ServeConfig(kv_strategy="dlm_restore", sink=4, window=16, research=ResearchOptions(restore_from="drafter"))
     with pytest.raises(ConfigError, match="needs --drafter"):
         build_engine(cfg, m)
 
 
 def test_restore_bias_is_refused_where_it_does_not_apply():
-    from inference_engine.server.app import ConfigError, ServeConfig, build_engine
+    from inference_engine.server.app import ConfigError, ResearchOptions, ServeConfig, build_engine
 
     m = verifier()
-    for cfg in (ServeConfig(kv_strategy="dlm_restore", sink=4, window=16, restore_bias="calibrated"),  # same-model
-                ServeConfig(kv_strategy="full", restore_bias="calibrated")):
+    calibrated = ResearchOptions(restore_bias="calibrated")
+    for cfg in (ServeConfig(kv_strategy="dlm_restore", sink=4, window=16, research=calibrated),  # same-model
+                ServeConfig(kv_strategy="full", research=calibrated)):
         with pytest.raises(ConfigError, match="restore-bias calibrated applies to"):
             build_engine(cfg, m)
     with pytest.raises(ConfigError, match="'none' or 'calibrated'"):
-        build_engine(ServeConfig(kv_strategy="full", restore_bias="on"), m)
+        build_engine(ServeConfig(kv_strategy="full", research=ResearchOptions(restore_bias="on")), m)
 
 
 def test_copied_checkpoint_without_calibration_names_the_missing_file(tmp_path):
@@ -227,10 +228,11 @@ def test_shipped_drafter_restores_through_the_server_config():
     path = require_smollm2()
     if not (CHECKPOINTS_DIR / "smollm2-135m-dlm" / FTHETA_FILE).exists():
         pytest.fail("the shipped drafter has no f_θ")
-    from inference_engine.server.app import ServeConfig, build_engine
+    from inference_engine.server.app import ResearchOptions, ServeConfig, build_engine
 
     m = load_model(str(path))
-    cfg = ServeConfig(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter", drafter="smollm2-135m-dlm", spec_k=0)
+    cfg = ServeConfig(kv_strategy="dlm_restore", sink=4, window=64, drafter="smollm2-135m-dlm", spec_k=0,
+                      research=ResearchOptions(restore_from="drafter"))
     engine = build_engine(cfg, m)
     assert isinstance(engine.restore_source, DrafterRestoreSource) and engine.drafter is None
     history = list(range(1000, 1200))
@@ -264,8 +266,9 @@ def test_cross_model_server_reports_its_proposer_and_generates():
         for srv, want, refresh, pin, bias in ((cross, "drafter:tiny-dlm", 3, 0, "none"), (pinned, "drafter:tiny-dlm", 1, 5, "calibrated"),
                                               (same, "verifier", 1, 0, "")):
             with kakeya.Client(f"127.0.0.1:{srv.port}") as c:
-                info = c.server_info()
-                assert (info.restore_from, info.restore_refresh, info.restore_pin, info.restore_bias) == (want, refresh, pin, bias)
+                p = c.server_info().kv_params  # research knobs are reported as strategy params only
+                assert (p.get("restore_from"), p.get("restore_refresh"), p.get("restore_pin"), p.get("restore_bias", "")) == \
+                    (want, str(refresh), str(pin), bias)
                 with c.create_session(ids(60, seed=9).tolist(), ignore_eos=True) as s:
                     assert len(list(s.generate(max_tokens=4))) == 4
                     assert s.info().kv_live_bytes > 0
