@@ -255,3 +255,20 @@ def check_compatible(projection: RestoreProjection, *, num_layers: int, num_kv_h
             f"features, but this verifier has {num_layers} x {num_kv_heads} x {head_dim} and the drafter gives {want}; "
             "use the verifier the drafter was trained for"
         )
+
+
+def drafter_restore_source_for(name: str, verifier, drafter: Drafter, *, calibrated: bool = False,
+                               device: str = "cpu") -> "DrafterRestoreSource":
+    """Cross-model restoration for `verifier` (a backend): the drafter `name` plus the f_θ shipped
+    with it (and its attention-mass calibration if `calibrated`), checked against the verifier."""
+    s = verifier.spec
+    proj = load_projection(name, device=device)
+    check_compatible(proj, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                     hidden=s.hidden_size, drafter=drafter)
+    bias = None
+    if calibrated:
+        bias = load_calibration(name, device=device)
+        if tuple(bias.shape) != (s.num_layers, s.num_heads):
+            raise ValueError(f"the calibration of {name!r} is for {tuple(bias.shape)} (layers, heads); "
+                             f"this verifier has ({s.num_layers}, {s.num_heads})")
+    return DrafterRestoreSource(drafter, proj, name, logit_bias=bias)

@@ -64,22 +64,13 @@ def drafter_restore_source(cfg: ServeConfig, model, drafter):
     """Cross-model restoration: the drafter named by --drafter plus the f_θ shipped with it."""
     if drafter is None:
         raise ConfigError("--research-restore-from drafter needs --drafter NAME (a drafter checkpoint that ships its f_θ)")
-    from kv_cache_proposer.restore import DrafterRestoreSource, check_compatible, load_calibration, load_projection
+    from kv_cache_proposer.restore import drafter_restore_source_for
 
-    bias = None
     try:
-        proj = load_projection(cfg.drafter, device=cfg.device)
-        s = model.spec
-        check_compatible(proj, num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                         hidden=s.hidden_size, drafter=drafter)
-        if cfg.research.restore_bias == "calibrated":
-            bias = load_calibration(cfg.drafter, device=cfg.device)
-            if tuple(bias.shape) != (s.num_layers, s.num_heads):
-                raise ValueError(f"the calibration of {cfg.drafter!r} is for {tuple(bias.shape)} (layers, heads); "
-                                 f"this verifier has ({s.num_layers}, {s.num_heads})")
+        return drafter_restore_source_for(cfg.drafter, model, drafter, calibrated=cfg.research.restore_bias == "calibrated",
+                                          device=cfg.device)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
-    return DrafterRestoreSource(drafter, proj, cfg.drafter, logit_bias=bias)
 
 
 def build_runtime(cfg: ServeConfig, model=None) -> Runtime:
