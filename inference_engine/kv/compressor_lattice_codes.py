@@ -79,7 +79,7 @@ class LatticeCodePacker:
         """(packed bytes, 0-d bool tensor: some point is outside what this layout holds), without a
         host sync: for a caller that folds the flag into a check of its own before it keeps the
         bytes (the bytes of an invalid point are meaningless). The flag holds for every point the
-        D4 / E8 nearest-point step returns with the q_range cap of KakeyaLatticeCompressor; a
+        D4 / E8 nearest-point step returns with the q_range cap of KakeyaLatticeCodec; a
         raised one is a codec change we must not store silently."""
         coset = twice[..., :1] & 1
         u = (twice + 2 * self.q_range + 2 + coset) >> 1

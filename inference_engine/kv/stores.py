@@ -5,8 +5,8 @@ A store maps slots to positions (`pos`, host numpy, -1 = empty) and holds rows p
 
   SlabStore        per-layer (Hkv, capacity, D) slabs in the model dtype; reads are views of
                    a slab prefix, so the uncompressed path copies nothing.
-  CompressedStore  one KVCompressor per layer (compressors.py): rows are stored as packed
-                   lattice codes and decompressed on every read.
+  CompressedStore  per-layer payload slabs of a KVCodec (compressors.py): rows are stored
+                   encoded (packed lattice codes) and decoded on every read.
 
 `state()` returns the slot map and the stored bytes (codes, not decoded values, for a
 compressed store), so `load_state` rebuilds a store that reads back bit for bit.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from inference_engine.kv.compressor_names import COMPRESSOR_NAMES
-from inference_engine.kv.compressors import CompressorInputError, make_compressor
+from inference_engine.kv.compressors import CompressorInputError, make_codec
 
 
 class SlotStore:
@@ -138,7 +138,9 @@ class SlabStore(SlotStore):
 
 
 class CompressedStore(SlotStore):
-    """Rows held by one KVCompressor per layer; reads decompress only the slots asked for."""
+    """Rows as a codec's payload: per layer and payload name one slab (2, Hkv, capacity, *trailing),
+    K and V stacked. Writes encode the step's rows at their slots; reads decode only the slots
+    asked for; growing and compacting move payload bytes (never re-encode)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device,
                  *, compressor: str, q_range: int):
@@ -146,21 +148,22 @@ class CompressedStore(SlotStore):
         self.compressor = compressor
         self.q_range = q_range
         self.dtype = dtype
-        self.layers = [
-            make_compressor(compressor, q_range=q_range, head_dim=head_dim, num_kv_heads=num_kv_heads,
-                            capacity=capacity, device=device)
-            for _ in range(num_layers)
-        ]
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.codec = make_codec(compressor, q_range=q_range, head_dim=head_dim, device=device)
+        self.layout = self.codec.payload_layout()  # name -> (trailing shape, dtype)
+        self.slabs = [self._zeros(capacity) for _ in range(num_layers)]  # per layer: name -> slab
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.layers[layer].write_rows(k, v, slots)
-
-    def release(self, slots: np.ndarray) -> None:
-        super().release(slots)
-        if slots.size:
-            t = self.slots_tensor(slots)
-            for c in self.layers:
-                c.free_rows(t)
+        """Encode k, v (Hkv, T, D) into `slots` (T,) long. The cache owns slot choice, so slots are
+        not checked (that would cost host syncs); a codec error leaves every slab untouched."""
+        want = (self.num_kv_heads, slots.numel(), self.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise CompressorInputError(
+                f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be (num_kv_heads, len(slots), head_dim) = {want}")
+        payload = self.codec.encode(torch.stack([k, v]).reshape(-1, self.head_dim))  # rows (2*Hkv*T, D)
+        for name, slab in self.slabs[layer].items():
+            slab.index_copy_(2, slots, payload[name].reshape(2, *want[:2], *slab.shape[3:]))
 
     def key_slots(self, n: int) -> np.ndarray:
         # Only occupied slots are decoded: decoding is the per-step cost of compression.
@@ -170,32 +173,52 @@ class CompressedStore(SlotStore):
         return self.read(layer, slots)
 
     def read(self, layer: int, slots: torch.Tensor):
-        k, v = self.layers[layer].read_rows(slots)  # float32 (Hkv, len(slots), D)
-        if k.dtype != self.dtype:
-            k, v = k.to(self.dtype), v.to(self.dtype)
-        return k, v
-
-    def _grow(self, capacity: int) -> None:
-        for c in self.layers:
-            c.ensure_capacity(capacity)
-
-    def _compact(self, keep: torch.Tensor, capacity: int) -> None:
-        for c in self.layers:
-            c.compact(keep, capacity)  # moves packed bytes: codes are not re-encoded
-
-    def _payload(self) -> dict:
-        out = {}
-        for name in self.layers[0].payload_names:
-            out[name] = torch.stack([getattr(c, name) for c in self.layers])
-        return out
-
-    def _load_payload(self, payload: dict) -> None:
-        for i, c in enumerate(self.layers):
-            c.load_payload({name: t[i] for name, t in payload.items()}, self.pos >= 0)
+        """(k, v) rows at occupied `slots` (any order, repeats allowed), each (Hkv, len(slots), D) in
+        the store dtype."""
+        n = slots.numel()
+        if n == 0:
+            empty = torch.zeros(self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+            return empty, empty.clone()
+        payload = {name: slab.index_select(2, slots).reshape(-1, *slab.shape[3:])
+                   for name, slab in self.slabs[layer].items()}
+        kv = self.codec.decode(payload).reshape(2, self.num_kv_heads, n, self.head_dim)  # float32
+        if kv.dtype != self.dtype:
+            kv = kv.to(self.dtype)
+        return kv[0], kv[1]
 
     @property
     def nbytes(self) -> int:
-        return sum(c.memory_bytes() for c in self.layers)
+        return sum(t.numel() * t.element_size() for slabs in self.slabs for t in slabs.values())
+
+    def _zeros(self, capacity: int) -> dict:
+        return {name: torch.zeros(2, self.num_kv_heads, capacity, *shape, dtype=dtype, device=self.device)
+                for name, (shape, dtype) in self.layout.items()}
+
+    def _grow(self, capacity: int) -> None:
+        def grown(x):
+            return torch.cat([x, x.new_zeros(*x.shape[:2], capacity - x.shape[2], *x.shape[3:])], 2)
+
+        self.slabs = [{name: grown(x) for name, x in slabs.items()} for slabs in self.slabs]
+
+    def _compact(self, keep: torch.Tensor, capacity: int) -> None:
+        def moved(x):
+            y = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])
+            y[:, :, : keep.numel()] = x.index_select(2, keep)
+            return y
+
+        self.slabs = [{name: moved(x) for name, x in slabs.items()} for slabs in self.slabs]
+
+    def _payload(self) -> dict:
+        return {name: torch.stack([slabs[name] for slabs in self.slabs]) for name in self.layout}  # (L, 2, Hkv, capacity, ...)
+
+    def _load_payload(self, payload: dict) -> None:
+        want = {name: ((len(self.slabs), 2, self.num_kv_heads, self.capacity, *shape), dtype)
+                for name, (shape, dtype) in self.layout.items()}
+        got = {name: (tuple(t.shape), t.dtype) for name, t in payload.items()}
+        if got != want:
+            raise ValueError(f"stored payload {got} does not fit this {self.compressor} store, which holds {want}")
+        self.slabs = [{name: payload[name][i].to(self.device).contiguous() for name in self.layout}
+                      for i in range(len(self.slabs))]
 
 
 def make_store(compressor: str, q_range: int, *, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from factories import load_model, require_smollm2, tiny_model_dir
-from inference_engine.kv.compressors import KakeyaLatticeUnavailable, bf16_reference_bytes, make_compressor
+from inference_engine.kv.compressors import KakeyaLatticeUnavailable, bf16_reference_bytes, make_codec
 from inference_engine.kv.factory import make_cache
 from inference_engine.kv.layout import CacheGeometry
 from inference_engine.kv.strategy import KVStrategy
@@ -61,9 +61,10 @@ def test_nbytes_is_the_packed_store(compressor, name, kw):
     for i in range(5):
         step(cache, rows(20, seed=i))
     assert isinstance(cache.store, CompressedStore)
-    per_vector = cache.store.layers[0].packer.code_bytes + 4  # packed point + fp16 norm and qmax
+    per_vector = cache.store.codec.packer.code_bytes + 4  # packed point + fp16 norm and qmax
+    assert cache.store.codec.bytes_per_row == per_vector
     assert cache.nbytes == GEOM.num_layers * 2 * GEOM.num_kv_heads * cache.capacity * per_vector
-    assert cache.nbytes == sum(c.memory_bytes() for c in cache.store.layers)
+    assert cache.nbytes == sum(t.numel() * t.element_size() for slabs in cache.store.slabs for t in slabs.values())
     bf16 = GEOM.num_layers * bf16_reference_bytes(cache.capacity, GEOM.num_kv_heads, GEOM.head_dim)
     if compressor == "kakeya_d4":  # q 38, head_dim 64: 54 bytes a vector vs 128
         assert cache.nbytes * 2.3 <= bf16
@@ -97,9 +98,9 @@ def test_a_step_reads_its_own_rows_as_stored(compressor):
     cache = new_cache("full", compressor)
     data = rows(10, seed=1)
     read = step(cache, data)
-    ref = make_compressor(compressor, head_dim=64, num_kv_heads=3, capacity=10)
-    ref.compress(*data[0], torch.arange(10))
-    k_ref, v_ref = ref.decompress(torch.arange(10))
+    codec = make_codec(compressor, head_dim=64)
+    k, v = data[0]
+    k_ref, v_ref = (codec.decode(codec.encode(x.reshape(-1, 64))).reshape(x.shape) for x in (k, v))
     for p in range(10):
         assert torch.equal(read[p][0], k_ref[:, p]) and torch.equal(read[p][1], v_ref[:, p])
     assert not torch.equal(k_ref, data[0][0])  # compression is real
