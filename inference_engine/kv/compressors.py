@@ -58,7 +58,8 @@ def bf16_reference_bytes(num_slots: int, num_kv_heads: int, head_dim: int) -> in
     return 2 * num_slots * num_kv_heads * head_dim * 2
 
 
-def make_codec(name: str, *, q_range: int = 38, head_dim: int, device: str | torch.device = "cpu") -> KVCodec:
+def make_codec(name: str, q_range: int = 38, *, head_dim: int, device: str | torch.device = "cpu") -> KVCodec:
+    """The codec a compressor name stands for (kakeya_d4 / kakeya_e8); codes do not depend on the model dtype."""
     if name == "identity":
         raise CompressorInputError("'identity' is not a codec: uncompressed rows live in a SlabStore (stores.make_store)")
     if name in CODEC_NAMES:
