@@ -145,6 +145,8 @@ class Engine:
         out: list = []
         if completed and params.max_tokens > 0 and (limit is None or position < limit) and not should_stop():
             out = [sample(kv.last_logits, params.sampling, gen)]
+        elif completed and limit is not None and position >= limit:
+            reason = "context_full"  # the history already fills what the strategy can attend to
         while out:
             for t in out:
                 n += 1

@@ -10,7 +10,10 @@ __all__ = ["SamplingParams", "sample", "target_distribution"]
 
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from: (..., V) logits -> (..., V) probabilities."""
-    x = logits.float() / params.temperature
+    x = logits.float()
+    # Shift before scaling: softmax is shift-invariant, and a tiny temperature (say 1e-38) then
+    # sends every non-maximal logit to -inf instead of overflowing the maximum to +inf.
+    x = (x - x.amax(-1, keepdim=True)) / params.temperature
     v = x.shape[-1]
     if 0 < params.top_k < v:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

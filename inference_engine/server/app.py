@@ -11,10 +11,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inference_engine.server.config import ConfigError, ResearchOptions, ServeConfig, check_exposure, split_bind
-from inference_engine.server.grpc_service import ApiKeyInterceptor, RuntimeServicer
+from inference_engine.server.grpc_service import ApiKeyInterceptor, RuntimeServicer, add_runtime_service
 from inference_engine.server.runtime import Runtime
 from kakeya_wire.v1 import runtime_pb2 as pb
-from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
 
 # Config names stay importable from here (scripts and tests build servers through this module).
 __all__ = ["ConfigError", "ResearchOptions", "RunningServer", "ServeConfig", "build_engine", "build_runtime", "check_exposure",
@@ -96,7 +95,7 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     runtime = runtime or build_runtime(cfg)
     interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors)
-    pb_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(runtime), server)
+    add_runtime_service(RuntimeServicer(runtime), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = (pb.DESCRIPTOR.services_by_name["RuntimeService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)

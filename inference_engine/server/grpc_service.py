@@ -9,6 +9,7 @@ import hmac
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.requests import SamplingParams
@@ -164,3 +165,44 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         if handler is not None and handler.response_streaming:
             return self._deny_stream
         return self._deny_unary
+
+
+def add_runtime_service(servicer: RuntimeServicer, server) -> None:
+    """Register `servicer` like the generated add_..._to_server, except that request bytes are
+    parsed here: bytes that are not the method's message answer INVALID_ARGUMENT naming the
+    message type, instead of grpcio's INTERNAL "Exception deserializing request!"."""
+    service = pb.DESCRIPTOR.services_by_name["RuntimeService"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(pb, method.input_type.name)
+        serialize = getattr(pb, method.output_type.name).SerializeToString
+        impl = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _parsed_stream(impl, request_type), request_deserializer=None, response_serializer=serialize)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _parsed_unary(impl, request_type), request_deserializer=None, response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _parse(request_type, raw: bytes, context):
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"request body is not a valid {request_type.DESCRIPTOR.full_name}: {e}")
+
+
+def _parsed_unary(impl, request_type):
+    def handler(raw, context):
+        return impl(_parse(request_type, raw, context), context)
+
+    return handler
+
+
+def _parsed_stream(impl, request_type):
+    def handler(raw, context):
+        yield from impl(_parse(request_type, raw, context), context)
+
+    return handler

@@ -275,18 +275,15 @@ def test_generate_params_are_validated(daemon, max_tokens, temperature, top_k, t
         s.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: 0 < temperature < ~1e-37 makes logits / T overflow to inf; softmax gives NaN and "
-                   "torch.multinomial raises -> INTERNAL. Fix in engine/sampling.py (subtract the max logit before dividing) "
-                   "or engine/requests.py SamplingParams (treat such T as greedy / reject it).")
 @budget(10)
 @given(temperature=st.floats(min_value=1.401298464324817e-45, max_value=9.999999350456404e-39, width=32))  # float32-exact bounds
 @example(temperature=1e-38)
-def test_tiny_temperature_is_invalid_argument_not_internal(daemon, temperature):
+def test_tiny_temperature_is_served_not_internal(daemon, temperature):
     EXAMPLES["tiny_temperature"] += 1
     s, _ = daemon.fresh([5, 6, 7])
     try:
         r = call("tiny_temperature", "Generate", lambda: list(s.generate(2, temperature=temperature)))
-        assert r.ok or r.code == "INVALID_ARGUMENT"
+        assert r.ok and len(r.value) == 2  # near-greedy: the shifted logits give the top token(s) all the mass
     finally:
         s.close()
 
@@ -410,10 +407,6 @@ def test_raw_wire_parseable_bytes(daemon, raw_victim, data, method):
     daemon.check((victim, expected))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: a request body the method's message type cannot parse (bad wire type, truncated "
-                   "field, invalid UTF-8 in session_id) gets INTERNAL 'Exception deserializing request!' from grpcio. "
-                   "Fix in server/grpc_service.py + app.py: register the handlers with bytes in (request_deserializer=None) "
-                   "and parse in the servicer, aborting INVALID_ARGUMENT on DecodeError.")
 @budget(20)
 @given(data=st.data(), method=st.sampled_from(sorted(METHODS)))
 @example(data=None, method="AppendTokens")
@@ -649,9 +642,6 @@ def test_full_strategy_context_is_out_of_range(full_daemon, n0, n1):
         s.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: Generate on a `full` session whose history already fills the context "
-                   "streams 0 tokens and reports stop_reason MAX_TOKENS, not CONTEXT_FULL. Fix in engine/generate.py: "
-                   "start with reason = 'context_full' when limit is not None and position >= limit.")
 def test_generate_at_full_context_says_context_full(full_daemon):
     c, limit = full_daemon
     with c.create_session([7] * limit, ignore_eos=True) as s:
