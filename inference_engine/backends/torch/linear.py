@@ -1,0 +1,176 @@
+"""Weight formats of the torch backend's linear layers: fp32 dense, int8 and int4 weight-only.
+
+Each format is a callable `y = lin(x)` on (M, K) activations -> (M, N), with `nbytes` (the
+bytes a forward reads) and `dequantized()` (the fp32 matrix it computes with, for checks).
+
+Measured on the 2-core CPU (torch 2.13, SmolLM2's 30 layers of linears, `scripts/bench_weights.py`):
+torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) are fast
+only with bfloat16 activations; with fp32 or fp16 activations they fall back to paths several
+times slower than fp32 dense. So the quantized formats cast activations to bf16 for the
+matmul and back to fp32 after it, and their scales are stored in bf16 (chosen so that the
+integer codes are computed against the bf16 scale actually used). For many rows at once
+(a prefill chunk) dense bf16 GEMM beats the weight-only kernels, so above `DENSE_ROWS` rows a
+quantized layer dequantizes its weight to bf16 for that call (no second copy is kept).
+
+  int8: symmetric, one scale per output row.
+  int4: asymmetric, groups of 32 along the input (GGUF Q4_1's own layout: w = q * d + m per
+        32-block), scale and zero per group; built from the GGUF's Q4_1 blocks when given.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+WEIGHT_FORMATS = ("fp32", "int8", "int4")
+GROUP = 32  # int4 group size along the input dimension (= GGUF Q4_1 block)
+DENSE_ROWS = 16  # above this many rows, dequantize to bf16 and use dense GEMM (see module docstring)
+_COMPUTE = torch.bfloat16
+
+
+class DenseLinear:
+    """y = x @ w.T (+ b) in the weight's dtype."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None):
+        self.w, self.b = w.contiguous(), b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w, self.b)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    def dequantized(self) -> torch.Tensor:
+        return self.w.float()
+
+
+class Int8Linear:
+    """Per-output-row symmetric int8: w ≈ q * s, q in [-127, 127], s bf16 (N,)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, b: torch.Tensor | None = None):
+        self.q, self.scales, self.b = q.contiguous(), scales.contiguous(), b
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, b: torch.Tensor | None = None) -> "Int8Linear":
+        w = w.float()
+        s = (w.abs().amax(1) / 127).clamp_min(1e-12).to(_COMPUTE)  # the scale the kernel will use
+        q = torch.round(w / s.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, s, b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > DENSE_ROWS or x.device.type != "cpu":
+            y = F.linear(x.to(_COMPUTE), self._dense_bf16())
+        else:
+            y = torch._weight_int8pack_mm(x.to(_COMPUTE), self.q, self.scales)
+        y = y.to(x.dtype)
+        return y + self.b if self.b is not None else y
+
+    def _dense_bf16(self) -> torch.Tensor:
+        return self.q.to(_COMPUTE) * self.scales[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 2
+
+    def dequantized(self) -> torch.Tensor:
+        return self.q.float() * self.scales.float()[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup from the same table), fp32."""
+        return self.q[ids].float() * self.scales[ids].float()[:, None]
+
+
+class Int4Linear:
+    """Groups of 32 along the input: w = (q - 8) * scale + zero, q in [0, 15] (torch's int4pack
+    convention; a Q4_1 block q * d + m is scale = d, zero = m + 8 d)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, b: torch.Tensor | None = None):
+        # q (N, K) int values 0..15; scale, zero (N, K / 32)
+        n, k = q.shape
+        if k % GROUP:
+            raise ValueError(f"int4 needs the input dimension to be a multiple of {GROUP}, got {k}")
+        q = q.to(torch.uint8)
+        self.shape = (n, k)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # (N, K/2): dense path and checks
+        self.scale = scale.to(_COMPUTE).contiguous()  # (N, K/32)
+        self.zero = zero.to(_COMPUTE).contiguous()
+        self.scale_zero = torch.stack([self.scale, self.zero], -1).transpose(0, 1).contiguous()  # (K/32, N, 2)
+        self.b = b
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, b: torch.Tensor | None = None) -> "Int4Linear":
+        """Min/max per group of 32, as llama.cpp's Q4_1 quantizer does."""
+        n, k = w.shape
+        g = w.float().view(n, k // GROUP, GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = ((hi - lo) / 15).clamp_min(1e-12)
+        return cls.from_blocks(torch.round((g - lo[..., None]) / d[..., None]).clamp(0, 15).view(n, k), d, lo, b)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, b: torch.Tensor | None = None) -> "Int4Linear":
+        """From Q4_1 blocks: q (N, K) in 0..15, d and m (N, K / 32), w = q * d + m."""
+        d32, m32 = d.float(), m.float()
+        return cls(q, d32, m32 + 8 * d32, b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > DENSE_ROWS or x.device.type != "cpu":
+            y = F.linear(x.to(_COMPUTE), self.dequantized().to(_COMPUTE))
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x.to(_COMPUTE), self.packed, GROUP, self.scale_zero)
+        y = y.to(x.dtype)
+        return y + self.b if self.b is not None else y
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * 2
+
+    def codes(self) -> torch.Tensor:
+        """q (N, K) in 0..15."""
+        n, k = self.shape
+        return torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).view(n, k)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 matrix the kernel computes with: (q - 8) * scale + zero, scale/zero as stored (bf16)."""
+        n, k = self.shape
+        q = self.codes().float().view(n, k // GROUP, GROUP)
+        return ((q - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]).view(n, k)
+
+
+class RefinedHead:
+    """The LM head for the quantized formats: every logit from the int8 kernel, then the top
+    `refine` candidates of each row recomputed exactly in fp32 from the fp32 rows.
+
+    The kernel's output is bf16, whose step at a typical top logit (~20) is 0.125, so near-ties
+    between the best candidates flip; recomputing the few that can win keeps greedy choices those
+    of the fp32 head (measured in scripts/bench_weights.py) for 16 fp32 rows per query instead of
+    the whole 49152 x 576 matrix. The fp32 rows are the model's own (the GGUF keeps the head 8-bit,
+    so these are its dequantized values) and double as the embedding table."""
+
+    def __init__(self, w: torch.Tensor, refine: int = 16):
+        self.w = w.float().contiguous()
+        self.approx = Int8Linear.from_float(self.w)
+        self.refine = refine
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.approx(x).float()
+        idx = y.topk(self.refine, dim=-1).indices  # (M, r)
+        exact = torch.einsum("mh,mrh->mr", x.float(), self.w[idx])
+        return y.scatter(-1, idx, exact)
+
+    @property
+    def nbytes(self) -> int:
+        return self.approx.nbytes  # + refine rows per query, negligible
+
+    def dequantized(self) -> torch.Tensor:
+        return self.w
+
+
+def make_linear(fmt: str, w: torch.Tensor, b: torch.Tensor | None = None):
+    if fmt == "fp32":
+        return DenseLinear(w, b)
+    if fmt == "int8":
+        return Int8Linear.from_float(w, b)
+    if fmt == "int4":
+        return Int4Linear.from_float(w, b)
+    raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
