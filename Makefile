@@ -11,7 +11,7 @@ MODEL   ?= smollm2-135m-instruct
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model run test test-python test-ts lint-proto bench clean
+.PHONY: setup proto model run test test-python test-ts lint-proto bench bench-deps clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -53,6 +53,15 @@ test-ts: setup $(TS_DEPS)
 
 lint-proto: $(TS_DEPS)
 	cd sdks/typescript && npm run buf:lint
+
+KAKEYA_HOME ?= $(HOME)/.cache/kakeya
+WHEELS := $(KAKEYA_HOME)/wheels
+LLAMA_CPP := llama-cpp-python==0.3.36
+
+bench-deps: setup
+	mkdir -p $(WHEELS)
+	ls $(WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || $(BIN)/python -m pip wheel --no-deps -w $(WHEELS) $(LLAMA_CPP)
+	$(BIN)/python -m pip install --quiet --find-links $(WHEELS) $(LLAMA_CPP)
 
 bench: setup model
 	$(BIN)/python scripts/bench_agentic/bench_turns.py

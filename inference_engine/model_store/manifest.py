@@ -80,6 +80,9 @@ def check_model_dir(model_dir: Path, *, deep: bool = False) -> DirCheck:
     if manifest.get("verified") is not True:
         return DirCheck(False, "manifest does not record a passed verification")
     files = manifest.get("files")
+    source = manifest.get("source") or {}
+    if source.get("gguf_file") and not source.get("gguf_kept_as"):
+        return DirCheck(False, "pulled before the GGUF was kept (the int4 weights are built from it): pull again")
     if not isinstance(files, dict) or "config.json" not in files:
         return DirCheck(False, "manifest lists no model files")
     for rel, meta in files.items():

@@ -26,7 +26,11 @@ def load_model(cfg: ServeConfig):
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.model_store import resolve_model
 
-    return TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device)
+    weights = cfg.weights if cfg.weights != "auto" else ("int4" if cfg.device == "cpu" else "fp32")
+    try:
+        return TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device, weights=weights)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def build_engine(cfg: ServeConfig, model):
@@ -35,7 +39,11 @@ def build_engine(cfg: ServeConfig, model):
     from inference_engine.kv.strategy import KVStrategy
 
     drafter = None
-    if cfg.drafter:
+    if cfg.drafter == "ngram":
+        from inference_engine.engine.prompt_lookup import PromptLookupDrafter
+
+        drafter = PromptLookupDrafter()
+    elif cfg.drafter:
         from kv_cache_proposer import load_drafter
 
         drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
@@ -54,7 +62,14 @@ def build_engine(cfg: ServeConfig, model):
                           "drafter only (same-model restoration is exact: there is nothing to calibrate)")
     if strategy.name == "dlm_restore" and strategy.restore_from == "drafter":
         restore_source = drafter_restore_source(cfg, model, drafter)
-    return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=cfg.threads,
+    threads = cfg.threads
+    if threads == "auto":
+        from inference_engine.engine.tuning import fastest_thread_count
+
+        threads, timings = fastest_thread_count(model)
+        log.info("--threads auto: %d (median decode step by thread count: %s)", threads,
+                 ", ".join(f"{n}: {1000 * t:.1f} ms" for n, t in timings.items()))
+    return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=threads,
                   drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",
                   restore_source=restore_source)
 

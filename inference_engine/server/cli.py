@@ -28,9 +28,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--http-port", type=int, default=d.http_port, help="deprecated OpenAI-style HTTP shim port (0 = off)")
     p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="require 'authorization: Bearer KEY' (env KAKEYA_API_KEY)")
     p.add_argument("--device", default=d.device, help="torch device: cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=_threads, default=None,
+                   help="torch intra-op threads: N, or auto = the count that decodes fastest here, measured at startup "
+                        "(default: torch's choice)")
+    p.add_argument("--weights", default=d.weights, choices=("auto", "fp32", "int8", "int4"),
+                   help="weight format of the torch backend: int4 = the GGUF's own Q4_1 blocks (fastest; passes the "
+                        "quality gate), int8 = per-row int8 (misses the gate), auto = int4 on cpu, fp32 on other devices")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="tokens per prefill forward (bounds peak memory)")
-    p.add_argument("--drafter", default=None, help="dLM drafter (shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir): speculative decoding")
+    p.add_argument("--drafter", default=None,
+                   help="speculative decoding: ngram (draft-free prompt lookup in the session's history) or a dLM drafter "
+                        "(shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir)")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used only by --research-restore-from drafter)")
     _add_research(p, d.research)
     p.set_defaults(func=_run_serve)
@@ -54,6 +61,18 @@ def _add_research(p, r: ResearchOptions) -> None:
                         "(a logit offset per layer and head) to the restored positions' attention logits")
 
 
+def _threads(value: str):
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads takes a positive int or 'auto', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--threads takes a positive int or 'auto', got {n}")
+    return n
+
+
 def serve_config(args) -> ServeConfig:
     """The ServeConfig that `kakeya serve` arguments describe."""
     return ServeConfig(
@@ -71,6 +90,7 @@ def serve_config(args) -> ServeConfig:
         api_key=args.api_key or None,
         device=args.device,
         threads=args.threads,
+        weights=args.weights,
         prefill_chunk=args.prefill_chunk,
         drafter=args.drafter,
         spec_k=args.spec_k,

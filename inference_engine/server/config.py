@@ -40,10 +40,11 @@ class ServeConfig:
     http_port: int = 0  # 0 = off (deprecated OpenAI-style shim)
     api_key: str | None = None
     device: str = "cpu"
-    threads: int | None = None
+    threads: int | str | None = None  # None = torch's choice, "auto" = fastest measured (engine/tuning.py)
+    weights: str = "auto"  # fp32 | int8 | int4 | auto (int4 on cpu, fp32 elsewhere: scripts/bench_weights.py)
     prefill_chunk: int = 256
     max_workers: int = 16
-    drafter: str | None = None  # shipped drafter name or checkpoint dir; enables speculative decoding
+    drafter: str | None = None  # "ngram" (prompt lookup), a shipped drafter name or checkpoint dir; enables speculation
     spec_k: int = 4
     research: ResearchOptions = field(default_factory=ResearchOptions)
 

@@ -8,9 +8,12 @@ torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu
 only with bfloat16 activations; with fp32 or fp16 activations they fall back to paths several
 times slower than fp32 dense. So the quantized formats cast activations to bf16 for the
 matmul and back to fp32 after it, and their scales are stored in bf16 (chosen so that the
-integer codes are computed against the bf16 scale actually used). For many rows at once
-(a prefill chunk) dense bf16 GEMM beats the weight-only kernels, so above `DENSE_ROWS` rows a
-quantized layer dequantizes its weight to bf16 for that call (no second copy is kept).
+integer codes are computed against the bf16 scale actually used). Both kernels are bitwise
+row-independent (a row's output does not depend on the other rows of the call), so results do
+not depend on how a history was chunked (INV-3). Dequantizing to bf16 and using dense GEMM for
+prefill chunks measured faster (2k prefill: int4 523 vs 429 tok/s, int8 622 vs 411) but its
+numerics change with the number of rows per call and flipped near-tie tokens between chunkings
+(tests/backends/test_weight_formats.py), so it is not used.
 
   int8: symmetric, one scale per output row.
   int4: asymmetric, groups of 32 along the input (GGUF Q4_1's own layout: w = q * d + m per
@@ -23,7 +26,6 @@ import torch.nn.functional as F
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")
 GROUP = 32  # int4 group size along the input dimension (= GGUF Q4_1 block)
-DENSE_ROWS = 16  # above this many rows, dequantize to bf16 and use dense GEMM (see module docstring)
 _COMPUTE = torch.bfloat16
 
 
@@ -58,15 +60,9 @@ class Int8Linear:
         return cls(q, s, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > DENSE_ROWS or x.device.type != "cpu":
-            y = F.linear(x.to(_COMPUTE), self._dense_bf16())
-        else:
-            y = torch._weight_int8pack_mm(x.to(_COMPUTE), self.q, self.scales)
+        y = torch._weight_int8pack_mm(x.to(_COMPUTE), self.q, self.scales)
         y = y.to(x.dtype)
         return y + self.b if self.b is not None else y
-
-    def _dense_bf16(self) -> torch.Tensor:
-        return self.q.to(_COMPUTE) * self.scales[:, None]
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +88,7 @@ class Int4Linear:
         q = q.to(torch.uint8)
         self.shape = (n, k)
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # (N, K/2): dense path and checks
+        self.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # (N, K/2): the codes, for checks
         self.scale = scale.to(_COMPUTE).contiguous()  # (N, K/32)
         self.zero = zero.to(_COMPUTE).contiguous()
         self.scale_zero = torch.stack([self.scale, self.zero], -1).transpose(0, 1).contiguous()  # (K/32, N, 2)
@@ -114,10 +110,7 @@ class Int4Linear:
         return cls(q, d32, m32 + 8 * d32, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > DENSE_ROWS or x.device.type != "cpu":
-            y = F.linear(x.to(_COMPUTE), self.dequantized().to(_COMPUTE))
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(x.to(_COMPUTE), self.packed, GROUP, self.scale_zero)
+        y = torch._weight_int4pack_mm_for_cpu(x.to(_COMPUTE), self.packed, GROUP, self.scale_zero)
         y = y.to(x.dtype)
         return y + self.b if self.b is not None else y
 

@@ -1,0 +1,49 @@
+"""`--threads auto`: pick the intra-op thread count that decodes fastest on this machine.
+
+Rule: for each candidate (1, 2, 4, 8 and the core count, up to the core count) run 2 warm-up
+and `steps` timed decode steps of the loaded model on a scratch `full` cache; the candidate
+with the lowest median step time wins, and a candidate within 5 % of a smaller one loses to it
+(fewer threads leave cores to the rest of the machine). Measured once at startup (~1 s per
+candidate for SmolLM2): a shared 2-core box and an 8-core laptop get different answers.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from inference_engine.engine import steps
+from inference_engine.engine.session_kv import SessionKV
+from inference_engine.kv.factory import make_cache
+from inference_engine.kv.strategy import KVStrategy
+
+
+def thread_candidates(cores: int | None = None) -> list[int]:
+    cores = cores or os.cpu_count() or 1
+    return sorted({n for n in (1, 2, 4, 8, cores) if n <= cores})
+
+
+def fastest_thread_count(model, candidates: list[int] | None = None, timed_steps: int = 8) -> tuple[int, dict]:
+    """(best thread count, {threads: median decode step seconds})."""
+    before = torch.get_num_threads()
+    timings = {}
+    try:
+        for n in candidates or thread_candidates():
+            torch.set_num_threads(n)
+            kv = SessionKV(make_cache(KVStrategy("full"), model.geometry(), max_step=64, max_context=model.spec.max_context))
+            steps.prefill_chunk(model, kv, list(range(10, 42)))
+            times = []
+            for i in range(2 + timed_steps):
+                t = time.perf_counter()
+                steps.decode_step(model, kv, 100 + i)
+                times.append(time.perf_counter() - t)
+            timings[n] = statistics.median(times[2:])
+    finally:
+        torch.set_num_threads(before)
+    best = None
+    for n in sorted(timings):
+        if best is None or timings[n] < 0.95 * timings[best]:
+            best = n
+    return best, timings

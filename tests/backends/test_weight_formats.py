@@ -1,0 +1,102 @@
+"""Weight formats of the torch backend (backends/torch/linear.py): kernels compute with the weights
+they report, int4 reproduces GGUF Q4_1 blocks, the refined head keeps fp32's choices, quantized
+engines keep the engine's exactness properties (INV-3, speculative = AR)."""
+import numpy as np
+import pytest
+import torch
+
+from drafters import HashDrafter
+from factories import load_model, require_smollm2, tiny_model_dir
+from inference_engine.backends.torch.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, RefinedHead
+from inference_engine.backends.torch.model import TorchCausalLM
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.generate import Engine
+from inference_engine.engine.requests import GenerateParams
+from inference_engine.kv.strategy import KVStrategy
+
+
+def rnd(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("make", [Int8Linear.from_float, Int4Linear.from_float])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_quantized_linear_computes_with_its_dequantized_weight(make, rows):
+    lin = make(rnd(96, 128))
+    x = rnd(rows, 128, seed=1)
+    want = x.to(torch.bfloat16).float() @ lin.dequantized().T
+    torch.testing.assert_close(lin(x), want, rtol=2e-2, atol=5e-2)  # bf16 output rounding
+
+
+def test_quantization_error_is_bounded_by_the_step():
+    w = rnd(64, 256)
+    i8, i4 = Int8Linear.from_float(w), Int4Linear.from_float(w)
+    assert float((i8.dequantized() - w).abs().max()) <= float(w.abs().max()) / 127 * 0.51 + 1e-3
+    g = w.view(64, -1, GROUP)
+    step = ((g.amax(-1) - g.amin(-1)) / 15).max()
+    assert float((i4.dequantized() - w).abs().max()) <= float(step) * 0.51 + 2e-2  # + bf16 scale/zero rounding
+
+
+def test_int4_from_blocks_keeps_the_codes():
+    q = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(2), dtype=torch.int64)
+    d, m = rnd(32, 2).abs() * 0.01 + 1e-3, rnd(32, 2, seed=3) * 0.05
+    lin = Int4Linear.from_blocks(q, d, m)
+    assert torch.equal(lin.codes().long(), q)
+    deq = (q.float().view(32, 2, GROUP) * d[..., None] + m[..., None]).view(32, 64)
+    torch.testing.assert_close(lin.dequantized(), deq, rtol=0, atol=float((d.abs().max() * 8 + m.abs().max()) * 2**-8))
+
+
+def test_kernels_are_row_independent():
+    """A row's output does not depend on which other rows share the call: chunking cannot change results."""
+    for lin in (Int8Linear.from_float(rnd(64, 96)), Int4Linear.from_float(rnd(64, 96))):
+        x = rnd(12, 96, seed=4)
+        full = lin(x)
+        assert all(torch.equal(full[i : i + 1], lin(x[i : i + 1])) for i in range(12))
+
+
+def test_refined_head_scores_the_top_candidates_exactly():
+    w = rnd(5000, 64) * 0.2
+    head, dense = RefinedHead(w, refine=8), DenseLinear(w)
+    x = rnd(6, 64, seed=5)
+    got, want = head(x), dense(x)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    top = want.topk(4, -1).indices
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_engine_is_chunking_independent_and_speculation_exact(weights):
+    path = str(tiny_model_dir("llama"))
+    m = TorchCausalLM.load(path, weights=weights)
+    history = torch.randint(3, 200, (70,), generator=torch.Generator().manual_seed(6)).tolist()
+
+    def run(engine, hist, n=16):
+        return [e.token_id for e in engine.generate(engine.new_session_kv(), hist, GenerateParams(max_tokens=n))
+                if isinstance(e, TokenGenerated)]
+
+    ref = run(Engine(m, KVStrategy("full"), prefill_chunk=64), history)
+    assert run(Engine(m, KVStrategy("full"), prefill_chunk=7), history) == ref  # INV-3 over chunkings
+    assert run(Engine(m, KVStrategy("full"), prefill_chunk=64, drafter=HashDrafter(m.spec.vocab_size), spec_k=3), history) == ref
+
+
+@pytest.mark.model
+def test_int4_is_built_from_the_gguf_blocks_of_the_pulled_model():
+    """The pulled directory keeps the GGUF; its Q4_1 blocks equal the pulled fp32 weights exactly,
+    and the int4 model computes with those codes."""
+    from safetensors import safe_open
+
+    from inference_engine.model_store.gguf_blocks import q4_1_blocks
+
+    path = require_smollm2()
+    blocks = q4_1_blocks(path / "source.gguf", num_heads=9, num_kv_heads=3)
+    f = safe_open(str(path / "model.safetensors"), "pt")
+    assert len(blocks) == 30 * 7
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.17.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight"):
+        q, d, m = blocks[name]
+        n, k = q.shape
+        deq = (q.float().view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]).view(n, k)
+        assert torch.equal(deq, f.get_tensor(name))
+    model = TorchCausalLM.load(path, weights="int4")
+    q0 = torch.cat([blocks[f"model.layers.0.self_attn.{p}_proj.weight"][0] for p in "qkv"])
+    assert np.array_equal(model.layers[0].wqkv.codes().numpy(), q0.numpy())
