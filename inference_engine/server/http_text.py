@@ -10,6 +10,8 @@ import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kakeya.tokenization import IncrementalDecoder
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
 
 
@@ -35,8 +37,9 @@ class ModelText:
     def encode(self, prompt: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(prompt)]
 
-    def detokenizer(self) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self.tokenizer)
+    def detokenizer(self) -> IncrementalDecoder:
+        """Generated ids -> text deltas that never split a multi-byte character (the SDK's decoder)."""
+        return IncrementalDecoder(self.tokenizer)
 
 
 def load_model_text(model_dir: str | pathlib.Path, *, vocab_size: int, model_eos_token_ids: Iterable[int] = ()) -> ModelText:
@@ -63,39 +66,6 @@ def load_model_text(model_dir: str | pathlib.Path, *, vocab_size: int, model_eos
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id < vocab_size:
         eos.add(int(tokenizer.eos_token_id))
     return ModelText(tokenizer, frozenset(eos))
-
-
-class IncrementalDetokenizer:
-    """Generated ids -> text deltas that never split a multi-byte character.
-
-    Each push decodes a short window of recent ids (so tokenizers that drop a leading space
-    at the start of a decode still get it right) and holds text back while it ends in an
-    incomplete UTF-8 sequence (U+FFFD). `flush` emits whatever is held at the end.
-    """
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # ids before this are already emitted
-
-    def _decode(self, ids) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-    def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        done = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        if len(text) > len(done) and not text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return text[len(done) :]
-        return ""
-
-    def flush(self) -> str:
-        done = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
-        return text[len(done) :]
 
 
 class StopMatcher:

@@ -20,7 +20,8 @@ from inference_engine.model_store.tiny import make_tiny_model
 from inference_engine.server.app import ConfigError, ServeConfig, start
 from inference_engine.server.http_openai import DEPRECATION_HEADERS
 from inference_engine.server.http_shim import start_http_shim
-from inference_engine.server.http_text import IncrementalDetokenizer, StopMatcher
+from inference_engine.server.http_text import StopMatcher
+from kakeya.tokenization import IncrementalDecoder
 from inference_engine.server.runtime import Runtime
 
 API_KEY = "test-key-0123"
@@ -359,12 +360,12 @@ def test_incremental_detokenizer_never_splits_characters():
     tok = tokenizer_of(text_model_dir())
     text = "héllo € 😀 naïve ☃ end"
     ids = tok.encode(text)  # byte-level: multi-byte characters span several ids
-    d = IncrementalDetokenizer(tok)
+    d = IncrementalDecoder(tok)
     pieces = [d.push(i) for i in ids] + [d.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert "" in pieces  # some ids completed no character
     # a truncated character at the end still comes out (as U+FFFD) on flush
-    d = IncrementalDetokenizer(tok)
+    d = IncrementalDecoder(tok)
     out = "".join(d.push(i) for i in tok.encode("ok €")[:-1]) + d.flush()
     assert out.startswith("ok ") and out.endswith("\ufffd")
 
