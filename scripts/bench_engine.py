@@ -122,7 +122,7 @@ def llama_cpp_arm(gguf: pathlib.Path, args) -> dict:
     for t in range(args.turns):
         start = time.perf_counter()
         history += tokens(args.append, 100 + t)
-        gen = llm.generate(history, temp=0.0, reset=False)
+        gen = llm.generate(history, temp=0.0)  # reset=True: keeps the longest common prefix of the last evaluation
         for _ in range(args.generate):
             history.append(next(gen))
         out["turn_latency_s"].append(time.perf_counter() - start)
