@@ -50,7 +50,10 @@ def run(engine, ids, n):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--drafter", default="smollm2-135m-dlm")
+    ap.add_argument("--drafter", default="smollm2-135m-dlm", help="a dLM drafter name/dir, or ngram (prompt lookup)")
+    ap.add_argument("--weights", default="fp32", choices=("fp32", "int8", "int4"))
+    ap.add_argument("--heldout-from", default="smollm2-135m-dlm",
+                    help="drafter checkpoint whose held-out prompts are used (the same set for every drafter)")
     ap.add_argument("--ks", default="2,4,8,16")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompts-per-style", type=int, default=25)
@@ -68,9 +71,14 @@ def main() -> int:
     from kv_cache_proposer import load_drafter, resolve_checkpoint
 
     torch.set_num_threads(args.threads)
-    model = TorchCausalLM.load(resolve_model(args.model))
-    drafter = TimedDrafter(load_drafter(args.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head))
-    heldout = json.loads((resolve_checkpoint(args.drafter) / "heldout_prompts.json").read_text())
+    model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
+    if args.drafter == "ngram":
+        from inference_engine.engine.prompt_lookup import PromptLookupDrafter
+
+        drafter = TimedDrafter(PromptLookupDrafter())
+    else:
+        drafter = TimedDrafter(load_drafter(args.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head))
+    heldout = json.loads((resolve_checkpoint(args.heldout_from) / "heldout_prompts.json").read_text())
     prompts = [(style, p) for style in ("chat", "code") for p in heldout[style][: args.prompts_per_style]]
     ks = [int(k) for k in args.ks.split(",")]
     strategy = KVStrategy(args.kv_strategy)
