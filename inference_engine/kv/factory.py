@@ -5,7 +5,7 @@ from inference_engine.kv.dlm_restore import DLMRestoreCache
 from inference_engine.kv.full import FullKVCache
 from inference_engine.kv.layout import CacheGeometry
 from inference_engine.kv.sink_window import SinkWindowCache
-from inference_engine.kv.slot_cache import STATE_FORMAT, CacheState, SlotKVCache
+from inference_engine.kv.slot_cache import STATE_FORMAT, CacheState, SlotKVCache, geometry_meta
 from inference_engine.kv.strategy import KVStrategy
 
 
@@ -26,8 +26,7 @@ def cache_from_state(state: CacheState, geometry: CacheGeometry, *, max_step: in
     meta = state.meta
     if meta.get("format") != STATE_FORMAT:
         raise ValueError(f"cache state format {meta.get('format')!r} is not supported (this build reads {STATE_FORMAT})")
-    got = {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
-           "dtype": str(geometry.dtype).removeprefix("torch.")}
+    got = geometry_meta(geometry)
     if meta["geometry"] != got:
         raise ValueError(f"cache state is for a model with {meta['geometry']}; this model has {got}")
     cache = make_cache(KVStrategy(**meta["strategy"]), geometry, max_step=max_step, max_context=max_context,

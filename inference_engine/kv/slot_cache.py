@@ -44,6 +44,12 @@ class CacheState:
     meta: dict
 
 
+def geometry_meta(g: CacheGeometry) -> dict:
+    """What a saved state records of the model's cache shape (checked when it is loaded)."""
+    return {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+            "dtype": str(g.dtype).removeprefix("torch.")}
+
+
 class SlotKVCache:
     """Per-layer K/V rows in a store, addressed by slot; subclasses choose slots and masks.
 
@@ -173,11 +179,9 @@ class SlotKVCache:
     def state(self) -> CacheState:
         if self._layout is not None:
             raise CacheInvariantError("inv1", "state() of a cache with an uncommitted step; commit or abort first")
-        g = self.geometry
         meta = {
             "format": STATE_FORMAT, "cache": type(self).__name__, "strategy": asdict(self.strategy),
-            "geometry": {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
-                         "dtype": str(g.dtype).removeprefix("torch.")},
+            "geometry": geometry_meta(self.geometry),
             "next_position": self.next_position, "dropped_total": self.dropped_total, "peak_nbytes": self.peak_nbytes,
         }
         tensors = {f"store.{k}": v for k, v in self.store.state().items()}
