@@ -17,6 +17,9 @@ class CacheGeometry:
     layer_windows: tuple  # per layer: model sliding window or None
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    # The backend's store constructor (same signature as stores.make_store); None = torch's.
+    # The MLX backend passes its own, so every cache strategy runs unchanged over MLX arrays.
+    make_store: object = None
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,9 @@ class SlotKVCache:
         self.strategy = strategy
         self.geometry = geometry
         g = geometry
-        self.store = make_store(strategy.compressor, strategy.q_range, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-                                head_dim=g.head_dim, capacity=capacity, dtype=g.dtype, device=g.device)
+        store = g.make_store or make_store  # the backend's own store, if it brings one (CacheGeometry)
+        self.store = store(strategy.compressor, strategy.q_range, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                           head_dim=g.head_dim, capacity=capacity, dtype=g.dtype, device=g.device)
         self.next_position = 0  # committed tokens == next position to write
         self.dropped_total = 0  # positions that left attention for good
         self._layer_rows = [0] * g.num_layers  # K/V rows written per layer (INV-1)
