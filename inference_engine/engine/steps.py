@@ -36,13 +36,17 @@ def _forward(backend, ids, positions, cache, logits, restored):
         sink_rope = backend.rope(layout.positions * 0 + layout.sink_shift.virtual_query_position) if layout.sink_shift_active else None
         restored_rope = backend.rope(plan.positions) if step is not None else None
         bias = getattr(step, "logit_bias", None)
+        paged = getattr(cache, "attend_with_pages", None)  # paged: queries also attend to the pages they recall
         for i in range(backend.spec.num_layers):
             q, k, v = backend.project(i, x)
             q, q_normed = backend.position_q(i, q, rope)
             k_all, v_all = cache.update_and_fetch(i, backend.position_k(i, k, rope), v)
             extra = (*step.kv_for_layer(i), restored_rope, bias) if step is not None else None
-            x = backend.finish(i, x, backend.attend_layout(i, q, q_normed, k_all, v_all, layout, extra, sink_rope))
-            del k_all, v_all, extra
+            o = paged(i, q, k_all, v_all, layout, backend.spec.attn_scale) if paged is not None else None
+            if o is None:  # not paged, or nothing out of the window yet
+                o = backend.attend_layout(i, q, q_normed, k_all, v_all, layout, extra, sink_rope)
+            x = backend.finish(i, x, o)
+            del k_all, v_all, extra, o
     finally:
         if step is not None:
             step.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from inference_engine.kv.dlm_restore import DLMRestoreCache
 from inference_engine.kv.full import FullKVCache
 from inference_engine.kv.layout import CacheGeometry
+from inference_engine.kv.paged import PagedCache
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import STATE_FORMAT, CacheState, SlotKVCache, geometry_meta
 from inference_engine.kv.strategy import KVStrategy
@@ -17,6 +18,8 @@ def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, 
         return FullKVCache(strategy, geometry)
     if strategy.name == "dlm_restore":
         return DLMRestoreCache(strategy, geometry, max_step, max_context, restore_source=restore_source)
+    if strategy.name == "paged":
+        return PagedCache(strategy, geometry, max_step, max_context)
     return SinkWindowCache(strategy, geometry, max_step, max_context)
 
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from inference_engine.kv.compressor_names import COMPRESSOR_NAMES, MAX_Q_RANGE
 
-STRATEGY_NAMES = ("full", "sink_window", "dlm_restore")
+STRATEGY_NAMES = ("full", "sink_window", "paged", "dlm_restore")
+PAGE_COMPRESSORS = ("identity", "int8", "kakeya_d4", "kakeya_e8")  # paged: how stored (evicted) pages are kept
+PAGE_KEY_BITS = (4, 8)  # paged: bits per element of the compact keys pages are scored by
 # "verifier": same-model (the backend's own VerifierRestoreSource, f_θ = identity);
 # "drafter": cross-model, the shipped dLM drafter + its learned f_θ (kv_cache_proposer/restore.py).
 RESTORE_FROM = ("verifier", "drafter")
@@ -28,6 +30,10 @@ class KVStrategy:
     restore_from: str = "verifier"
     restore_refresh: int = 1
     restore_pin: int = 0
+    page_size: int = 64
+    recall_pages: int = 8
+    page_compressor: str = "identity"
+    page_key_bits: int = 4
 
     def __post_init__(self):
         if self.name not in STRATEGY_NAMES:
@@ -52,6 +58,15 @@ class KVStrategy:
                              "kv_strategy dlm_restore with restore_from drafter (same-model restoration is exact)")
         if self.restore_pin and self.restore_refresh != 1:
             raise ValueError("restore_pin and restore_refresh > 1 cannot be combined (a held set cannot follow the pins)")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1 (tokens per page; 64 is the default), got {self.page_size!r}")
+        if not isinstance(self.recall_pages, int) or self.recall_pages < 0:
+            raise ValueError(f"recall_pages must be an int >= 0 (pages each query attends besides sink and window), "
+                             f"got {self.recall_pages!r}")
+        if self.page_compressor not in PAGE_COMPRESSORS:
+            raise ValueError(f"unknown page compressor {self.page_compressor!r}; choose one of {', '.join(PAGE_COMPRESSORS)}")
+        if self.page_key_bits not in PAGE_KEY_BITS:
+            raise ValueError(f"page_key_bits must be one of {PAGE_KEY_BITS}, got {self.page_key_bits!r}")
 
     def describe(self) -> dict:
         """Parameters that shape this strategy, as strings (GetServerInfo reports them as a map)."""
@@ -63,6 +78,9 @@ class KVStrategy:
         if self.name == "dlm_restore":
             out |= {"restore_from": self.restore_from, "restore_refresh": str(self.restore_refresh),
                     "restore_pin": str(self.restore_pin)}
+        if self.name == "paged":
+            out |= {"page_size": str(self.page_size), "recall_pages": str(self.recall_pages),
+                    "page_compressor": self.page_compressor, "page_key_bits": str(self.page_key_bits)}
         return out
 
     @property
@@ -72,5 +90,5 @@ class KVStrategy:
 
     @property
     def forgets(self) -> bool:
-        """Positions leave attention for good (only sink_window; dlm_restore restores them)."""
+        """Positions leave attention for good (only sink_window; dlm_restore restores them, paged recalls them)."""
         return self.name == "sink_window"

@@ -1,6 +1,7 @@
 """state() -> from_state(): a session restored from its saved state continues token for token
 like one that never left memory, for every strategy and compressor (through safetensors + JSON,
 the files persistence writes)."""
+import dataclasses
 import json
 
 import pytest
@@ -42,14 +43,15 @@ STRATEGIES = {
     "dlm_restore": KVStrategy("dlm_restore", SINK, WINDOW),
     "dlm_restore_refresh3": KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=3),
     "dlm_restore_pin4": KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4),
+    "paged": KVStrategy("paged", SINK, WINDOW, page_size=8, recall_pages=2),
+    "paged_int8_pages": KVStrategy("paged", SINK, WINDOW, page_size=8, recall_pages=2, page_compressor="int8"),
 }
 
 
 def engine_for(name, compressor, drafter=None):
     m = load_model(str(tiny_model_dir("llama")))
     st = STRATEGIES[name]
-    st = KVStrategy(st.name, st.sink, st.window, compressor=compressor, restore_from=st.restore_from,
-                    restore_refresh=st.restore_refresh, restore_pin=st.restore_pin)
+    st = dataclasses.replace(st, compressor=compressor)
     source = m.verifier_restore_source() if st.restore_from == "drafter" else None
     return Engine(m, st, prefill_chunk=16, restore_source=source, drafter=drafter, spec_k=3 if drafter else 0)
 

@@ -1,0 +1,244 @@
+"""PagedCache: sink + window resident, every evicted position kept exactly in pages, and each
+query recalls its own top pages.
+
+Resident memory is sink_window's (same slots, same masks). A position leaving the window is
+archived, not dropped: its exact K/V (post-RoPE, as attended) go to the page store (a RowTable
+through `page_compressor`), and a compact copy of its key (`page_key_bits` int4 / int8 per row)
+to the selection data. Pages are fixed position ranges, page j = [sink + j*P, sink + (j+1)*P).
+
+At every layer of every step (prefill chunk, decode, speculative verify) `attend_with_pages`
+scores, for each query p and KV head, every key out of p's window, [sink, p - window], by its
+compact key (q . k, max over the query heads of the group), takes each page's best key as the
+page score, and keeps the top `recall_pages` pages. The query then attends exactly to sink +
+window + the chosen pages' keys at their true positions. Token-level scores are what make the
+choice work on SmolLM2 (issue 15's probe: a page's min/max bound or mean key loses half the gap).
+
+Selection is per query and by position, so it does not depend on how the history was appended
+(INV-3): a key still resident but out of a query's window (a long prefill chunk) is scored through
+the same compact code it gets when archived. With `recall_pages` >= the number of pages every
+query attends to its whole history: paged == full.
+
+Positions are never re-based: a session stops at the trained context, like `full`.
+Byte counts: `resident_nbytes` (sink + window slab; flat), `selection_nbytes` (compact keys;
+grows with the pages), `stored_nbytes` (page store). `nbytes` = resident + selection, what a
+session holds for attention every step; the page store is a cheaper tier.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from inference_engine.errors import CacheInvariantError
+from inference_engine.kv.layout import AttentionLayout, CacheGeometry, SinkShift
+from inference_engine.kv.paged_store import RowTable, make_row_codec
+from inference_engine.kv.sink_window import SinkWindowCache
+from inference_engine.kv.strategy import KVStrategy
+
+
+class PagedCache(SinkWindowCache):
+    def __init__(self, strategy: KVStrategy, geometry: CacheGeometry, max_step: int, max_context: int):
+        super().__init__(strategy, geometry, max_step, max_context)
+        g = geometry
+        self.page_size, self.recall_pages = strategy.page_size, strategy.recall_pages
+        self.groups = None  # query heads per KV head, known at the first recall
+        dims = dict(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, page=self.page_size,
+                    device=g.device)
+        self.pages = RowTable(make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=g.dtype,
+                                             q_range=strategy.q_range, device=g.device), stack=2, **dims)
+        self.keys = RowTable(make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype),
+                             stack=1, **dims)
+        self.evicted_total = 0
+        self.timings = {"score_s": 0.0, "fetch_s": 0.0, "attend_s": 0.0, "recalls": 0}  # cumulative, for the cost split
+        self._step = None  # per-step host bookkeeping for recall (see prepare)
+
+    # -- bytes ------------------------------------------------------------------------------
+    @property
+    def resident_nbytes(self) -> int:
+        return self.store.nbytes
+
+    @property
+    def selection_nbytes(self) -> int:
+        return self.keys.nbytes
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.pages.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.resident_nbytes + self.selection_nbytes
+
+    @property
+    def archived_end(self) -> int:
+        """First position not (yet) in the page store: the store holds [sink, archived_end)."""
+        return self.sink + self.pages.rows
+
+    # -- step ---------------------------------------------------------------------------------
+    def prepare(self, positions, ids: torch.Tensor | None = None) -> AttentionLayout:
+        t = len(positions) if isinstance(positions, range) else positions.numel()
+        if self.next_position + t - 1 >= self.max_context:  # checked before any slot is taken
+            raise ValueError(
+                f"position {self.next_position + t - 1} is past the model's context of {self.max_context}; paged attends "
+                "at true positions (no re-basing), so sessions stop at the trained context like `full`")
+        layout = super().prepare(positions, ids)
+        self._step = self._plan_step(layout)
+        return layout
+
+    def _plan_step(self, layout: AttentionLayout):
+        """Host bookkeeping shared by the step's layers: candidate positions [sink, cand_end) and
+        which of them each query may recall (per model window), resident columns of candidates
+        not yet archived."""
+        first, t = layout.first_position, layout.positions.numel()
+        cand_end = first + t - self.window  # exclusive: the last query's out-of-window keys end at p - window
+        if self.recall_pages == 0 or cand_end <= self.sink:
+            return None
+        cpos = np.arange(self.sink, cand_end)
+        qpos = np.arange(first, first + t)[:, None]
+        dev = self.store.device
+        allowed = {}
+        for w in set(self.geometry.layer_windows):
+            if w is not None and w <= self.window:
+                continue  # a local layer sees nothing its cache window does not hold
+            a = cpos[None, :] <= qpos - self.window
+            if w is not None:
+                a &= cpos[None, :] > qpos - w
+            allowed[w] = torch.from_numpy(a).to(dev)
+        cols = None
+        if cand_end > self.archived_end:  # out-of-window keys still resident (a step longer than the window)
+            key_pos = layout.key_positions.cpu().numpy()
+            where = {int(p): i for i, p in enumerate(key_pos) if p >= 0}
+            missing = [p for p in range(self.archived_end, cand_end) if p not in where]
+            if missing:
+                raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
+            cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
+        return {"cand_end": cand_end, "allowed": allowed, "cols": cols}
+
+    @torch.inference_mode()
+    def attend_with_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                          layout: AttentionLayout, scale: float) -> torch.Tensor | None:
+        """Attention output (H, T, D) of this layer's queries q (H, T, D, post-RoPE) over sink +
+        window (k_all, v_all (Hkv, N, D) with the layout's mask) + each query's recalled pages;
+        None when nothing is out of any query's window (attend as sink_window does).
+
+        A row-exact step (decode, speculative verify) attends row by row over exactly the columns
+        a one-token step at that position would: its own recalled rows in position order, then
+        its visible resident columns in slot order."""
+        w = self.geometry.layer_windows[layer]
+        plan = self._step
+        if plan is None or w not in plan["allowed"]:
+            return None
+        t0 = time.perf_counter()
+        sel = self._choose(layer, q, k_all, plan["allowed"][w], plan["cols"])  # (Hkv, T, C)
+        t1 = time.perf_counter()
+        hkv, t = sel.shape[0], sel.shape[1]
+        g = q.shape[0] // hkv
+        outs = []
+        if getattr(layout, "row_exact", False):
+            host = layout.host_masks[w]
+            for j in range(t):
+                rows = sel[:, j].any(0).nonzero().flatten()
+                kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
+                cols = torch.from_numpy(np.flatnonzero(host[j])).to(k_all.device)
+                mask_r = sel[:, j:j + 1].index_select(2, rows).repeat_interleave(g, 0)  # (H, 1, E)
+                mask = torch.cat([mask_r, mask_r.new_ones(q.shape[0], 1, cols.numel())], 2)
+                outs.append((q[:, j:j + 1], torch.cat([kr, k_all.index_select(1, cols)], 1),
+                             torch.cat([vr, v_all.index_select(1, cols)], 1), mask))
+        else:
+            rows = sel.any(1).any(0).nonzero().flatten()  # union of the chosen pages' keys over heads and queries
+            kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
+            mask_r = sel.index_select(2, rows).repeat_interleave(g, 0)  # (H, T, E)
+            mask = torch.cat([mask_r, layout.masks[w][None].expand(q.shape[0], -1, -1)], 2)  # (H, T, E + N)
+            outs.append((q, torch.cat([kr, k_all], 1), torch.cat([vr, v_all], 1), mask))
+        t2 = time.perf_counter()
+        o = [F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mm, scale=scale, enable_gqa=True)[0]
+             for qq, kk, vv, mm in outs]
+        self.timings["score_s"] += t1 - t0
+        self.timings["fetch_s"] += t2 - t1
+        self.timings["attend_s"] += time.perf_counter() - t2
+        self.timings["recalls"] += 1
+        return o[0] if len(o) == 1 else torch.cat(o, 1)
+
+    def _choose(self, layer, q, k_all, allowed, cols) -> torch.Tensor:
+        """(Hkv, T, C) bool: candidate key c = position sink + c is recalled by query t for KV head h."""
+        hkv, p = k_all.shape[0], self.page_size
+        g, t = q.shape[0] // hkv, q.shape[1]
+        keys = self.keys.read(layer)[0]  # (Hkv, n_archived, D) compact keys, decoded
+        if cols is not None:  # candidates still resident: the same code they get when archived
+            fresh = k_all.index_select(1, cols)
+            codec = self.keys.codec
+            fresh = codec.decode(codec.encode(fresh.reshape(-1, fresh.shape[-1]))).reshape(fresh.shape)
+            keys = torch.cat([keys, fresh], 1)
+        c = keys.shape[1]
+        scores = (q.reshape(hkv, g * t, -1).float() @ keys.transpose(1, 2)).reshape(hkv, g, t, c).amax(1)  # (Hkv, T, C)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        n_pages = -(-c // p)
+        if n_pages * p > c:
+            scores = torch.cat([scores, scores.new_full((hkv, t, n_pages * p - c), float("-inf"))], 2)
+        page_scores = scores.reshape(hkv, t, n_pages, p).amax(-1)  # (Hkv, T, pages): a page's best key
+        best, idx = page_scores.topk(min(self.recall_pages, n_pages), -1)
+        chosen = torch.zeros_like(page_scores, dtype=torch.bool).scatter_(-1, idx, best > float("-inf"))
+        return chosen.repeat_interleave(p, -1)[..., :c] & allowed
+
+    def _rows_kv(self, layer, rows, k_all, v_all, cols):
+        """Exact K/V (Hkv, E, D) of candidate rows `rows` (ascending): archived ones decoded from the
+        page store, still-resident ones from k_all/v_all through the same page codec."""
+        n_st = self.pages.rows
+        split = int((rows < n_st).sum())
+        kv = self.pages.read(layer, rows[:split]).to(k_all.dtype)  # (2, Hkv, E1, D)
+        if split < rows.numel():
+            c = cols.index_select(0, rows[split:] - n_st)
+            fresh = torch.stack([k_all.index_select(1, c), v_all.index_select(1, c)])  # (2, Hkv, E2, D)
+            codec = self.pages.codec
+            fresh = codec.decode(codec.encode(fresh.reshape(-1, fresh.shape[-1]))).reshape(fresh.shape).to(k_all.dtype)
+            kv = torch.cat([kv, fresh], 2)
+        return kv[0], kv[1]
+
+    def _on_commit(self, layout, n_keep: int) -> None:
+        self._step = None
+
+    def _on_abort(self) -> None:
+        self._step = None
+
+    # -- eviction = archiving ------------------------------------------------------------------
+    def _evict_dead(self) -> int:
+        upto = self.next_position - self.window  # leaves the window: archive [archived_end, upto]
+        start = self.archived_end
+        if upto >= start:
+            pos = self.store.pos
+            n = upto - start + 1
+            live = np.flatnonzero((pos >= start) & (pos <= upto))
+            if live.size != n:
+                raise CacheInvariantError("inv1", f"archiving positions {start}..{upto}: {live.size} of {n} are resident")
+            slots = self.store.slots_tensor(live[np.argsort(pos[live])])
+            self.pages.reserve(self.pages.rows + n)
+            self.keys.reserve(self.keys.rows + n)
+            for layer in range(self.geometry.num_layers):
+                k, v = self.store.read(layer, slots)
+                self.pages.write(layer, self.pages.rows, torch.stack([k, v]))
+                self.keys.write(layer, self.keys.rows, k[None])
+            self.pages.rows += n
+            self.keys.rows += n
+        return super()._evict_dead()
+
+    def _dropped(self, evicted: int) -> int:
+        self.evicted_total += evicted
+        return 0  # archived, still attendable
+
+    def _sink_shift(self) -> SinkShift | None:
+        return None
+
+    # -- persistence ------------------------------------------------------------------------------
+    def _extra_state(self) -> tuple[dict, dict]:
+        tensors = {f"pages.{k}": v for k, v in self.pages.state().items()}
+        tensors |= {f"keys.{k}": v for k, v in self.keys.state().items()}
+        return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows}
+
+    def _load_extra_state(self, tensors: dict, meta: dict) -> None:
+        rows = int(meta["archived_rows"])
+        self.pages.load_state({k.removeprefix("pages."): v for k, v in tensors.items() if k.startswith("pages.")}, rows)
+        self.keys.load_state({k.removeprefix("keys."): v for k, v in tensors.items() if k.startswith("keys.")}, rows)
+        self.evicted_total = int(meta["evicted_total"])

@@ -1,0 +1,244 @@
+"""paged: sink + window resident, evicted positions archived exactly in pages, recalled per query."""
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from factories import load_model, tiny_model_dir
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.generate import Engine
+from inference_engine.engine.requests import GenerateParams
+from inference_engine.engine.steps import forward
+from inference_engine.kv.factory import make_cache
+from inference_engine.kv.paged_store import RowQuant, RowTable, make_row_codec
+from inference_engine.kv.strategy import KVStrategy
+
+
+# Row-exact steps (decode, verify: one attention call per query row) arrive with the engine's
+# row_exact forward; before that, those tests have nothing to run against.
+ROW_EXACT = "row_exact" in inspect.signature(forward).parameters
+needs_row_exact = pytest.mark.skipif(not ROW_EXACT, reason="engine.steps.forward has no row_exact steps in this build")
+
+
+def model(arch="llama", **kw):
+    return load_model(str(tiny_model_dir(arch, **kw)))
+
+
+def ids(n, seed=0):
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def new_cache(m, strategy, max_step=64):
+    return make_cache(strategy, m.geometry(), max_step=max_step, max_context=m.spec.max_context)
+
+
+def feed(m, cache, history, chunk, row_exact=False):
+    out = []
+    for i in range(0, len(history), chunk):
+        part = torch.tensor(history[i : i + chunk])
+        kw = {"row_exact": True} if row_exact else {}
+        logits, _ = forward(m, part, range(cache.next_position, cache.next_position + len(part)), cache, **kw)
+        cache.commit()
+        out.append(logits)
+    return torch.cat(out)
+
+
+def paged(sink=4, window=12, page=8, pages=2, **kw):
+    return KVStrategy("paged", sink, window, page_size=page, recall_pages=pages, **kw)
+
+
+def test_paged_equals_full_while_everything_fits_in_the_window():
+    m = model()
+    history = ids(50)
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
+    got = feed(m, new_cache(m, paged(window=100)), history, 16)
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_recalling_every_page_equals_full(arch):
+    """recall_pages >= pages: every query attends to its whole history, partly from the page store."""
+    m = model(arch)
+    history = ids(120)
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
+    for chunk in (16, 1):
+        cache = new_cache(m, paged(window=12, page=8, pages=100))
+        got = feed(m, cache, history, chunk)
+        torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
+        assert cache.pages.rows == 120 - 12 + 1 - 4 and cache.dropped_total == 0
+
+
+def test_few_recalled_pages_differ_from_full_and_from_sink_window():
+    m = model()
+    history = ids(150)
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 16)[-1]
+    sw = feed(m, new_cache(m, KVStrategy("sink_window", 4, 12)), history, 16)[-1]
+    pg = feed(m, new_cache(m, paged(pages=2)), history, 16)[-1]
+    assert not torch.allclose(pg, full, atol=1e-4) and not torch.allclose(pg, sw, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_paged_result_does_not_depend_on_chunking(arch):
+    """INV-3: selection is per query and by position (one append == one-token appends)."""
+    m = model(arch)
+    history = ids(140)
+    ref = feed(m, new_cache(m, paged()), history, 64)
+    for chunk in (1, 7, 30):
+        torch.testing.assert_close(feed(m, new_cache(m, paged()), history, chunk), ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_row_exact
+def test_row_exact_steps_equal_batched_steps():
+    m = model()
+    history = ids(100)
+    ref = feed(m, new_cache(m, paged()), history, 5)
+    torch.testing.assert_close(feed(m, new_cache(m, paged()), history, 5, row_exact=True), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_archived_rows_are_the_exact_kv_the_window_held():
+    """Layer 0's K/V depend on the token alone: archived rows equal full's bit for bit. Deeper layers
+    equal full's to float tolerance when every page is recalled (same attention as full)."""
+    m = model()
+    history = ids(90)
+    full = new_cache(m, KVStrategy("full"))
+    feed(m, full, history, 16)
+    for pages, layers, tol in ((2, [0], 0.0), (100, range(m.spec.num_layers), 1e-5)):
+        cache = new_cache(m, paged(pages=pages))
+        feed(m, cache, history, 16)
+        n = cache.pages.rows
+        assert n == 90 - 12 + 1 - 4 and cache.archived_end == 4 + n
+        for layer in layers:
+            kv = cache.pages.read(layer)
+            torch.testing.assert_close(kv[0], full.store.k[layer][:, 4 : 4 + n], rtol=tol, atol=tol)
+            torch.testing.assert_close(kv[1], full.store.v[layer][:, 4 : 4 + n], rtol=tol, atol=tol)
+
+
+def test_the_needle_page_is_recalled():
+    """A query equal to one archived key picks that key's page for every KV head."""
+    m = model()
+    cache = new_cache(m, paged(pages=1))
+    feed(m, cache, ids(80), 16)
+    layer = 0
+    needle = 30  # position; page (30 - 4) // 8 = 3
+    k = cache.pages.read(layer)[0][:, needle - 4]  # (Hkv, D)
+    g = m.spec.num_heads // m.spec.num_kv_heads
+    q = (k * 50).repeat_interleave(g, 0)[:, None]  # (H, 1, D): a query that aligns with the needle key
+    layout = cache.prepare(range(80, 81))
+    sel = cache._choose(layer, q, cache.store.k[layer], cache._step["allowed"][None], cache._step["cols"])
+    cache.abort()
+    chosen = sorted(set((sel[0, 0].nonzero().flatten() + 4).tolist()))
+    assert chosen == list(range(28, 36)) and bool(sel[:, 0].any(-1).all())
+
+
+def test_resident_bytes_are_flat_and_store_bytes_grow_by_pages():
+    m = model()
+    g = m.geometry()
+    cache = new_cache(m, paged(window=16, page=8), max_step=16)
+    feed(m, cache, ids(40), 16)
+    resident, store = cache.resident_nbytes, cache.stored_nbytes
+    feed(m, cache, ids(200, seed=3), 16)
+    assert cache.resident_nbytes == resident and cache.resident_positions == 4 + 16 - 1
+    rows = cache.pages.rows
+    pages = -(-rows // 8)
+    assert cache.stored_nbytes == pages * 8 * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 > store
+    assert cache.selection_nbytes == pages * 8 * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
+    assert cache.nbytes == cache.resident_nbytes + cache.selection_nbytes
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "kakeya_e8"])
+def test_row_codecs_round_trip_per_row(codec):
+    if codec.startswith("kakeya"):
+        pytest.importorskip("kakeyalattice")
+    c = make_row_codec(codec, head_dim=64, dtype=torch.float32)
+    x = torch.randn(40, 64) * 3
+    y = c.decode(c.encode(x))
+    assert y.shape == x.shape
+    rel = ((y - x).norm() / x.norm()).item()
+    assert rel < {"int8": 0.01, "int4": 0.15, "kakeya_e8": 0.05}[codec]
+    one = c.decode(c.encode(x[:1]))  # a row's code does not depend on its batch
+    torch.testing.assert_close(one, y[:1], rtol=0, atol=0)
+
+
+def test_int4_codes_take_half_a_byte():
+    q = RowQuant(4, 64)
+    payload = q.encode(torch.randn(3, 64))
+    assert payload["codes"].shape == (3, 32) and q.bytes_per_row == 34
+
+
+def test_row_table_reads_rows_back_and_survives_state():
+    t = RowTable(make_row_codec("identity", head_dim=8, dtype=torch.float32), num_layers=2, num_kv_heads=3, head_dim=8,
+                 stack=2, page=4, device="cpu")
+    rows = torch.randn(2, 3, 6, 8)
+    t.reserve(6)
+    t.write(1, 0, rows)
+    t.rows = 6
+    assert t.capacity == 8
+    torch.testing.assert_close(t.read(1, torch.tensor([5, 2])), rows[:, :, [5, 2]], rtol=0, atol=0)
+    u = RowTable(t.codec, num_layers=2, num_kv_heads=3, head_dim=8, stack=2, page=4, device="cpu")
+    u.load_state(t.state(), 6)
+    assert u.nbytes == t.nbytes
+    torch.testing.assert_close(u.read(1), rows, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compressor", ["int8", "kakeya_d4"])
+def test_compressed_pages_stay_close_to_full(compressor):
+    if compressor.startswith("kakeya"):
+        pytest.importorskip("kakeyalattice")
+    m = model()
+    history = ids(100)
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
+    exact = feed(m, new_cache(m, paged(pages=100)), history, 16)
+    cache = new_cache(m, paged(pages=100, page_compressor=compressor))
+    got = feed(m, cache, history, 16)
+    torch.testing.assert_close(exact, full, rtol=1e-4, atol=1e-4)
+    assert (got - full).abs().mean() < 0.05 * full.abs().mean()
+    assert cache.stored_nbytes < new_cache(m, paged()).stored_nbytes + 4 * cache.pages.rows * 2 * 64 * 4
+
+
+def test_speculative_rollback_is_exact():
+    m = model()
+    s = paged()
+    history, extra = ids(60), ids(6, seed=1)
+    a = new_cache(m, s)
+    feed(m, a, history, 16)
+    forward(m, torch.tensor(extra), range(a.next_position, a.next_position + 6), a, **({"row_exact": True} if ROW_EXACT else {}))
+    a.commit(2)
+    b = new_cache(m, s)
+    feed(m, b, history + extra[:2], 16)
+    tail = ids(20, seed=2)
+    torch.testing.assert_close(feed(m, a, tail, 5), feed(m, b, tail, 5), rtol=1e-5, atol=1e-5)
+    assert a.pages.rows == b.pages.rows and a.nbytes == b.nbytes
+
+
+def test_paged_stops_at_the_trained_context():
+    m = load_model(str(tiny_model_dir("llama", max_position_embeddings=64)))
+    cache = new_cache(m, paged(), max_step=16)
+    feed(m, cache, ids(64), 16)
+    with pytest.raises(ValueError, match="trained context"):
+        cache.prepare(range(64, 65))
+    assert cache.next_position == 64
+
+
+def test_engine_greedy_one_append_equals_token_by_token_appends():
+    m = model()
+    engine = Engine(m, paged(), prefill_chunk=32)
+    history = ids(90)
+    one = engine.new_session_kv()
+    a = [e.token_id for e in engine.generate(one, history, GenerateParams(max_tokens=12)) if isinstance(e, TokenGenerated)]
+    many = engine.new_session_kv()
+    for t in history[:-1]:
+        engine.prefill(many, [t])
+    b = [e.token_id for e in engine.generate(many, history, GenerateParams(max_tokens=12)) if isinstance(e, TokenGenerated)]
+    assert a == b
+
+
+def test_strategy_validates_and_describes_paging():
+    with pytest.raises(ValueError, match="page compressor"):
+        KVStrategy("paged", page_compressor="zip")
+    with pytest.raises(ValueError, match="recall_pages"):
+        KVStrategy("paged", recall_pages=-1)
+    d = KVStrategy("paged", 4, 508).describe()
+    assert d["page_size"] == "64" and d["recall_pages"] == "8" and d["page_compressor"] == "identity"
+    assert KVStrategy("paged").bounded and not KVStrategy("paged").forgets
+    assert dataclasses.replace(KVStrategy("paged"), page_key_bits=8).page_key_bits == 8
