@@ -14,20 +14,23 @@ from inference_engine.engine.session_kv import SessionKV
 from inference_engine.engine.speculative import accept_drafts
 
 
-def forward(backend, ids, positions, cache, *, logits: str = "all", restored=None):
+def forward(backend, ids, positions, cache, *, logits: str = "all", restored=None, row_exact: bool = False):
     """Run new tokens `ids` (T,) at `positions` (a range, or (T,)) through the model, writing
     their K/V into `cache`; the step is left uncommitted (the caller commits all or a prefix).
 
     logits: "all" -> (T, V), "last" -> (1, V), "none" -> None. Also returns the final normed
     hidden states (T, hidden), which drafters condition on. restored: a RestoreSource for a
     dlm_restore cache; None = the cache's own (or the model itself for restore_from verifier).
+    row_exact: every query row attends as a one-token step would (decode and verify steps), so
+    a verified block reproduces sequential decoding bit for bit; prefill chunks attend batched.
     """
     with backend.inference():
-        return _forward(backend, ids, positions, cache, logits, restored)
+        return _forward(backend, ids, positions, cache, logits, restored, row_exact)
 
 
-def _forward(backend, ids, positions, cache, logits, restored):
+def _forward(backend, ids, positions, cache, logits, restored, row_exact):
     layout = cache.prepare(positions, ids)
+    layout.row_exact = row_exact
     plan = layout.restore
     step = plan.open_step(_restore_source(backend, cache, restored)) if plan is not None and plan.positions.numel() else None
     try:
@@ -74,12 +77,13 @@ class StepResult:
     accepted: int = 0  # verify_block: drafts accepted
 
 
-def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str):
+def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False):
     """Forward `ids` at the session's next positions, uncommitted; returns (host logits, hidden).
     On failure the step is aborted and the cache is as before."""
     start = kv.cache.next_position
     try:
-        out, hidden = forward(backend, backend.tensor(list(ids)), range(start, start + len(ids)), kv.cache, logits=logits)
+        out, hidden = forward(backend, backend.tensor(list(ids)), range(start, start + len(ids)), kv.cache, logits=logits,
+                              row_exact=row_exact)
         return backend.to_host(out), hidden
     except BaseException:
         kv.cache.abort()
@@ -103,7 +107,7 @@ def prefill_chunk(backend, kv: SessionKV, ids: Sequence[int]) -> StepResult:
 
 def decode_step(backend, kv: SessionKV, token: int) -> StepResult:
     """Feed one sampled token; kv.last_logits then scores the next position."""
-    host, hidden = _open(backend, kv, [token], "last")
+    host, hidden = _open(backend, kv, [token], "last", row_exact=True)
     return StepResult(1, _close(kv, 1, host, hidden))
 
 
@@ -112,7 +116,7 @@ def verify_block(backend, kv: SessionKV, token: int, drafts: Sequence[int], samp
     """Feed `token` and a drafted block in one forward; keep the drafts the verifier accepts
     (speculative.accept_drafts) and draw its next token. At most `budget` tokens are emitted,
     and emission stops after an eos. The emitted tokens but the last are committed."""
-    host, hidden = _open(backend, kv, [token, *drafts], "all")
+    host, hidden = _open(backend, kv, [token, *drafts], "all", row_exact=True)
     try:
         accepted, nxt = accept_drafts(drafts, host, sampling, generator)
     except BaseException:

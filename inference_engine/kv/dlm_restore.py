@@ -22,6 +22,8 @@ class DLMRestoreCache(SinkWindowCache):
     Which evicted positions are restored when is the policy's (restore_policies.py): every step
     (the default), with the worst-restored P pinned resident, or held for N steps."""
 
+    RING = False  # restored columns make its steps batched, not row-exact; pins keep slots of their own
+
     def __init__(self, strategy: KVStrategy, geometry: CacheGeometry, max_step: int, max_context: int, *,
                  restore_source=None):
         self.policy = make_policy(strategy, geometry.num_layers)

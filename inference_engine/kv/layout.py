@@ -4,8 +4,9 @@ The cache builds these from host-side bookkeeping (numpy / Python ints); the ten
 the only things the device sees per step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -59,10 +60,33 @@ class AttentionLayout:
     sink_shift: SinkShift | None = None
     key_slots: torch.Tensor | None = None  # (N,) slots the keys come from; None = slots 0..N-1
     restore: RestorePlan | None = None  # dlm_restore: evicted positions to restore this step
+    # Host copies of `masks`: the per-row key selection of a row-exact step is built from them
+    # without a device sync.
+    host_masks: dict | None = None
+    # Row-exact step (decode, speculative verify): each query row attends alone over exactly the
+    # keys a one-token step at its position would see, so a verified block's rows are bit-equal
+    # to sequential decode steps (see backends/torch/attention.py). Set by engine.steps.forward.
+    row_exact: bool = False
+    _row_keys: dict = field(default_factory=dict, repr=False)
 
     @property
     def last_position(self) -> int:
         return self.first_position + self.positions.numel() - 1
+
+    def row_keys(self, window) -> list:
+        """Per query row, the key columns it attends to in a row-exact step: an int c (the prefix
+        0..c-1, masked columns inside it included; for prefix-addressed stores, whose column of a
+        position does not depend on the step) or a (n,) index of exactly its visible columns."""
+        if window not in self._row_keys:
+            m = self.host_masks[window]
+            if self.key_slots is None:
+                last = m.shape[1] - np.argmax(m[:, ::-1], 1)
+                keys = [int(c) if m[j].any() else 0 for j, c in enumerate(last)]
+            else:
+                dev = self.positions.device
+                keys = [torch.from_numpy(np.flatnonzero(r)).to(dev) for r in m]
+            self._row_keys[window] = keys
+        return self._row_keys[window]
 
     @property
     def sink_shift_active(self) -> bool:

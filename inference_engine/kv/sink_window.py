@@ -25,6 +25,11 @@ class SinkWindowCache(SlotKVCache):
     """
 
     STEP_ROOM = 16  # spare slots kept between steps: decode and speculative verify steps fit
+    # Steps that fit the spare room put position p >= sink at slot sink + (p - sink) mod ring (the
+    # slab past the sink), so a position's key column never depends on how the tokens were grouped
+    # into steps: a speculative verify block reads its keys in the same order sequential decode
+    # steps do, which row-exact attention needs to reproduce them bit for bit.
+    RING = True
 
     def __init__(self, strategy: KVStrategy, geometry: CacheGeometry, max_step: int, max_context: int, extra_resident: int = 0):
         self.sink, self.window, self.max_step, self.max_context = strategy.sink, strategy.window, max_step, max_context
@@ -34,15 +39,26 @@ class SinkWindowCache(SlotKVCache):
     def _allocate(self, t: int) -> np.ndarray:
         if t > self.max_step:
             raise ValueError(f"a step of {t} tokens exceeds this cache's max step of {self.max_step}; prefill in smaller chunks")
+        if self.RING and self.capacity == self.base_capacity:
+            slots = self._ring_slots(np.arange(self.next_position, self.next_position + t))
+            if t <= self.base_capacity - self.sink - self.window and not (self.store.pos[slots] >= 0).any():
+                return slots
         free = self.store.free_slots(t)
         if free.size < t:
             self._resize(self.capacity + t - free.size)
             free = self.store.free_slots(t)
         return free
 
+    def _ring_slots(self, positions: np.ndarray) -> np.ndarray:
+        ring = self.base_capacity - self.sink
+        return np.where(positions < self.sink, positions, self.sink + (positions - self.sink) % ring)
+
     def _settle(self) -> None:
         if self.capacity > self.base_capacity:  # resident rows (< sink + window) always fit
-            self._resize(self.base_capacity)
+            if self.RING:
+                self.store.relocate(self.base_capacity, self._ring_slots(self.store.pos[self.store.occupied()]))
+            else:
+                self._resize(self.base_capacity)
 
     def _key_count(self, t: int) -> int:
         return self.capacity

@@ -100,13 +100,14 @@ class SlotKVCache:
         key_slots = self.store.key_slots(n)
         key_pos = self.store.pos[:n] if key_slots is None else self.store.pos[key_slots]
         dev = self.store.device
-        masks = {w: torch.from_numpy(self._mask(qpos, key_pos, w)).to(dev) for w in set(self.geometry.layer_windows)}
+        host_masks = {w: self._mask(qpos, key_pos, w) for w in set(self.geometry.layer_windows)}
+        masks = {w: torch.from_numpy(m).to(dev) for w, m in host_masks.items()}
         self._step_slots = slots
         self._layout = AttentionLayout(
             positions=torch.arange(first, first + t, device=dev), first_position=first,
             slots=self.store.slots_tensor(slots), key_positions=torch.from_numpy(key_pos.copy()).to(dev), masks=masks,
             sink_shift=self._sink_shift(), key_slots=None if key_slots is None else self.store.slots_tensor(key_slots),
-            restore=self._restore_plan(first, t, ids))
+            restore=self._restore_plan(first, t, ids), host_masks=host_masks)
         return self._layout
 
     @torch.inference_mode()
@@ -177,7 +178,9 @@ class SlotKVCache:
         return max(self._peak_nbytes, self.nbytes)
 
     # -- persistence ------------------------------------------------------------------------
-    def state(self) -> CacheState:
+    def state(self, *, with_store: bool = True) -> CacheState:
+        """with_store=False leaves out the store's tensors (slot map and rows): a caller that saves
+        rows incrementally (inference_engine/persistence) reads them itself instead of a full copy."""
         if self._layout is not None:
             raise CacheInvariantError("inv1", "state() of a cache with an uncommitted step; commit or abort first")
         meta = {
@@ -185,7 +188,7 @@ class SlotKVCache:
             "geometry": geometry_meta(self.geometry),
             "next_position": self.next_position, "dropped_total": self.dropped_total, "peak_nbytes": self.peak_nbytes,
         }
-        tensors = {f"store.{k}": v for k, v in self.store.state().items()}
+        tensors = {f"store.{k}": v for k, v in self.store.state().items()} if with_store else {}
         extra_t, extra_m = self._extra_state()
         return CacheState(tensors | extra_t, meta | extra_m)
 

@@ -59,12 +59,17 @@ class SlotStore:
         if capacity > self.capacity:
             self._grow(capacity)
             self.pos = np.concatenate([self.pos, np.full(capacity - self.capacity, -1, dtype=np.int64)])
+            self.capacity = capacity
         else:
-            live = self.occupied()
-            self._compact(self.slots_tensor(live), capacity)
-            pos = np.full(capacity, -1, dtype=np.int64)
-            pos[: live.size] = self.pos[live]
-            self.pos = pos
+            self.relocate(capacity, np.arange(self.resident))
+
+    def relocate(self, capacity: int, dest: np.ndarray) -> None:
+        """Rebuild with `capacity` slots, the resident rows (in slot order) moved to slots `dest`."""
+        live = self.occupied()
+        self._move(self.slots_tensor(live), self.slots_tensor(dest), capacity)
+        pos = np.full(capacity, -1, dtype=np.int64)
+        pos[dest] = self.pos[live]
+        self.pos = pos
         self.capacity = capacity
 
     # -- persistence ----------------------------------------------------------------------
@@ -81,7 +86,8 @@ class SlotStore:
     def _grow(self, capacity: int) -> None:
         raise NotImplementedError
 
-    def _compact(self, keep: torch.Tensor, capacity: int) -> None:
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
+        """New slabs of `capacity` slots holding the rows of slots `src` at slots `dst`."""
         raise NotImplementedError
 
     def _payload(self) -> dict:
@@ -115,10 +121,10 @@ class SlabStore(SlotStore):
         self.k = [torch.cat([x, x.new_zeros(x.shape[0], extra, x.shape[2])], 1) for x in self.k]
         self.v = [torch.cat([x, x.new_zeros(x.shape[0], extra, x.shape[2])], 1) for x in self.v]
 
-    def _compact(self, keep: torch.Tensor, capacity: int) -> None:
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
         def moved(x):
             y = x.new_zeros(x.shape[0], capacity, x.shape[2])
-            y[:, : keep.numel()] = x.index_select(1, keep)
+            y.index_copy_(1, dst, x.index_select(1, src))
             return y
 
         self.k = [moved(x) for x in self.k]
@@ -200,10 +206,10 @@ class CompressedStore(SlotStore):
 
         self.slabs = [{name: grown(x) for name, x in slabs.items()} for slabs in self.slabs]
 
-    def _compact(self, keep: torch.Tensor, capacity: int) -> None:
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
         def moved(x):
             y = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])
-            y[:, :, : keep.numel()] = x.index_select(2, keep)
+            y.index_copy_(2, dst, x.index_select(2, src))
             return y
 
         self.slabs = [{name: moved(x) for name, x in slabs.items()} for slabs in self.slabs]

@@ -102,13 +102,14 @@ def test_int4_is_built_from_the_gguf_blocks_of_the_pulled_model():
     assert np.array_equal(model.layers[0].wqkv.codes().numpy(), q0.numpy())
 
 
-def test_serve_refuses_speculation_with_quantized_weights():
-    """Speculation on int4 changed greedy outputs (results/speculative_int4_*.json): refused, not served inexact."""
+def test_serve_refuses_speculation_over_restored_columns_with_quantized_weights():
+    """Verify steps are row-exact except over dlm_restore's restored columns: that combination is
+    refused on quantized weights, not served inexact; every other strategy speculates."""
     from inference_engine.server.app import ConfigError, ServeConfig, build_engine
 
     m = TorchCausalLM.load(str(tiny_model_dir("llama")), weights="int4")
-    with pytest.raises(ConfigError, match="exact only with --weights fp32"):
-        build_engine(ServeConfig(drafter="ngram", kv_strategy="full"), m)
-    assert build_engine(ServeConfig(drafter="ngram", spec_k=0, kv_strategy="full"), m).drafter is None
-    fp32 = TorchCausalLM.load(str(tiny_model_dir("llama")))
-    assert build_engine(ServeConfig(drafter="ngram", kv_strategy="full"), fp32).spec_k == 4
+    with pytest.raises(ConfigError, match="dlm_restore is exact only with --weights fp32"):
+        build_engine(ServeConfig(drafter="ngram", kv_strategy="dlm_restore"), m)
+    assert build_engine(ServeConfig(drafter="ngram", spec_k=0, kv_strategy="dlm_restore"), m).drafter is None
+    for strategy in ("full", "sink_window"):
+        assert build_engine(ServeConfig(drafter="ngram", kv_strategy=strategy), m).spec_k == 4

@@ -14,12 +14,39 @@ def attend_layout(model, layer: int, q, q_normed, k_all, v_all, layout, restored
     s = model.spec
     w = s.layer_windows[layer]
     mask = layout.masks[w]
+    if layout.row_exact and restored is None:
+        return _attend_rows(model, layer, q, q_normed, k_all, v_all, layout, w, sink_rope)
     if restored is not None:
         k_all, v_all, mask = _with_restored(model, layer, layout, restored, k_all, v_all, mask)
     if sink_rope is not None and w is None:
-        return _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, layout, sink_rope)
+        return _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, layout.positions, layout.key_positions,
+                                       layout.sink_shift, sink_rope)
     return F.scaled_dot_product_attention(q[None], k_all[None], v_all[None], attn_mask=mask, scale=s.attn_scale,
                                           enable_gqa=True)[0]
+
+
+def _attend_rows(model, layer, q, q_normed, k_all, v_all, layout, w, sink_rope):
+    """A row-exact step: row j attends alone, through the same call a one-token step at its
+    position makes, over the same key columns (layout.row_keys). A batched call's reduction
+    order depends on the block's shape, and bf16 activations turn those last-bit differences
+    into different tokens; row by row, a verified block equals sequential decode bit for bit."""
+    s = model.spec
+    mask, out = layout.masks[w], []
+    for j, keys in enumerate(layout.row_keys(w)):
+        # as the one-token step at this row's position: shifted sink scores only from shift.from_position on
+        shift = sink_rope is not None and w is None and layout.first_position + j >= layout.sink_shift.from_position
+        if isinstance(keys, int):
+            k, v, m, kp = k_all[:, :keys], v_all[:, :keys], mask[j:j + 1, :keys], layout.key_positions[:keys]
+        else:
+            k, v, m, kp = k_all.index_select(1, keys), v_all.index_select(1, keys), mask[j:j + 1, keys], layout.key_positions[keys]
+        qj = q[:, j:j + 1]  # (H, 1, D)
+        if shift:
+            out.append(_attend_with_sink_shift(model, layer, qj, q_normed[:, j:j + 1], k, v, m, layout.positions[j:j + 1], kp,
+                                               layout.sink_shift, sink_rope.select(slice(j, j + 1))))
+        else:
+            out.append(F.scaled_dot_product_attention(qj[None], k[None], v[None], attn_mask=m, scale=s.attn_scale,
+                                                      enable_gqa=True)[0])
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
 def _with_restored(model, layer, layout, restored, k_all, v_all, mask):
@@ -43,7 +70,7 @@ def _with_restored(model, layer, layout, restored, k_all, v_all, mask):
     return torch.cat([k_r.to(k_all.dtype), k_all], 1), torch.cat([v_r.to(v_all.dtype), v_all], 1), mask
 
 
-def _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, layout, sink_rope):
+def _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, positions, key_positions, shift, sink_rope):
     s = model.spec
     groups = s.num_heads // s.num_kv_heads
     kx = k_all.repeat_interleave(groups, 0)
@@ -51,9 +78,8 @@ def _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, layou
     scores = (q @ kx.transpose(1, 2)) * s.attn_scale  # (H, T, N)
     q_virt = model.rotate(q_normed, *sink_rope.for_layer(s, layer))
     sink_scores = (q_virt @ kx.transpose(1, 2)) * s.attn_scale
-    shift = layout.sink_shift
-    kp = layout.key_positions[None, :]
-    shifted = (layout.positions[:, None] >= shift.from_position) & (kp >= 0) & (kp < shift.sink)
+    kp = key_positions[None, :]
+    shifted = (positions[:, None] >= shift.from_position) & (kp >= 0) & (kp < shift.sink)
     if mask.shape[1] != kp.shape[1]:  # restored columns come first and are never sink keys
         pad = torch.zeros(mask.shape[0], mask.shape[1] - kp.shape[1], dtype=torch.bool, device=mask.device)
         shifted = torch.cat([pad, shifted], 1)
