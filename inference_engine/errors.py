@@ -42,3 +42,9 @@ class CacheInvariantError(KakeyaError):
     def __init__(self, kind: str, message: str):
         super().__init__(f"cache invariant {kind} violated: {message}")
         self.kind = kind
+
+
+class SessionStateUnusable(KakeyaError):
+    """A persisted session's files cannot be resumed (truncated, corrupted, another model or format)."""
+
+    code = "FAILED_PRECONDITION"

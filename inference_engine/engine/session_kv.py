@@ -42,8 +42,8 @@ class SessionKV:
         return self.cache.dropped_total
 
     # -- persistence ----------------------------------------------------------------------
-    def state(self) -> CacheState:
-        st = self.cache.state()
+    def state(self, *, with_store: bool = True) -> CacheState:
+        st = self.cache.state(with_store=with_store)
         tensors, meta = dict(st.tensors), dict(st.meta)
         if self.last_logits is not None:
             tensors["session.last_logits"] = self.last_logits.cpu()

@@ -39,6 +39,11 @@ def _add_serve(sub) -> None:
                    help="speculative decoding: ngram (draft-free prompt lookup in the session's history) or a dLM drafter "
                         "(shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir)")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used only by --research-restore-from drafter)")
+    p.add_argument("--state-dir", default=None,
+                   help="where sessions are persisted (default: $KAKEYA_HOME/state); see docs/persistence.md")
+    p.add_argument("--persist", default=d.persist, choices=("off", "turn"),
+                   help="turn: save each session after every turn, spill evicted sessions to disk and resume them after a "
+                        "restart or crash; off: sessions live in memory only")
     _add_research(p, d.research)
     p.set_defaults(func=_run_serve)
 
@@ -94,6 +99,8 @@ def serve_config(args) -> ServeConfig:
         prefill_chunk=args.prefill_chunk,
         drafter=args.drafter,
         spec_k=args.spec_k,
+        state_dir=args.state_dir,
+        persist=args.persist,
         research=ResearchOptions(
             restore_from=args.research_restore_from,
             restore_refresh=args.research_restore_refresh,
@@ -109,6 +116,7 @@ def _run_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from inference_engine.model_store import cli as models_cli
+    from inference_engine.persistence import cli as sessions_cli
     from kakeya import chat as kakeya_chat
 
     ap = argparse.ArgumentParser(prog="kakeya", description="Kakeya session runtime")
@@ -116,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     models_cli.register(sub)
+    sessions_cli.register(sub)
     kakeya_chat.register(sub)
     return ap
 

@@ -43,12 +43,23 @@ class RuntimeMetrics:
         )
         self.spec_drafted_tokens_total = Counter("spec_drafted_tokens_total", "Tokens drafted for speculative decoding.", registry=r)
         self.spec_accepted_tokens_total = Counter("spec_accepted_tokens_total", "Drafted tokens the verifier accepted.", registry=r)
+        self.session_saves_total = Counter("session_saves_total", "Session saves to the state directory.", registry=r)
+        self.session_save_failures_total = Counter("session_save_failures_total", "Session saves that failed.", registry=r)
+        self.session_save_duration_seconds = Histogram(
+            "session_save_duration_seconds", "Wall time of one session save (segments + manifest).", buckets=SECONDS_BUCKETS, registry=r
+        )
+        self.session_loads_total = Counter("session_loads_total", "Sessions loaded from disk, by outcome.", ["outcome"], registry=r)
+        self.session_load_duration_seconds = Histogram(
+            "session_load_duration_seconds", "Wall time of loading one session from disk.", buckets=SECONDS_BUCKETS, registry=r
+        )
         for kind in ("inv1", "inv2"):
             self.cache_invariant_violations_total.labels(kind=kind)
         for reason in ("ttl", "lru", "close"):
             self.session_evicted_total.labels(reason=reason)
-        for outcome in ("closed", "evicted", "failed"):
+        for outcome in ("closed", "evicted", "spilled", "failed"):
             self.session_total.labels(outcome=outcome)
+        for outcome in ("ok", "unusable"):
+            self.session_loads_total.labels(outcome=outcome)
 
     def serve(self, port: int, addr: str = "127.0.0.1"):
         return start_http_server(port, addr=addr, registry=self.registry)

@@ -7,6 +7,7 @@ servers load torch only when an engine is built.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from inference_engine.engine.events import GenerationDone, HistoryTruncated, Tok
 from inference_engine.engine.requests import GenerateParams, ModelInfo, SamplingParams
 from inference_engine.errors import InvalidArgument
 from inference_engine.server.metrics import RuntimeMetrics
-from inference_engine.session.store import SessionStore, StoreEvents
+from inference_engine.session.store import SessionPersister, SessionStore, StoreEvents
 
 if TYPE_CHECKING:
     from inference_engine.engine.generate import Engine
@@ -57,8 +58,12 @@ class ServerInfo:
 
 
 class Runtime:
-    def __init__(self, engine: Engine, *, capacity: int = 16, idle_ttl_s: float = 1800.0, metrics: RuntimeMetrics | None = None):
+    def __init__(self, engine: Engine, *, capacity: int = 16, idle_ttl_s: float = 1800.0, metrics: RuntimeMetrics | None = None,
+                 persister: SessionPersister | None = None):
+        """persister: where sessions are saved after each turn, spilled on eviction and loaded from
+        on first use (None = sessions live in memory only)."""
         self.engine = engine
+        self.persister = persister
         self.model_info: ModelInfo = engine.model_info
         self.metrics = metrics or RuntimeMetrics()
         m = self.metrics
@@ -74,10 +79,40 @@ class Runtime:
                 on_ended=lambda outcome: m.session_total.labels(outcome=outcome).inc(),
                 on_evicted=lambda reason: m.session_evicted_total.labels(reason=reason).inc(),
                 on_violation=lambda kind: m.cache_invariant_violations_total.labels(kind=kind).inc(),
+                on_saved=self._observe_save,
+                on_save_failed=m.session_save_failures_total.inc,
+                on_loaded=lambda outcome, seconds: (m.session_loads_total.labels(outcome=outcome).inc(),
+                                                    m.session_load_duration_seconds.observe(seconds)),
             ),
+            persister=persister,
         )
         m.session_active.set_function(lambda: len(self.store))
         m.session_kv_live_bytes.set_function(self.store.kv_live_bytes)
+
+    def _observe_save(self, seconds: float) -> None:
+        self.metrics.session_saves_total.inc()
+        self.metrics.session_save_duration_seconds.observe(seconds)
+
+    def start_flusher(self, *, idle_s: float = 1.0, interval_s: float = 0.25) -> Callable[[], None]:
+        """Save appended-but-not-generated sessions once idle for `idle_s` (an AppendTokens with no
+        Generate right behind it); returns a stop function that also saves everything left."""
+        if self.persister is None:
+            return lambda: None
+        stop = threading.Event()
+
+        def loop():
+            while not stop.wait(interval_s):
+                self.store.flush(idle_s=idle_s)
+
+        thread = threading.Thread(target=loop, daemon=True, name="kakeya-session-flush")
+        thread.start()
+
+        def stopper():
+            stop.set()
+            thread.join(timeout=5.0)
+            self.store.flush(wait_s=5.0)
+
+        return stopper
 
     # -- RPCs ----------------------------------------------------------------------------
     def create_session(self, initial_tokens: Sequence[int] = (), eos_token_ids: Sequence[int] = (), ignore_eos: bool = False):
@@ -102,15 +137,21 @@ class Runtime:
         with self.store.generation(session_id) as s:
             m.session_history_tokens.observe(len(s.history))
             params = GenerateParams(max_tokens, sampling, s.eos_token_ids)
-            for ev in self.engine.generate(s.kv, s.history, params, should_stop, arrived_at=t_arrival):
-                if isinstance(ev, TokenGenerated):
-                    s.record_generated(ev.token_id)
-                    m.generated_tokens_total.inc()
-                elif isinstance(ev, HistoryTruncated):
-                    m.history_truncated_tokens_total.inc(ev.dropped_tokens)
-                elif isinstance(ev, GenerationDone):
-                    self._observe_done(ev)
-                yield ev
+            try:
+                for ev in self.engine.generate(s.kv, s.history, params, should_stop, arrived_at=t_arrival):
+                    if isinstance(ev, TokenGenerated):
+                        s.record_generated(ev.token_id)
+                        m.generated_tokens_total.inc()
+                    elif isinstance(ev, HistoryTruncated):
+                        m.history_truncated_tokens_total.inc(ev.dropped_tokens)
+                    elif isinstance(ev, GenerationDone):
+                        self._observe_done(ev)
+                    yield ev
+            except GeneratorExit:  # the client went away: what was committed is still this turn's
+                self.store.persist(s)
+                raise
+            # After Done went out: the client has its answer while the turn is written.
+            self.store.persist(s)
 
     def _observe_done(self, done: GenerationDone) -> None:
         m = self.metrics

@@ -4,11 +4,17 @@ Pure Python (no torch, mlx or grpc). A session owns an opaque engine-side KV han
 looks at it only through `nbytes`, `resident_positions`, `next_position` and
 `dropped_total`. The store enforces: unguessable ids, vocabulary-checked appends, capacity
 with LRU eviction, idle-TTL eviction, one Generate per session at a time, and failing (and
-freeing) a session whose cache broke an invariant. A closed, evicted or failed session is
-gone: later calls get SessionNotFound, never a silent new session.
+freeing) a session whose cache broke an invariant. A closed or failed session is gone: later
+calls get SessionNotFound, never a silent new session.
+
+With a `SessionPersister` (engine-side, e.g. inference_engine/persistence) sessions outlive the
+process: `persist(s)` saves what changed, eviction spills to disk instead of dropping, the first
+call naming a session that is only on disk loads it, and `close` deletes its files. Without one,
+an evicted session is gone like a closed one.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -16,8 +22,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from inference_engine.errors import CacheInvariantError, ContextExhausted, InvalidArgument, SessionNotFound
+from inference_engine.errors import (CacheInvariantError, ContextExhausted, InvalidArgument, SessionNotFound,
+                                     SessionStateUnusable)
+
+log = logging.getLogger(__name__)
 
 
 SHOWN_ID_CHARS = 64
@@ -40,6 +50,9 @@ class StoreEvents:
     on_ended: Callable[[str], None] = lambda outcome: None  # closed | evicted | failed
     on_evicted: Callable[[str], None] = lambda reason: None  # ttl | lru | close
     on_violation: Callable[[str], None] = lambda kind: None  # inv1 | inv2
+    on_saved: Callable[[float], None] = lambda seconds: None
+    on_save_failed: Callable[[], None] = lambda: None
+    on_loaded: Callable[[str, float], None] = lambda outcome, seconds: None  # ok | unusable
 
 
 @dataclass
@@ -54,6 +67,9 @@ class Session:
     inv2_violations: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     closed: bool = False
+    saved: object = None  # the persister's record of what is on disk (None: nothing yet)
+    saved_history_length: int = -1  # history length at the last save (-1: never saved)
+    spilled: bool = False  # evicted to disk: a call that waited on it loads it again
 
     @property
     def pending_tokens(self) -> list:
@@ -62,6 +78,36 @@ class Session:
 
     def record_generated(self, token_id: int) -> None:
         self.history.append(token_id)
+
+    @property
+    def unsaved(self) -> bool:
+        return self.saved_history_length != len(self.history)
+
+
+@dataclass
+class PersistedSession:
+    """What a persister loads: enough to make the session live again."""
+
+    kv: object
+    history: list
+    eos_token_ids: frozenset
+    saved: object
+
+
+class SessionPersister(Protocol):
+    """Where sessions go when they leave memory; the engine side implements it (no framework here)."""
+
+    def has(self, session_id: str) -> bool: ...
+
+    def save(self, session: Session) -> None:
+        """Write what changed since the last save; the caller holds `session.lock`. Sets `session.saved`."""
+
+    def load(self, session_id: str) -> PersistedSession:
+        """Raises SessionStateUnusable (files set aside, or kept when only this daemon's config differs)."""
+
+    def delete(self, session_id: str) -> None: ...
+
+    def set_aside(self, session_id: str, reason: str) -> None: ...
 
 
 class SessionStore:
@@ -76,6 +122,7 @@ class SessionStore:
         default_eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
         events: StoreEvents | None = None,
+        persister: SessionPersister | None = None,
     ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -87,8 +134,10 @@ class SessionStore:
         self.default_eos_token_ids = frozenset(default_eos_token_ids)
         self.clock = clock
         self.events = events or StoreEvents()
+        self.persister = persister
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
         self._lock = threading.RLock()
+        self._loading: dict[str, threading.Lock] = {}  # one load per session id at a time
 
     # -- validation -------------------------------------------------------------------
     def _check_tokens(self, ids: Sequence[int], what: str) -> list:
@@ -134,24 +183,71 @@ class SessionStore:
         return session
 
     def get(self, session_id: str, *, touch: bool = True) -> Session:
-        """Look a session up; `touch` marks it used (LRU order and idle clock)."""
+        """Look a session up (loading it when it is only on disk); `touch` marks it used (LRU order
+        and idle clock)."""
         with self._lock:
             self.evict_idle()
             s = self._sessions.get(session_id)
-            if s is None:
+            if s is None and self.persister is None:
                 raise SessionNotFound(f"session {_shown(session_id)} does not exist (never created, closed, evicted or failed); create a new session")
-            if touch:
-                s.last_access = self.clock()
-                self._sessions.move_to_end(session_id)
+            if s is not None:
+                if touch:
+                    s.last_access = self.clock()
+                    self._sessions.move_to_end(session_id)
+                return s
+        return self._resume(session_id)
+
+    def _resume(self, session_id: str) -> Session:
+        with self._lock:
+            loading = self._loading.setdefault(session_id, threading.Lock())
+        with loading:  # a second caller waits for the first load, then finds the session live
+            with self._lock:
+                s = self._sessions.get(session_id)
+            if s is not None:
+                return s
+            if not self.persister.has(session_id):
+                with self._lock:
+                    self._loading.pop(session_id, None)
+                raise SessionNotFound(f"session {_shown(session_id)} does not exist (never created, closed or failed); "
+                                      f"create a new session")
+            t0 = time.perf_counter()
+            try:
+                loaded = self.persister.load(session_id)
+            except SessionStateUnusable:
+                self.events.on_loaded("unusable", time.perf_counter() - t0)
+                raise
+            finally:
+                with self._lock:
+                    self._loading.pop(session_id, None)
+            self.events.on_loaded("ok", time.perf_counter() - t0)
+            now = self.clock()
+            s = Session(id=session_id, kv=loaded.kv, eos_token_ids=loaded.eos_token_ids, history=loaded.history,
+                        created_at=now, last_access=now, saved=loaded.saved, saved_history_length=len(loaded.history))
+            with self._lock:
+                while len(self._sessions) >= self.capacity:
+                    self._evict_lru()
+                self._sessions[session_id] = s
             return s
+
+    @contextmanager
+    def _held(self, session_id: str):
+        """The live session, its lock held. A session spilled to disk while this call waited for
+        the lock is loaded again (a few tries: an eviction needs the session idle, so this is rare)."""
+        for _ in range(4):
+            s = self.get(session_id)
+            with s.lock:
+                if s.spilled:
+                    continue
+                self._ensure_live(s)
+                yield s
+                return
+        raise SessionNotFound(f"session {_shown(session_id)} kept being evicted while this call waited; retry")
 
     def append(self, session_id: str, token_ids: Sequence[int]) -> Session:
         if len(token_ids) == 0:
             raise InvalidArgument("token_ids is empty; append at least one token")
         ids = self._check_tokens(token_ids, "token_ids")
-        s = self.get(session_id)
-        with s.lock:  # appends wait for an in-flight Generate, keeping history append-only
-            self._ensure_live(s)
+        with self._held(session_id) as s:  # appends wait for an in-flight Generate, keeping history append-only
             self._check_length(len(s.history), len(ids))
             s.history.extend(ids)
             s.last_access = self.clock()
@@ -159,19 +255,23 @@ class SessionStore:
 
     def history(self, session_id: str, start: int = 0) -> list:
         """Token ids from `start`; waits for an in-flight Generate so the answer is settled."""
-        s = self.get(session_id)
-        with s.lock:
-            self._ensure_live(s)
+        with self._held(session_id) as s:
             if start < 0 or start > len(s.history):
                 raise InvalidArgument(f"start must be in [0, {len(s.history)}] (the history length), got {start}")
             return s.history[start:]
 
     def close(self, session_id: str) -> None:
+        """End a session for good: out of memory and, with a persister, its files deleted."""
         with self._lock:
             s = self._sessions.pop(session_id, None)
-        if s is None:
-            raise SessionNotFound(f"session {_shown(session_id)} does not exist (already closed or evicted)")
-        s.closed = True
+        on_disk = self.persister is not None and self.persister.has(session_id)
+        if s is None and not on_disk:
+            raise SessionNotFound(f"session {_shown(session_id)} does not exist (already closed)")
+        if s is not None:
+            with s.lock:  # an in-flight Generate finishes (and saves) before the files go
+                s.closed = True
+        if self.persister is not None:
+            self.persister.delete(session_id)
         self.events.on_evicted("close")
         self.events.on_ended("closed")
 
@@ -182,9 +282,7 @@ class SessionStore:
         A CacheInvariantError escaping the block fails the session: it is counted, removed
         and re-raised (FAILED_PRECONDITION to the client).
         """
-        s = self.get(session_id)
-        with s.lock:
-            self._ensure_live(s)
+        with self._held(session_id) as s:
             try:
                 yield s
             except CacheInvariantError as e:
@@ -203,8 +301,46 @@ class SessionStore:
             removed = self._sessions.pop(s.id, None)
         s.closed = True
         s.kv = None
+        if self.persister is not None:  # its last saved turn is kept aside for inspection, never resumed
+            self.persister.set_aside(s.id, f"cache invariant {kind} violated")
         if removed is not None:
             self.events.on_ended("failed")
+
+    # -- persistence ------------------------------------------------------------------
+    def persist(self, s: Session) -> bool:
+        """Save what changed in `s` (the caller holds s.lock). A failed save is logged and counted;
+        the session stays live and the next save writes the change again."""
+        if self.persister is None or s.closed or s.kv is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            self.persister.save(s)
+        except Exception:  # noqa: BLE001 - a full disk must not fail the RPC that triggered the save
+            log.exception("saving session %s failed", _shown(s.id))
+            self.events.on_save_failed()
+            return False
+        s.saved_history_length = len(s.history)
+        self.events.on_saved(time.perf_counter() - t0)
+        return True
+
+    def flush(self, *, idle_s: float = 0.0, wait_s: float = 0.0) -> int:
+        """Save sessions with unsaved changes that have been idle for `idle_s`; a session inside a
+        Generate is skipped unless `wait_s` allows waiting for it. Returns how many were saved."""
+        if self.persister is None:
+            return 0
+        now, n = self.clock(), 0
+        for s in self.sessions():
+            if not s.unsaved or now - s.last_access < idle_s:
+                continue
+            got = s.lock.acquire(timeout=wait_s) if wait_s > 0 else s.lock.acquire(blocking=False)
+            if not got:
+                continue
+            try:
+                if not s.closed and s.unsaved:
+                    n += self.persist(s)
+            finally:
+                s.lock.release()
+        return n
 
     def _ensure_live(self, s: Session) -> None:
         if s.closed:
@@ -212,10 +348,20 @@ class SessionStore:
 
     # -- eviction ---------------------------------------------------------------------
     def _remove(self, session_id: str, reason: str) -> None:
+        """Evict an idle session: spilled to disk with a persister (it comes back on its next call),
+        dropped without one."""
         s = self._sessions.pop(session_id)
+        spilled = False
+        if self.persister is not None and s.lock.acquire(blocking=False):
+            try:
+                spilled = not s.unsaved or self.persist(s)
+            finally:
+                s.spilled = spilled
+                s.closed = True
+                s.lock.release()
         s.closed = True
         self.events.on_evicted(reason)
-        self.events.on_ended("evicted")
+        self.events.on_ended("spilled" if spilled else "evicted")
 
     def _evict_lru(self) -> None:
         # Oldest idle session first; a session inside a Generate is never evicted.

@@ -1,0 +1,235 @@
+"""SessionFiles: the SessionPersister that keeps sessions in a StateDir as safetensors segments.
+
+A save writes, each under a new sequence number `seq`:
+
+    <seq>-history.safetensors  tokens appended since the last save                  (append-only)
+    <seq>-rows.safetensors     the stored rows (codes, for a compressed store) of the positions
+                               committed since the last save that are still resident  (append-only)
+    <seq>-tail.safetensors     the rest of the cache state: slot map, last logits, drafter
+                               features, the strategy's own tensors (small; replaced each save)
+    session.json               the manifest naming them (model identity, strategy, cache meta,
+                               sha256 per segment), replaced last: the save's commit point
+
+A committed position's row never changes, so a rows segment is never rewritten: a turn writes
+only what it added. A bounded strategy's positions leave the resident set; once the rows on disk
+exceed twice the resident rows, one compacted rows segment of the resident rows replaces them
+(amortised, still proportional to what was added). History segments are merged past 32.
+Loading rebuilds the CacheState `SessionKV.state()` would have produced (rows of empty slots are
+zeros: masked, never read) and hands it to `SessionKV.from_state`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from inference_engine.engine.session_kv import SessionKV
+from inference_engine.errors import SessionStateUnusable
+from inference_engine.kv.slot_cache import CacheState
+from inference_engine.kv.stores import CompressedStore
+from inference_engine.kv.strategy import KVStrategy
+from inference_engine.persistence.model_identity import identity_mismatch, model_identity
+from inference_engine.persistence.state_dir import (MANIFEST_NAME, StateDir, StateFileError, fsync_dir, manifest_bytes,
+                                                    read_manifest, read_segment, sha256_bytes, write_atomic)
+from inference_engine.session.store import PersistedSession
+
+log = logging.getLogger(__name__)
+
+ROW_PREFIX = "row."
+HISTORY_SEGMENTS_MAX = 32
+COMPACT_SLACK_ROWS = 64
+
+
+def _row_axis(store) -> int:
+    """The slot axis of the store's stacked payload: SlabStore (L, Hkv, slots, D), CompressedStore
+    (L, 2, Hkv, slots, ...)."""
+    return 3 if isinstance(store, CompressedStore) else 2
+
+
+def read_rows(store, slots: np.ndarray) -> dict:
+    """The stored rows at `slots`, stacked over layers like `store.state()`'s payload (CPU)."""
+    idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(store.device)
+    if isinstance(store, CompressedStore):
+        return {n: torch.stack([slabs[n].index_select(2, idx) for slabs in store.slabs]).cpu() for n in store.layout}
+    return {"k": torch.stack([x.index_select(1, idx) for x in store.k]).cpu(),
+            "v": torch.stack([x.index_select(1, idx) for x in store.v]).cpu()}
+
+
+class SessionFiles:
+    """Sessions of one engine (model + strategy) under `state_dir`."""
+
+    def __init__(self, state_dir: StateDir, engine):
+        self.dir = state_dir.create()
+        self.engine = engine
+        info = engine.model_info
+        self.identity = model_identity(info.model_id, info.path, info.weights, info.backend)
+        self.bytes_written = 0  # since start (the bench reads it)
+
+    # -- SessionPersister ---------------------------------------------------------------
+    def has(self, session_id: str) -> bool:
+        return self.dir.has(session_id)
+
+    def delete(self, session_id: str) -> None:
+        self.dir.delete(session_id)
+
+    def set_aside(self, session_id: str, reason: str) -> str | None:
+        dest = self.dir.set_aside(session_id)
+        if dest is not None:
+            (dest / "SET_ASIDE_REASON.txt").write_text(reason + "\n")
+            log.warning("session %s set aside to %s: %s", session_id, dest, reason)
+        return str(dest) if dest is not None else None
+
+    def save(self, session) -> None:
+        kv, history = session.kv, session.history
+        prev = session.saved
+        d = self.dir.session_dir(session.id)
+        d.mkdir(parents=True, exist_ok=True)
+        seq = prev["seq"] + 1 if prev else 1
+        segments = list(prev["segments"]) if prev else []
+        written = 0
+
+        def write(kind: str, tensors: dict, **extra) -> dict:
+            nonlocal written
+            data = st_save({k: v.contiguous() for k, v in tensors.items()})
+            name = f"{seq:08d}-{kind}.safetensors"
+            write_atomic(d / name, data, sync_dir=False)
+            written += len(data)
+            return {"file": name, "kind": kind, "bytes": len(data), "sha256": sha256_bytes(data), **extra}
+
+        # history: the appended tokens (all of it again once there are too many segments)
+        done = prev["history_length"] if prev else 0
+        if len(history) > done:
+            if sum(g["kind"] == "history" for g in segments) >= HISTORY_SEGMENTS_MAX:
+                segments, done = [g for g in segments if g["kind"] != "history"], 0
+            tokens = torch.tensor(history[done:], dtype=torch.int32)
+            segments.append(write("history", {"tokens": tokens}, start=done, end=len(history)))
+
+        # rows: resident positions committed since the last save (or, compacting, every resident one)
+        store = kv.cache.store
+        pos = store.pos.copy()
+        resident = pos >= 0
+        rows_through = prev["rows_through"] if prev else 0
+        slots = np.flatnonzero(resident & (pos >= rows_through))
+        on_disk = sum(g["rows"] for g in segments if g["kind"] == "rows")
+        if on_disk and on_disk + slots.size > 2 * int(resident.sum()) + COMPACT_SLACK_ROWS:
+            segments = [g for g in segments if g["kind"] != "rows"]
+            slots = np.flatnonzero(resident)
+        if slots.size:
+            rows = read_rows(store, slots)
+            segments.append(write("rows", {"positions": torch.from_numpy(pos[slots].copy())}
+                                  | {ROW_PREFIX + n: t for n, t in rows.items()}, rows=int(slots.size)))
+
+        # tail: everything else, small; replaced
+        st = kv.state(with_store=False)
+        tail = dict(st.tensors) | {"store.pos": torch.from_numpy(pos)}
+        segments = [g for g in segments if g["kind"] != "tail"] + [write("tail", tail)]
+        fsync_dir(d)  # the segments are durable before the manifest that names them
+
+        now = time.time()
+        body = {
+            "session_id": session.id, "seq": seq, "saved_at": now, "created_at": prev["created_at"] if prev else now,
+            "model": self.identity, "strategy": asdict(self.engine.strategy), "cache_meta": st.meta,
+            "eos_token_ids": sorted(int(t) for t in session.eos_token_ids), "history_length": len(history),
+            "next_position": kv.next_position, "rows_through": kv.next_position, "segments": segments,
+        }
+        data = manifest_bytes(body)
+        write_atomic(d / MANIFEST_NAME, data)
+        self.bytes_written += written + len(data)
+        self.dir.collect_leftovers(d, {g["file"] for g in segments})
+        session.saved = body
+
+    def load(self, session_id: str) -> PersistedSession:
+        d = self.dir.session_dir(session_id)
+        try:
+            body = read_manifest(d)
+        except StateFileError as e:
+            self._unusable(session_id, str(e))
+        problem = identity_mismatch(body.get("model") or {}, self.identity)
+        if problem:
+            self._unusable(session_id, problem)
+        try:
+            saved_strategy = KVStrategy(**body["strategy"])
+        except (TypeError, ValueError, KeyError) as e:
+            self._unusable(session_id, f"its manifest names no valid kv strategy ({e})")
+        if saved_strategy != self.engine.strategy:
+            # The files are fine; this daemon was started with other settings. Kept in place.
+            raise SessionStateUnusable(
+                f"session {session_id!r} was saved under kv strategy {_strategy_text(saved_strategy)}; this daemon "
+                f"serves {_strategy_text(self.engine.strategy)}. Restart it with the session's settings, or remove the "
+                f"session with `kakeya sessions rm {session_id}`")
+        try:
+            kv, history = self._rebuild(d, body)
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with the files, this session only
+            self._unusable(session_id, f"{type(e).__name__}: {e}")
+        return PersistedSession(kv=kv, history=history, eos_token_ids=frozenset(body["eos_token_ids"]), saved=body)
+
+    # -- loading ----------------------------------------------------------------------------
+    def _rebuild(self, d, body: dict):
+        segments = body["segments"]
+        history: list = []
+        for g in sorted((g for g in segments if g["kind"] == "history"), key=lambda g: g["start"]):
+            if g["start"] != len(history):
+                raise StateFileError(f"history segment {g['file']} starts at {g['start']}, expected {len(history)}")
+            history.extend(st_load(read_segment(d, g))["tokens"].tolist())
+        if len(history) != body["history_length"]:
+            raise StateFileError(f"history segments hold {len(history)} tokens, the manifest says {body['history_length']}")
+        tails = [g for g in segments if g["kind"] == "tail"]
+        if len(tails) != 1:
+            raise StateFileError(f"the manifest names {len(tails)} tail segments, expected 1")
+        tail = st_load(read_segment(d, tails[0]))
+        pos = tail.pop("store.pos").numpy().astype(np.int64)
+
+        fresh = self.engine.new_session_kv()
+        template = fresh.cache.store.state()
+        template.pop("pos")
+        axis = _row_axis(fresh.cache.store)
+        payload = {}
+        for n, t in template.items():
+            shape = list(t.shape)
+            shape[axis] = pos.size
+            payload[n] = torch.zeros(shape, dtype=t.dtype)
+        res_slots = np.flatnonzero(pos >= 0)
+        order = np.argsort(pos[res_slots], kind="stable")
+        sorted_pos = pos[res_slots][order]
+        filled = np.zeros(pos.size, dtype=bool)
+        for g in (g for g in segments if g["kind"] == "rows"):
+            seg = st_load(read_segment(d, g))
+            if not sorted_pos.size:
+                continue
+            positions = seg["positions"].numpy()
+            at = np.clip(np.searchsorted(sorted_pos, positions), 0, sorted_pos.size - 1)
+            hit = sorted_pos[at] == positions
+            if not hit.any():
+                continue
+            slots = torch.from_numpy(res_slots[order[at[hit]]])
+            rows = torch.from_numpy(np.flatnonzero(hit))
+            for n, dst in payload.items():
+                src = seg[ROW_PREFIX + n]
+                if src.dtype != dst.dtype:
+                    raise StateFileError(f"rows segment {g['file']} holds {n} as {src.dtype}, this cache stores {dst.dtype}")
+                dst.index_copy_(axis, slots, src.index_select(axis, rows))
+            filled[slots.numpy()] = True
+        missing = res_slots[~filled[res_slots]]
+        if missing.size:
+            raise StateFileError(f"rows of {missing.size} resident positions are missing (first: position {pos[missing[0]]})")
+        tensors = tail | {"store.pos": torch.from_numpy(pos)} | {f"store.{n}": t for n, t in payload.items()}
+        e = self.engine
+        kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
+                                  max_context=e.max_context, restore_source=e.restore_source, hidden_keep=fresh.hidden_keep)
+        if kv.next_position > len(history):
+            raise StateFileError(f"the cache holds {kv.next_position} positions but the history only {len(history)} tokens")
+        return kv, history
+
+    def _unusable(self, session_id: str, problem: str):
+        dest = self.set_aside(session_id, problem)
+        where = f"its files were moved to {dest} (not deleted)" if dest else "it has no files"
+        raise SessionStateUnusable(f"session {session_id!r} cannot be resumed: {problem}; {where}; create a new session")
+
+
+def _strategy_text(s: KVStrategy) -> str:
+    return s.name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(s.describe().items())) + ")"

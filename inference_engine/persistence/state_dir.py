@@ -1,0 +1,213 @@
+"""The state directory: where persisted sessions live, and how a file gets there safely.
+
+    <state-dir>/sessions/<id>/session.json            the manifest: written last, names every segment
+    <state-dir>/sessions/<id>/<seq>-<kind>.safetensors segments (history, rows, tail), never rewritten
+    <state-dir>/quarantine/<id>-<utc time>/             sessions whose files could not be resumed
+
+Every file is written to a temporary name, fsynced, renamed into place, and the directory
+fsynced, so a crash leaves either the old file or the new one. A save's segments are renamed in
+before the manifest that names them; files the manifest does not name are leftovers of a save
+that never finished and are ignored (and collected by `gc`). The manifest carries the sha256 of
+its own body and of every segment, so truncation and bit flips are caught at load.
+
+Plain Python (no torch): the `kakeya sessions` commands use this module alone.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kakeya.local_models import kakeya_home
+
+SESSION_FORMAT = "kakeya-session/1"
+MANIFEST_NAME = "session.json"
+TMP_PREFIX = ".tmp-"
+_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
+
+
+class StateFileError(Exception):
+    """A persisted file is missing, truncated, corrupted or foreign; the message says which and how."""
+
+
+def default_state_dir() -> Path:
+    return kakeya_home() / "state"
+
+
+def is_session_id(session_id: str) -> bool:
+    """Ids the server issues (token_urlsafe); anything else never names a directory."""
+    return bool(_ID.fullmatch(session_id))
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
+    """Write `data` to `path` through a temporary file: fsync, rename, fsync the directory."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def manifest_bytes(body: dict) -> bytes:
+    """The manifest file: the body and the sha256 of its canonical JSON."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return (json.dumps({"format": SESSION_FORMAT, "sha256": sha256_bytes(canonical.encode()), "body": body},
+                       sort_keys=True, indent=1) + "\n").encode()
+
+
+def read_manifest(session_dir: Path) -> dict:
+    """The manifest body, checked (format version and checksum); StateFileError otherwise."""
+    path = session_dir / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise StateFileError(f"{path} is missing (the session was never saved completely)") from None
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise StateFileError(f"{path} is not valid JSON ({e}): truncated or corrupted") from None
+    if not isinstance(doc, dict) or doc.get("format") != SESSION_FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise StateFileError(f"{path} has format {got!r}; this build reads {SESSION_FORMAT!r}")
+    body = doc.get("body")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    if sha256_bytes(canonical.encode()) != doc.get("sha256"):
+        raise StateFileError(f"{path} does not match its recorded sha256: corrupted")
+    return body
+
+
+def read_segment(session_dir: Path, seg: dict) -> bytes:
+    """A segment's bytes, checked against the size and sha256 the manifest records."""
+    path = session_dir / seg["file"]
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StateFileError(f"segment {seg['file']} is missing") from None
+    if len(data) != seg["bytes"]:
+        raise StateFileError(f"segment {seg['file']} has {len(data)} bytes, the manifest says {seg['bytes']}: truncated")
+    if sha256_bytes(data) != seg["sha256"]:
+        raise StateFileError(f"segment {seg['file']} does not match its recorded sha256: corrupted")
+    return data
+
+
+@dataclass(frozen=True)
+class SessionEntry:
+    session_id: str
+    path: Path
+    disk_bytes: int
+    history_length: int
+    saved_at: float  # unix time of the last save (0 when unreadable)
+    model_id: str
+    kv_strategy: str
+    problem: str | None = None  # why the manifest is unreadable
+
+
+class StateDir:
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root).expanduser() if root is not None else default_state_dir()
+        self.sessions = self.root / "sessions"
+        self.quarantine = self.root / "quarantine"
+
+    def create(self) -> "StateDir":
+        self.sessions.mkdir(parents=True, exist_ok=True)
+        self.quarantine.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def session_dir(self, session_id: str) -> Path:
+        if not is_session_id(session_id):
+            raise ValueError(f"{session_id[:64]!r} is not a session id")
+        return self.sessions / session_id
+
+    def has(self, session_id: str) -> bool:
+        return is_session_id(session_id) and (self.sessions / session_id / MANIFEST_NAME).is_file()
+
+    def delete(self, session_id: str) -> bool:
+        d = self.session_dir(session_id)
+        if not d.exists():
+            return False
+        shutil.rmtree(d)
+        return True
+
+    def set_aside(self, session_id: str) -> Path | None:
+        """Move a session's files to quarantine/ (never deleted); returns where they went."""
+        d = self.session_dir(session_id)
+        if not d.exists():
+            return None
+        self.quarantine.mkdir(parents=True, exist_ok=True)
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        dest = self.quarantine / f"{session_id}-{stamp}"
+        os.replace(d, dest)
+        fsync_dir(self.sessions)
+        return dest
+
+    def entries(self) -> list[SessionEntry]:
+        if not self.sessions.is_dir():
+            return []
+        out = []
+        for d in sorted(self.sessions.iterdir()):
+            if not d.is_dir() or not is_session_id(d.name):
+                continue
+            size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+            try:
+                body = read_manifest(d)
+                out.append(SessionEntry(d.name, d, size, int(body["history_length"]), float(body["saved_at"]),
+                                        body["model"]["model_id"], body["strategy"]["name"]))
+            except (StateFileError, KeyError, TypeError, ValueError) as e:
+                out.append(SessionEntry(d.name, d, size, 0, 0.0, "", "", problem=str(e)))
+        return out
+
+    def collect_leftovers(self, session_dir: Path, keep: set[str], *, min_age_s: float = 0.0) -> int:
+        """Delete files in `session_dir` the manifest does not name (temporary files and segments of
+        a save that never finished) older than `min_age_s`; returns how many."""
+        now, n = time.time(), 0
+        for p in session_dir.iterdir():
+            if p.name == MANIFEST_NAME or p.name in keep or not p.is_file():
+                continue
+            try:
+                if now - p.stat().st_mtime >= min_age_s:
+                    p.unlink()
+                    n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
+    def gc(self, *, older_than_s: float | None = None, quarantine: bool = False, min_age_s: float = 60.0) -> dict:
+        """Remove leftovers of unfinished saves (older than `min_age_s`, so a running daemon's save in
+        flight is left alone); with `older_than_s`, whole sessions not saved for that long; with
+        `quarantine`, everything set aside."""
+        report = {"leftover_files": 0, "sessions_removed": [], "quarantine_removed": []}
+        now = time.time()
+        for e in self.entries():
+            if e.problem is None:
+                body = read_manifest(e.path)
+                keep = {s["file"] for s in body["segments"]}
+                report["leftover_files"] += self.collect_leftovers(e.path, keep, min_age_s=min_age_s)
+            if older_than_s is not None and e.problem is None and now - e.saved_at > older_than_s:
+                shutil.rmtree(e.path)
+                report["sessions_removed"].append(e.session_id)
+        if quarantine and self.quarantine.is_dir():
+            for d in sorted(self.quarantine.iterdir()):
+                shutil.rmtree(d) if d.is_dir() else d.unlink()
+                report["quarantine_removed"].append(d.name)
+        return report

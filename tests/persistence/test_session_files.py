@@ -1,0 +1,315 @@
+"""Sessions on disk (SessionFiles + SessionStore): resume token-identical, segments, spill, bad state.
+
+"Restart" = a new Engine, SessionFiles and Runtime over the same state directory; the reference
+is the same session in the first runtime, which never stopped.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from factories import load_model, tiny_model_dir
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.generate import Engine
+from inference_engine.engine.requests import SamplingParams
+from inference_engine.errors import SessionNotFound, SessionStateUnusable
+from inference_engine.kv.strategy import KVStrategy
+from inference_engine.persistence import session_files, state_dir
+from inference_engine.persistence.session_files import SessionFiles
+from inference_engine.persistence.state_dir import MANIFEST_NAME, StateDir
+from inference_engine.server.runtime import Runtime
+
+SINK, WINDOW = 4, 24
+
+STRATEGIES = {
+    "full": KVStrategy("full"),
+    "sink_window": KVStrategy("sink_window", SINK, WINDOW),
+    "dlm_restore": KVStrategy("dlm_restore", SINK, WINDOW),
+    "dlm_restore_refresh3": KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=3),
+    "dlm_restore_pin4": KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4),
+}
+
+
+def ids(n, seed=0):
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def strategy(name, compressor="identity"):
+    st = STRATEGIES[name]
+    return KVStrategy(st.name, st.sink, st.window, compressor=compressor, restore_from=st.restore_from,
+                      restore_refresh=st.restore_refresh, restore_pin=st.restore_pin)
+
+
+def engine(st: KVStrategy, model_dir=None):
+    m = load_model(str(model_dir or tiny_model_dir("llama")))
+    source = m.verifier_restore_source() if st.restore_from == "drafter" else None
+    return Engine(m, st, prefill_chunk=16, restore_source=source)
+
+
+def runtime(root, st: KVStrategy, model_dir=None, **kw) -> Runtime:
+    e = engine(st, model_dir)
+    return Runtime(e, persister=SessionFiles(StateDir(root), e), **kw)
+
+
+def turn(rt, sid, n, sampling=SamplingParams()):
+    return [e.token_id for e in rt.generate(sid, n, sampling) if isinstance(e, TokenGenerated)]
+
+
+def manifest(root, sid) -> dict:
+    return json.loads((StateDir(root).sessions / sid / MANIFEST_NAME).read_text())["body"]
+
+
+@pytest.mark.parametrize("compressor", ["identity", "kakeya_d4", "kakeya_e8"])
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_resumed_session_continues_token_identical(name, compressor, tmp_path):
+    if compressor != "identity":
+        pytest.importorskip("kakeyalattice")
+    st = strategy(name, compressor)
+    kept = runtime(tmp_path / "kept", st)
+    s = kept.create_session(ids(40))
+    turn(kept, s.id, 6)
+    kept.append(s.id, ids(30, seed=1))  # past the window: bounded strategies have evicted rows
+    turn(kept, s.id, 5, SamplingParams(temperature=0.9, seed=3))
+    kept.append(s.id, ids(7, seed=2))  # appended, not yet generated: saved by the flush
+    assert kept.store.flush() == 1
+
+    # Copy the state dir as it is now: the restarted daemon starts from these files.
+    import shutil
+    shutil.copytree(tmp_path / "kept", tmp_path / "restarted")
+    resumed = runtime(tmp_path / "restarted", st)
+    assert resumed.history(s.id) == kept.history(s.id)
+    a, b = resumed.session_info(s.id), kept.session_info(s.id)
+    assert (a.resident_positions, a.pending_tokens, a.kv_live_bytes, a.dropped_tokens) == \
+           (b.resident_positions, b.pending_tokens, b.kv_live_bytes, b.dropped_tokens)
+    for seed in (4, 5):
+        more = ids(11, seed=seed)
+        kept.append(s.id, more)
+        resumed.append(s.id, more)
+        assert turn(resumed, s.id, 7) == turn(kept, s.id, 7)
+        # bit for bit: the logits after the turn were computed through the reloaded rows
+        assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
+        sampled = SamplingParams(temperature=0.8, seed=seed)
+        assert turn(resumed, s.id, 5, sampled) == turn(kept, s.id, 5, sampled)
+
+
+def test_sink_window_past_the_trained_context_resumes_identical(tmp_path):
+    """Past max_context the sink is re-anchored; a resumed session must keep doing exactly that."""
+    model_dir = tiny_model_dir("llama", max_position_embeddings=64)
+    st = KVStrategy("sink_window", SINK, WINDOW)
+    kept = runtime(tmp_path, st, model_dir)
+    s = kept.create_session(ids(50))
+    turn(kept, s.id, 30)  # position 80 > 64
+    resumed = runtime(tmp_path, st, model_dir)
+    out = turn(resumed, s.id, 20)
+    assert out == turn(kept, s.id, 20)
+
+
+def test_a_turn_writes_only_what_it_added(tmp_path):
+    rt = runtime(tmp_path, KVStrategy("full"))
+    s = rt.create_session(ids(100))
+    turn(rt, s.id, 4)
+    for k in range(3):
+        before = {g["file"] for g in manifest(tmp_path, s.id)["segments"]}
+        rt.append(s.id, ids(9, seed=k))
+        next_before = s.kv.next_position
+        turn(rt, s.id, 4)
+        body = manifest(tmp_path, s.id)
+        new = [g for g in body["segments"] if g["file"] not in before]
+        assert sorted(g["kind"] for g in new) == ["history", "rows", "tail"]
+        hist = next(g for g in new if g["kind"] == "history")
+        assert hist["end"] - hist["start"] == 9 + 4  # the appended tokens and the generated ones
+        rows = next(g for g in new if g["kind"] == "rows")
+        assert rows["rows"] == s.kv.next_position - next_before == 9 + 4
+        seg = load_file(str(StateDir(tmp_path).sessions / s.id / rows["file"]))
+        assert seg["positions"].tolist() == list(range(next_before, s.kv.next_position))
+        # Earlier segments are kept as they were (append-only); only the tail is replaced.
+        assert before - {g["file"] for g in body["segments"]} == {g["file"] for g in manifest_tail(before)}
+    files = {p.name for p in (StateDir(tmp_path).sessions / s.id).iterdir()}
+    assert files == {g["file"] for g in manifest(tmp_path, s.id)["segments"]} | {MANIFEST_NAME}
+
+
+def manifest_tail(files):
+    return [{"file": f} for f in files if f.endswith("-tail.safetensors")]
+
+
+def test_bounded_rows_on_disk_are_compacted(tmp_path, monkeypatch):
+    monkeypatch.setattr(session_files, "COMPACT_SLACK_ROWS", 0)
+    st = KVStrategy("sink_window", SINK, WINDOW)
+    rt = runtime(tmp_path, st)
+    s = rt.create_session(ids(20))
+    for k in range(12):
+        rt.append(s.id, ids(7, seed=k))
+        turn(rt, s.id, 3)
+        rows_on_disk = sum(g["rows"] for g in manifest(tmp_path, s.id)["segments"] if g["kind"] == "rows")
+        assert rows_on_disk <= 2 * s.kv.resident_positions + 10
+    resumed = runtime(tmp_path, st)
+    rt.append(s.id, [5, 6])
+    resumed.append(s.id, [5, 6])
+    assert turn(resumed, s.id, 6) == turn(rt, s.id, 6)
+
+
+def test_eviction_spills_and_the_next_call_loads(tmp_path):
+    st = KVStrategy("sink_window", SINK, WINDOW)
+    ref = runtime(tmp_path / "ref", st, capacity=8)
+    rt = runtime(tmp_path / "rt", st, capacity=1)
+    a_ref, a = ref.create_session(ids(30)), None
+    a = rt.create_session(ids(30))
+    assert turn(rt, a.id, 4) == turn(ref, a_ref.id, 4)
+    rt.append(a.id, [7, 8, 9])  # unsaved change: the spill writes it
+    ref.append(a_ref.id, [7, 8, 9])
+    b = rt.create_session(ids(10, seed=1))  # capacity 1: a is spilled, not dropped
+    assert len(rt.store) == 1 and StateDir(tmp_path / "rt").has(a.id)
+    assert rt.metrics.session_total.labels(outcome="spilled")._value.get() == 1
+    assert turn(rt, a.id, 6) == turn(ref, a_ref.id, 6)  # loaded again (b spilled in turn)
+    assert rt.metrics.session_loads_total.labels(outcome="ok")._value.get() == 1
+    turn(rt, b.id, 2)
+
+    ttl = runtime(tmp_path / "rt", st, idle_ttl_s=0.05)
+    ttl.append(a.id, [1])
+    ref.append(a_ref.id, [1])
+    time.sleep(0.1)
+    assert ttl.store.evict_idle() == 1 and len(ttl.store) == 0
+    assert turn(ttl, a.id, 5) == turn(ref, a_ref.id, 5)
+
+
+def test_close_deletes_the_files_even_of_a_session_only_on_disk(tmp_path):
+    st = KVStrategy("full")
+    rt = runtime(tmp_path, st)
+    s = rt.create_session(ids(10))
+    turn(rt, s.id, 2)
+    rt.close(s.id)
+    assert not (StateDir(tmp_path).sessions / s.id).exists()
+    with pytest.raises(SessionNotFound):
+        rt.append(s.id, [1])
+    t = rt.create_session(ids(10))
+    turn(rt, t.id, 2)
+    other = runtime(tmp_path, st)  # t is only on disk for this one
+    other.close(t.id)
+    assert not (StateDir(tmp_path).sessions / t.id).exists()
+    with pytest.raises(SessionNotFound):
+        other.close(t.id)
+    with pytest.raises(SessionNotFound):
+        other.history("../../etc")  # never a path
+
+
+def _saved_session(root, st=KVStrategy("full")):
+    rt = runtime(root, st)
+    s = rt.create_session(ids(30))
+    turn(rt, s.id, 3)
+    rt.append(s.id, ids(5, seed=9))
+    turn(rt, s.id, 3)
+    good = rt.create_session(ids(12, seed=3))
+    turn(rt, good.id, 2)
+    return s.id, good.id, rt.history(good.id)
+
+
+def _truncate_rows(d, body):
+    f = d / next(g["file"] for g in body["segments"] if g["kind"] == "rows")
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def _flip_a_byte(d, body):
+    f = d / next(g["file"] for g in body["segments"] if g["kind"] == "rows")
+    data = bytearray(f.read_bytes())
+    data[-7] ^= 0x40
+    f.write_bytes(bytes(data))
+
+
+def _edit_manifest(d, edit):
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    edit(doc)
+    (d / MANIFEST_NAME).write_text(json.dumps(doc))
+
+
+BAD = {
+    "truncated segment": (_truncate_rows, "truncated"),
+    "corrupted segment": (_flip_a_byte, "sha256"),
+    "missing segment": (lambda d, body: (d / body["segments"][0]["file"]).unlink(), "missing"),
+    "truncated manifest": (lambda d, body: (d / MANIFEST_NAME).write_bytes((d / MANIFEST_NAME).read_bytes()[:200]),
+                           "not valid JSON"),
+    "edited manifest": (lambda d, body: _edit_manifest(d, lambda doc: doc["body"].update(history_length=3)), "sha256"),
+    "other format version": (lambda d, body: _edit_manifest(d, lambda doc: doc.update(format="kakeya-session/99")),
+                             "kakeya-session/99"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_state_is_refused_set_aside_and_others_keep_working(case, tmp_path):
+    sid, good, good_history = _saved_session(tmp_path)
+    d = StateDir(tmp_path).sessions / sid
+    damage, words = BAD[case]
+    damage(d, json.loads((d / MANIFEST_NAME).read_text())["body"])
+    rt = runtime(tmp_path, KVStrategy("full"))
+    with pytest.raises(SessionStateUnusable, match=words) as e:
+        rt.append(sid, [1])
+    assert "moved to" in str(e.value) and e.value.code == "FAILED_PRECONDITION"
+    assert not d.exists()
+    aside = list(StateDir(tmp_path).quarantine.iterdir())
+    assert len(aside) == 1 and aside[0].name.startswith(sid) and (aside[0] / "SET_ASIDE_REASON.txt").is_file()
+    with pytest.raises(SessionNotFound):  # set aside: not retried on every call
+        rt.append(sid, [1])
+    assert rt.history(good) == good_history
+    assert len(turn(rt, good, 3)) == 3
+
+
+def test_foreign_weights_are_refused_and_set_aside(tmp_path):
+    sid, _, _ = _saved_session(tmp_path)
+    other = runtime(tmp_path, KVStrategy("full"), tiny_model_dir("llama", seed=1))  # same shapes, other weights
+    with pytest.raises(SessionStateUnusable, match="weights_sha256"):
+        other.history(sid)
+    assert not StateDir(tmp_path).has(sid)
+
+
+def test_other_strategy_is_refused_and_the_files_kept(tmp_path):
+    sid, _, _ = _saved_session(tmp_path)
+    other = runtime(tmp_path, KVStrategy("sink_window", SINK, WINDOW))
+    with pytest.raises(SessionStateUnusable, match="saved under kv strategy full"):
+        other.history(sid)
+    assert StateDir(tmp_path).has(sid)
+    assert runtime(tmp_path, KVStrategy("full")).history(sid)
+
+
+def test_a_save_that_dies_before_its_manifest_leaves_the_previous_turn(tmp_path, monkeypatch):
+    st = KVStrategy("full")
+    rt = runtime(tmp_path, st)
+    s = rt.create_session(ids(30))
+    turn(rt, s.id, 3)
+    saved = rt.history(s.id)
+    real = state_dir.write_atomic
+
+    def dies_at_manifest(path, data, **kw):
+        if path.name == MANIFEST_NAME:
+            raise OSError("disk full (simulated)")
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(session_files, "write_atomic", dies_at_manifest)
+    rt.append(s.id, ids(20, seed=4))
+    out = turn(rt, s.id, 3)  # the save fails; the turn does not
+    assert len(out) == 3 and rt.metrics.session_save_failures_total._value.get() == 1
+    monkeypatch.setattr(session_files, "write_atomic", real)
+    resumed = runtime(tmp_path, st)
+    assert resumed.history(s.id) == saved  # the previous turn, whole
+    ref = runtime(tmp_path / "ref", st)
+    r = ref.create_session(saved)
+    assert turn(resumed, s.id, 5) == turn(ref, r.id, 5)
+    # and the leftover segments of the failed save were collected by the next one
+    d = StateDir(tmp_path).sessions / s.id
+    assert {p.name for p in d.iterdir()} == {g["file"] for g in manifest(tmp_path, s.id)["segments"]} | {MANIFEST_NAME}
+
+
+def test_resume_after_a_restart_matches_prefilling_the_history(tmp_path):
+    """INV-3 across a restart: a resumed session's continuation equals a fresh session's over the same history."""
+    st = KVStrategy("full")
+    rt = runtime(tmp_path, st)
+    s = rt.create_session(ids(64))
+    turn(rt, s.id, 10)
+    resumed = runtime(tmp_path, st)
+    fresh = runtime(tmp_path / "fresh", st)
+    f = fresh.create_session(resumed.history(s.id))
+    assert turn(resumed, s.id, 12) == turn(fresh, f.id, 12)
+    assert np.array_equal(resumed.history(s.id)[:74], rt.history(s.id))
