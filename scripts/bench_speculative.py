@@ -1,10 +1,14 @@
 """Speculative vs plain AR decoding of the same engine, side by side, on held-out prompts.
 
-For each held-out prompt (chat-style and code-style, never seen in drafter training) and each
-k in --ks, greedy-generate --tokens tokens with speculation and once without; record the
-acceptance rate alpha = accepted / drafted, tokens emitted per verifier forward, decode tok/s,
-the drafter's share of decode time, and check the outputs are token-identical. Writes
-results/speculative.json and .png.
+For each held-out prompt and each drafter in --drafters and k in --ks, greedy-generate --tokens
+tokens with speculation and once without; record the acceptance rate alpha = accepted / drafted,
+tokens emitted per verifier forward, decode tok/s, the drafter's share of decode time, and check
+the outputs are token-identical. Styles (the dLM drafter's held-out split, never trained on):
+  chat  a question about a command (man pages), raw
+  code  a Python function's opening, to be continued (code completion)
+  edit  the same held-out function inside a chat-templated editing request ("add type hints,
+        reply with the whole function"): the answer re-states the input, as agents' edits do
+Writes results/speculative.json and .png (one file: every drafter and k of the run).
 """
 from __future__ import annotations
 
@@ -50,13 +54,14 @@ def run(engine, ids, n):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--drafter", default="smollm2-135m-dlm", help="a dLM drafter name/dir, or ngram (prompt lookup)")
-    ap.add_argument("--weights", default="fp32", choices=("fp32", "int8", "int4"))
+    ap.add_argument("--drafters", default="ngram,smollm2-135m-dlm", help="comma list: ngram (prompt lookup) and/or dLM drafter names/dirs")
+    ap.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
+    ap.add_argument("--styles", default="chat,code,edit")
     ap.add_argument("--heldout-from", default="smollm2-135m-dlm",
                     help="drafter checkpoint whose held-out prompts are used (the same set for every drafter)")
     ap.add_argument("--ks", default="2,4,8,16")
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--prompts-per-style", type=int, default=25)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompts-per-style", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-strategy", default="sink_window")
     ap.add_argument("--out", default=str(ROOT / "results" / "speculative.json"))
@@ -71,20 +76,27 @@ def main() -> int:
     from kv_cache_proposer import load_drafter, resolve_checkpoint
 
     torch.set_num_threads(args.threads)
-    model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
-    if args.drafter == "ngram":
-        from inference_engine.engine.prompt_lookup import PromptLookupDrafter
+    path = resolve_model(args.model)
+    model = TorchCausalLM.load(path, weights=args.weights)
+    drafters = {}
+    for name in args.drafters.split(","):
+        if name == "ngram":
+            from inference_engine.engine.prompt_lookup import PromptLookupDrafter
 
-        drafter = TimedDrafter(PromptLookupDrafter())
-    else:
-        drafter = TimedDrafter(load_drafter(args.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head))
+            drafters[name] = TimedDrafter(PromptLookupDrafter())
+        else:
+            drafters[name] = TimedDrafter(load_drafter(name, verifier_embed=model.embed, verifier_lm_head=model.lm_head))
     heldout = json.loads((resolve_checkpoint(args.heldout_from) / "heldout_prompts.json").read_text())
-    prompts = [(style, p) for style in ("chat", "code") for p in heldout[style][: args.prompts_per_style]]
+    styles = args.styles.split(",")
+    prompts = [(style, p) for style in styles for p in style_prompts(style, heldout, path)[: args.prompts_per_style]]
     ks = [int(k) for k in args.ks.split(",")]
     strategy = KVStrategy(args.kv_strategy)
     ar = Engine(model, strategy)
-    specs = {k: Engine(model, strategy, drafter=drafter, spec_k=k) for k in ks}
+    arms = [(d, k) for d in drafters for k in ks]
+    specs = {(d, k): Engine(model, strategy, drafter=drafters[d], spec_k=k) for d, k in arms}
 
+    for eng in (ar, *specs.values()):  # warm-up: first-call allocations and kernel selection stay out of the timings
+        run(eng, prompts[0][1]["ids"], 8)
     per_prompt = []
     for i, (style, p) in enumerate(prompts):
         ids = p["ids"]
@@ -92,11 +104,12 @@ def main() -> int:
         t0 = time.perf_counter()
         ref, done = run(ar, ids, args.tokens)
         row["ar"] = {"decode_s": done.total_seconds - done.time_to_first_token_seconds, "generated": done.generated_tokens}
-        for k, eng in specs.items():
+        for (d, k), eng in specs.items():
+            drafter = drafters[d]
             drafter.seconds = drafter.calls = 0
             toks, done = run(eng, ids, args.tokens)
             steps = max(1, done.generated_tokens - 1 - done.accepted_tokens)
-            row[f"k{k}"] = {
+            row[arm_key(d, k)] = {
                 "drafted": done.drafted_tokens,
                 "accepted": done.accepted_tokens,
                 "verifier_steps": steps,
@@ -107,14 +120,15 @@ def main() -> int:
             }
         per_prompt.append(row)
         print(f"[{i + 1}/{len(prompts)}] {style} {p['key']}: " + " ".join(
-            f"k{k} a={row[f'k{k}']['accepted']}/{row[f'k{k}']['drafted']}" for k in ks) + f" ({time.perf_counter() - t0:.1f}s)", flush=True)
+            f"{arm_key(d, k)} a={row[arm_key(d, k)]['accepted']}/{row[arm_key(d, k)]['drafted']}" for d, k in arms)
+            + f" ({time.perf_counter() - t0:.1f}s)", flush=True)
 
-    def agg(rows, k):
-        d = sum(r[f"k{k}"]["drafted"] for r in rows)
-        a = sum(r[f"k{k}"]["accepted"] for r in rows)
-        steps = sum(r[f"k{k}"]["verifier_steps"] for r in rows)
-        gen = sum(r[f"k{k}"]["generated"] - 1 for r in rows)
-        dec = sum(r[f"k{k}"]["decode_s"] for r in rows)
+    def agg(rows, key):
+        d = sum(r[key]["drafted"] for r in rows)
+        a = sum(r[key]["accepted"] for r in rows)
+        steps = sum(r[key]["verifier_steps"] for r in rows)
+        gen = sum(r[key]["generated"] - 1 for r in rows)
+        dec = sum(r[key]["decode_s"] for r in rows)
         ar_dec = sum(r["ar"]["decode_s"] for r in rows)
         ar_gen = sum(r["ar"]["generated"] - 1 for r in rows)
         return {
@@ -124,53 +138,80 @@ def main() -> int:
             "spec_decode_tok_s": gen / dec,
             "ar_decode_tok_s": ar_gen / ar_dec,
             "speedup": (gen / dec) / (ar_gen / ar_dec),
-            "drafter_share_of_decode": sum(r[f"k{k}"]["drafter_s"] for r in rows) / dec,
-            "all_identical_to_ar": all(r[f"k{k}"]["identical_to_ar"] for r in rows),
+            "drafter_share_of_decode": sum(r[key]["drafter_s"] for r in rows) / dec,
+            "identical_to_ar": sum(r[key]["identical_to_ar"] for r in rows),
+            "prompts": len(rows),
         }
 
-    summary = {style: {f"k{k}": agg([r for r in per_prompt if r["style"] == style], k) for k in ks} for style in ("chat", "code")}
-    summary["all"] = {f"k{k}": agg(per_prompt, k) for k in ks}
-    best = max(ks, key=lambda k: summary["all"][f"k{k}"]["speedup"])
+    groups = {style: [r for r in per_prompt if r["style"] == style] for style in styles} | {"all": per_prompt}
+    summary = {style: {arm_key(d, k): agg(rows, arm_key(d, k)) for d, k in arms} for style, rows in groups.items()}
+    # Issue 14's targets: the best drafter >= 1.3x own AR on code editing, never below 1.0x on chat.
+    best = {style: max(summary[style], key=lambda a: summary[style][a]["speedup"]) for style in summary}
     targets = {
-        "alpha_k2_min": 0.40,
-        "alpha_k2": summary["all"]["k2"]["alpha"] if 2 in ks else None,
-        "met_alpha": (summary["all"]["k2"]["alpha"] >= 0.40) if 2 in ks else None,
-        "speedup_min": 1.5,
-        "best_k": best,
-        "best_speedup": summary["all"][f"k{best}"]["speedup"],
-        "met_speedup": summary["all"][f"k{best}"]["speedup"] >= 1.5,
+        "best_arm": best,
+        "best_speedup": {style: summary[style][a]["speedup"] for style, a in best.items()},
+        "edit_best_speedup_min": 1.3,
+        "met_edit": summary["edit"][best["edit"]]["speedup"] >= 1.3 if "edit" in summary else None,
+        "chat_speedup_floor": 1.0,
+        "met_chat_floor": summary["chat"][best["chat"]]["speedup"] >= 1.0 if "chat" in summary else None,
+        "all_identical_to_ar": all(v["identical_to_ar"] == v["prompts"] for s in summary.values() for v in s.values()),
     }
-    out = run_metadata(vars(args) | {"n_prompts": len(prompts), "heldout_split_rule": heldout.get("split_rule")})
+    out = run_metadata(vars(args) | {"n_prompts": len(prompts), "heldout_split_rule": heldout.get("split_rule"),
+                                     "edit_instruction": EDIT_INSTRUCTION})
     out |= {"summary": summary, "targets": targets, "prompts": per_prompt}
     import pathlib
 
-    path = pathlib.Path(args.out)
-    write_json(path, out)
-    plot(summary, ks, path.with_suffix(".png"))
-    print(json.dumps(summary["all"], indent=1))
+    out_path = pathlib.Path(args.out)
+    write_json(out_path, out)
+    plot(summary, list(drafters), ks, styles, out_path.with_suffix(".png"))
+    print(json.dumps({s: {a: round(v["speedup"], 3) for a, v in summary[s].items()} for s in summary}, indent=1))
     print(targets)
     return 0
 
 
-def plot(summary, ks, png):
+EDIT_INSTRUCTION = "Add type hints to this Python function. Reply with the complete function only."
+
+
+def arm_key(drafter: str, k: int) -> str:
+    return f"{drafter}/k{k}"
+
+
+def style_prompts(style: str, heldout: dict, model_path) -> list:
+    """Held-out prompts of a style; `edit` wraps the held-out code in a chat-templated editing request
+    (the chat template is applied here, by the client, as the SDK's chat helper does)."""
+    if style != "edit":
+        return heldout[style]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    out = []
+    for p in heldout["code"]:
+        code = tok.decode(p["ids"][:200])
+        msg = [{"role": "user", "content": f"{EDIT_INSTRUCTION}\n\n```python\n{code}\n```"}]
+        text = tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
+        out.append({"key": p["key"], "ids": tok(text, add_special_tokens=False)["input_ids"]})
+    return out
+
+
+def plot(summary, drafters, ks, styles, png):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for style in ("chat", "code", "all"):
-        s = summary[style]
-        axes[0].plot(ks, [s[f"k{k}"]["alpha"] for k in ks], marker="o", label=style)
-        axes[1].plot(ks, [s[f"k{k}"]["mean_tokens_per_verifier_step"] for k in ks], marker="o", label=style)
-        axes[2].plot(ks, [s[f"k{k}"]["speedup"] for k in ks], marker="o", label=style)
-    axes[0].axhline(0.4, ls="--", c="gray", lw=0.8)
+    for style in styles:
+        for d in drafters:
+            s, lab = summary[style], f"{style} {d}"
+            axes[0].plot(ks, [s[arm_key(d, k)]["alpha"] for k in ks], marker="o", label=lab)
+            axes[1].plot(ks, [s[arm_key(d, k)]["mean_tokens_per_verifier_step"] for k in ks], marker="o", label=lab)
+            axes[2].plot(ks, [s[arm_key(d, k)]["speedup"] for k in ks], marker="o", label=lab)
     axes[2].axhline(1.0, ls=":", c="gray", lw=0.8)
-    axes[2].axhline(1.5, ls="--", c="gray", lw=0.8)
-    for a, t in zip(axes, ("acceptance rate alpha", "tokens per verifier step", "decode speedup vs AR")):
+    axes[2].axhline(1.3, ls="--", c="gray", lw=0.8)
+    for a, t in zip(axes, ("acceptance rate alpha", "tokens per verifier step", "decode speedup vs own AR")):
         a.set(title=t, xlabel="k (drafted tokens per step)", xscale="log", xticks=ks, xticklabels=ks)
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"wrote {png}")
