@@ -1,0 +1,223 @@
+"""MLX backend vs torch backend, side by side in one run: the agreement gate and speed.
+
+For each weight format in `--formats` (fp32, int4; the same format on both backends):
+  - reference: the torch backend's greedy continuation (Engine.generate, `full` cache) of each
+    held-out prompt (bench_weights.held_out: half chat, half code), `--tokens` tokens;
+  - agreement (ADR 0008 §11.8 criterion 5): the MLX backend runs the same engine steps on the same
+    tokens (prefill_chunk of the prompt, then decode_step feeding each reference token), and its
+    argmax at each of the `--tokens` positions is compared with torch's (= the reference token).
+    Gate: >= 99 % of positions. Up to the first disagreement this is exactly MLX's own greedy
+    generation (same steps, same inputs), so a prompt whose positions all agree is a greedy
+    generation identical to torch's; every other prompt's MLX greedy generation is run in full
+    and compared, and its first divergence is reported with both backends' top-2 logit margin
+    there (a near-tie when small). Gate: >= 45 of 50 identical;
+  - weights: max |W - W_pulled_fp32| of the MLX int4 linears (built from the GGUF's Q4_1 blocks)
+    and of torch's int4 linears (bf16 scale/zero), over every linear layer;
+  - speed: prefill tok/s of a `--prefill` token prompt and decode tok/s (bench_weights.decode_and_prefill),
+    both backends in this process, best of two alternating rounds; torch at `--threads` (default 1: MLX's
+    CPU backend runs one thread). Measured on THIS machine's CPU (Linux x86, MLX's CPU backend,
+    which runs one thread and whose x86 kernels are unoptimised upstream); Apple Silicon is not
+    measured here.
+
+    .venv/bin/python scripts/bench_mlx.py     # -> results/bench_mlx.json + .png
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+from bench_common import run_metadata, write_json  # noqa: E402
+from bench_weights import decode_and_prefill, held_out  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--formats", default="fp32,int4")
+    ap.add_argument("--prompts", type=int, default=50, help="held-out prompts (half chat, half code)")
+    ap.add_argument("--tokens", type=int, default=64, help="positions per prompt")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt length for prefill tok/s")
+    ap.add_argument("--decode", type=int, default=64, help="tokens for decode tok/s")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads; default 1, as MLX's CPU backend runs (and 2 threads stall on a shared 2-core box)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_mlx.json"))
+    return ap.parse_args(argv)
+
+
+def greedy(engine, prompt: list, n: int) -> list:
+    from inference_engine.engine.events import TokenGenerated
+    from inference_engine.engine.requests import GenerateParams
+
+    return [e.token_id for e in engine.generate(engine.new_session_kv(), prompt, GenerateParams(max_tokens=n))
+            if isinstance(e, TokenGenerated)]
+
+
+def teacher_forced(engine, prompt: list, cont: list) -> torch.Tensor:
+    """(len(cont), V) host logits scoring each token of `cont`, through the engine's own steps."""
+    from inference_engine.engine import steps
+
+    kv = engine.new_session_kv()
+    for i in range(0, len(prompt), engine.prefill_chunk):
+        steps.prefill_chunk(engine.model, kv, prompt[i : i + engine.prefill_chunk])
+    rows = [kv.last_logits]
+    for t in cont[:-1]:
+        steps.decode_step(engine.model, kv, t)
+        rows.append(kv.last_logits)
+    return torch.stack(rows)
+
+
+def margin(row: torch.Tensor) -> float:
+    top = row.topk(2).values
+    return float(top[0] - top[1])
+
+
+def linear_diffs(model, ref) -> float:
+    """max |W_model - W_ref| over every linear layer (both dequantized to fp32 torch)."""
+    import numpy as np
+
+    def host(w):
+        return w if isinstance(w, torch.Tensor) else torch.from_numpy(np.array(w))
+
+    worst = 0.0
+    for L, R in zip(model.layers, ref.layers):
+        for a, b in ((L.wqkv, R.wqkv), (L.wo, R.wo), (L.w_gate_up, R.w_gate_up), (L.w_down, R.w_down)):
+            worst = max(worst, float((host(a.dequantized()) - host(b.dequantized())).abs().max()))
+    return worst
+
+
+def measure_speed(fmt: str, models: dict, args) -> dict:
+    """Best of two alternating rounds per backend (the 2-core machine is shared)."""
+    warm = argparse.Namespace(prefill=16, decode=4)
+    arms = {"torch": (models["torch"], args.threads), "mlx": (models["mlx"], args.threads)}
+    best: dict = {}
+    for name, (model, threads) in arms.items():
+        torch.set_num_threads(threads)
+        decode_and_prefill(model, warm)
+    for _ in range(2):
+        for name, (model, threads) in arms.items():
+            torch.set_num_threads(threads)
+            r = decode_and_prefill(model, args)
+            print(fmt, name, r, flush=True)
+            b = best.setdefault(name, r | {"torch_threads": threads})
+            b["prefill_tok_s"] = max(b["prefill_tok_s"], r["prefill_tok_s"])
+            if r["decode_tok_s"] > b["decode_tok_s"]:
+                b["decode_tok_s"], b["decode_ms_per_token"] = r["decode_tok_s"], r["decode_ms_per_token"]
+    torch.set_num_threads(args.threads)
+    return best
+
+
+def run_format(fmt: str, path, prompts: list, args) -> dict:
+    from inference_engine.backends.mlx.model import MlxCausalLM
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.strategy import KVStrategy
+
+    tm, mm = TorchCausalLM.load(path, weights=fmt), MlxCausalLM.load(path, weights=fmt)
+    te, me = (Engine(m, KVStrategy("full"), prefill_chunk=256) for m in (tm, mm))
+    agree = total = identical = 0
+    per_prompt = []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        ref = greedy(te, p, args.tokens)
+        got = teacher_forced(me, p, ref).argmax(-1).tolist()
+        same = [g == r for g, r in zip(got, ref)]
+        agree, total = agree + sum(same), total + len(ref)
+        row = {"prompt_tokens": len(p), "positions": len(ref), "agreeing": sum(same)}
+        if all(same):
+            identical += 1
+            row["greedy_identical"] = True
+        else:
+            j = same.index(False)
+            mlx_greedy = greedy(me, p, args.tokens)
+            first = next((k for k, (a, b) in enumerate(zip(mlx_greedy, ref)) if a != b), min(len(mlx_greedy), len(ref)))
+            identical += int(mlx_greedy == ref)
+            torch_row = teacher_forced(te, p, ref[: j + 1])[j]
+            mlx_row = teacher_forced(me, p, ref[: j + 1])[j]
+            row |= {"greedy_identical": mlx_greedy == ref, "first_divergence": first, "torch_token": ref[j],
+                    "mlx_token": got[j], "torch_top2_margin": margin(torch_row), "mlx_top2_margin": margin(mlx_row),
+                    "torch_logit_gap_between_the_two": float(torch_row[ref[j]] - torch_row[got[j]]),
+                    "mlx_logit_gap_between_the_two": float(mlx_row[got[j]] - mlx_row[ref[j]])}
+        per_prompt.append(row)
+        print(f"{fmt} prompt {i}: {row}", flush=True)
+    out = {"teacher_forced_argmax_agreement": agree / total, "positions": total,
+           "greedy_identical": identical, "prompts": len(prompts), "agreement_seconds": time.perf_counter() - t0,
+           "passes_agreement_gate": agree / total >= 0.99 and identical >= round(0.9 * len(prompts)),
+           "mlx_int4_from": mm.int4_source if fmt == "int4" else None, "per_prompt": per_prompt}
+    if fmt == "int4":
+        tref, mref = TorchCausalLM.load(path, weights="fp32"), MlxCausalLM.load(path, weights="fp32")
+        out["mlx_int4_vs_pulled_fp32_max_abs_diff"] = linear_diffs(mm, mref)
+        out["torch_int4_vs_pulled_fp32_max_abs_diff"] = linear_diffs(tm, tref)
+        del tref, mref
+    out["speed"] = speed = measure_speed(fmt, {"torch": tm, "mlx": mm}, args)
+    out["mlx_vs_torch_decode"] = speed["mlx"]["decode_tok_s"] / speed["torch"]["decode_tok_s"]
+    out["mlx_vs_torch_prefill"] = speed["mlx"]["prefill_tok_s"] / speed["torch"]["prefill_tok_s"]
+    return out
+
+
+def main(argv=None) -> int:
+    import mlx.core as mx
+    import mlx_lm
+    from transformers import AutoTokenizer
+
+    from inference_engine.model_store import resolve_model
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    prompts, _ = held_out(AutoTokenizer.from_pretrained(path), args.prompts, 0, 0)
+    rows = {fmt: run_format(fmt, path, prompts, args) for fmt in args.formats.split(",")}
+    payload = run_metadata(vars(args)) | {
+        "mlx": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device())},
+        "speed_measured_on": "Linux x86 CPU (this machine, shared by other jobs: see load_average_at_start): MLX's CPU backend, one thread; "
+                             "torch at --threads. "
+                             "Apple Silicon: not measured here.",
+        "formats": rows,
+    }
+    out = pathlib.Path(args.out)
+    write_json(out, payload)
+    _plot(rows, out.with_suffix(".png"))
+    for fmt, r in rows.items():
+        print(f"{fmt}: agreement {r['teacher_forced_argmax_agreement']:.4f}, greedy identical {r['greedy_identical']}/{r['prompts']}, "
+              f"decode mlx/torch {r['mlx_vs_torch_decode']:.2f}x, prefill {r['mlx_vs_torch_prefill']:.2f}x")
+    return 0
+
+
+def _plot(rows: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmts = list(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    x = range(len(fmts))
+    for ax, key, label in zip(axes[:2], ("decode_tok_s", "prefill_tok_s"), ("decode tok/s", "prefill tok/s")):
+        ax.bar([i - 0.2 for i in x], [rows[f]["speed"]["torch"][key] for f in fmts], 0.4, label="torch", color="#888")
+        ax.bar([i + 0.2 for i in x], [rows[f]["speed"]["mlx"][key] for f in fmts], 0.4, label="mlx", color="#47a")
+        ax.set_xticks(list(x), fmts)
+        ax.set_title(f"{label} (Linux x86 CPU)")
+        ax.legend()
+    axes[2].bar(fmts, [rows[f]["teacher_forced_argmax_agreement"] for f in fmts], color="#4a7")
+    for i, f in enumerate(fmts):
+        axes[2].text(i, 0.985, f"greedy {rows[f]['greedy_identical']}/{rows[f]['prompts']}", ha="center")
+    axes[2].set_ylim(0.98, 1.0)
+    axes[2].axhline(0.99, color="r", lw=1, ls="--")
+    axes[2].set_title("torch vs MLX teacher-forced argmax agreement")
+    fig.suptitle("MLX backend vs torch backend, same weights; Apple Silicon not measured")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
