@@ -5,6 +5,7 @@ is the same session in the first runtime, which never stopped.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -32,6 +33,7 @@ STRATEGIES = {
     "dlm_restore": KVStrategy("dlm_restore", SINK, WINDOW),
     "dlm_restore_refresh3": KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=3),
     "dlm_restore_pin4": KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4),
+    "paged": KVStrategy("paged", SINK, WINDOW, page_size=8, recall_pages=2),
 }
 
 
@@ -41,8 +43,7 @@ def ids(n, seed=0):
 
 def strategy(name, compressor="identity"):
     st = STRATEGIES[name]
-    return KVStrategy(st.name, st.sink, st.window, compressor=compressor, restore_from=st.restore_from,
-                      restore_refresh=st.restore_refresh, restore_pin=st.restore_pin)
+    return dataclasses.replace(st, compressor=compressor)
 
 
 def engine(st: KVStrategy, model_dir=None):
