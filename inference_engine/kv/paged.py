@@ -121,12 +121,12 @@ class PagedCache(SinkWindowCache):
     def attend_with_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                           layout: AttentionLayout, scale: float) -> torch.Tensor | None:
         """Attention output (H, T, D) of this layer's queries q (H, T, D, post-RoPE) over sink +
-        window (k_all, v_all (Hkv, N, D) with the layout's mask) + each query's recalled pages;
-        None when nothing is out of any query's window (attend as sink_window does).
+        window (k_all, v_all (Hkv, N, D) with the layout's mask) + the keys of each query's chosen
+        pages; None when nothing is out of any query's window (attend as sink_window does).
 
-        A row-exact step (decode, speculative verify) attends row by row over exactly the columns
-        a one-token step at that position would: its own recalled rows in position order, then
-        its visible resident columns in slot order."""
+        Each KV head reads only the keys its own queries chose. A row-exact step (decode,
+        speculative verify) attends row by row over exactly the columns a one-token step at that
+        position would: its chosen keys in position order, then its visible resident columns."""
         w = self.geometry.layer_windows[layer]
         plan = self._step
         if plan is None or w not in plan["allowed"]:
@@ -135,27 +135,27 @@ class PagedCache(SinkWindowCache):
         sel = self._choose(layer, q, k_all, plan["allowed"][w], plan["cols"])  # (Hkv, T, C)
         t1 = time.perf_counter()
         hkv, t = sel.shape[0], sel.shape[1]
-        g = q.shape[0] // hkv
-        outs = []
+        h = q.shape[0]
+        g = h // hkv
+        jobs = []
         if getattr(layout, "row_exact", False):
             host = layout.host_masks[w]
             for j in range(t):
-                rows = sel[:, j].any(0).nonzero().flatten()
+                rows, valid = _rows_per_head(sel[:, j])
                 kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
                 cols = torch.from_numpy(np.flatnonzero(host[j])).to(k_all.device)
-                mask_r = sel[:, j:j + 1].index_select(2, rows).repeat_interleave(g, 0)  # (H, 1, E)
-                mask = torch.cat([mask_r, mask_r.new_ones(q.shape[0], 1, cols.numel())], 2)
-                outs.append((q[:, j:j + 1], torch.cat([kr, k_all.index_select(1, cols)], 1),
+                mask = torch.cat([valid[:, None].repeat_interleave(g, 0), valid.new_ones(h, 1, cols.numel())], 2)
+                jobs.append((q[:, j:j + 1], torch.cat([kr, k_all.index_select(1, cols)], 1),
                              torch.cat([vr, v_all.index_select(1, cols)], 1), mask))
         else:
-            rows = sel.any(1).any(0).nonzero().flatten()  # union of the chosen pages' keys over heads and queries
+            rows, valid = _rows_per_head(sel.any(1))  # per head: keys any of the step's queries chose
             kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
-            mask_r = sel.index_select(2, rows).repeat_interleave(g, 0)  # (H, T, E)
-            mask = torch.cat([mask_r, layout.masks[w][None].expand(q.shape[0], -1, -1)], 2)  # (H, T, E + N)
-            outs.append((q, torch.cat([kr, k_all], 1), torch.cat([vr, v_all], 1), mask))
+            mask_r = sel.gather(2, rows[:, None].expand(-1, t, -1)) & valid[:, None]  # (Hkv, T, E)
+            mask = torch.cat([mask_r.repeat_interleave(g, 0), layout.masks[w][None].expand(h, -1, -1)], 2)  # (H, T, E + N)
+            jobs.append((q, torch.cat([kr, k_all], 1), torch.cat([vr, v_all], 1), mask))
         t2 = time.perf_counter()
         o = [F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mm, scale=scale, enable_gqa=True)[0]
-             for qq, kk, vv, mm in outs]
+             for qq, kk, vv, mm in jobs]
         self.timings["score_s"] += t1 - t0
         self.timings["fetch_s"] += t2 - t1
         self.timings["attend_s"] += time.perf_counter() - t2
@@ -163,17 +163,19 @@ class PagedCache(SinkWindowCache):
         return o[0] if len(o) == 1 else torch.cat(o, 1)
 
     def _choose(self, layer, q, k_all, allowed, cols) -> torch.Tensor:
-        """(Hkv, T, C) bool: candidate key c = position sink + c is recalled by query t for KV head h."""
-        hkv, p = k_all.shape[0], self.page_size
+        """(Hkv, T, C) bool: candidate c (position sink + c) is recalled by query t for KV head h."""
+        hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
         g, t = q.shape[0] // hkv, q.shape[1]
-        keys = self.keys.read(layer)[0]  # (Hkv, n_archived, D) compact keys, decoded
+        codec = self.keys.codec
+        stored = self.keys.payload(layer)
+        codes, sc = stored["codes"][0], stored["scale"][0]  # (Hkv, n_archived, ...)
         if cols is not None:  # candidates still resident: the same code they get when archived
-            fresh = k_all.index_select(1, cols)
-            codec = self.keys.codec
-            fresh = codec.decode(codec.encode(fresh.reshape(-1, fresh.shape[-1]))).reshape(fresh.shape)
-            keys = torch.cat([keys, fresh], 1)
-        c = keys.shape[1]
-        scores = (q.reshape(hkv, g * t, -1).float() @ keys.transpose(1, 2)).reshape(hkv, g, t, c).amax(1)  # (Hkv, T, C)
+            fresh = codec.encode(k_all.index_select(1, cols).reshape(-1, d))
+            nf = cols.numel()
+            codes = torch.cat([codes, fresh["codes"].reshape(hkv, nf, -1)], 1)
+            sc = torch.cat([sc, fresh["scale"].reshape(hkv, nf, 1)], 1)
+        c = codes.shape[1]
+        scores = codec.scores(q.reshape(hkv, g * t, d).float(), codes, sc).reshape(hkv, g, t, c).amax(1)  # (Hkv, T, C)
         scores = scores.masked_fill(~allowed, float("-inf"))
         n_pages = -(-c // p)
         if n_pages * p > c:
@@ -184,17 +186,17 @@ class PagedCache(SinkWindowCache):
         return chosen.repeat_interleave(p, -1)[..., :c] & allowed
 
     def _rows_kv(self, layer, rows, k_all, v_all, cols):
-        """Exact K/V (Hkv, E, D) of candidate rows `rows` (ascending): archived ones decoded from the
-        page store, still-resident ones from k_all/v_all through the same page codec."""
+        """Exact K/V (Hkv, E, D) of candidate rows[h] per KV head: archived ones decoded from the page
+        store, still-resident ones from k_all/v_all through the same page codec."""
         n_st = self.pages.rows
-        split = int((rows < n_st).sum())
-        kv = self.pages.read(layer, rows[:split]).to(k_all.dtype)  # (2, Hkv, E1, D)
-        if split < rows.numel():
-            c = cols.index_select(0, rows[split:] - n_st)
-            fresh = torch.stack([k_all.index_select(1, c), v_all.index_select(1, c)])  # (2, Hkv, E2, D)
+        kv = self.pages.gather(layer, rows.clamp(max=max(n_st - 1, 0))).to(k_all.dtype) if n_st else None
+        if cols is not None and (kv is None or bool((rows >= n_st).any())):
+            c = cols[(rows - n_st).clamp(0, cols.numel() - 1)]  # (Hkv, E)
+            heads = torch.arange(k_all.shape[0], device=rows.device)[:, None]
+            fresh = torch.stack([k_all[heads, c], v_all[heads, c]])  # (2, Hkv, E, D)
             codec = self.pages.codec
             fresh = codec.decode(codec.encode(fresh.reshape(-1, fresh.shape[-1]))).reshape(fresh.shape).to(k_all.dtype)
-            kv = torch.cat([kv, fresh], 2)
+            kv = fresh if kv is None else torch.where((rows >= n_st)[None, :, :, None], fresh, kv)
         return kv[0], kv[1]
 
     def _on_commit(self, layout, n_keep: int) -> None:
@@ -242,3 +244,13 @@ class PagedCache(SinkWindowCache):
         self.pages.load_state({k.removeprefix("pages."): v for k, v in tensors.items() if k.startswith("pages.")}, rows)
         self.keys.load_state({k.removeprefix("keys."): v for k, v in tensors.items() if k.startswith("keys.")}, rows)
         self.evicted_total = int(meta["evicted_total"])
+
+
+def _rows_per_head(need: torch.Tensor):
+    """need (Hkv, C) bool -> rows (Hkv, E) ascending chosen indices per head (padded with 0) and
+    valid (Hkv, E), E = the most any head chose."""
+    counts = need.sum(1)
+    e = int(counts.max()) if need.numel() else 0
+    order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices[:, :e]  # chosen first, in order
+    valid = torch.arange(e, device=need.device)[None] < counts[:, None]
+    return torch.where(valid, order, 0), valid

@@ -70,6 +70,17 @@ class RowQuant:
         u = (q + 8).to(torch.uint8).view(rows.shape[0], -1, 2)  # 1 .. 15
         return {"codes": u[..., 0] | (u[..., 1] << 4), "scale": scale}
 
+    def scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """q (B, M, D) float against the coded rows (B, C, ...) -> q . decode(row), (B, M, C), without
+        materializing the decoded rows: the row scale multiplies the products, and 4-bit codes are
+        read as their low and high nibbles (even and odd dims), offset 8 folded into q's sums."""
+        s = scale.float().squeeze(-1)[:, None, :]  # (B, 1, C)
+        if self.bits == 8:
+            return (q @ codes.float().transpose(1, 2)) * s
+        lo, hi = (codes & 15).float(), (codes >> 4).float()  # (B, C, D / 2)
+        raw = q[..., 0::2] @ lo.transpose(1, 2) + q[..., 1::2] @ hi.transpose(1, 2)
+        return (raw - 8 * q.sum(-1, keepdim=True)) * s
+
     def decode(self, payload: dict) -> torch.Tensor:
         codes, scale = payload["codes"], payload["scale"].float()
         if self.bits == 8:
@@ -131,6 +142,18 @@ class RowTable:
         else:
             part = {name: x.index_select(2, idx) for name, x in slabs.items()}
         n = next(iter(part.values())).shape[2]
+        flat = {name: x.reshape(-1, *x.shape[3:]) for name, x in part.items()}
+        return self.codec.decode(flat).reshape(self.stack, self.num_kv_heads, n, self.head_dim)
+
+    def payload(self, layer: int) -> dict:
+        """The stored payload of every row of `layer`, per name (S, Hkv, rows, *trailing) views."""
+        return {name: x[:, :, : self.rows] for name, x in self.slabs[layer].items()}
+
+    def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Decoded rows (S, Hkv, E, D): rows[h] (E,) of KV head h, for every head h (a per-head choice)."""
+        heads = torch.arange(self.num_kv_heads, device=rows.device)[:, None]
+        part = {name: x[:, heads, rows] for name, x in self.slabs[layer].items()}  # (S, Hkv, E, ...)
+        n = rows.shape[1]
         flat = {name: x.reshape(-1, *x.shape[3:]) for name, x in part.items()}
         return self.codec.decode(flat).reshape(self.stack, self.num_kv_heads, n, self.head_dim)
 

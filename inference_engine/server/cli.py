@@ -15,13 +15,20 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the gRPC daemon", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--bind", default=d.bind, help="HOST:PORT for gRPC (port 0 = pick a free one)")
     p.add_argument("--model", default=d.model, help="pulled model name or a local HF model directory")
-    p.add_argument("--kv-strategy", default=d.kv_strategy, choices=("full", "sink_window", "dlm_restore"),
-                   help="dlm_restore: sink_window's resident cache + every evicted position restored each step")
+    p.add_argument("--kv-strategy", default=d.kv_strategy, choices=("full", "sink_window", "paged", "dlm_restore"),
+                   help="paged: sink_window's resident cache + every evicted position kept exactly in pages, each query "
+                        "attending to its top --recall-pages pages; dlm_restore: sink_window's resident cache + every "
+                        "evicted position restored each step")
     p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (sink_window, dlm_restore)")
     p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (sink_window, dlm_restore)")
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-q-range", type=int, default=d.kv_q_range, help="KakeyaLattice q_range (higher = finer, more bytes)")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="paged: tokens per page of evicted K/V")
+    p.add_argument("--recall-pages", type=int, default=d.recall_pages,
+                   help="paged: pages each query attends to (per layer and KV head) besides sink and window")
+    p.add_argument("--page-compressor", default=d.page_compressor, choices=("identity", "int8", "kakeya_d4", "kakeya_e8"),
+                   help="paged: how evicted pages are stored (decoded only when recalled)")
     p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; LRU-evicts beyond")
     p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session is evicted (0 = never)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
@@ -88,6 +95,9 @@ def serve_config(args) -> ServeConfig:
         window=args.window,
         kv_compressor=args.kv_compressor,
         kv_q_range=args.kv_q_range,
+        page_size=args.page_size,
+        recall_pages=args.recall_pages,
+        page_compressor=args.page_compressor,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,

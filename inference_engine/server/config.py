@@ -34,6 +34,9 @@ class ServeConfig:
     window: int = 1020
     kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
     kv_q_range: int = 38  # lattice q_range of the kakeya compressors
+    page_size: int = 64  # paged: tokens per page of evicted K/V
+    recall_pages: int = 8  # paged: pages each query attends to besides sink and window
+    page_compressor: str = "identity"  # paged: stored pages as identity | int8 | kakeya_d4 | kakeya_e8
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off

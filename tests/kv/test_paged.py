@@ -160,6 +160,17 @@ def test_row_codecs_round_trip_per_row(codec):
     torch.testing.assert_close(one, y[:1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_scores_over_codes_equal_scores_over_decoded_keys(bits):
+    rq = RowQuant(bits, 64)
+    keys = torch.randn(3 * 50, 64)
+    pay = rq.encode(keys)
+    q = torch.randn(3, 4, 64)
+    got = rq.scores(q, pay["codes"].reshape(3, 50, -1), pay["scale"].reshape(3, 50, 1))
+    want = q @ rq.decode(pay).reshape(3, 50, 64).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
 def test_int4_codes_take_half_a_byte():
     q = RowQuant(4, 64)
     payload = q.encode(torch.randn(3, 64))
@@ -242,3 +253,15 @@ def test_strategy_validates_and_describes_paging():
     assert d["page_size"] == "64" and d["recall_pages"] == "8" and d["page_compressor"] == "identity"
     assert KVStrategy("paged").bounded and not KVStrategy("paged").forgets
     assert dataclasses.replace(KVStrategy("paged"), page_key_bits=8).page_key_bits == 8
+
+
+def test_kakeya_serve_builds_a_paged_engine():
+    from inference_engine.server.app import build_engine
+    from inference_engine.server.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(["serve", "--kv-strategy", "paged", "--sink", "4", "--window", "60", "--page-size", "32",
+                                      "--recall-pages", "4", "--page-compressor", "int8"])
+    engine = build_engine(serve_config(args), model())
+    assert engine.strategy == KVStrategy("paged", 4, 60, page_size=32, recall_pages=4, page_compressor="int8")
+    assert engine.strategy_info().name == "paged" and dict(engine.strategy_info().params)["recall_pages"] == "4"
+    assert type(engine.new_session_kv().cache).__name__ == "PagedCache"
