@@ -19,19 +19,44 @@ def tiny_model_dir(arch: str = "llama", seed: int = 0, **config_kwargs) -> pathl
 
 
 @functools.lru_cache(maxsize=None)
-def load_model(path: str):
+def load_model(path: str, backend: str = "torch"):
+    if backend == "mlx":
+        from inference_engine.backends.mlx.model import MlxCausalLM
+
+        return MlxCausalLM.load(path)
     from inference_engine.backends.torch.model import TorchCausalLM
 
     return TorchCausalLM.load(path)
 
 
+BACKENDS = ("torch", "mlx")
+
+
+def require_backend(backend: str) -> None:
+    """Skip a test of `backend` that cannot run here (MLX not installed), except under CI, where
+    `make test` installs MLX and a missing one is a failure."""
+    if backend != "mlx":
+        return
+    import pytest
+
+    from inference_engine.backends.mlx import MlxUnavailable, require_mlx
+
+    try:
+        require_mlx()
+    except MlxUnavailable as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set and MLX is missing: {e}")
+        pytest.skip(str(e))
+
+
 def make_engine(arch: str = "llama", strategy: str = "full", sink: int = 4, window: int = 1020, *, prefill_chunk: int = 256,
-                model_path: str | None = None, **config_kwargs):
+                model_path: str | None = None, backend: str = "torch", **config_kwargs):
     from inference_engine.engine.generate import Engine
     from inference_engine.kv.strategy import KVStrategy
 
+    require_backend(backend)
     path = model_path or str(tiny_model_dir(arch, **config_kwargs))
-    return Engine(load_model(path), KVStrategy(strategy, sink, window), prefill_chunk=prefill_chunk)
+    return Engine(load_model(path, backend), KVStrategy(strategy, sink, window), prefill_chunk=prefill_chunk)
 
 
 def start_server(engine, *, api_key: str | None = None, capacity: int = 8, idle_ttl: float = 1800.0, metrics_port: int = 0, http_port: int = 0):

@@ -31,7 +31,7 @@ from safetensors.torch import save as st_save
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.errors import SessionStateUnusable
 from inference_engine.kv.slot_cache import CacheState
-from inference_engine.kv.stores import CompressedStore
+from inference_engine.kv.stores import CompressedStore, SlabStore
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.model_identity import identity_mismatch, model_identity
 from inference_engine.persistence.state_dir import (MANIFEST_NAME, StateDir, StateFileError, fsync_dir, manifest_bytes,
@@ -45,14 +45,24 @@ HISTORY_SEGMENTS_MAX = 32
 COMPACT_SLACK_ROWS = 64
 
 
-def _row_axis(store) -> int:
-    """The slot axis of the store's stacked payload: SlabStore (L, Hkv, slots, D), CompressedStore
-    (L, 2, Hkv, slots, ...)."""
-    return 3 if isinstance(store, CompressedStore) else 2
+def row_axes(store) -> dict | None:
+    """Payload name -> slot axis of the store's stacked payload (`store.state()`), for the stores
+    whose rows are saved incrementally: SlabStore (L, Hkv, slots, D), CompressedStore (L, 2, Hkv,
+    slots, ...), a backend's store with `read_payload` (`payload_row_axes`, default SlabStore's).
+    None: another store, saved whole in the tail every time (correct, not incremental)."""
+    if type(store) is SlabStore:
+        return {"k": 2, "v": 2}
+    if type(store) is CompressedStore:
+        return {n: 3 for n in store.layout}
+    if hasattr(store, "read_payload"):
+        return dict(getattr(store, "payload_row_axes", {"k": 2, "v": 2}))
+    return None
 
 
 def read_rows(store, slots: np.ndarray) -> dict:
     """The stored rows at `slots`, stacked over layers like `store.state()`'s payload (CPU)."""
+    if hasattr(store, "read_payload"):  # a backend's own store (backends/mlx/store.py) reads its rows itself
+        return store.read_payload(slots)
     idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(store.device)
     if isinstance(store, CompressedStore):
         return {n: torch.stack([slabs[n].index_select(2, idx) for slabs in store.slabs]).cpu() for n in store.layout}
@@ -111,12 +121,15 @@ class SessionFiles:
 
         # rows: resident positions committed since the last save (or, compacting, every resident one)
         store = kv.cache.store
+        incremental = row_axes(store) is not None
         pos = store.pos.copy()
         resident = pos >= 0
         rows_through = prev["rows_through"] if prev else 0
         slots = np.flatnonzero(resident & (pos >= rows_through))
         on_disk = sum(g["rows"] for g in segments if g["kind"] == "rows")
-        if on_disk and on_disk + slots.size > 2 * int(resident.sum()) + COMPACT_SLACK_ROWS:
+        if not incremental:
+            segments, slots = [g for g in segments if g["kind"] != "rows"], slots[:0]
+        elif on_disk and on_disk + slots.size > 2 * int(resident.sum()) + COMPACT_SLACK_ROWS:
             segments = [g for g in segments if g["kind"] != "rows"]
             slots = np.flatnonzero(resident)
         if slots.size:
@@ -124,8 +137,8 @@ class SessionFiles:
             segments.append(write("rows", {"positions": torch.from_numpy(pos[slots].copy())}
                                   | {ROW_PREFIX + n: t for n, t in rows.items()}, rows=int(slots.size)))
 
-        # tail: everything else, small; replaced
-        st = kv.state(with_store=False)
+        # tail: everything else, small; replaced (the whole store too, for a store saved whole)
+        st = kv.state(with_store=not incremental)
         tail = dict(st.tensors) | {"store.pos": torch.from_numpy(pos)}
         segments = [g for g in segments if g["kind"] != "tail"] + [write("tail", tail)]
         fsync_dir(d)  # the segments are durable before the manifest that names them
@@ -182,16 +195,23 @@ class SessionFiles:
         if len(tails) != 1:
             raise StateFileError(f"the manifest names {len(tails)} tail segments, expected 1")
         tail = st_load(read_segment(d, tails[0]))
-        pos = tail.pop("store.pos").numpy().astype(np.int64)
-
         fresh = self.engine.new_session_kv()
+        e = self.engine
+        if any(k.startswith("store.") and k != "store.pos" for k in tail):  # a store saved whole
+            kv = SessionKV.from_state(CacheState(tail, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
+                                      max_context=e.max_context, restore_source=e.restore_source,
+                                      hidden_keep=fresh.hidden_keep)
+            return kv, history
+        pos = tail.pop("store.pos").numpy().astype(np.int64)
+        axes = row_axes(fresh.cache.store)
+        if axes is None:
+            raise StateFileError("the rows were saved incrementally, but this daemon's cache store saves whole states")
         template = fresh.cache.store.state()
         template.pop("pos")
-        axis = _row_axis(fresh.cache.store)
         payload = {}
         for n, t in template.items():
             shape = list(t.shape)
-            shape[axis] = pos.size
+            shape[axes[n]] = pos.size
             payload[n] = torch.zeros(shape, dtype=t.dtype)
         res_slots = np.flatnonzero(pos >= 0)
         order = np.argsort(pos[res_slots], kind="stable")
@@ -212,13 +232,12 @@ class SessionFiles:
                 src = seg[ROW_PREFIX + n]
                 if src.dtype != dst.dtype:
                     raise StateFileError(f"rows segment {g['file']} holds {n} as {src.dtype}, this cache stores {dst.dtype}")
-                dst.index_copy_(axis, slots, src.index_select(axis, rows))
+                dst.index_copy_(axes[n], slots, src.index_select(axes[n], rows))
             filled[slots.numpy()] = True
         missing = res_slots[~filled[res_slots]]
         if missing.size:
             raise StateFileError(f"rows of {missing.size} resident positions are missing (first: position {pos[missing[0]]})")
         tensors = tail | {"store.pos": torch.from_numpy(pos)} | {f"store.{n}": t for n, t in payload.items()}
-        e = self.engine
         kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
                                   max_context=e.max_context, restore_source=e.restore_source, hidden_keep=fresh.hidden_keep)
         if kv.next_position > len(history):

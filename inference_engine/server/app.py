@@ -23,8 +23,13 @@ log = logging.getLogger("kakeya")
 
 
 def load_model(cfg: ServeConfig):
-    from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.model_store import resolve_model
+
+    if cfg.backend == "mlx":
+        return load_mlx_model(cfg, resolve_model(cfg.model))
+    if cfg.backend != "torch":
+        raise ConfigError(f"--backend must be torch or mlx, got {cfg.backend!r}")
+    from inference_engine.backends.torch.model import TorchCausalLM
 
     weights = cfg.weights if cfg.weights != "auto" else ("int4" if cfg.device == "cpu" else "fp32")
     try:
@@ -33,11 +38,47 @@ def load_model(cfg: ServeConfig):
         raise ConfigError(str(e)) from e
 
 
+def load_mlx_model(cfg: ServeConfig, path):
+    """--backend mlx: MLX picks its own device (Metal on Apple Silicon, CPU elsewhere); auto weights = int4."""
+    from inference_engine.backends.mlx import MlxUnavailable, require_mlx
+
+    try:
+        require_mlx()
+    except MlxUnavailable as e:
+        raise ConfigError(str(e)) from e
+    from inference_engine.backends.mlx.model import MlxCausalLM
+
+    try:
+        return MlxCausalLM.load(path, weights="int4" if cfg.weights == "auto" else cfg.weights)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+# What the MLX backend runs today (docs/mlx.md); the rest needs --backend torch.
+MLX_STRATEGIES = ("full", "sink_window")
+
+
+def check_backend_options(cfg: ServeConfig, model) -> None:
+    if getattr(model, "backend_name", "torch") != "mlx":
+        return
+    if cfg.kv_strategy not in MLX_STRATEGIES:
+        raise ConfigError(f"--kv-strategy {cfg.kv_strategy} runs on --backend torch only; with --backend mlx use "
+                          f"{' or '.join(MLX_STRATEGIES)}")
+    if cfg.kv_compressor != "identity":
+        raise ConfigError(f"--kv-compressor {cfg.kv_compressor} runs on --backend torch only; with --backend mlx use identity")
+    if cfg.kv_dtype != "fp32":
+        raise ConfigError(f"--kv-dtype {cfg.kv_dtype} runs on --backend torch only; with --backend mlx use fp32")
+    if cfg.drafter and cfg.drafter != "ngram" and cfg.spec_k:
+        raise ConfigError(f"--drafter {cfg.drafter} (a dLM drafter) runs on --backend torch only; with --backend mlx use "
+                          "--drafter ngram")
+
+
 def build_engine(cfg: ServeConfig, model):
     """Engine for `cfg` around an already loaded model (benchmarks share one model across arms)."""
     from inference_engine.engine.generate import Engine
     from inference_engine.kv.strategy import KVStrategy
 
+    check_backend_options(cfg, model)
     drafter = None
     if cfg.drafter and cfg.spec_k and cfg.kv_strategy == "dlm_restore" and model.weights_format not in ("fp32", "bf16", "fp16"):
         # Verify steps are row-exact (bit-equal to decode steps) except over dlm_restore's restored
@@ -54,7 +95,7 @@ def build_engine(cfg: ServeConfig, model):
         drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
     r = cfg.research
     try:
-        strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window, compressor=cfg.kv_compressor,
+        strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window, compressor=cfg.kv_compressor, kv_dtype=cfg.kv_dtype,
                               q_range=cfg.kv_q_range, restore_from=r.restore_from, restore_refresh=r.restore_refresh,
                               restore_pin=r.restore_pin, page_size=cfg.page_size, recall_pages=cfg.recall_pages,
                               page_compressor=cfg.page_compressor)
@@ -69,6 +110,8 @@ def build_engine(cfg: ServeConfig, model):
     if strategy.name == "dlm_restore" and strategy.restore_from == "drafter":
         restore_source = drafter_restore_source(cfg, model, drafter)
     threads = cfg.threads
+    if threads == "auto" and model.backend_name == "mlx":
+        threads = None  # --threads sets torch's intra-op threads; MLX schedules its own
     if threads == "auto":
         from inference_engine.engine.tuning import fastest_thread_count
 

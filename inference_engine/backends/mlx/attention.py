@@ -1,7 +1,10 @@
 """Attention of one layer over what a resident cache returned for a step's layout (MLX).
 
 The cache builds its layout on the host (numpy bookkeeping, CPU torch tensors); `StepLayout`
-turns the parts attention reads into MLX arrays once per step, not once per layer.
+turns the parts attention reads into MLX arrays once per step, not once per layer. Row-exact
+steps (decode, speculative verify) attend row by row over the key columns a one-token step at
+that position reads (layout.row_keys), as backends/torch/attention.py does; MLX's CPU linears
+are row-independent, so a verified block then equals sequential decode steps bit for bit.
 """
 from __future__ import annotations
 
@@ -10,16 +13,28 @@ import numpy as np
 
 
 class StepLayout:
-    """A cache layout's masks and sink-shift selection as MLX arrays."""
+    """A cache layout's masks, positions and row keys as MLX / numpy arrays."""
 
     def __init__(self, layout):
         self.source = layout
         self.masks = {w: mx.array(_host(m)) for w, m in layout.masks.items()}  # (T, N) bool, True = attend
-        self.sink_shifted = None  # (T, N) bool: keys scored from the virtual query position
-        shift = layout.sink_shift
-        if shift is not None and layout.sink_shift_active:
-            qp, kp = _host(layout.positions)[:, None], _host(layout.key_positions)[None, :]
-            self.sink_shifted = mx.array((qp >= shift.from_position) & (kp >= 0) & (kp < shift.sink))
+        self.positions = _host(layout.positions)
+        self.key_positions = _host(layout.key_positions)
+        self.shift = layout.sink_shift if layout.sink_shift_active else None
+        self.row_exact = bool(getattr(layout, "row_exact", False))
+        self._rows: dict = {}
+
+    def shifted(self, qpos: np.ndarray, kpos: np.ndarray) -> mx.array:
+        """(T, N) bool: sink keys a query past the trained context scores from the virtual position."""
+        s = self.shift
+        return mx.array((qpos[:, None] >= s.from_position) & (kpos[None, :] >= 0) & (kpos[None, :] < s.sink))
+
+    def row_keys(self, window) -> list:
+        """layout.row_keys(window) with index rows as (mx index, numpy index)."""
+        if window not in self._rows:
+            self._rows[window] = [c if isinstance(c, int) else (mx.array(_host(c).astype(np.int32)), _host(c))
+                                  for c in self.source.row_keys(window)]
+        return self._rows[window]
 
 
 def _host(t) -> np.ndarray:
@@ -33,9 +48,31 @@ def attend_layout(model, layer: int, q, q_normed, k_all, v_all, step: StepLayout
         raise NotImplementedError("dlm_restore (restored K/V) runs on the torch backend only")
     w = s.layer_windows[layer]
     mask = step.masks[w]
-    if sink_rope is not None and w is None and step.sink_shifted is not None:
-        return _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, step.sink_shifted, sink_rope)
+    if step.row_exact:
+        return _attend_rows(model, layer, q, q_normed, k_all, v_all, step, w, sink_rope)
+    if sink_rope is not None and w is None and step.shift is not None:
+        shifted = step.shifted(step.positions, step.key_positions)
+        return _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, shifted, sink_rope)
     return mx.fast.scaled_dot_product_attention(q[None], k_all[None], v_all[None], scale=s.attn_scale, mask=mask)[0]
+
+
+def _attend_rows(model, layer, q, q_normed, k_all, v_all, step: StepLayout, w, sink_rope):
+    s = model.spec
+    mask, out = step.masks[w], []
+    for j, keys in enumerate(step.row_keys(w)):
+        if isinstance(keys, int):
+            k, v, m, kp = k_all[:, :keys], v_all[:, :keys], mask[j:j + 1, :keys], step.key_positions[:keys]
+        else:
+            idx, host_idx = keys
+            k, v, m, kp = k_all[:, idx], v_all[:, idx], mask[j:j + 1][:, idx], step.key_positions[host_idx]
+        qj = q[:, j:j + 1]  # (H, 1, D)
+        qpos = step.positions[j:j + 1]
+        if sink_rope is not None and w is None and step.shift is not None and qpos[0] >= step.shift.from_position:
+            out.append(_attend_with_sink_shift(model, layer, qj, q_normed[:, j:j + 1], k, v, m, step.shifted(qpos, kp),
+                                               sink_rope.select(slice(j, j + 1))))
+        else:
+            out.append(mx.fast.scaled_dot_product_attention(qj[None], k[None], v[None], scale=s.attn_scale, mask=m)[0])
+    return out[0] if len(out) == 1 else mx.concatenate(out, axis=1)
 
 
 def _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, shifted, sink_rope):

@@ -42,6 +42,10 @@ class Rope:
     def for_layer(self, spec: ModelSpec, layer: int):
         return self.cos, self.sin
 
+    def select(self, idx) -> "Rope":
+        """The tables at a subset (a slice or index) of the positions."""
+        return Rope(self.cos[idx], self.sin[idx])
+
 
 class MlxCausalLM:
     """Weights + layer pieces of one causal LM: the MLX member of the Backend protocol."""
@@ -85,7 +89,7 @@ class MlxCausalLM:
             L.q_norm = a.q_norm.weight.astype(dense) if spec.qk_norm else None
             L.k_norm = a.k_norm.weight.astype(dense) if spec.qk_norm else None
             self.layers.append(L)
-        mx.eval(self._params())
+        mx.eval(self._params())  # MLX streams are per thread: gRPC workers must find nothing lazy
         self._step: StepLayout | None = None
 
     def _linear(self, blocks: dict, names: list, linears: list):
@@ -105,7 +109,7 @@ class MlxCausalLM:
         return DenseLinear(mx.concatenate([lin.weight for lin in linears]).astype(self._dense_dtype), b)
 
     def _params(self) -> list:
-        out = [self._embed_w, self.head.w, self.final_norm_weight]
+        out = [self._embed_w, self.head.w, self.final_norm_weight, self._inv_freq]
         for L in self.layers:
             for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down):
                 out += [v for v in vars(lin).values() if isinstance(v, mx.array)]

@@ -41,8 +41,10 @@ class MlxSlabStore(SlotStore):
         self._mx_dtype = mx_dtype(dtype)
         self.k = [mx.zeros((num_kv_heads, capacity, head_dim), dtype=self._mx_dtype) for _ in range(num_layers)]
         self.v = [mx.zeros_like(t) for t in self.k]
+        mx.eval(self.k, self.v)  # nothing lazy may outlive the call: the next step can run on another thread
 
     def write(self, layer: int, slots, k: mx.array, v: mx.array) -> None:
+        # Lazy: evaluated with the step's logits (every layer's rows feed them), in the step's thread.
         idx = as_index(slots)
         self.k[layer][:, idx] = k.astype(self._mx_dtype)
         self.v[layer][:, idx] = v.astype(self._mx_dtype)
@@ -53,6 +55,13 @@ class MlxSlabStore(SlotStore):
     def read(self, layer: int, slots):
         idx = as_index(slots)
         return self.k[layer][:, idx], self.v[layer][:, idx]
+
+    def read_payload(self, slots) -> dict:
+        """The rows at `slots` stacked over layers like `state()`'s payload: CPU torch (L, Hkv, n, D)
+        (what persistence writes per turn; persistence/session_files.read_rows)."""
+        idx = as_index(slots)
+        return {"k": _to_torch(mx.stack([x[:, idx] for x in self.k]), self.dtype),
+                "v": _to_torch(mx.stack([x[:, idx] for x in self.v]), self.dtype)}
 
     def _grow(self, capacity: int) -> None:
         def grown(x):
@@ -81,6 +90,7 @@ class MlxSlabStore(SlotStore):
     def _load_payload(self, payload: dict) -> None:
         self.k = [_from_torch(t, self._mx_dtype) for t in payload["k"].unbind(0)]
         self.v = [_from_torch(t, self._mx_dtype) for t in payload["v"].unbind(0)]
+        mx.eval(self.k, self.v)
 
     @property
     def nbytes(self) -> int:

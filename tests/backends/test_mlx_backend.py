@@ -1,0 +1,233 @@
+"""The MLX backend (backends/mlx): equal to the torch backend on the same weights, through the same
+engine steps and caches; INV-1/INV-3, speculative rollback, cache state, int4 from Q4_1 blocks.
+
+Tiny random-weight models; tests of both backends are parametrised over `BACKENDS`. Without MLX
+the MLX cases skip (they fail under CI, where `make test` installs it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from factories import BACKENDS, load_model, make_engine, require_backend, tiny_model_dir
+from inference_engine.engine import steps
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.requests import GenerateParams, SamplingParams
+from inference_engine.kv.factory import cache_from_state, make_cache
+from inference_engine.kv.strategy import KVStrategy
+
+MLX_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def ids(n: int, seed: int, vocab: int = 256) -> list:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate(engine, history, n, kv=None, **sampling) -> list:
+    kv = kv or engine.new_session_kv()
+    params = GenerateParams(max_tokens=n, sampling=SamplingParams(**sampling) if sampling else SamplingParams())
+    return [e.token_id for e in engine.generate(kv, history, params) if isinstance(e, TokenGenerated)]
+
+
+def host_logits(model, tokens, strategy="full"):
+    from inference_engine.engine.steps import forward
+
+    cache = make_cache(KVStrategy(strategy, 4, 8), model.geometry(), max_step=256, max_context=model.spec.max_context)
+    out, _ = forward(model, model.tensor(tokens), range(len(tokens)), cache)
+    return model.to_host(out)
+
+
+@pytest.mark.parametrize("arch", MLX_ARCHS)
+def test_mlx_logits_equal_torch_logits(arch):
+    require_backend("mlx")
+    path = str(tiny_model_dir(arch))
+    t, m = host_logits(load_model(path), ids(40, 0)), host_logits(load_model(path, "mlx"), ids(40, 0))
+    assert m.dtype == torch.float32 and m.shape == t.shape
+    torch.testing.assert_close(m, t, atol=2e-4, rtol=1e-4)
+    assert torch.equal(m.argmax(-1), t.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", MLX_ARCHS)
+def test_mlx_full_greedy_matches_transformers(arch):
+    from transformers import AutoModelForCausalLM
+
+    require_backend("mlx")
+    path = tiny_model_dir(arch)
+    prompt = ids(12, 1)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 12:]
+    assert generate(make_engine(arch, backend="mlx"), prompt, 24) == want.tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strategy, window", [("full", 1020), ("sink_window", 12)])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}], ids=["greedy", "sampled"])
+def test_inv3_one_append_equals_one_token_appends(backend, strategy, window, sampling):
+    """Same history, seed and params -> same tokens, whether the history came in one append or one token at a time."""
+    engine = make_engine("llama", strategy, 4, window, prefill_chunk=16, backend=backend)
+    history = ids(40, 2)
+    one = generate(engine, history, 16, **sampling)
+    kv = engine.new_session_kv()
+    for i in range(1, len(history)):  # one prefill step per appended token
+        engine.prefill(kv, history[kv.next_position : i])
+    assert generate(engine, history, 16, kv=kv, **sampling) == one
+
+
+@pytest.mark.parametrize("strategy, window", [("full", 1020), ("sink_window", 12)])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20, "seed": 3}], ids=["greedy", "sampled"])
+def test_mlx_generates_what_torch_generates(strategy, window, sampling):
+    """Same weights, strategy, seed: token-identical streams (sampling runs on host logits on both)."""
+    require_backend("mlx")
+    history = ids(50, 4)
+    got = {b: generate(make_engine("qwen3", strategy, 4, window, prefill_chunk=16, backend=b), history, 24, **sampling)
+           for b in BACKENDS}
+    assert got["mlx"] == got["torch"]
+
+
+def test_mlx_sink_window_past_the_trained_context_equals_torch():
+    """Past max_context the sink is scored from the virtual query position (SinkWindowCache) on MLX too."""
+    require_backend("mlx")
+    history = ids(70, 5)
+    got = {b: generate(make_engine("llama", "sink_window", 4, 16, prefill_chunk=8, backend=b, max_position_embeddings=48),
+                       history, 12) for b in BACKENDS}
+    assert got["mlx"] == got["torch"]
+
+
+@pytest.mark.parametrize("strategy, window", [("full", 1020), ("sink_window", 10)])
+def test_mlx_cache_keeps_inv1_and_the_torch_caches_bytes(strategy, window):
+    """INV-1 after every step; the MLX store holds the same rows and bytes as torch's (bounded for sink_window)."""
+    require_backend("mlx")
+    kvs = {b: (make_engine("llama", strategy, 4, window, prefill_chunk=8, backend=b), []) for b in BACKENDS}
+    for b, (engine, sizes) in kvs.items():
+        kv = engine.new_session_kv()
+        for chunk in range(6):
+            engine.prefill(kv, ids(8, 10 + chunk))
+            kv.cache.check_inv1()
+            sizes.append((kv.nbytes, kv.resident_positions, kv.cache.pos.tolist()))
+    assert kvs["mlx"][1] == kvs["torch"][1]
+    nbytes = [n for n, _, _ in kvs["mlx"][1]]
+    if strategy == "sink_window":
+        assert len(set(nbytes[2:])) == 1 and kvs["mlx"][1][-1][1] < 4 + window + 1  # bounded between steps
+    else:
+        assert kvs["mlx"][1][-1][1] == 48
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_block_rolls_back_exactly(backend):
+    """A verify step whose drafts are partly wrong keeps the accepted prefix and leaves the cache as
+    if only those tokens had been decoded: continuing equals plain decoding, token for token."""
+    engine = make_engine("llama", "sink_window", 4, 12, prefill_chunk=16, backend=backend)
+    model, history = engine.model, ids(30, 6)
+    plain = generate(engine, history, 12)
+    kv = engine.new_session_kv()
+    engine.prefill(kv, history)
+    first = int(kv.last_logits.argmax())
+    drafts = [plain[1], plain[2], (plain[3] + 1) % 256, plain[4]]  # two right, then a wrong one
+    r = steps.verify_block(model, kv, first, drafts, SamplingParams(), None, budget=10)
+    assert r.accepted == 2 and list(r.emitted) == plain[1:4] and kv.next_position == len(history) + 3
+    kv.cache.check_inv1()
+    out = [first, *r.emitted]
+    while len(out) < 12:
+        steps.decode_step(model, kv, out[-1])
+        out.append(int(kv.last_logits.argmax()))
+    assert out == plain
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ngram_speculation_equals_plain_decoding(backend):
+    from inference_engine.engine.generate import Engine
+    from inference_engine.engine.prompt_lookup import PromptLookupDrafter
+
+    plain = make_engine("llama", "full", prefill_chunk=16, backend=backend)
+    spec = Engine(plain.model, plain.strategy, prefill_chunk=16, drafter=PromptLookupDrafter(), spec_k=3)
+    history = ids(12, 7) * 3  # repeats, so prompt lookup drafts
+    assert generate(spec, history, 24) == generate(plain, history, 24)
+
+
+@pytest.mark.parametrize("strategy, window", [("full", 1020), ("sink_window", 10)])
+def test_mlx_cache_state_round_trip_and_cross_backend(strategy, window):
+    """state() -> cache_from_state continues token-identically; a state saved by the torch backend
+    loads into the MLX backend (the same CPU tensors) and continues as torch does."""
+    require_backend("mlx")
+    engines = {b: make_engine("llama", strategy, 4, window, prefill_chunk=8, backend=b) for b in BACKENDS}
+    history = ids(30, 8)
+    want = generate(engines["torch"], history, 10)
+    for src in BACKENDS:
+        kv = engines[src].new_session_kv()
+        engines[src].prefill(kv, history)
+        st = kv.state()
+        mx_engine = engines["mlx"]
+        cache = cache_from_state(st, mx_engine.model.geometry(), max_step=8, max_context=mx_engine.max_context)
+        assert type(cache.store).__name__ == "MlxSlabStore"
+        from inference_engine.engine.session_kv import SessionKV
+
+        restored = SessionKV(cache)
+        restored.last_logits = kv.last_logits
+        assert generate(mx_engine, history, 10, kv=restored) == want, f"state saved by {src}"
+
+
+def test_mlx_int4_from_q4_1_blocks_reproduces_the_block_weights():
+    """mx.quantize layout from Q4_1 blocks: dequantized == q * d + m; fused rows stay independent."""
+    require_backend("mlx")
+    from inference_engine.backends.mlx.linear import Int4Linear
+
+    g = np.random.default_rng(0)
+    q = g.integers(0, 16, (48, 96)).astype(np.uint8)
+    d = g.random((48, 3)).astype(np.float16).astype(np.float32)
+    m = (g.random((48, 3)) - 0.5).astype(np.float16).astype(np.float32)
+    want = (q.reshape(48, 3, 32) * d[..., None] + m[..., None]).reshape(48, 96)
+    lin = Int4Linear.from_blocks(q, d, m)
+    got = np.array(lin.dequantized())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    fused = Int4Linear.stacked([lin, Int4Linear.from_blocks(q[:16], d[:16], m[:16])])
+    np.testing.assert_allclose(np.array(fused.dequantized()), np.concatenate([want, want[:16]]), atol=1e-6)
+    import mlx.core as mx
+
+    x = g.standard_normal((5, 96)).astype(np.float32)
+    np.testing.assert_allclose(np.array(lin(mx.array(x))), x @ want.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+def test_mlx_weight_formats_compute_with_their_weights(fmt):
+    """fp16 and int4 (a tiny model keeps no GGUF: mx.quantize of the fp32 weights) equal an fp32 model
+    holding the weights they compute with (int4: its dequantized matrices), and run the engine's steps."""
+    require_backend("mlx")
+    import mlx.core as mx
+
+    from inference_engine.backends.mlx.linear import DenseLinear
+    from inference_engine.backends.mlx.model import MlxCausalLM
+    from inference_engine.engine.generate import Engine
+
+    path = tiny_model_dir("llama")
+    model, ref = MlxCausalLM.load(path, weights=fmt), MlxCausalLM.load(path, weights="fp32")
+    assert model.weights_format == fmt and model.weight_bytes < ref.weight_bytes
+    for L, R in zip(model.layers, ref.layers):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            setattr(R, name, DenseLinear(getattr(L, name).dequantized()))
+    if fmt == "fp16":
+        ref.head = DenseLinear(model.head.w.astype(mx.float32))
+    history = ids(20, 9)
+    got, want = host_logits(model, history), host_logits(ref, history)
+    tol = 5e-2 if fmt == "fp16" else 1e-4
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert len(generate(Engine(model, KVStrategy("sink_window", 4, 8), prefill_chunk=8), history, 8)) == 8
+
+
+@pytest.mark.model
+def test_mlx_int4_on_smollm2_is_the_gguf_blocks():
+    """The pulled model's int4 on MLX is built from source.gguf's Q4_1 blocks and reproduces the pulled
+    fp32 weights (which transformers dequantized from the same blocks) to fp32 rounding."""
+    require_backend("mlx")
+    from factories import require_smollm2
+    from inference_engine.backends.mlx.model import MlxCausalLM
+
+    path = require_smollm2()
+    if not (path / "source.gguf").exists():
+        pytest.skip("this pull keeps no source.gguf (re-pull the model)")
+    m4, m32 = MlxCausalLM.load(path, weights="int4"), MlxCausalLM.load(path, weights="fp32")
+    assert m4.int4_source == "gguf Q4_1 blocks"
+    import mlx.core as mx
+
+    for L4, L32 in zip(m4.layers[:4], m32.layers[:4]):
+        for a, b in ((L4.wqkv, L32.wqkv), (L4.w_down, L32.w_down)):
+            assert float(mx.abs(a.dequantized() - b.dequantized()).max()) < 1e-6
