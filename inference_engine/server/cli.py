@@ -35,12 +35,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--http-port", type=int, default=d.http_port, help="deprecated OpenAI-style HTTP shim port (0 = off)")
     p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="require 'authorization: Bearer KEY' (env KAKEYA_API_KEY)")
     p.add_argument("--device", default=d.device, help="torch device: cpu or cuda")
+    p.add_argument("--backend", default=d.backend, choices=("torch", "mlx"),
+                   help="model backend: torch, or mlx (Apple's framework: Metal on Apple Silicon, CPU elsewhere; needs "
+                        "pip install 'kakeya-runtime[mlx]'; strategies full and sink_window; see docs/mlx.md)")
     p.add_argument("--threads", type=_threads, default=None,
                    help="torch intra-op threads: N, or auto = the count that decodes fastest here, measured at startup "
                         "(default: torch's choice)")
-    p.add_argument("--weights", default=d.weights, choices=("auto", "fp32", "int8", "int4"),
+    p.add_argument("--weights", default=d.weights, choices=("auto", "fp32", "fp16", "int8", "int4"),
                    help="weight format of the torch backend: int4 = the GGUF's own Q4_1 blocks (fastest; passes the "
-                        "quality gate), int8 = per-row int8 (misses the gate), auto = int4 on cpu, fp32 on other devices")
+                        "quality gate), int8 = per-row int8 (misses the gate), auto = int4 on cpu, fp32 on other devices; "
+                        "--backend mlx: fp32, fp16 or int4 (the same Q4_1 blocks), auto = int4")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="tokens per prefill forward (bounds peak memory)")
     p.add_argument("--drafter", default=None,
                    help="speculative decoding: ngram (draft-free prompt lookup in the session's history) or a dLM drafter "
@@ -104,6 +108,7 @@ def serve_config(args) -> ServeConfig:
         http_port=args.http_port,
         api_key=args.api_key or None,
         device=args.device,
+        backend=args.backend,
         threads=args.threads,
         weights=args.weights,
         prefill_chunk=args.prefill_chunk,

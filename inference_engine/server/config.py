@@ -43,6 +43,7 @@ class ServeConfig:
     http_port: int = 0  # 0 = off (deprecated OpenAI-style shim)
     api_key: str | None = None
     device: str = "cpu"
+    backend: str = "torch"  # torch | mlx (backends/mlx; needs the mlx extra)
     threads: int | str | None = None  # None = torch's choice, "auto" = fastest measured (engine/tuning.py)
     weights: str = "auto"  # fp32 | int8 | int4 | auto (int4 on cpu, fp32 elsewhere: scripts/bench_weights.py)
     prefill_chunk: int = 256
