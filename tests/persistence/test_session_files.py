@@ -314,3 +314,16 @@ def test_resume_after_a_restart_matches_prefilling_the_history(tmp_path):
     f = fresh.create_session(resumed.history(s.id))
     assert turn(resumed, s.id, 12) == turn(fresh, f.id, 12)
     assert np.array_equal(resumed.history(s.id)[:74], rt.history(s.id))
+
+
+def test_a_store_without_row_access_is_saved_whole_and_resumes(tmp_path, monkeypatch):
+    """Stores persistence cannot read rows from (row_axes None) go into the tail whole: correct, not incremental."""
+    monkeypatch.setattr(session_files, "row_axes", lambda store: None)
+    st = KVStrategy("sink_window", SINK, WINDOW)
+    kept = runtime(tmp_path, st)
+    s = kept.create_session(ids(40))
+    turn(kept, s.id, 5)
+    body = manifest(tmp_path, s.id)
+    assert not [g for g in body["segments"] if g["kind"] == "rows"]
+    resumed = runtime(tmp_path, st)
+    assert turn(resumed, s.id, 8) == turn(kept, s.id, 8)
