@@ -20,6 +20,10 @@ For each weight format in `--formats` (fp32, int4; the same format on both backe
     measured here.
 
     .venv/bin/python scripts/bench_mlx.py     # -> results/bench_mlx.json + .png
+    # or one format per process (2 cores), then merged:
+    .venv/bin/python scripts/bench_mlx.py --formats fp32 --out results/parts/bench_mlx/fp32.json
+    .venv/bin/python scripts/bench_mlx.py --formats int4 --out results/parts/bench_mlx/int4.json
+    .venv/bin/python scripts/bench_mlx.py --merge results/parts/bench_mlx/fp32.json results/parts/bench_mlx/int4.json
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads; default 1, as MLX's CPU backend runs (and 2 threads stall on a shared 2-core box)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_mlx.json"))
+    ap.add_argument("--merge", nargs="+", metavar="PART", help="merge part JSONs (one format each) into --out (+ PNG)")
     return ap.parse_args(argv)
 
 
@@ -172,6 +177,8 @@ def main(argv=None) -> int:
     from inference_engine.model_store import resolve_model
 
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     prompts, _ = held_out(AutoTokenizer.from_pretrained(path), args.prompts, 0, 0)
@@ -185,10 +192,29 @@ def main(argv=None) -> int:
     }
     out = pathlib.Path(args.out)
     write_json(out, payload)
-    _plot(rows, out.with_suffix(".png"))
+    if "parts" not in out.parts:
+        _plot(rows, out.with_suffix(".png"))
     for fmt, r in rows.items():
         print(f"{fmt}: agreement {r['teacher_forced_argmax_agreement']:.4f}, greedy identical {r['greedy_identical']}/{r['prompts']}, "
               f"decode mlx/torch {r['mlx_vs_torch_decode']:.2f}x, prefill {r['mlx_vs_torch_prefill']:.2f}x")
+    return 0
+
+
+def merge(args) -> int:
+    """One result from parts that each measured some formats (provenance kept per part)."""
+    import json
+
+    rows, parts = {}, []
+    for part in args.merge:
+        doc = json.loads(pathlib.Path(part).read_text())
+        rows |= doc["formats"]
+        parts.append({"part": os.path.relpath(part, ROOT), "formats": list(doc["formats"]),
+                      **{k: doc[k] for k in ("command", "commit", "dirty_worktree", "date_utc", "machine", "mlx")}})
+    payload = run_metadata(vars(args)) | {"mlx": parts[0]["mlx"], "speed_measured_on": doc["speed_measured_on"],
+                                          "parts": parts, "formats": rows}
+    out = pathlib.Path(args.out)
+    write_json(out, payload)
+    _plot(rows, out.with_suffix(".png"))
     return 0
 
 
