@@ -231,3 +231,29 @@ def test_mlx_int4_on_smollm2_is_the_gguf_blocks():
     for L4, L32 in zip(m4.layers[:4], m32.layers[:4]):
         for a, b in ((L4.wqkv, L32.wqkv), (L4.w_down, L32.w_down)):
             assert float(mx.abs(a.dequantized() - b.dequantized()).max()) < 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+@pytest.mark.parametrize("strategy, window", [("full", 1020), ("sink_window", 10)])
+def test_mlx_verify_rows_are_bit_equal_to_decode_steps(fmt, strategy, window):
+    """A verify block's logit rows equal sequential one-token decode steps bit for bit on MLX (row-exact
+    attention + row-independent MLX linears, int4 included), so speculation cannot change a token."""
+    require_backend("mlx")
+    from inference_engine.backends.mlx.model import MlxCausalLM
+    from inference_engine.engine.generate import Engine
+    from inference_engine.engine.steps import forward
+
+    model = MlxCausalLM.load(tiny_model_dir("llama"), weights=fmt)
+    engine = Engine(model, KVStrategy(strategy, 4, window), prefill_chunk=8)
+    history, block = ids(21, 11), ids(5, 12)
+    kv_a, kv_b = engine.new_session_kv(), engine.new_session_kv()
+    engine.prefill(kv_a, history)
+    engine.prefill(kv_b, history)
+    p = kv_a.next_position
+    out, _ = forward(model, model.tensor(block), range(p, p + 5), kv_a.cache, row_exact=True)
+    rows = model.to_host(out)
+    kv_a.cache.commit()
+    for j, t in enumerate(block):
+        one, _ = forward(model, model.tensor([t]), range(p + j, p + j + 1), kv_b.cache, row_exact=True)
+        assert torch.equal(model.to_host(one)[0], rows[j]), f"row {j}"
+        kv_b.cache.commit()
