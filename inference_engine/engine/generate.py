@@ -171,6 +171,7 @@ class Engine:
                 context = (context + out)[-self.drafter.context_window :]
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
+            room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
             drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None else []
             step = self._advance(kv, token, drafts, params, gen, budget)
             out = list(step.emitted)

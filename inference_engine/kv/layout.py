@@ -67,6 +67,7 @@ class AttentionLayout:
     # keys a one-token step at its position would see, so a verified block's rows are bit-equal
     # to sequential decode steps (see backends/torch/attention.py). Set by engine.steps.forward.
     row_exact: bool = False
+    whole_rows: bool = False  # the store reads whole slabs: every row reads all N columns, masked
     _row_keys: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -79,7 +80,9 @@ class AttentionLayout:
         position does not depend on the step) or a (n,) index of exactly its visible columns."""
         if window not in self._row_keys:
             m = self.host_masks[window]
-            if self.key_slots is None:
+            if self.whole_rows:
+                keys = [m.shape[1]] * m.shape[0]
+            elif self.key_slots is None:
                 last = m.shape[1] - np.argmax(m[:, ::-1], 1)
                 keys = [int(c) if m[j].any() else 0 for j, c in enumerate(last)]
             else:

@@ -35,6 +35,7 @@ class SinkWindowCache(SlotKVCache):
         self.sink, self.window, self.max_step, self.max_context = strategy.sink, strategy.window, max_step, max_context
         self.base_capacity = self.sink + self.window + extra_resident + min(max_step, self.STEP_ROOM)
         super().__init__(strategy, geometry, self.base_capacity)
+        self.base_capacity = self.capacity  # as the store allocated it (an int8 store rounds up)
 
     def _allocate(self, t: int) -> np.ndarray:
         if t > self.max_step:
@@ -48,6 +49,9 @@ class SinkWindowCache(SlotKVCache):
             self._resize(self.capacity + t - free.size)
             free = self.store.free_slots(t)
         return free
+
+    def exact_step_room(self) -> int:
+        return max(1, self.base_capacity - self.sink - self.window) if self.RING else 1
 
     def _ring_slots(self, positions: np.ndarray) -> np.ndarray:
         ring = self.base_capacity - self.sink

@@ -30,7 +30,7 @@ import torch
 
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry, RestorePlan, SinkShift
-from inference_engine.kv.stores import make_store
+from inference_engine.kv.stores import INT8_RESIDENT, make_store
 from inference_engine.kv.strategy import KVStrategy
 
 STATE_FORMAT = 1
@@ -61,7 +61,8 @@ class SlotKVCache:
         self.geometry = geometry
         g = geometry
         store = g.make_store or make_store  # the backend's own store, if it brings one (CacheGeometry)
-        self.store = store(strategy.compressor, strategy.q_range, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+        name = INT8_RESIDENT if strategy.kv_dtype == "int8" else strategy.compressor
+        self.store = store(name, strategy.q_range, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                            head_dim=g.head_dim, capacity=capacity, dtype=g.dtype, device=g.device)
         self.next_position = 0  # committed tokens == next position to write
         self.dropped_total = 0  # positions that left attention for good
@@ -96,7 +97,7 @@ class SlotKVCache:
         self._rows_before = list(self._layer_rows)
         qpos = np.arange(first, first + t, dtype=np.int64)
         self.store.occupy(slots, qpos)
-        n = self._key_count(t)
+        n = self.store.read_width(self._key_count(t))
         key_slots = self.store.key_slots(n)
         key_pos = self.store.pos[:n] if key_slots is None else self.store.pos[key_slots]
         dev = self.store.device
@@ -107,7 +108,7 @@ class SlotKVCache:
             positions=torch.arange(first, first + t, device=dev), first_position=first,
             slots=self.store.slots_tensor(slots), key_positions=torch.from_numpy(key_pos.copy()).to(dev), masks=masks,
             sink_shift=self._sink_shift(), key_slots=None if key_slots is None else self.store.slots_tensor(key_slots),
-            restore=self._restore_plan(first, t, ids), host_masks=host_masks)
+            restore=self._restore_plan(first, t, ids), host_masks=host_masks, whole_rows=self.store.whole_slab_reads)
         return self._layout
 
     @torch.inference_mode()
@@ -156,6 +157,11 @@ class SlotKVCache:
         self._release(slots)
         self._layer_rows = list(self._rows_before)
         self._settle()
+
+    def exact_step_room(self) -> int:
+        """Most tokens a row-exact step (decode, speculative verify) may take from here and still
+        read every row's keys exactly as one-token steps would (the engine trims drafts to it)."""
+        return 1 << 30
 
     def check_inv1(self) -> None:
         resident = self.resident_positions

@@ -7,16 +7,23 @@ A store maps slots to positions (`pos`, host numpy, -1 = empty) and holds rows p
                    a slab prefix, so the uncompressed path copies nothing.
   CompressedStore  per-layer payload slabs of a KVCodec (compressors.py): rows are stored
                    encoded (packed lattice codes) and decoded on every read.
+  Int8SlabStore    int8 rows + a scale per position (--kv-dtype int8), read without decoding:
+                   attention runs on the codes through torch's int8 kernel.
 
 `state()` returns the slot map and the stored bytes (codes, not decoded values, for a
 compressed store), so `load_state` rebuilds a store that reads back bit for bit.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from inference_engine.kv.compressor_names import COMPRESSOR_NAMES
+
+INT8_RESIDENT = "int8_resident"  # the store name make_store takes for KVStrategy(kv_dtype="int8")
 from inference_engine.kv.compressors import CompressorInputError, make_codec
 
 
@@ -50,12 +57,23 @@ class SlotStore:
     def slots_tensor(self, slots: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(slots)).to(self.device)
 
+    whole_slab_reads = False  # reads return every slot (Int8SlabStore), so a step reads read_width(n) keys
+
     def key_slots(self, n: int) -> np.ndarray | None:
         """Slots a step reads: None = the prefix 0..n-1, empty slots included (masked)."""
         return None
 
+    def read_width(self, n: int) -> int:
+        """Keys a step that needs the first n slots reads."""
+        return n
+
+    def fit(self, capacity: int) -> int:
+        """The capacity this store allocates for a request of `capacity` slots."""
+        return capacity
+
     def resize(self, capacity: int) -> None:
         """Grow to `capacity` slots, or shrink by moving the resident rows to the front (in slot order)."""
+        capacity = self.fit(capacity)
         if capacity > self.capacity:
             self._grow(capacity)
             self.pos = np.concatenate([self.pos, np.full(capacity - self.capacity, -1, dtype=np.int64)])
@@ -65,6 +83,7 @@ class SlotStore:
 
     def relocate(self, capacity: int, dest: np.ndarray) -> None:
         """Rebuild with `capacity` slots, the resident rows (in slot order) moved to slots `dest`."""
+        capacity = self.fit(capacity)
         live = self.occupied()
         self._move(self.slots_tensor(live), self.slots_tensor(dest), capacity)
         pos = np.full(capacity, -1, dtype=np.int64)
@@ -227,10 +246,126 @@ class CompressedStore(SlotStore):
                       for i in range(len(self.slabs))]
 
 
+@dataclass(frozen=True)
+class Int8Rows:
+    """Rows of an Int8SlabStore as stored: int8 codes with one scale per (head, position). Keys
+    are (Hkv, N, D); values are kept transposed, (Hkv, D, N), so the weighted sum over positions
+    runs through the same int8 kernel as the scores (backends/torch/attention.py)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor  # (Hkv, N) bfloat16: the kernel's scale dtype; codes were rounded against it
+    transposed: bool
+
+    @property
+    def width(self) -> int:
+        return self.scales.shape[1]
+
+    def select(self, idx: torch.Tensor) -> "Int8Rows":
+        return Int8Rows(self.codes.index_select(2 if self.transposed else 1, idx), self.scales.index_select(1, idx), self.transposed)
+
+    def dequantize(self) -> torch.Tensor:
+        """(Hkv, N, D) float32."""
+        c = self.codes.transpose(1, 2) if self.transposed else self.codes
+        return c.float() * self.scales.float()[..., None]
+
+
+class Int8SlabStore(SlotStore):
+    """Resident rows in int8 with a bf16 scale per (layer, head, position): a quarter of fp32's
+    bytes, read by attention without decoding (scores and weighted sum through torch's int8
+    weight kernel). The kernel wants a contiguous matrix, and V is stored transposed, so reads
+    are whole slabs: every step reads `capacity` columns (empty ones masked), whatever `n`."""
+
+    compressor = "identity"
+    whole_slab_reads = True
+    # The kernel's reduction dimension must be a multiple of 16 (other sizes return garbage or
+    # crash in torch 2.13): capacity is the reduction of the weighted sum, head_dim of the scores.
+    MULTIPLE = 16
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        if head_dim % self.MULTIPLE:
+            raise ValueError(f"an int8 K/V store needs head_dim divisible by {self.MULTIPLE} (torch's int8 kernel); "
+                             f"this model's is {head_dim}: use kv dtype fp32")
+        capacity = self.fit(capacity)
+        super().__init__(capacity, device)
+        self.dtype = dtype
+        z8 = functools.partial(torch.zeros, dtype=torch.int8, device=device)
+        zs = functools.partial(torch.zeros, dtype=torch.bfloat16, device=device)
+        self.k = [z8(num_kv_heads, capacity, head_dim) for _ in range(num_layers)]
+        self.v = [z8(num_kv_heads, head_dim, capacity) for _ in range(num_layers)]  # transposed
+        self.ks = [zs(num_kv_heads, capacity) for _ in range(num_layers)]
+        self.vs = [zs(num_kv_heads, capacity) for _ in range(num_layers)]
+
+    @staticmethod
+    def quantize(x: torch.Tensor):
+        """x (Hkv, T, D) -> int8 codes, bf16 scales (Hkv, T): symmetric, per position and head."""
+        scale = (x.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.bfloat16)
+        codes = torch.round(x / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+        return codes, scale
+
+    def fit(self, capacity: int) -> int:
+        return -(-capacity // self.MULTIPLE) * self.MULTIPLE
+
+    def read_width(self, n: int) -> int:
+        return self.capacity
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        kc, ks = self.quantize(k)
+        vc, vs = self.quantize(v)
+        self.k[layer].index_copy_(1, slots, kc)
+        self.ks[layer].index_copy_(1, slots, ks)
+        self.v[layer].index_copy_(2, slots, vc.transpose(1, 2))
+        self.vs[layer].index_copy_(1, slots, vs)
+
+    def fetch(self, layer: int, n: int, slots: torch.Tensor | None):
+        return Int8Rows(self.k[layer], self.ks[layer], False), Int8Rows(self.v[layer], self.vs[layer], True)
+
+    def read(self, layer: int, slots: torch.Tensor):
+        k, v = self.fetch(layer, self.capacity, None)
+        return k.select(slots).dequantize().to(self.dtype), v.select(slots).dequantize().to(self.dtype)
+
+    def _grow(self, capacity: int) -> None:
+        extra = capacity - self.capacity
+
+        def grown(x, dim):
+            shape = list(x.shape)
+            shape[dim] = extra
+            return torch.cat([x, x.new_zeros(shape)], dim)
+
+        self.k, self.ks, self.vs = ([grown(x, 1) for x in xs] for xs in (self.k, self.ks, self.vs))
+        self.v = [grown(x, 2) for x in self.v]
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
+        def moved(x, dim):
+            shape = list(x.shape)
+            shape[dim] = capacity
+            return x.new_zeros(shape).index_copy_(dim, dst, x.index_select(dim, src))
+
+        self.k, self.ks, self.vs = ([moved(x, 1) for x in xs] for xs in (self.k, self.ks, self.vs))
+        self.v = [moved(x, 2) for x in self.v]
+
+    def _payload(self) -> dict:
+        return {"k": torch.stack(self.k), "k_scale": torch.stack(self.ks), "v_t": torch.stack(self.v), "v_scale": torch.stack(self.vs)}
+
+    def _load_payload(self, payload: dict) -> None:
+        dev = self.device
+        want = {"k": torch.int8, "k_scale": torch.bfloat16, "v_t": torch.int8, "v_scale": torch.bfloat16}
+        got = {name: t.dtype for name, t in payload.items()}
+        if got != want:
+            raise ValueError(f"stored payload {got} does not fit an int8 K/V store, which holds {want}")
+        self.k, self.ks, self.v, self.vs = ([t.to(dev).contiguous() for t in payload[name].unbind(0)]
+                                            for name in ("k", "k_scale", "v_t", "v_scale"))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.ks, *self.vs))
+
+
 def make_store(compressor: str, q_range: int, *, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                dtype, device) -> SlotStore:
     if compressor == "identity":
         return SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device)
+    if compressor == INT8_RESIDENT:
+        return Int8SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device)
     if compressor not in COMPRESSOR_NAMES:
         raise CompressorInputError(f"unknown kv compressor {compressor!r}; choose one of {', '.join(COMPRESSOR_NAMES)}")
     return CompressedStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from inference_engine.kv.compressor_names import COMPRESSOR_NAMES, MAX_Q_RANGE
 
 STRATEGY_NAMES = ("full", "sink_window", "paged", "dlm_restore")
+KV_DTYPES = ("fp32", "int8")  # resident K/V rows (KVStrategy.kv_dtype)
 PAGE_COMPRESSORS = ("identity", "int8", "kakeya_d4", "kakeya_e8")  # paged: how stored (evicted) pages are kept
 PAGE_KEY_BITS = (4, 8)  # paged: bits per element of the compact keys pages are scored by
 # "verifier": same-model (the backend's own VerifierRestoreSource, f_θ = identity);
@@ -27,6 +28,7 @@ class KVStrategy:
     window: int = 1020
     compressor: str = "identity"
     q_range: int = 38
+    kv_dtype: str = "fp32"  # resident rows: fp32 (model dtype) or int8 (+ a scale per position, read without decoding)
     restore_from: str = "verifier"
     restore_refresh: int = 1
     restore_pin: int = 0
@@ -42,6 +44,11 @@ class KVStrategy:
             raise ValueError(f"{self.name} needs sink >= 0 and window >= 1, got sink={self.sink} window={self.window}")
         if self.compressor not in COMPRESSOR_NAMES:
             raise ValueError(f"unknown kv compressor {self.compressor!r}; choose one of {', '.join(COMPRESSOR_NAMES)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        if self.kv_dtype == "int8" and (self.name not in ("full", "sink_window") or self.compressor != "identity"):
+            raise ValueError(f"kv dtype int8 is a resident store for the full and sink_window strategies without a "
+                             f"compressor; got strategy {self.name!r} with compressor {self.compressor!r}")
         if not isinstance(self.q_range, int) or not 1 <= self.q_range <= MAX_Q_RANGE:
             raise ValueError(f"kv q_range must be an int in [1, {MAX_Q_RANGE}], got {self.q_range!r} (38 is the default)")
         if self.restore_from not in RESTORE_FROM:
@@ -71,6 +78,8 @@ class KVStrategy:
     def describe(self) -> dict:
         """Parameters that shape this strategy, as strings (GetServerInfo reports them as a map)."""
         out = {"compressor": self.compressor}
+        if self.kv_dtype != "fp32":
+            out["kv_dtype"] = self.kv_dtype
         if self.compressor != "identity":
             out["q_range"] = str(self.q_range)
         if self.bounded:

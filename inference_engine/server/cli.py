@@ -23,6 +23,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (sink_window, dlm_restore)")
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
+    p.add_argument("--kv-dtype", default=d.kv_dtype, choices=("fp32", "int8"),
+                   help="resident K/V rows of full / sink_window: fp32, or int8 with a scale per position, read by attention without decoding")
     p.add_argument("--kv-q-range", type=int, default=d.kv_q_range, help="KakeyaLattice q_range (higher = finer, more bytes)")
     p.add_argument("--page-size", type=int, default=d.page_size, help="paged: tokens per page of evicted K/V")
     p.add_argument("--recall-pages", type=int, default=d.recall_pages,
@@ -98,6 +100,7 @@ def serve_config(args) -> ServeConfig:
         sink=args.sink,
         window=args.window,
         kv_compressor=args.kv_compressor,
+        kv_dtype=args.kv_dtype,
         kv_q_range=args.kv_q_range,
         page_size=args.page_size,
         recall_pages=args.recall_pages,
