@@ -78,7 +78,8 @@ class SessionFiles:
         self.engine = engine
         info = engine.model_info
         self.identity = model_identity(info.model_id, info.path, info.weights, info.backend)
-        self.bytes_written = 0  # since start (the bench reads it)
+        self.bytes_written = 0  # since start
+        self._fresh = None  # see _template
 
     # -- SessionPersister ---------------------------------------------------------------
     def has(self, session_id: str) -> bool:
@@ -195,24 +196,20 @@ class SessionFiles:
         if len(tails) != 1:
             raise StateFileError(f"the manifest names {len(tails)} tail segments, expected 1")
         tail = st_load(read_segment(d, tails[0]))
-        fresh = self.engine.new_session_kv()
         e = self.engine
+        hidden_keep, axes, template = self._template()
         if any(k.startswith("store.") and k != "store.pos" for k in tail):  # a store saved whole
             kv = SessionKV.from_state(CacheState(tail, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
-                                      max_context=e.max_context, restore_source=e.restore_source,
-                                      hidden_keep=fresh.hidden_keep)
+                                      max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
             return kv, history
         pos = tail.pop("store.pos").numpy().astype(np.int64)
-        axes = row_axes(fresh.cache.store)
         if axes is None:
             raise StateFileError("the rows were saved incrementally, but this daemon's cache store saves whole states")
-        template = fresh.cache.store.state()
-        template.pop("pos")
         payload = {}
-        for n, t in template.items():
-            shape = list(t.shape)
+        for n, (shape, dtype) in template.items():
+            shape = list(shape)
             shape[axes[n]] = pos.size
-            payload[n] = torch.zeros(shape, dtype=t.dtype)
+            payload[n] = torch.zeros(shape, dtype=dtype)
         res_slots = np.flatnonzero(pos >= 0)
         order = np.argsort(pos[res_slots], kind="stable")
         sorted_pos = pos[res_slots][order]
@@ -239,10 +236,20 @@ class SessionFiles:
             raise StateFileError(f"rows of {missing.size} resident positions are missing (first: position {pos[missing[0]]})")
         tensors = tail | {"store.pos": torch.from_numpy(pos)} | {f"store.{n}": t for n, t in payload.items()}
         kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
-                                  max_context=e.max_context, restore_source=e.restore_source, hidden_keep=fresh.hidden_keep)
+                                  max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
         if kv.next_position > len(history):
             raise StateFileError(f"the cache holds {kv.next_position} positions but the history only {len(history)} tokens")
         return kv, history
+
+    def _template(self):
+        """(hidden_keep, row axes, payload name -> (shape, dtype)) of this engine's fresh session
+        state; built once (making a cache allocates its slabs: not something to do per load)."""
+        if self._fresh is None:
+            fresh = self.engine.new_session_kv()
+            store = fresh.cache.store
+            payload = {n: (tuple(t.shape), t.dtype) for n, t in store.state().items() if n != "pos"}
+            self._fresh = (fresh.hidden_keep, row_axes(store), payload)
+        return self._fresh
 
     def _unusable(self, session_id: str, problem: str):
         dest = self.set_aside(session_id, problem)
