@@ -267,7 +267,9 @@ class SessionStore:
         on_disk = self.persister is not None and self.persister.has(session_id)
         if s is None and not on_disk:
             raise SessionNotFound(f"session {_shown(session_id)} does not exist (already closed)")
-        if s is not None:
+        if s is not None and self.persister is None:
+            s.closed = True
+        elif s is not None:
             with s.lock:  # an in-flight Generate finishes (and saves) before the files go
                 s.closed = True
         if self.persister is not None:
