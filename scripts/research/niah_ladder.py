@@ -67,6 +67,9 @@ ARMS = {
     "dlm_restore_cross_4+64+pin16+calibrated": dict(kv_strategy="dlm_restore", sink=4, window=64, restore_from="drafter",
                                                     drafter="smollm2-135m-dlm", spec_k=0, restore_pin=16, restore_bias="calibrated"),
     "sink_window_4+80": dict(kv_strategy="sink_window", sink=4, window=80),
+    # the int8 resident K/V store (--kv-dtype int8); its gate: the same hits as fp32 K/V at every rung
+    "full+kv_int8": dict(kv_strategy="full", kv_dtype="int8"),
+    "sink_window_4+1020+kv_int8": dict(kv_strategy="sink_window", sink=4, window=1020, kv_dtype="int8"),
 }
 
 
