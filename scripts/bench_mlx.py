@@ -121,7 +121,9 @@ def measure_speed(fmt: str, models: dict, args) -> dict:
     return best
 
 
-def run_format(fmt: str, path, prompts: list, args) -> dict:
+def run_format(fmt: str, path, prompts: list, args, checkpoint=lambda row: None) -> dict:
+    """The format's row; `checkpoint(row)` is called with the partial row after each prompt (a run cut
+    short by the clock still leaves its measured prompts, marked incomplete)."""
     from inference_engine.backends.mlx.model import MlxCausalLM
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.engine.generate import Engine
@@ -129,12 +131,23 @@ def run_format(fmt: str, path, prompts: list, args) -> dict:
 
     tm, mm = TorchCausalLM.load(path, weights=fmt), MlxCausalLM.load(path, weights=fmt)
     te, me = (Engine(m, KVStrategy("full"), prefill_chunk=256) for m in (tm, mm))
+    out = {"mlx_int4_from": mm.int4_source if fmt == "int4" else None}
+    if fmt == "int4":
+        tref, mref = TorchCausalLM.load(path, weights="fp32"), MlxCausalLM.load(path, weights="fp32")
+        out["mlx_int4_vs_pulled_fp32_max_abs_diff"] = linear_diffs(mm, mref)
+        out["torch_int4_vs_pulled_fp32_max_abs_diff"] = linear_diffs(tm, tref)
+        del tref, mref
+    # speed first: the agreement loop is the long part (MLX's x86 CPU kernels are slow)
+    out["speed"] = speed = measure_speed(fmt, {"torch": tm, "mlx": mm}, args)
+    out["mlx_vs_torch_decode"] = speed["mlx"]["decode_tok_s"] / speed["torch"]["decode_tok_s"]
+    out["mlx_vs_torch_prefill"] = speed["mlx"]["prefill_tok_s"] / speed["torch"]["prefill_tok_s"]
     agree = total = identical = 0
     per_prompt = []
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         ref = greedy(te, p, args.tokens)
-        got = teacher_forced(me, p, ref).argmax(-1).tolist()
+        mlx_rows = teacher_forced(me, p, ref)
+        got = mlx_rows.argmax(-1).tolist()
         same = [g == r for g, r in zip(got, ref)]
         agree, total = agree + sum(same), total + len(ref)
         row = {"prompt_tokens": len(p), "positions": len(ref), "agreeing": sum(same)}
@@ -146,26 +159,18 @@ def run_format(fmt: str, path, prompts: list, args) -> dict:
             mlx_greedy = greedy(me, p, args.tokens)
             first = next((k for k, (a, b) in enumerate(zip(mlx_greedy, ref)) if a != b), min(len(mlx_greedy), len(ref)))
             identical += int(mlx_greedy == ref)
-            torch_row = teacher_forced(te, p, ref[: j + 1])[j]
-            mlx_row = teacher_forced(me, p, ref[: j + 1])[j]
+            torch_row, mlx_row = teacher_forced(te, p, ref[: j + 1])[j], mlx_rows[j]
             row |= {"greedy_identical": mlx_greedy == ref, "first_divergence": first, "torch_token": ref[j],
                     "mlx_token": got[j], "torch_top2_margin": margin(torch_row), "mlx_top2_margin": margin(mlx_row),
                     "torch_logit_gap_between_the_two": float(torch_row[ref[j]] - torch_row[got[j]]),
                     "mlx_logit_gap_between_the_two": float(mlx_row[got[j]] - mlx_row[ref[j]])}
         per_prompt.append(row)
         print(f"{fmt} prompt {i}: {row}", flush=True)
-    out = {"teacher_forced_argmax_agreement": agree / total, "positions": total,
-           "greedy_identical": identical, "prompts": len(prompts), "agreement_seconds": time.perf_counter() - t0,
-           "passes_agreement_gate": agree / total >= 0.99 and identical >= round(0.9 * len(prompts)),
-           "mlx_int4_from": mm.int4_source if fmt == "int4" else None, "per_prompt": per_prompt}
-    if fmt == "int4":
-        tref, mref = TorchCausalLM.load(path, weights="fp32"), MlxCausalLM.load(path, weights="fp32")
-        out["mlx_int4_vs_pulled_fp32_max_abs_diff"] = linear_diffs(mm, mref)
-        out["torch_int4_vs_pulled_fp32_max_abs_diff"] = linear_diffs(tm, tref)
-        del tref, mref
-    out["speed"] = speed = measure_speed(fmt, {"torch": tm, "mlx": mm}, args)
-    out["mlx_vs_torch_decode"] = speed["mlx"]["decode_tok_s"] / speed["torch"]["decode_tok_s"]
-    out["mlx_vs_torch_prefill"] = speed["mlx"]["prefill_tok_s"] / speed["torch"]["prefill_tok_s"]
+        out |= {"teacher_forced_argmax_agreement": agree / total, "positions": total, "greedy_identical": identical,
+                "prompts": len(per_prompt), "prompts_planned": len(prompts), "complete": len(per_prompt) == len(prompts),
+                "agreement_seconds": time.perf_counter() - t0, "per_prompt": per_prompt}
+        checkpoint(out)
+    out["passes_agreement_gate"] = agree / total >= 0.99 and identical >= round(0.9 * len(prompts))
     return out
 
 
@@ -182,15 +187,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     prompts, _ = held_out(AutoTokenizer.from_pretrained(path), args.prompts, 0, 0)
-    rows = {fmt: run_format(fmt, path, prompts, args) for fmt in args.formats.split(",")}
-    payload = run_metadata(vars(args)) | {
+    out = pathlib.Path(args.out)
+    meta = run_metadata(vars(args)) | {
         "mlx": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device())},
         "speed_measured_on": "Linux x86 CPU (this machine, shared by other jobs: see load_average_at_start): MLX's CPU backend, one thread; "
                              "torch at --threads. "
                              "Apple Silicon: not measured here.",
-        "formats": rows,
     }
-    out = pathlib.Path(args.out)
+    rows: dict = {}
+    for fmt in args.formats.split(","):
+        rows[fmt] = run_format(fmt, path, prompts, args,
+                               checkpoint=lambda row, fmt=fmt: write_json(out, meta | {"formats": rows | {fmt: row}}))
+    payload = meta | {"formats": rows}
     write_json(out, payload)
     if "parts" not in out.parts:
         _plot(rows, out.with_suffix(".png"))
