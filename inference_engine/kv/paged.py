@@ -151,6 +151,14 @@ class PagedCache(SinkWindowCache):
             rows, valid = _rows_per_head(sel.any(1))  # per head: keys any of the step's queries chose
             kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
             mask_r = sel.gather(2, rows[:, None].expand(-1, t, -1)) & valid[:, None]  # (Hkv, T, E)
+            t2 = time.perf_counter()
+            if _FLASH is not None:  # a step of many queries: two-part attention, resident part on the 2-D mask
+                o = _attend_merged(q, k_all, v_all, layout.masks[w], kr, vr, mask_r, scale)
+                self.timings["score_s"] += t1 - t0
+                self.timings["fetch_s"] += t2 - t1
+                self.timings["attend_s"] += time.perf_counter() - t2
+                self.timings["recalls"] += 1
+                return o
             mask = torch.cat([mask_r.repeat_interleave(g, 0), layout.masks[w][None].expand(h, -1, -1)], 2)  # (H, T, E + N)
             jobs.append((q, torch.cat([kr, k_all], 1), torch.cat([vr, v_all], 1), mask))
         t2 = time.perf_counter()
@@ -175,12 +183,13 @@ class PagedCache(SinkWindowCache):
             codes = torch.cat([codes, fresh["codes"].reshape(hkv, nf, -1)], 1)
             sc = torch.cat([sc, fresh["scale"].reshape(hkv, nf, 1)], 1)
         c = codes.shape[1]
-        scores = codec.scores(q.reshape(hkv, g * t, d).float(), codes, sc).reshape(hkv, g, t, c).amax(1)  # (Hkv, T, C)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        n_pages = -(-c // p)
-        if n_pages * p > c:
-            scores = torch.cat([scores, scores.new_full((hkv, t, n_pages * p - c), float("-inf"))], 2)
-        page_scores = scores.reshape(hkv, t, n_pages, p).amax(-1)  # (Hkv, T, pages): a page's best key
+        scores = codec.group_max_scores(q.reshape(hkv, g, t, d).float(), codes, sc)  # (Hkv, T, C)
+        scores.masked_fill_(~allowed, float("-inf"))
+        whole = c // p
+        page_scores = scores[..., : whole * p].unflatten(-1, (whole, p)).amax(-1)  # (Hkv, T, pages): a page's best key
+        if whole * p < c:  # the last, partial page
+            page_scores = torch.cat([page_scores, scores[..., whole * p:].amax(-1, keepdim=True)], -1)
+        n_pages = page_scores.shape[-1]
         best, idx = page_scores.topk(min(self.recall_pages, n_pages), -1)
         chosen = torch.zeros_like(page_scores, dtype=torch.bool).scatter_(-1, idx, best > float("-inf"))
         return chosen.repeat_interleave(p, -1)[..., :c] & allowed
@@ -254,3 +263,38 @@ def _rows_per_head(need: torch.Tensor):
     order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices[:, :e]  # chosen first, in order
     valid = torch.arange(e, device=need.device)[None] < counts[:, None]
     return torch.where(valid, order, 0), valid
+
+
+# torch's CPU flash kernel, which also returns each row's log-sum-exp: two attention parts can
+# then be merged exactly. Private API; without it, steps attend through one call with a per-head
+# mask (correct, several times slower for long prefill chunks).
+_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
+
+
+def _flash(q, k, v, mask, scale):
+    """q (1, H, T, D), k/v (1, H, N, D), mask (T, N) bool -> out (1, H, T, D), lse (1, H, T); rows with
+    no visible key get lse = -inf (the kernel reports 0)."""
+    ninf = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=ninf, scale=scale)
+    return out, lse.masked_fill(~mask.any(-1), float("-inf"))
+
+
+def _attend_merged(q, k_all, v_all, mask_w, kr, vr, mask_r, scale):
+    """softmax attention of q (H, T, D) over [resident keys (mask_w (T, N), shared by every head) +
+    recalled keys kr, vr (Hkv, E, D) (mask_r (Hkv, T, E), per KV head)], as the log-sum-exp merge of
+    one resident call and one recalled call per KV head; each call has a 2-D mask."""
+    h, t, d = q.shape
+    hkv = k_all.shape[0]
+    g = h // hkv
+    ow, lw = _flash(q[None], k_all.repeat_interleave(g, 0)[None], v_all.repeat_interleave(g, 0)[None], mask_w, scale)
+    outs, lses = [], []
+    for j in range(hkv):
+        kj = kr[j:j + 1].expand(g, -1, -1)[None]
+        vj = vr[j:j + 1].expand(g, -1, -1)[None]
+        o, lse = _flash(q[j * g:(j + 1) * g][None], kj.contiguous(), vj.contiguous(), mask_r[j], scale)
+        outs.append(o)
+        lses.append(lse)
+    orr, lr = torch.cat(outs, 1), torch.cat(lses, 1)  # (1, H, T, D), (1, H, T)
+    lse = torch.logaddexp(lw, lr)
+    wr = torch.exp(lr - lse).nan_to_num(0.0)  # no recalled key: weight 0
+    return (ow * (1 - wr)[..., None] + orr * wr[..., None])[0]

@@ -70,16 +70,19 @@ class RowQuant:
         u = (q + 8).to(torch.uint8).view(rows.shape[0], -1, 2)  # 1 .. 15
         return {"codes": u[..., 0] | (u[..., 1] << 4), "scale": scale}
 
-    def scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """q (B, M, D) float against the coded rows (B, C, ...) -> q . decode(row), (B, M, C), without
-        materializing the decoded rows: the row scale multiplies the products, and 4-bit codes are
-        read as their low and high nibbles (even and odd dims), offset 8 folded into q's sums."""
-        s = scale.float().squeeze(-1)[:, None, :]  # (B, 1, C)
+    def group_max_scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """max over g of q[b, g, m] . decode(row c), (B, M, C), for q (B, G, M, D) float and coded rows
+        (B, C, ...): one matmul over the integer codes (4-bit: q's even dims against the low nibbles,
+        odd dims against the high ones), the max over the group, then the row scale (> 0, so it
+        commutes with the max). Nothing decoded, and only one (B, G*M, C) pass besides the matmul."""
+        b, g, m, d = q.shape
         if self.bits == 8:
-            return (q @ codes.float().transpose(1, 2)) * s
-        lo, hi = (codes & 15).float(), (codes >> 4).float()  # (B, C, D / 2)
-        raw = q[..., 0::2] @ lo.transpose(1, 2) + q[..., 1::2] @ hi.transpose(1, 2)
-        return (raw - 8 * q.sum(-1, keepdim=True)) * s
+            ints, qq = codes.float(), q
+        else:
+            ints = torch.cat([codes & 15, codes >> 4], -1).float() - 8  # (B, C, D): even dims, then odd dims
+            qq = torch.cat([q[..., 0::2], q[..., 1::2]], -1)
+        raw = (qq.reshape(b, g * m, d) @ ints.transpose(1, 2)).view(b, g, m, -1).amax(1)  # (B, M, C)
+        return raw * scale.float().squeeze(-1)[:, None, :]
 
     def decode(self, payload: dict) -> torch.Tensor:
         codes, scale = payload["codes"], payload["scale"].float()

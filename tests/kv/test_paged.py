@@ -165,9 +165,9 @@ def test_scores_over_codes_equal_scores_over_decoded_keys(bits):
     rq = RowQuant(bits, 64)
     keys = torch.randn(3 * 50, 64)
     pay = rq.encode(keys)
-    q = torch.randn(3, 4, 64)
-    got = rq.scores(q, pay["codes"].reshape(3, 50, -1), pay["scale"].reshape(3, 50, 1))
-    want = q @ rq.decode(pay).reshape(3, 50, 64).transpose(1, 2)
+    q = torch.randn(3, 2, 4, 64)  # (Hkv, G, T, D)
+    got = rq.group_max_scores(q, pay["codes"].reshape(3, 50, -1), pay["scale"].reshape(3, 50, 1))
+    want = (q @ rq.decode(pay).reshape(3, 1, 50, 64).transpose(-1, -2)).amax(1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
@@ -265,3 +265,16 @@ def test_kakeya_serve_builds_a_paged_engine():
     assert engine.strategy == KVStrategy("paged", 4, 60, page_size=32, recall_pages=4, page_compressor="int8")
     assert engine.strategy_info().name == "paged" and dict(engine.strategy_info().params)["recall_pages"] == "4"
     assert type(engine.new_session_kv().cache).__name__ == "PagedCache"
+
+
+def test_merged_two_part_attention_equals_one_call(monkeypatch):
+    """Long steps attend resident and recalled keys in separate calls merged by log-sum-exp; the
+    one-call path (per-head mask) gives the same logits."""
+    from inference_engine.kv import paged as paged_module
+
+    m = model()
+    history = ids(120)
+    merged = feed(m, new_cache(m, paged()), history, 32)
+    monkeypatch.setattr(paged_module, "_FLASH", None)
+    one_call = feed(m, new_cache(m, paged()), history, 32)
+    torch.testing.assert_close(merged, one_call, rtol=1e-5, atol=1e-5)
