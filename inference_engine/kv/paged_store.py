@@ -154,10 +154,10 @@ class RowTable:
 
     def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Decoded rows (S, Hkv, E, D): rows[h] (E,) of KV head h, for every head h (a per-head choice)."""
-        heads = torch.arange(self.num_kv_heads, device=rows.device)[:, None]
-        part = {name: x[:, heads, rows] for name, x in self.slabs[layer].items()}  # (S, Hkv, E, ...)
+        flat_rows = (rows + torch.arange(self.num_kv_heads, device=rows.device)[:, None] * self.capacity).flatten()
         n = rows.shape[1]
-        flat = {name: x.reshape(-1, *x.shape[3:]) for name, x in part.items()}
+        flat = {name: x.flatten(1, 2).index_select(1, flat_rows).flatten(0, 1)  # (S * Hkv * E, ...)
+                for name, x in self.slabs[layer].items()}
         return self.codec.decode(flat).reshape(self.stack, self.num_kv_heads, n, self.head_dim)
 
     def state(self) -> dict:
