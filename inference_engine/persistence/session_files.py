@@ -42,7 +42,13 @@ log = logging.getLogger(__name__)
 
 ROW_PREFIX = "row."
 HISTORY_SEGMENTS_MAX = 32
+ROWS_SEGMENTS_MAX = 64
+APPEND_SEGMENTS_MAX = 64
 COMPACT_SLACK_ROWS = 64
+# Cache state tensors that only ever grow along one axis, saved as "append" segments of the rows added:
+# cache class -> (meta key holding their row count, {name prefix: row axis}). PagedCache's archived pages
+# and their compact keys: RowTables, (L, stack, Hkv, rows, ...).
+APPEND_ONLY = {"PagedCache": ("archived_rows", {"pages.": 3, "keys.": 3})}
 
 
 def row_axes(store) -> dict | None:
@@ -130,7 +136,8 @@ class SessionFiles:
         on_disk = sum(g["rows"] for g in segments if g["kind"] == "rows")
         if not incremental:
             segments, slots = [g for g in segments if g["kind"] != "rows"], slots[:0]
-        elif on_disk and on_disk + slots.size > 2 * int(resident.sum()) + COMPACT_SLACK_ROWS:
+        elif on_disk and (on_disk + slots.size > 2 * int(resident.sum()) + COMPACT_SLACK_ROWS
+                          or sum(g["kind"] == "rows" for g in segments) >= ROWS_SEGMENTS_MAX):
             segments = [g for g in segments if g["kind"] != "rows"]
             slots = np.flatnonzero(resident)
         if slots.size:
@@ -141,6 +148,19 @@ class SessionFiles:
         # tail: everything else, small; replaced (the whole store too, for a store saved whole)
         st = kv.state(with_store=not incremental)
         tail = dict(st.tensors) | {"store.pos": torch.from_numpy(pos)}
+        appended = 0
+        if st.meta.get("cache") in APPEND_ONLY:  # grown tables: the new rows only, as "append" segments
+            rows_key, axes = APPEND_ONLY[st.meta["cache"]]
+            appended = int(st.meta[rows_key])
+            done = prev.get("appended_rows", 0) if prev else 0
+            if done > appended or sum(g["kind"] == "append" for g in segments) >= APPEND_SEGMENTS_MAX:
+                segments, done = [g for g in segments if g["kind"] != "append"], 0
+            names = {k: axis for k in tail for prefix, axis in axes.items() if k.startswith(prefix)}
+            if appended:  # (with no rows yet the empty tables stay in the tail)
+                if appended > done:
+                    part = {k: tail[k].narrow(axis, done, appended - done) for k, axis in names.items()}
+                    segments.append(write("append", part, start=done, end=appended))
+                tail = {k: v for k, v in tail.items() if k not in names}
         segments = [g for g in segments if g["kind"] != "tail"] + [write("tail", tail)]
         fsync_dir(d)  # the segments are durable before the manifest that names them
 
@@ -149,7 +169,8 @@ class SessionFiles:
             "session_id": session.id, "seq": seq, "saved_at": now, "created_at": prev["created_at"] if prev else now,
             "model": self.identity, "strategy": asdict(self.engine.strategy), "cache_meta": st.meta,
             "eos_token_ids": sorted(int(t) for t in session.eos_token_ids), "history_length": len(history),
-            "next_position": kv.next_position, "rows_through": kv.next_position, "segments": segments,
+            "next_position": kv.next_position, "rows_through": kv.next_position, "appended_rows": appended,
+            "segments": segments,
         }
         data = manifest_bytes(body)
         write_atomic(d / MANIFEST_NAME, data)
@@ -196,6 +217,7 @@ class SessionFiles:
         if len(tails) != 1:
             raise StateFileError(f"the manifest names {len(tails)} tail segments, expected 1")
         tail = st_load(read_segment(d, tails[0]))
+        tail |= self._appended(d, body)
         e = self.engine
         hidden_keep, axes, template = self._template()
         if any(k.startswith("store.") and k != "store.pos" for k in tail):  # a store saved whole
@@ -240,6 +262,25 @@ class SessionFiles:
         if kv.next_position > len(history):
             raise StateFileError(f"the cache holds {kv.next_position} positions but the history only {len(history)} tokens")
         return kv, history
+
+    def _appended(self, d, body: dict) -> dict:
+        """The grown tables (APPEND_ONLY) rebuilt from their append segments; {} when none."""
+        parts: dict = {}
+        end = 0
+        meta = body["cache_meta"]
+        for g in sorted((g for g in body["segments"] if g["kind"] == "append"), key=lambda g: g["start"]):
+            if g["start"] != end:
+                raise StateFileError(f"append segment {g['file']} starts at row {g['start']}, expected {end}")
+            for k, v in st_load(read_segment(d, g)).items():
+                parts.setdefault(k, []).append(v)
+            end = g["end"]
+        if not parts:
+            return {}
+        rows_key, axes = APPEND_ONLY[meta["cache"]]
+        if end != int(meta[rows_key]):
+            raise StateFileError(f"append segments hold {end} rows, the cache state says {meta[rows_key]}")
+        axis_of = {k: axis for k in parts for prefix, axis in axes.items() if k.startswith(prefix)}
+        return {k: torch.cat(v, dim=axis_of[k]) for k, v in parts.items()}
 
     def _template(self):
         """(hidden_keep, row axes, payload name -> (shape, dtype)) of this engine's fresh session

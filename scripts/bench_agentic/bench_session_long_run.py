@@ -136,6 +136,7 @@ class Agent(threading.Thread):
         self.lost = False
         self.resumed_after_kill = None  # seconds from the first failed call to the next success
         self.history_seen = 0
+        self.warmup_s = None
 
     def chunk(self, n: int) -> list[int]:
         start = self.rng.randrange(0, len(self.ids) - n)
@@ -148,6 +149,9 @@ class Agent(threading.Thread):
         client = kakeya.Client(self.target)
         s = client.create_session(self.chunk(self.args.initial_tokens), ignore_eos=True)
         self.session_id = s.id
+        t0 = time.perf_counter()
+        s.generate_all(1)  # warm-up, not a turn: the initial prefill (the "system prompt") happens here
+        self.warmup_s = time.perf_counter() - t0
         down_since = None
         while time.time() < self.end:
             large = self.rng.random() < self.args.large_append_p
@@ -255,7 +259,7 @@ def long_run(args, ids, work: str) -> dict:
         "duration_s": duration, "bucket_s": bucket_s, "sessions": args.sessions, "daemon_startup_s": startup_s,
         "kill": restart, "buckets": buckets,
         "sessions_lost": sum(a.lost for a in agents),
-        "per_session": [{"turns": len(a.turns), "history_tokens": a.history_seen, "lost": a.lost,
+        "per_session": [{"turns": len(a.turns), "history_tokens": a.history_seen, "lost": a.lost, "warmup_s": a.warmup_s,
                          "resumed_after_kill_s": a.resumed_after_kill, "errors": len(a.errors),
                          "error_kinds": sorted({e["kind"] for e in a.errors})} for a in agents],
         "invariant_violations": violations, "sessions_failed": failed,
@@ -342,23 +346,28 @@ def ttft_llama_cpp(args, ids, work: str, n_hist: int, n_new: int) -> dict:
     assert llama_cpp.llama_state_save_file(llm._ctx.ctx, path.encode(), arr, len(hist))
     save_s = time.perf_counter() - t0
     del llm
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)  # "restart"
-    restores = []
-    for _ in range(1 + args.reloads):
-        t0 = time.perf_counter()
-        out = (llama_cpp.llama_token * n_ctx)()
-        n_out = ctypes_size_t()
-        assert llama_cpp.llama_state_load_file(llm._ctx.ctx, path.encode(), out, n_ctx, n_out)
-        n = n_out.value
-        llm.n_tokens = n
-        llm.input_ids[:n] = np.array(out[:n], dtype=np.intc)
-        llm.eval(new)
-        first = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))  # last row's logits
-        restores.append(time.perf_counter() - t0)
+    by_threads = {}
+    for t in sorted({1, threads, args.threads}):
+        llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=t, n_batch=512, verbose=False)  # "restart"
+        restores = []
+        for _ in range(1 + args.reloads):
+            t0 = time.perf_counter()
+            out = (llama_cpp.llama_token * n_ctx)()
+            n_out = ctypes_size_t()
+            assert llama_cpp.llama_state_load_file(llm._ctx.ctx, path.encode(), out, n_ctx, n_out)
+            n = n_out.value
+            llm.n_tokens = n
+            llm.input_ids[:n] = np.array(out[:n], dtype=np.intc)
+            llm.eval(new)
+            first = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))  # last row's logits
+            restores.append(time.perf_counter() - t0)
+        by_threads[t] = {"restore_ttft_s_all": restores, "median": statistics.median(restores), "min": min(restores)}
+        del llm
+    best = min(by_threads, key=lambda t: by_threads[t]["median"])
     return {"llama_cpp_version": llama_cpp.__version__, "gguf": os.path.relpath(gguf, os.path.expanduser("~")),
-            "prefill_s": prefill, "state_file_bytes": os.path.getsize(path), "save_s": save_s,
-            "restore_ttft_s": restores[0], "restore_ttft_s_all": restores, "restore_ttft_s_median": statistics.median(restores),
-            "restore_ttft_s_min": min(restores), "threads": threads, "restored_tokens": n, "first_token": first}
+            "prefill_s": prefill, "prefill_threads": threads, "state_file_bytes": os.path.getsize(path), "save_s": save_s,
+            "restore_by_threads": by_threads, "restore_ttft_s_median": by_threads[best]["median"], "best_threads": best,
+            "restored_tokens": n, "first_token": first}
 
 
 def ctypes_size_t():
@@ -377,15 +386,20 @@ def plot(doc: dict, png) -> None:
     b = lr["buckets"]
     x = [(r["start_s"] + r["end_s"]) / 2 / 60 for r in b]
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.6))
-    ax[0].plot(x, [r["turn_latency_p50_s"] for r in b], "o-", label="p50")
-    ax[0].plot(x, [r["turn_latency_p95_s"] for r in b], "s--", label="p95")
+    nan = float("nan")
+
+    def col(key, scale=1.0):
+        return [nan if r[key] is None else r[key] / scale for r in b]
+
+    ax[0].plot(x, col("turn_latency_p50_s"), "o-", label="p50")
+    ax[0].plot(x, col("turn_latency_p95_s"), "s--", label="p95")
     if lr["kill"]:
         for a in ax[:2]:
             a.axvline(lr["kill"]["killed_at_s"] / 60, color="red", ls=":", label="SIGKILL + restart")
     ax[0].set(xlabel="minutes", ylabel="turn latency (s)", title=f"{lr['sessions']} concurrent sessions")
     ax[0].legend()
-    ax[1].plot(x, [(r["kv_resident_peak_bytes"] or 0) / 2**20 for r in b], "o-", label="resident KV peak")
-    ax[1].plot(x, [(r["kv_stored_peak_bytes"] or 0) / 2**20 for r in b], "s--", label="stored on disk peak")
+    ax[1].plot(x, col("kv_resident_peak_bytes", 2**20), "o-", label="resident KV peak")
+    ax[1].plot(x, col("kv_stored_peak_bytes", 2**20), "s--", label="stored on disk peak")
     ax[1].set(xlabel="minutes", ylabel="MiB", title="KV per bucket")
     ax[1].legend()
     t = doc["ttft_8k"]
@@ -393,7 +407,7 @@ def plot(doc: dict, png) -> None:
     for r in t["kakeya"]:
         labels += [f"resumed\n{r['strategy']}", f"re-prefill\n{r['strategy']}"]
         vals += [r["reload_ttft_s_median"], r["reprefill_ttft_s"]]
-    if t.get("llama_cpp") and "restore_ttft_s" in t["llama_cpp"]:
+    if t.get("llama_cpp") and "restore_ttft_s_median" in t["llama_cpp"]:
         labels.append("llama.cpp\nstate restore")
         vals.append(t["llama_cpp"]["restore_ttft_s_median"])
     ax[2].bar(range(len(vals)), vals, color=["tab:green", "tab:gray"] * len(t["kakeya"]) + ["tab:orange"])
@@ -428,7 +442,9 @@ def main() -> int:
     ap.add_argument("--reloads", type=int, default=3, help="extra spill + reload samples per strategy")
     ap.add_argument("--skip-long-run", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
-    ap.add_argument("--llama-threads", type=int, default=None, help="llama.cpp threads (default: --threads)")
+    ap.add_argument("--llama-threads", type=int, default=1,
+                    help="llama.cpp threads for its 8k prefill (its restore is timed at 1 and --threads threads; the "
+                         "faster median is the comparison)")
     ap.add_argument("--note", default="shared 2-core box: other engineers' jobs ran beside this one, timings are noisy")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_session_long_run.json"))
     args = ap.parse_args()

@@ -327,3 +327,27 @@ def test_a_store_without_row_access_is_saved_whole_and_resumes(tmp_path, monkeyp
     assert not [g for g in body["segments"] if g["kind"] == "rows"]
     resumed = runtime(tmp_path, st)
     assert turn(resumed, s.id, 8) == turn(kept, s.id, 8)
+
+
+def test_paged_archived_pages_are_append_segments(tmp_path):
+    """A paged session's archive grows with the history; a save writes only the rows archived since the last."""
+    st = STRATEGIES["paged"]
+    kept = runtime(tmp_path, st)
+    s = kept.create_session(ids(60))
+    turn(kept, s.id, 3)
+    archived = s.kv.cache.pages.rows
+    assert archived > 0
+    for k in range(3):
+        kept.append(s.id, ids(10, seed=k))
+        turn(kept, s.id, 3)
+        body = manifest(tmp_path, s.id)
+        last = [g for g in body["segments"] if g["kind"] == "append"][-1]
+        assert (last["start"], last["end"]) == (archived, s.kv.cache.pages.rows)
+        archived = s.kv.cache.pages.rows
+        tail = next(g for g in body["segments"] if g["kind"] == "tail")
+        assert not [k for k in load_file(str(StateDir(tmp_path).sessions / s.id / tail["file"])) if k.startswith("pages.")]
+    resumed = runtime(tmp_path, st)
+    kept.append(s.id, [9, 8])
+    resumed.append(s.id, [9, 8])
+    assert turn(resumed, s.id, 6) == turn(kept, s.id, 6)
+    assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
