@@ -213,20 +213,23 @@ class SessionStore:
             t0 = time.perf_counter()
             try:
                 loaded = self.persister.load(session_id)
-            except SessionStateUnusable:
-                self.events.on_loaded("unusable", time.perf_counter() - t0)
-                raise
-            finally:
+            except BaseException as e:
+                if isinstance(e, SessionStateUnusable):
+                    self.events.on_loaded("unusable", time.perf_counter() - t0)
                 with self._lock:
                     self._loading.pop(session_id, None)
+                raise
             self.events.on_loaded("ok", time.perf_counter() - t0)
             now = self.clock()
             s = Session(id=session_id, kv=loaded.kv, eos_token_ids=loaded.eos_token_ids, history=loaded.history,
                         created_at=now, last_access=now, saved=loaded.saved, saved_history_length=len(loaded.history))
             with self._lock:
-                while len(self._sessions) >= self.capacity:
-                    self._evict_lru()
-                self._sessions[session_id] = s
+                try:
+                    while len(self._sessions) >= self.capacity:
+                        self._evict_lru()
+                    self._sessions[session_id] = s
+                finally:  # only once the session is live (or the load failed): a later caller finds it
+                    self._loading.pop(session_id, None)
             return s
 
     @contextmanager

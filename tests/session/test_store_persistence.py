@@ -163,3 +163,27 @@ def test_a_failed_save_keeps_the_session_and_counts():
     with st.generation(a.id) as s:
         assert st.persist(s) is False
     assert failures == [1] and st.get(a.id).unsaved
+
+
+def test_concurrent_first_calls_load_once_and_share_one_session():
+    st, p, _ = store(capacity=4)
+    a = st.create([1, 2])
+    with st.generation(a.id) as s:
+        st.persist(s)
+    st._sessions.clear()  # as after a restart: only on disk
+    loads = []
+    real = p.load
+
+    def slow_load(sid):
+        loads.append(sid)
+        time.sleep(0.05)
+        return real(sid)
+
+    p.load = slow_load
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(st.get(a.id))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert len(loads) == 1 and len(got) == 8 and all(g is got[0] for g in got) and st._loading == {}
