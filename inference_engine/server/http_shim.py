@@ -84,7 +84,7 @@ class SingleShot:
 
     def _work(self) -> None:
         try:
-            session = self._rt.create_session(self._prompt, self._eos)
+            session = self._rt.create_session(self._prompt, self._eos, ephemeral=True)  # closed right after: never saved
         except BaseException as e:  # noqa: BLE001 - handed to the request
             self._put(e)
             return

@@ -115,9 +115,11 @@ class Runtime:
         return stopper
 
     # -- RPCs ----------------------------------------------------------------------------
-    def create_session(self, initial_tokens: Sequence[int] = (), eos_token_ids: Sequence[int] = (), ignore_eos: bool = False):
+    def create_session(self, initial_tokens: Sequence[int] = (), eos_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                       *, ephemeral: bool = False):
+        """ephemeral: a one-request session (the HTTP shim's) that is never written to disk."""
         eos = () if ignore_eos else (eos_token_ids or None)
-        return self.store.create(initial_tokens, eos)
+        return self.store.create(initial_tokens, eos, ephemeral=ephemeral)
 
     def append(self, session_id: str, token_ids: Sequence[int]):
         return self.store.append(session_id, token_ids)

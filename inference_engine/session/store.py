@@ -70,6 +70,7 @@ class Session:
     saved: object = None  # the persister's record of what is on disk (None: nothing yet)
     saved_history_length: int = -1  # history length at the last save (-1: never saved)
     spilled: bool = False  # evicted to disk: a call that waited on it loads it again
+    ephemeral: bool = False  # never persisted (the HTTP shim's one-request sessions)
 
     @property
     def pending_tokens(self) -> list:
@@ -160,7 +161,8 @@ class SessionStore:
             )
 
     # -- lifecycle --------------------------------------------------------------------
-    def create(self, initial_tokens: Sequence[int] = (), eos_token_ids: Iterable[int] | None = None) -> Session:
+    def create(self, initial_tokens: Sequence[int] = (), eos_token_ids: Iterable[int] | None = None, *,
+               ephemeral: bool = False) -> Session:
         initial = self._check_tokens(initial_tokens, "initial_tokens")
         self._check_length(0, len(initial))
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos_token_ids
@@ -177,6 +179,7 @@ class SessionStore:
                 history=initial,
                 created_at=now,
                 last_access=now,
+                ephemeral=ephemeral,
             )
             self._sessions[session.id] = session
         self.events.on_created()
@@ -315,7 +318,7 @@ class SessionStore:
     def persist(self, s: Session) -> bool:
         """Save what changed in `s` (the caller holds s.lock). A failed save is logged and counted;
         the session stays live and the next save writes the change again."""
-        if self.persister is None or s.closed or s.kv is None:
+        if self.persister is None or s.closed or s.kv is None or s.ephemeral:
             return False
         t0 = time.perf_counter()
         try:
@@ -357,7 +360,7 @@ class SessionStore:
         dropped without one."""
         s = self._sessions.pop(session_id)
         spilled = False
-        if self.persister is not None and s.lock.acquire(blocking=False):
+        if self.persister is not None and not s.ephemeral and s.lock.acquire(blocking=False):
             try:
                 spilled = not s.unsaved or self.persist(s)
             finally:

@@ -187,3 +187,14 @@ def test_concurrent_first_calls_load_once_and_share_one_session():
     for t in threads:
         t.join(5)
     assert len(loads) == 1 and len(got) == 8 and all(g is got[0] for g in got) and st._loading == {}
+
+
+def test_ephemeral_sessions_are_never_written():
+    st, p, ended = store(capacity=1)
+    a = st.create([1], ephemeral=True)
+    with st.generation(a.id) as s:
+        assert st.persist(s) is False
+    st.create([2])  # a evicted: dropped, not spilled
+    assert p.saves == 0 and ended == ["evicted"]
+    with pytest.raises(SessionNotFound):
+        st.get(a.id)
