@@ -32,6 +32,10 @@ class Backend(Protocol):
     def tensor(self, values, dtype: str = "long") -> Any:
         """A backend array on the model's device from a Python list / range."""
 
+    def cat(self, arrays, dim: int) -> Any:
+        """Concatenate backend arrays (and layout position tensors) along `dim`; needed only to
+        batch several sessions' steps in one forward (engine/batching.py)."""
+
     def embed_ids(self, ids) -> Any:
         """ids (T,) -> x (T, hidden)."""
 

@@ -8,12 +8,12 @@ pending + generated tokens; the history before them lives in the cache.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from inference_engine.engine.batching import StepBatcher
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.requests import GenerateParams, ModelInfo, StrategyInfo
 from inference_engine.engine.sampling import sample
@@ -25,10 +25,14 @@ from inference_engine.kv.strategy import KVStrategy
 
 
 class Engine:
-    """One model, one KV strategy; many sessions' states. Thread-safe at step granularity."""
+    """One model, one KV strategy; many sessions' states. Thread-safe at step granularity: each
+    session's steps run in order, different sessions' steps may share a forward (batching)."""
 
     def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
-                 drafter=None, spec_k: int = 0, drafter_name: str = "", restore_source=None):
+                 drafter=None, spec_k: int = 0, drafter_name: str = "", restore_source=None, batching: str = "auto"):
+        """batching: "on" = concurrent sessions' steps share forwards (engine/batching.py), "off" = one
+        session's step per forward, "auto" = on where it is exact (row-independent int8/int4 kernels
+        of the torch backend), off otherwise."""
         if spec_k and drafter is None:
             raise ValueError("spec_k > 0 needs a drafter")
         if spec_k < 0 or spec_k >= prefill_chunk:
@@ -42,8 +46,14 @@ class Engine:
         if strategy.name == "dlm_restore" and strategy.restore_from != "verifier" and restore_source is None:
             raise ValueError(f"dlm_restore from {strategy.restore_from!r} needs a restore_source")
         self.restore_source = restore_source  # dlm_restore's cross-model proposer (None: the model's own)
-        # One forward at a time: concurrent sessions interleave step by step.
-        self._step_lock = threading.Lock()
+        # One forward at a time; concurrent sessions' steps share it when batching is on.
+        if batching not in ("auto", "on", "off"):
+            raise ValueError(f"batching must be auto, on or off, got {batching!r}")
+        exact = getattr(model, "backend_name", "") == "torch" and getattr(model, "weights_format", "") in ("int8", "int4")
+        on = batching == "on" or (batching == "auto" and exact)
+        if on and not hasattr(model, "cat"):
+            raise ValueError(f"the {getattr(model, 'backend_name', '?')} backend cannot batch sessions' steps; use batching off")
+        self.batcher = StepBatcher(prefill_chunk, batching=on)
         if max_threads:
             torch.set_num_threads(max_threads)
         self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)
@@ -93,8 +103,7 @@ class Engine:
         for i in range(0, len(pending), self.prefill_chunk):
             if should_stop():
                 return dropped, False
-            with self._step_lock:
-                dropped += steps.prefill_chunk(self.model, kv, pending[i : i + self.prefill_chunk]).dropped
+            dropped += steps.prefill_chunk(self.model, kv, pending[i : i + self.prefill_chunk], run=self.batcher.run).dropped
         return dropped, True
 
     def _draft(self, kv: SessionKV, context: list, k: int) -> list:
@@ -114,11 +123,10 @@ class Engine:
 
     def _advance(self, kv: SessionKV, token: int, drafts: list, params: GenerateParams, gen, budget: int) -> steps.StepResult:
         """Feed `token` (and a drafted block) in one step; the result's `emitted` are the next tokens."""
-        with self._step_lock:
-            if drafts:
-                return steps.verify_block(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
-                                          eos_token_ids=params.eos_token_ids)
-            step = steps.decode_step(self.model, kv, token)
+        if drafts:
+            return steps.verify_block(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
+                                      eos_token_ids=params.eos_token_ids, run=self.batcher.run)
+        step = steps.decode_step(self.model, kv, token, run=self.batcher.run)
         return dataclasses.replace(step, emitted=(sample(kv.last_logits, params.sampling, gen),))
 
     def generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False,

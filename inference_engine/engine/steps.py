@@ -1,22 +1,37 @@
 """The engine's steps: free functions over a Backend and a session's cache.
 
-`forward` is the one layer loop of the project; `prefill_chunk`, `decode_step` and
-`verify_block` each run one committed step and can be called alone (benches, tests).
-They take no locks; `Engine` serialises them across sessions.
+`forward_batch` holds the one layer loop of the project (`forward` is a batch of one);
+`prefill_chunk`, `decode_step` and `verify_block` each run one committed step and can be called
+alone (benches, tests). They take no locks; `Engine` runs their forwards through its
+StepBatcher (engine/batching.py), which batches concurrent sessions' steps.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from inference_engine.engine.requests import SamplingParams
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.engine.speculative import accept_drafts
 
 
+@dataclass
+class StepInput:
+    """One session's part of a forward: new tokens `ids` (T,) at `positions`, into `cache`."""
+
+    ids: Any  # (T,) backend tensor
+    positions: range
+    cache: Any
+    logits: str = "all"  # "all" -> (T, V), "last" -> (1, V), "none" -> None
+    restored: Any = None  # a RestoreSource for a dlm_restore cache; None = the cache's own
+    row_exact: bool = False  # each query row attends as a one-token step would (decode, verify)
+
+
 def forward(backend, ids, positions, cache, *, logits: str = "all", restored=None, row_exact: bool = False):
-    """Run new tokens `ids` (T,) at `positions` (a range, or (T,)) through the model, writing
-    their K/V into `cache`; the step is left uncommitted (the caller commits all or a prefix).
+    """Run new tokens `ids` (T,) at `positions` (a range) through the model, writing their K/V
+    into `cache`; the step is left uncommitted (the caller commits all or a prefix).
 
     logits: "all" -> (T, V), "last" -> (1, V), "none" -> None. Also returns the final normed
     hidden states (T, hidden), which drafters condition on. restored: a RestoreSource for a
@@ -24,39 +39,90 @@ def forward(backend, ids, positions, cache, *, logits: str = "all", restored=Non
     row_exact: every query row attends as a one-token step would (decode and verify steps), so
     a verified block reproduces sequential decoding bit for bit; prefill chunks attend batched.
     """
+    return forward_batch(backend, [StepInput(ids, positions, cache, logits, restored, row_exact)])[0]
+
+
+def forward_batch(backend, inputs: Sequence[StepInput]) -> list:
+    """One forward over several sessions' steps: the linear layers run on every session's rows
+    at once, attention runs per session over its own cache. Returns (logits, hidden) per input.
+    With row-independent kernels (int8/int4 weights) each session's result is bit for bit what
+    it would be alone. On failure every step is aborted (each cache as before) and it raises."""
     with backend.inference():
-        return _forward(backend, ids, positions, cache, logits, restored, row_exact)
+        items = []
+        try:
+            for inp in inputs:
+                items.append(_Item(backend, inp))
+            return _forward_items(backend, items)
+        except BaseException:
+            for inp in inputs:
+                inp.cache.abort()
+            raise
+        finally:
+            for item in items:
+                item.close()
 
 
-def _forward(backend, ids, positions, cache, logits, restored, row_exact):
-    layout = cache.prepare(positions, ids)
-    layout.row_exact = row_exact
-    plan = layout.restore
-    step = plan.open_step(_restore_source(backend, cache, restored)) if plan is not None and plan.positions.numel() else None
-    try:
-        x = backend.embed_ids(ids)
-        rope = backend.rope(layout.positions)
-        sink_rope = backend.rope(layout.positions * 0 + layout.sink_shift.virtual_query_position) if layout.sink_shift_active else None
-        restored_rope = backend.rope(plan.positions) if step is not None else None
-        bias = getattr(step, "logit_bias", None)
-        paged = getattr(cache, "attend_with_pages", None)  # paged: queries also attend to the pages they recall
-        for i in range(backend.spec.num_layers):
-            q, k, v = backend.project(i, x)
-            q, q_normed = backend.position_q(i, q, rope)
-            k_all, v_all = cache.update_and_fetch(i, backend.position_k(i, k, rope), v)
-            extra = (*step.kv_for_layer(i), restored_rope, bias) if step is not None else None
-            o = paged(i, q, k_all, v_all, layout, backend.spec.attn_scale) if paged is not None else None
-            if o is None:  # not paged, or nothing out of the window yet
-                o = backend.attend_layout(i, q, q_normed, k_all, v_all, layout, extra, sink_rope)
-            x = backend.finish(i, x, o)
-            del k_all, v_all, extra, o
-    finally:
-        if step is not None:
-            step.close()
+class _Item:
+    """A StepInput during the forward: its cache's layout, restore step and RoPE tables."""
+
+    def __init__(self, backend, inp: StepInput):
+        self.inp, self.cache, self.step = inp, inp.cache, None
+        self.t = len(inp.positions)
+        layout = self.layout = inp.cache.prepare(inp.positions, inp.ids)
+        layout.row_exact = inp.row_exact
+        plan = layout.restore
+        if plan is not None and plan.positions.numel():
+            self.step = plan.open_step(_restore_source(backend, inp.cache, inp.restored))
+        self.sink_rope = backend.rope(layout.positions * 0 + layout.sink_shift.virtual_query_position) if layout.sink_shift_active else None
+        self.restored_rope = backend.rope(plan.positions) if self.step is not None else None
+        self.bias = getattr(self.step, "logit_bias", None)
+        self.paged = getattr(inp.cache, "attend_with_pages", None)  # paged: queries also attend to the pages they recall
+
+    def attend(self, backend, i, q, q_normed, k, v):
+        """Layer i's attention output (H, T, D) for this item's rows (k positioned, v raw)."""
+        k_all, v_all = self.cache.update_and_fetch(i, k, v)
+        extra = (*self.step.kv_for_layer(i), self.restored_rope, self.bias) if self.step is not None else None
+        o = self.paged(i, q, k_all, v_all, self.layout, backend.spec.attn_scale) if self.paged is not None else None
+        if o is None:  # not paged, or nothing out of the window yet
+            o = backend.attend_layout(i, q, q_normed, k_all, v_all, self.layout, extra, self.sink_rope)
+        return o
+
+    def close(self):
+        if self.step is not None:
+            self.step.close()
+            self.step = None
+
+
+def _forward_items(backend, items: list) -> list:
+    if len(items) == 1:  # the common case: no concatenation, the tensors as they are
+        it = items[0]
+        x, rope, bounds = backend.embed_ids(it.inp.ids), backend.rope(it.layout.positions), None
+    else:
+        x = backend.embed_ids(backend.cat([it.inp.ids for it in items], 0))
+        rope = backend.rope(backend.cat([it.layout.positions for it in items], 0))
+        ends = list(itertools.accumulate(it.t for it in items))
+        bounds = list(zip([0, *ends[:-1]], ends))
+    for i in range(backend.spec.num_layers):
+        q, k, v = backend.project(i, x)
+        q, q_normed = backend.position_q(i, q, rope)
+        k = backend.position_k(i, k, rope)
+        if bounds is None:
+            o = items[0].attend(backend, i, q, q_normed, k, v)
+        else:
+            o = backend.cat([it.attend(backend, i, q[:, a:b], q_normed[:, a:b], k[:, a:b], v[:, a:b])
+                             for it, (a, b) in zip(items, bounds)], 1)
+        x = backend.finish(i, x, o)
+        del q, k, v, o
     hidden = backend.final_norm(x)
-    if logits == "none":
+    if bounds is None:
+        return [_logits(backend, items[0].inp.logits, hidden)]
+    return [_logits(backend, it.inp.logits, hidden[a:b]) for it, (a, b) in zip(items, bounds)]
+
+
+def _logits(backend, mode, hidden):
+    if mode == "none":
         return None, hidden
-    return backend.logits(hidden[-1:] if logits == "last" else hidden), hidden
+    return backend.logits(hidden[-1:] if mode == "last" else hidden), hidden
 
 
 def _restore_source(backend, cache, restored):
@@ -77,13 +143,14 @@ class StepResult:
     accepted: int = 0  # verify_block: drafts accepted
 
 
-def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False):
+def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False, run: Callable | None = None):
     """Forward `ids` at the session's next positions, uncommitted; returns (host logits, hidden).
+    `run` executes the forward (default forward_batch; the engine passes its StepBatcher's).
     On failure the step is aborted and the cache is as before."""
     start = kv.cache.next_position
+    inp = StepInput(backend.tensor(list(ids)), range(start, start + len(ids)), kv.cache, logits, row_exact=row_exact)
     try:
-        out, hidden = forward(backend, backend.tensor(list(ids)), range(start, start + len(ids)), kv.cache, logits=logits,
-                              row_exact=row_exact)
+        out, hidden = (run or forward_batch)(backend, [inp])[0]
         return backend.to_host(out), hidden
     except BaseException:
         kv.cache.abort()
@@ -99,24 +166,24 @@ def _close(kv: SessionKV, n: int, host, hidden) -> int:
     return dropped
 
 
-def prefill_chunk(backend, kv: SessionKV, ids: Sequence[int]) -> StepResult:
+def prefill_chunk(backend, kv: SessionKV, ids: Sequence[int], *, run: Callable | None = None) -> StepResult:
     """Run a chunk of pending tokens; kv.last_logits then scores the next position."""
-    host, hidden = _open(backend, kv, ids, "last")
+    host, hidden = _open(backend, kv, ids, "last", run=run)
     return StepResult(len(ids), _close(kv, len(ids), host, hidden))
 
 
-def decode_step(backend, kv: SessionKV, token: int) -> StepResult:
+def decode_step(backend, kv: SessionKV, token: int, *, run: Callable | None = None) -> StepResult:
     """Feed one sampled token; kv.last_logits then scores the next position."""
-    host, hidden = _open(backend, kv, [token], "last", row_exact=True)
+    host, hidden = _open(backend, kv, [token], "last", row_exact=True, run=run)
     return StepResult(1, _close(kv, 1, host, hidden))
 
 
 def verify_block(backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams, generator,
-                 *, budget: int, eos_token_ids=frozenset()) -> StepResult:
+                 *, budget: int, eos_token_ids=frozenset(), run: Callable | None = None) -> StepResult:
     """Feed `token` and a drafted block in one forward; keep the drafts the verifier accepts
     (speculative.accept_drafts) and draw its next token. At most `budget` tokens are emitted,
     and emission stops after an eos. The emitted tokens but the last are committed."""
-    host, hidden = _open(backend, kv, [token, *drafts], "all", row_exact=True)
+    host, hidden = _open(backend, kv, [token, *drafts], "all", row_exact=True, run=run)
     try:
         accepted, nxt = accept_drafts(drafts, host, sampling, generator)
     except BaseException:

@@ -141,6 +141,9 @@ class TorchCausalLM:
     def tensor(self, values, dtype: str = "long") -> torch.Tensor:
         return torch.tensor(values, dtype=getattr(torch, dtype), device=self.device)
 
+    def cat(self, arrays, dim: int) -> torch.Tensor:
+        return torch.cat(arrays, dim)
+
     # -- layer pieces (Backend protocol) ----------------------------------------------------
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self._embed_w)

@@ -1,0 +1,107 @@
+"""StepBatcher: concurrent sessions' steps run as one batched forward (continuous batching).
+
+Each session's generate loop stays a plain generator on its own thread; when it needs a
+forward it calls `run(backend, [StepInput])` and blocks. Whichever waiting thread finds the
+model idle becomes the leader: it takes the queued steps in arrival order, up to `token_budget`
+tokens (the oldest always goes, so nothing starves), runs them through `steps.forward_batch`,
+hands each thread its result, and the next leader takes what queued meanwhile. New sessions
+join between forwards; a session that stops simply stops submitting.
+
+Exactness: forward_batch runs the linear layers on every session's rows at once and attention
+per session; with row-independent kernels (int8/int4 weights) each session's logits are bit for
+bit those of running alone, so batching is on by default only for those formats. A batch whose
+forward fails is retried one step at a time, so a session's bad step fails only that session.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from inference_engine.engine.steps import StepInput, forward_batch
+
+
+@dataclass
+class _Pending:
+    inp: StepInput
+    tokens: int
+    result: object = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass
+class BatchStats:
+    """Counters the runtime exports as metrics (read without the lock: ints are atomic enough)."""
+
+    forwards: int = 0
+    steps: int = 0
+    last_batch_size: int = 0
+    queue_depth: int = 0
+    batch_sizes: dict = field(default_factory=dict)  # size -> forwards
+
+
+class StepBatcher:
+    def __init__(self, token_budget: int, *, batching: bool = True):
+        self.token_budget = token_budget
+        self.batching = batching
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._busy = False
+
+    def run(self, backend, inputs: list) -> list:
+        """steps.forward_batch's signature for one session's step: blocks until it has run."""
+        (inp,) = inputs
+        me = _Pending(inp, len(inp.positions))
+        with self._cond:
+            self._queue.append(me)
+            self.stats.queue_depth = len(self._queue)
+            while not me.done:
+                if self._busy:
+                    self._cond.wait()
+                    continue
+                batch = self._take()
+                self._busy = True
+                self._cond.release()
+                try:
+                    self._execute(backend, batch)
+                finally:
+                    self._cond.acquire()
+                    self._busy = False
+                    self.stats.queue_depth = len(self._queue)
+                    self._cond.notify_all()
+        if me.error is not None:
+            raise me.error
+        return [me.result]
+
+    def _take(self) -> list:
+        """Queued steps in arrival order within the token budget (the oldest always)."""
+        batch, used = [], 0
+        limit = self.token_budget if self.batching else 0
+        for p in list(self._queue):
+            if batch and used + p.tokens > limit:
+                continue
+            batch.append(p)
+            used += p.tokens
+            self._queue.remove(p)
+        return batch
+
+    def _execute(self, backend, batch: list) -> None:
+        s = self.stats
+        s.forwards, s.steps, s.last_batch_size = s.forwards + 1, s.steps + len(batch), len(batch)
+        s.batch_sizes[len(batch)] = s.batch_sizes.get(len(batch), 0) + 1
+        try:
+            for p, res in zip(batch, forward_batch(backend, [p.inp for p in batch])):
+                p.result = res
+        except BaseException as e:
+            if len(batch) == 1:
+                batch[0].error = e
+            else:  # each cache was rolled back: find the step that failed by running them one by one
+                for p in batch:
+                    try:
+                        p.result = forward_batch(backend, [p.inp])[0]
+                    except BaseException as e1:
+                        p.error = e1
+        for p in batch:
+            p.done = True

@@ -1,0 +1,167 @@
+"""Continuous batching (engine/batching.py, steps.forward_batch): sessions' steps share forwards
+and each session's output is bit for bit what it is alone (int8/int4: row-independent kernels);
+a failing step fails only its own session; cancellation and admission between forwards."""
+import threading
+import time
+
+import pytest
+import torch
+
+from drafters import HashDrafter
+from factories import tiny_model_dir
+from inference_engine.backends.torch.model import TorchCausalLM
+from inference_engine.engine.batching import StepBatcher
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.generate import Engine
+from inference_engine.engine.requests import GenerateParams, SamplingParams
+from inference_engine.engine.steps import StepInput, forward, forward_batch
+from inference_engine.errors import CacheInvariantError
+from inference_engine.kv.strategy import KVStrategy
+
+
+def ids(n, seed):
+    return torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def int4_model():
+    return TorchCausalLM.load(str(tiny_model_dir("llama")), weights="int4")
+
+
+class SlowModel:
+    """The model with a pause per forward, so concurrent steps pile up in the batcher's queue."""
+
+    def __init__(self, model, pause=0.02):
+        self._m, self._pause = model, pause
+
+    def embed_ids(self, ids):
+        time.sleep(self._pause)
+        return self._m.embed_ids(ids)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+def test_forward_batch_gives_each_session_its_solo_result():
+    model = int4_model()
+    strategies = [KVStrategy("full"), KVStrategy("sink_window", 4, 24), KVStrategy("full", kv_dtype="int8")]
+    engine_of = [Engine(model, s, prefill_chunk=64) for s in strategies]
+    solo, batched = [e.new_session_kv() for e in engine_of], [e.new_session_kv() for e in engine_of]
+    for i, kv in enumerate(solo + batched):
+        hist = ids(30 + 11 * (i % 3), i % 3)
+        forward(model, model.tensor(hist), range(len(hist)), kv.cache)
+        kv.cache.commit()
+    steps = [[5], [7, 8, 9], [11]]  # a decode step, a verify-shaped block, a decode step
+    want = []
+    for kv, toks in zip(solo, steps):
+        start = kv.cache.next_position
+        want.append(forward(model, model.tensor(toks), range(start, start + len(toks)), kv.cache, row_exact=True))
+        kv.cache.commit()
+    inputs = [StepInput(model.tensor(t), range(kv.cache.next_position, kv.cache.next_position + len(t)), kv.cache, row_exact=True)
+              for kv, t in zip(batched, steps)]
+    got = forward_batch(model, inputs)
+    for (gl, gh), (wl, wh) in zip(got, want):
+        assert torch.equal(gl, wl) and torch.equal(gh, wh)
+
+
+def run_concurrently(engine, jobs):
+    """jobs: (history, params) per session, each generated on its own thread; returns token lists."""
+    out = [None] * len(jobs)
+
+    def work(i, hist, params):
+        kv = engine.new_session_kv()
+        out[i] = [e.token_id for e in engine.generate(kv, hist, params) if isinstance(e, TokenGenerated)]
+
+    threads = [threading.Thread(target=work, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("drafter", [None, "hash"])
+def test_concurrent_sessions_batched_equal_their_solo_runs(drafter):
+    model = int4_model()
+    kw = dict(drafter=HashDrafter(256), spec_k=3) if drafter else {}
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    jobs = [(ids(40 + 9 * i, i), GenerateParams(max_tokens=20, sampling=sampled if i % 2 else SamplingParams())) for i in range(5)]
+    solo = Engine(model, KVStrategy("sink_window", 4, 24), prefill_chunk=16, batching="off", **kw)
+    want = [run_concurrently(solo, [job])[0] for job in jobs]
+    batched = Engine(SlowModel(model), KVStrategy("sink_window", 4, 24), prefill_chunk=16, batching="on", **kw)
+    assert run_concurrently(batched, jobs) == want
+    sizes = batched.batcher.stats.batch_sizes
+    assert max(sizes) > 1, sizes  # steps really shared forwards
+
+
+def test_auto_batching_is_on_only_where_exact():
+    assert Engine(int4_model(), KVStrategy("full")).batcher.batching
+    assert not Engine(TorchCausalLM.load(str(tiny_model_dir("llama"))), KVStrategy("full")).batcher.batching
+
+
+def test_a_failing_step_fails_only_its_session():
+    """One session's cache breaks its invariant mid-batch: that session gets the error, the
+    others' steps in the same forward complete with their solo results."""
+    model = int4_model()
+    engine = Engine(model, KVStrategy("full"), prefill_chunk=32, batching="on")
+    kvs = [engine.new_session_kv() for _ in range(3)]
+    for i, kv in enumerate(kvs):
+        hist = ids(20, i)
+        forward(model, model.tensor(hist), range(len(hist)), kv.cache)
+        kv.cache.commit()
+    good = [StepInput(model.tensor([4]), range(20, 21), kvs[i].cache, row_exact=True) for i in (0, 2)]
+    bad = StepInput(model.tensor([4]), range(25, 26), kvs[1].cache, row_exact=True)  # positions skip ahead: INV-2
+    batcher, results = StepBatcher(64), {}
+    batcher._busy = True  # hold the queue until all three are in it
+
+    def submit(name, inp):
+        try:
+            results[name] = batcher.run(model, [inp])[0]
+        except CacheInvariantError as e:
+            results[name] = e
+
+    threads = [threading.Thread(target=submit, args=(n, inp)) for n, inp in (("a", good[0]), ("bad", bad), ("c", good[1]))]
+    for t in threads:
+        t.start()
+    while len(batcher._queue) < 3:
+        time.sleep(0.005)
+    with batcher._cond:
+        batcher._busy = False
+        batcher._cond.notify_all()
+    for t in threads:
+        t.join()
+    assert isinstance(results["bad"], CacheInvariantError)
+    assert batcher.stats.batch_sizes.get(3) == 1  # they did share one (failed) forward, then ran alone
+    for name, i in (("a", 0), ("c", 2)):
+        ref = engine.new_session_kv()
+        hist = ids(20, i)
+        forward(model, model.tensor(hist), range(20), ref.cache)
+        ref.cache.commit()
+        want, _ = forward(model, model.tensor([4]), range(20, 21), ref.cache, row_exact=True)
+        assert torch.equal(results[name][0], want)
+    assert kvs[1].cache.next_position == 20  # the bad session's cache is as before
+
+
+def test_a_cancelled_session_leaves_the_others_unchanged():
+    model = int4_model()
+    jobs = [(ids(30, i), GenerateParams(max_tokens=16)) for i in range(3)]
+    want = run_concurrently(Engine(model, KVStrategy("full"), batching="off"), jobs)
+    engine = Engine(SlowModel(model), KVStrategy("full"), batching="on")
+    out, stop = [None] * 3, threading.Event()
+
+    def work(i):
+        kv = engine.new_session_kv()
+        got = []
+        for e in engine.generate(kv, jobs[i][0], jobs[i][1], should_stop=stop.is_set if i == 1 else (lambda: False)):
+            if isinstance(e, TokenGenerated):
+                got.append(e.token_id)
+                if i == 1 and len(got) == 4:
+                    stop.set()
+        out[i] = got
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[0] == want[0] and out[2] == want[2]
+    assert out[1] == want[1][: len(out[1])] and len(out[1]) < 16
