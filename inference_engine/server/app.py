@@ -118,9 +118,12 @@ def build_engine(cfg: ServeConfig, model):
         threads, timings = fastest_thread_count(model)
         log.info("--threads auto: %d (median decode step by thread count: %s)", threads,
                  ", ".join(f"{n}: {1000 * t:.1f} ms" for n, t in timings.items()))
-    return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=threads,
-                  drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",
-                  restore_source=restore_source)
+    try:
+        return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=threads,
+                      drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",
+                      restore_source=restore_source, batching=cfg.batching)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def drafter_restore_source(cfg: ServeConfig, model, drafter):

@@ -25,6 +25,9 @@ def _add_serve(sub) -> None:
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=("fp32", "int8"),
                    help="resident K/V rows of full / sink_window: fp32, or int8 with a scale per position, read by attention without decoding")
+    p.add_argument("--batching", default=d.batching, choices=("auto", "on", "off"),
+                   help="continuous batching: concurrent sessions' decode/verify/prefill steps share forwards; auto = on where "
+                        "each session's output stays bit-identical to running alone (int8/int4 weights), off otherwise")
     p.add_argument("--kv-q-range", type=int, default=d.kv_q_range, help="KakeyaLattice q_range (higher = finer, more bytes)")
     p.add_argument("--page-size", type=int, default=d.page_size, help="paged: tokens per page of evicted K/V")
     p.add_argument("--recall-pages", type=int, default=d.recall_pages,
@@ -101,6 +104,7 @@ def serve_config(args) -> ServeConfig:
         window=args.window,
         kv_compressor=args.kv_compressor,
         kv_dtype=args.kv_dtype,
+        batching=args.batching,
         kv_q_range=args.kv_q_range,
         page_size=args.page_size,
         recall_pages=args.recall_pages,

@@ -34,6 +34,7 @@ class ServeConfig:
     window: int = 1020
     kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
     kv_dtype: str = "fp32"  # fp32 | int8: resident K/V rows of full / sink_window
+    batching: str = "auto"  # auto | on | off: concurrent sessions' steps share forwards (auto = where exact: int8/int4)
     kv_q_range: int = 38  # lattice q_range of the kakeya compressors
     page_size: int = 64  # paged: tokens per page of evicted K/V
     recall_pages: int = 8  # paged: pages each query attends to besides sink and window

@@ -52,6 +52,12 @@ class RuntimeMetrics:
         self.session_load_duration_seconds = Histogram(
             "session_load_duration_seconds", "Wall time of loading one session from disk.", buckets=SECONDS_BUCKETS, registry=r
         )
+        self.batch_size = Gauge("engine_batch_size", "Sessions' steps in the engine's latest forward (continuous batching).", registry=r)
+        self.step_queue_depth = Gauge("engine_step_queue_depth", "Sessions' steps waiting for a forward.", registry=r)
+        self.forwards_run = Gauge("engine_forwards_run", "Forwards the engine ran since start (each serves one or more sessions' steps).",
+                                  registry=r)
+        self.steps_run = Gauge("engine_steps_run", "Sessions' steps the engine ran since start (steps / forwards = mean batch size).",
+                               registry=r)
         for kind in ("inv1", "inv2"):
             self.cache_invariant_violations_total.labels(kind=kind)
         for reason in ("ttl", "lru", "close"):

@@ -88,6 +88,12 @@ class Runtime:
         )
         m.session_active.set_function(lambda: len(self.store))
         m.session_kv_live_bytes.set_function(self.store.kv_live_bytes)
+        batcher = getattr(engine, "batcher", None)
+        if batcher is not None:  # engine-side counters, read at scrape time
+            m.batch_size.set_function(lambda: batcher.stats.last_batch_size)
+            m.step_queue_depth.set_function(lambda: batcher.stats.queue_depth)
+            m.forwards_run.set_function(lambda: batcher.stats.forwards)
+            m.steps_run.set_function(lambda: batcher.stats.steps)
 
     def _observe_save(self, seconds: float) -> None:
         self.metrics.session_saves_total.inc()
