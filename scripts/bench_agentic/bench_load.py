@@ -3,7 +3,8 @@
 Per level (--levels concurrent sessions), every session runs --turns turns on its own thread:
 append a tool result of 40-400 tokens (sizes drawn per turn), then stream --generate tokens.
 Arms, one after another on the same machine and thread count:
-  kakeya-batching-on   `kakeya serve --weights <fmt> --batching on`, driven through the Python SDK
+  kakeya-batching-on   `kakeya serve --weights <fmt> --batching on` (other flags default: capacity 16,
+                       sessions persisted per turn to a temporary --state-dir), driven through the Python SDK
   kakeya-batching-off  the same daemon with --batching off (one session's step per forward)
   llama.cpp            llama-cpp-python on the same GGUF: its `Llama` object has no cross-sequence
                        batching (one sequence per context), so each session gets its own `Llama`
@@ -40,9 +41,10 @@ def workload(session: int, turns: int, seed: int):
 
 
 class Daemon:
-    def __init__(self, model, weights, batching, threads, capacity):
+    def __init__(self, model, weights, batching, threads, state_dir):
+        # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
         cmd = [str(ROOT / ".venv" / "bin" / "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model, "--weights", weights,
-               "--batching", batching, "--threads", str(threads), "--capacity", str(capacity), "--persist", "off"]
+               "--batching", batching, "--threads", str(threads), "--state-dir", state_dir]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("READY"):
@@ -187,7 +189,9 @@ def main() -> int:
     for arm in arms:
         res = {}
         if arm.startswith("batching-"):
-            d = Daemon(args.model, args.weights, arm.removeprefix("batching-"), args.threads, capacity=max(levels) + 4)
+            import tempfile
+
+            d = Daemon(args.model, args.weights, arm.removeprefix("batching-"), args.threads, tempfile.mkdtemp(prefix="kakeya-load-"))
             try:
                 for n in levels:
                     res[n] = run_level_kakeya(d.target, n, args, d.rss)
