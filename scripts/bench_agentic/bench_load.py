@@ -79,18 +79,7 @@ def run_level_kakeya(target, n, args, rss_probe):
             with kakeya.Client(target) as client, client.create_session(ignore_eos=True) as s:
                 for turn in workload(i, args.turns, args.seed):
                     s.append(turn)
-                    t0 = time.perf_counter()
-                    last = None
-                    for _ in s.generate(max_tokens=args.generate):
-                        now = time.perf_counter()
-                        if last is None:
-                            rec["ttft"].append(now - t0)
-                            first = now
-                        else:
-                            rec["itl"].append(now - last)
-                        last = now
-                        rec["tokens"] += 1
-                    rec["decode_s"] += last - first
+                    timed_turn(rec, s.generate(max_tokens=args.generate))
         except Exception as e:  # noqa: BLE001 - recorded per session
             rec["errors"].append(f"{type(e).__name__}: {e}")
             rec["lost"] = "NotFound" in type(e).__name__
@@ -109,6 +98,34 @@ def run_level_kakeya(target, n, args, rss_probe):
     return summarize(results, wall, peak[0])
 
 
+def timed_turn(rec, stream) -> list:
+    """Consume one turn's token stream, recording time to first token, inter-token gaps and decode time."""
+    t0, first, last, toks = time.perf_counter(), None, None, []
+    for tok in stream:
+        now = time.perf_counter()
+        if last is None:
+            rec["ttft"].append(now - t0)
+            first = now
+        else:
+            rec["itl"].append(now - last)
+        last = now
+        toks.append(tok)
+    rec["tokens"] += len(toks)
+    rec["decode_s"] += (last - first) if toks else 0.0
+    return toks
+
+
+def llama_stream(llm, history, n, lock):
+    """n greedy tokens after `history`; each model call holds `lock` (one call at a time)."""
+    gen = None
+    for _ in range(n):
+        with lock:
+            if gen is None:
+                gen = llm.generate(history, temp=0.0)  # reset=True keeps the longest common prefix
+            tok = next(gen)
+        yield tok
+
+
 def run_level_llama(gguf, n, args):
     from llama_cpp import Llama
 
@@ -123,24 +140,7 @@ def run_level_llama(gguf, n, args):
         try:
             for turn in workload(i, args.turns, args.seed):
                 history += turn
-                t0 = time.perf_counter()
-                last = None
-                gen = None
-                for _ in range(args.generate):
-                    with lock:
-                        if gen is None:
-                            gen = llms[i].generate(history, temp=0.0)
-                        tok = next(gen)
-                    now = time.perf_counter()
-                    if last is None:
-                        rec["ttft"].append(now - t0)
-                        first = now
-                    else:
-                        rec["itl"].append(now - last)
-                    last = now
-                    history.append(tok)
-                    rec["tokens"] += 1
-                rec["decode_s"] += last - first
+                history += timed_turn(rec, llama_stream(llms[i], list(history), args.generate, lock))
         except Exception as e:  # noqa: BLE001
             rec["errors"].append(f"{type(e).__name__}: {e}")
         results[i] = rec
