@@ -144,7 +144,7 @@ class PagedCache(SinkWindowCache):
                 rows, valid = _rows_per_head(sel[:, j])
                 kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
                 cols = torch.from_numpy(np.flatnonzero(host[j])).to(k_all.device)
-                mask = torch.cat([valid[:, None].repeat_interleave(g, 0), valid.new_ones(h, 1, cols.numel())], 2)
+                mask = torch.cat([valid, valid.new_ones(hkv, cols.numel())], 1)  # (Hkv, E + n): per KV head
                 jobs.append((q[:, j:j + 1], torch.cat([kr, k_all.index_select(1, cols)], 1),
                              torch.cat([vr, v_all.index_select(1, cols)], 1), mask))
         else:
@@ -162,7 +162,8 @@ class PagedCache(SinkWindowCache):
             mask = torch.cat([mask_r.repeat_interleave(g, 0), layout.masks[w][None].expand(h, -1, -1)], 2)  # (H, T, E + N)
             jobs.append((q, torch.cat([kr, k_all], 1), torch.cat([vr, v_all], 1), mask))
         t2 = time.perf_counter()
-        o = [F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mm, scale=scale, enable_gqa=True)[0]
+        o = [_attend_per_head(qq, kk, vv, mm, scale) if mm.dim() == 2 else
+             F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mm, scale=scale, enable_gqa=True)[0]
              for qq, kk, vv, mm in jobs]
         self.timings["score_s"] += t1 - t0
         self.timings["fetch_s"] += t2 - t1
@@ -277,6 +278,16 @@ def _flash(q, k, v, mask, scale):
     ninf = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=ninf, scale=scale)
     return out, lse.masked_fill(~mask.any(-1), float("-inf"))
+
+
+def _attend_per_head(q, k, v, mask, scale):
+    """q (H, T, D) over k, v (Hkv, N, D) with a mask per KV head, (Hkv, N) shared by its queries: one
+    call per KV head, each on a 1-row mask (the fast kernel; a per-head 3-D mask takes the slow path)."""
+    hkv = k.shape[0]
+    g = q.shape[0] // hkv
+    return torch.cat([F.scaled_dot_product_attention(q[j * g:(j + 1) * g][None], k[j:j + 1][None], v[j:j + 1][None],
+                                                     attn_mask=mask[j][None], scale=scale, enable_gqa=True)[0]
+                      for j in range(hkv)])
 
 
 def _attend_merged(q, k_all, v_all, mask_w, kr, vr, mask_r, scale):
