@@ -180,8 +180,10 @@ class Engine:
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
-            drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None else []
+            drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None and kv.draft_gate.open() else []
             step = self._advance(kv, token, drafts, params, gen, budget)
+            if drafts:
+                kv.draft_gate.record(step.accepted)
             out = list(step.emitted)
             drafted, accepted, decode_dropped = drafted + len(drafts), accepted + step.accepted, decode_dropped + step.dropped
         if not completed:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from inference_engine.engine.speculative import DraftGate
 from inference_engine.kv.factory import cache_from_state
 from inference_engine.kv.slot_cache import CacheState
 
@@ -16,6 +17,7 @@ class SessionKV:
         self.last_logits: torch.Tensor | None = None  # (V,) float32, host
         self.hidden_keep = hidden_keep
         self.recent_hidden: torch.Tensor | None = None  # (<= hidden_keep, H), ends at next_position
+        self.draft_gate = DraftGate()  # speculative decoding's back-off (not saved: it never changes output)
 
     def remember_hidden(self, hidden: torch.Tensor, n_committed: int) -> None:
         if not self.hidden_keep:

@@ -13,6 +13,7 @@ not the conditional proposal distributions Leviathan et al. need):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -41,3 +42,31 @@ def accept_drafts(drafts: Sequence[int], logits: torch.Tensor, params: SamplingP
             return list(drafts[: i + 1]), int(torch.multinomial(probs[i + 1], 1, generator=gen))
         return list(drafts[:i]), int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
     return list(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=gen))
+
+
+@dataclass
+class DraftGate:
+    """Per session: stop drafting for a while after consecutive blocks with nothing accepted.
+
+    A verify block costs more than a decode step (its rows attend one by one), so a drafter that
+    keeps missing - prompt lookup on prose, say - would make decoding slower than without it.
+    After the 2nd miss in a row drafting pauses for 2 steps, then 4, 8, ... up to 32; any accepted
+    draft resets it. Which steps draft never changes the output (acceptance keeps it exact)."""
+
+    misses: int = 0
+    skip: int = 0
+    MAX_SKIP = 32
+
+    def open(self) -> bool:
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, accepted: int) -> None:
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        if self.misses >= 2:
+            self.skip = min(self.MAX_SKIP, 2 ** (self.misses - 1))

@@ -153,3 +153,35 @@ def test_the_exactness_check_catches_a_broken_acceptance_rule(small_vocab_setup,
     engine = Engine(model, KVStrategy("full"), drafter=HashDrafter(VOCAB), spec_k=2)
     c2, c3 = empirical(engine, history, 2000)
     assert min(chi2_pvalue(c2, p2), chi2_pvalue(c3, p3)) < 1e-6
+
+
+def test_draft_gate_backs_off_after_misses_and_resets_on_acceptance():
+    from inference_engine.engine.speculative import DraftGate
+
+    g = DraftGate()
+    g.record(0)
+    assert g.open()  # one miss: keep drafting
+    pattern = []
+    for _ in range(4):
+        g.record(0)
+        skipped = 0
+        while not g.open():
+            skipped += 1
+        pattern.append(skipped)
+    assert pattern == [2, 4, 8, 16]
+    for _ in range(10):
+        g.record(0)
+    assert g.skip == DraftGate.MAX_SKIP
+    g.skip = 0
+    g.record(3)
+    g.record(0)
+    assert g.open()  # the acceptance reset the run of misses
+
+
+def test_a_drafter_that_always_misses_drafts_rarely_and_changes_nothing():
+    model = load_model(str(tiny_model_dir("llama")))
+    history = prompt(40, seed=3)
+    want, _ = tokens(Engine(model, KVStrategy("full"), prefill_chunk=32), history, 60)
+    got, done = tokens(Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=HashDrafter(256), spec_k=4), history, 60)
+    assert got == want
+    assert 0 < done.drafted_tokens < 4 * 30  # drafting paused after the misses (60 steps would draft 240)
