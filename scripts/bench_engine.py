@@ -1,8 +1,9 @@
 """This daemon against llama.cpp and transformers on the same model, side by side in one run.
 
 Arms (same machine, same thread count, greedy, eos ignored):
-  kakeya-<fmt>   `kakeya serve --kv-strategy full --weights <fmt>` in its own process, driven only
-                 through the Python SDK over gRPC (one arm per weight format in --formats)
+  kakeya-<fmt>   `kakeya serve --kv-strategy full --weights <fmt> --persist off` in its own process, driven
+                 only through the Python SDK over gRPC (one arm per entry of --formats; `int4+kv_int8`
+                 adds `--kv-dtype int8`)
   llama.cpp      llama-cpp-python on the very GGUF the model store pulled (`source.gguf`);
                  install the `bench` extra: the wheel is cached under $KAKEYA_HOME/wheels
   transformers   `transformers.generate` on the pulled fp32 directory (decode at short contexts only)
@@ -34,7 +35,7 @@ from bench_common import run_metadata, write_json  # noqa: E402
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--formats", default="fp32,int8,int4")
+    ap.add_argument("--formats", default="fp32,int8,int4,int4+kv_int8", help="weight formats; +kv_int8 = with --kv-dtype int8")
     ap.add_argument("--contexts", default="128,1024,4096")
     ap.add_argument("--decode", type=int, default=32, help="tokens generated per decode measurement")
     ap.add_argument("--prefill", type=int, default=2048)
@@ -57,9 +58,10 @@ def tokens(n: int, seed: int) -> list[int]:
 
 # -- this daemon ------------------------------------------------------------------------------
 class Daemon:
-    def __init__(self, model: str, weights: str, threads: int):
+    def __init__(self, model: str, weights: str, threads: int, kv_dtype: str = "fp32"):
         cmd = [str(ROOT / ".venv" / "bin" / "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
-               "--kv-strategy", "full", "--weights", weights, "--threads", str(threads), "--capacity", "64"]
+               "--kv-strategy", "full", "--weights", weights, "--kv-dtype", kv_dtype, "--threads", str(threads),
+               "--capacity", "64", "--persist", "off"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("READY"):
@@ -157,7 +159,8 @@ def main(argv=None) -> int:
     path = pathlib.Path(resolve_model(args.model))
     arms = {}
     for fmt in args.formats.split(","):
-        d = Daemon(args.model, fmt, args.threads)
+        weights, _, kv_dtype = fmt.partition("+kv_")  # e.g. int4+kv_int8: int4 weights, int8 resident K/V
+        d = Daemon(args.model, weights, args.threads, kv_dtype or "fp32")
         try:
             arms[f"kakeya-{fmt}"] = kakeya_arm(d, args)
         finally:
