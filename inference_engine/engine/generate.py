@@ -49,7 +49,7 @@ class Engine:
         # One forward at a time; concurrent sessions' steps share it when batching is on.
         if batching not in ("auto", "on", "off"):
             raise ValueError(f"batching must be auto, on or off, got {batching!r}")
-        exact = getattr(model, "backend_name", "") == "torch" and getattr(model, "weights_format", "") in ("int8", "int4")
+        exact = getattr(model, "kernels_row_independent", False)  # torch int8/int4 on the CPU
         on = batching == "on" or (batching == "auto" and exact)
         if on and not hasattr(model, "cat"):
             raise ValueError(f"the {getattr(model, 'backend_name', '?')} backend cannot batch sessions' steps; use batching off")

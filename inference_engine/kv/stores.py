@@ -282,6 +282,8 @@ class Int8SlabStore(SlotStore):
     MULTIPLE = 16
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"an int8 K/V store runs on torch's CPU int8 kernel; on {device} use kv dtype fp32")
         if head_dim % self.MULTIPLE:
             raise ValueError(f"an int8 K/V store needs head_dim divisible by {self.MULTIPLE} (torch's int8 kernel); "
                              f"this model's is {head_dim}: use kv dtype fp32")

@@ -80,11 +80,15 @@ def build_engine(cfg: ServeConfig, model):
 
     check_backend_options(cfg, model)
     drafter = None
-    if cfg.drafter and cfg.spec_k and cfg.kv_strategy == "dlm_restore" and model.weights_format not in ("fp32", "bf16", "fp16"):
+    quantized = model.weights_format not in ("fp32", "bf16", "fp16")
+    if cfg.drafter and cfg.spec_k and quantized and cfg.kv_strategy == "dlm_restore":
         # Verify steps are row-exact (bit-equal to decode steps) except over dlm_restore's restored
         # columns, and bf16-activation kernels turn last-bit differences into different tokens.
         raise ConfigError(f"speculative decoding (--drafter) over --kv-strategy dlm_restore is exact only with "
                           f"--weights fp32; the loaded weights are {model.weights_format} (pass --weights fp32, or --spec-k 0)")
+    if cfg.drafter and cfg.spec_k and quantized and not getattr(model, "kernels_row_independent", True):
+        raise ConfigError(f"speculative decoding (--drafter) with --weights {model.weights_format} is exact only on the CPU "
+                          f"(row-independent kernels); on {cfg.device} pass --weights fp32, or --spec-k 0")
     if cfg.drafter == "ngram":
         from inference_engine.engine.prompt_lookup import PromptLookupDrafter
 

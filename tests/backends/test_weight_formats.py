@@ -113,3 +113,16 @@ def test_serve_refuses_speculation_over_restored_columns_with_quantized_weights(
     assert build_engine(ServeConfig(drafter="ngram", spec_k=0, kv_strategy="dlm_restore"), m).drafter is None
     for strategy in ("full", "sink_window"):
         assert build_engine(ServeConfig(drafter="ngram", kv_strategy=strategy), m).spec_k == 4
+
+
+@pytest.mark.parametrize("make", [Int8Linear.from_float, Int4Linear.from_float])
+def test_dequantized_linear_computes_what_the_cpu_kernel_does(make):
+    """Off the CPU (CUDA) a quantized format runs as its dequantized bf16 matrix through dense GEMM."""
+    from inference_engine.backends.torch.linear import DequantizedLinear
+
+    lin = make(rnd(96, 128))
+    dense = DequantizedLinear(lin, "cpu")
+    assert dense.w.dtype == torch.bfloat16
+    x = rnd(5, 128, seed=1)
+    torch.testing.assert_close(dense(x), lin(x), rtol=2e-2, atol=1e-1)
+    torch.testing.assert_close(dense.dequantized(), lin.dequantized(), rtol=1e-2, atol=1e-2)

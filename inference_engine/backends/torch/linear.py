@@ -159,6 +159,27 @@ class RefinedHead:
         return self.w
 
 
+class DequantizedLinear:
+    """A quantized format on a device without torch's CPU weight-only kernels (CUDA): the matrix
+    the CPU kernel computes with (`dequantized()`), held dense in bf16 and run through the dense
+    GEMM. Same weights up to bf16 rounding of the dequantized values; dense bf16 bytes, not packed."""
+
+    def __init__(self, lin, device):
+        self.w = lin.dequantized().to(device=device, dtype=_COMPUTE).contiguous()
+        self.b = lin.b.to(device) if getattr(lin, "b", None) is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(_COMPUTE), self.w).to(x.dtype)
+        return y + self.b if self.b is not None else y
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    def dequantized(self) -> torch.Tensor:
+        return self.w.float()
+
+
 def make_linear(fmt: str, w: torch.Tensor, b: torch.Tensor | None = None):
     if fmt == "fp32":
         return DenseLinear(w, b)

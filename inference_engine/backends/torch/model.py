@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from inference_engine.backends.spec import ModelSpec, spec_from_config
 from inference_engine.backends.torch.attention import attend_layout
-from inference_engine.backends.torch.linear import WEIGHT_FORMATS, DenseLinear, Int4Linear, RefinedHead, make_linear
+from inference_engine.backends.torch.linear import DequantizedLinear, WEIGHT_FORMATS, DenseLinear, Int4Linear, RefinedHead, make_linear
 from inference_engine.kv.layout import CacheGeometry
 
 
@@ -60,8 +60,10 @@ class TorchCausalLM:
         self.act = inner.layers[0].mlp.act_fn
         head_w = hf_model.lm_head.weight.detach()
         self._embed_w = inner.embed_tokens.weight.detach()
-        # quantized formats: int8 scoring, exact fp32 for the top candidates (linear.RefinedHead)
-        self.head = DenseLinear(head_w) if weights == "fp32" else RefinedHead(head_w)
+        # quantized formats: int8 scoring, exact fp32 for the top candidates (linear.RefinedHead);
+        # off the CPU the weight-only kernels are missing: quantized linears run dequantized in bf16
+        self.kernels_row_independent = weights != "fp32" and self.device.type == "cpu"
+        self.head = RefinedHead(head_w) if self.kernels_row_independent else DenseLinear(head_w)
         self.layers = []
         for i, hl in enumerate(inner.layers):
             a, m = hl.self_attn, hl.mlp
@@ -83,13 +85,16 @@ class TorchCausalLM:
             self.layers.append(L)
         self._verifier_source = None
 
-    @staticmethod
-    def _linear(fmt: str, blocks: dict, names: list, weights: list, bias=None):
-        """One (possibly fused) linear layer: rows of `weights` stacked, in format `fmt`."""
+    def _linear(self, fmt: str, blocks: dict, names: list, weights: list, bias=None):
+        """One (possibly fused) linear layer: rows of `weights` stacked, in format `fmt` (quantized on
+        the CPU; on another device a quantized format runs as its dequantized bf16 matrix)."""
         if fmt == "int4" and all(n in blocks for n in names):
             q, d, m = (torch.cat(parts) for parts in zip(*(blocks[n] for n in names)))
-            return Int4Linear.from_blocks(q, d, m, bias)
-        return make_linear(fmt, torch.cat([w.detach() for w in weights]).contiguous(), bias)
+            lin = Int4Linear.from_blocks(q, d, m, None if bias is None else bias.cpu())
+        else:
+            w = torch.cat([w.detach() for w in weights]).contiguous()
+            lin = make_linear(fmt, w if fmt == "fp32" else w.cpu(), bias if fmt == "fp32" or bias is None else bias.cpu())
+        return lin if fmt == "fp32" or self.device.type == "cpu" else DequantizedLinear(lin, self.device)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -99,8 +104,6 @@ class TorchCausalLM:
         path = pathlib.Path(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass a pulled model name or an HF directory")
-        if weights != "fp32" and device != "cpu":
-            raise ValueError(f"--weights {weights} uses torch's CPU weight-only kernels; on {device} use --weights fp32")
         cfg = AutoConfig.from_pretrained(path)
         spec = spec_from_config(getattr(cfg, "text_config", cfg))
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
