@@ -53,7 +53,9 @@ class Engine:
         on = batching == "on" or (batching == "auto" and exact)
         if on and not hasattr(model, "cat"):
             raise ValueError(f"the {getattr(model, 'backend_name', '?')} backend cannot batch sessions' steps; use batching off")
-        self.batcher = StepBatcher(prefill_chunk, batching=on)
+        # A forward takes up to one prefill chunk plus 64 rows of others' decode/verify steps, so
+        # sessions that are decoding ride along a long append instead of waiting behind it.
+        self.batcher = StepBatcher(prefill_chunk + 64, batching=on)
         if max_threads:
             torch.set_num_threads(max_threads)
         self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)
