@@ -53,6 +53,13 @@ class SinkWindowCache(SlotKVCache):
     def exact_step_room(self) -> int:
         return max(1, self.base_capacity - self.sink - self.window) if self.RING else 1
 
+    def load_state(self, state) -> None:
+        super().load_state(state)
+        if self.RING:  # a state saved before ring placement (or by a grown slab): put its rows on the ring
+            live = self.store.pos[self.store.occupied()]
+            if not np.array_equal(self.store.occupied(), self._ring_slots(live)):
+                self.store.relocate(max(self.capacity, self.base_capacity), self._ring_slots(live))
+
     def _ring_slots(self, positions: np.ndarray) -> np.ndarray:
         ring = self.base_capacity - self.sink
         return np.where(positions < self.sink, positions, self.sink + (positions - self.sink) % ring)
