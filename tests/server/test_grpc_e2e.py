@@ -235,8 +235,10 @@ def test_speculative_server_reports_drafted_and_accepted():
     from inference_engine.kv.strategy import KVStrategy
 
     model = load_model(str(tiny_model_dir("llama")))
-    spec = start_server(Engine(model, KVStrategy("sink_window", 4, 16), drafter=SelfDrafter(model), spec_k=3, drafter_name="self-test"))
-    plain = start_server(Engine(model, KVStrategy("sink_window", 4, 16)))
+    # full attention: the cache-free self drafter sees what the verifier sees, so its drafts are accepted
+    # (over a 4+16 window it sees more than the verifier, misses, and the engine's DraftGate pauses drafting)
+    spec = start_server(Engine(model, KVStrategy("full"), drafter=SelfDrafter(model), spec_k=3, drafter_name="self-test"))
+    plain = start_server(Engine(model, KVStrategy("full")))
     try:
         h = history(40, 11)
         outs, results = [], []
