@@ -79,8 +79,11 @@ def read_rows(store, slots: np.ndarray) -> dict:
 class SessionFiles:
     """Sessions of one engine (model + strategy) under `state_dir`."""
 
-    def __init__(self, state_dir: StateDir, engine):
+    def __init__(self, state_dir: StateDir, engine, *, exclusive: bool = False):
+        """exclusive: hold the directory's lock (what a daemon does; tests that play two daemons in
+        one process leave it off)."""
         self.dir = state_dir.create()
+        self._lock_file = state_dir.lock() if exclusive else None
         self.engine = engine
         info = engine.model_info
         self.identity = model_identity(info.model_id, info.path, info.weights, info.backend)

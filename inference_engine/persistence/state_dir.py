@@ -134,6 +134,25 @@ class StateDir:
         self.quarantine.mkdir(parents=True, exist_ok=True)
         return self
 
+    def lock(self):
+        """Hold the directory for this process (one daemon per state dir: two would overwrite each
+        other's saves). Returns the open lock file (the lock lives as long as it does); OSError when
+        another process holds it. The kernel drops the lock when the holder dies, kill -9 included."""
+        import fcntl
+
+        f = open(self.root / "daemon.lock", "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise OSError(f"another kakeya daemon is using the state directory {self.root} "
+                          f"(pass a different --state-dir, or --persist off)") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        return f
+
     def session_dir(self, session_id: str) -> Path:
         if not is_session_id(session_id):
             raise ValueError(f"{session_id[:64]!r} is not a session id")

@@ -158,7 +158,7 @@ def build_persister(cfg: ServeConfig, engine):
     from inference_engine.persistence.state_dir import StateDir
 
     try:
-        return SessionFiles(StateDir(cfg.state_dir), engine)
+        return SessionFiles(StateDir(cfg.state_dir), engine, exclusive=True)
     except OSError as e:
         raise ConfigError(f"--state-dir {cfg.state_dir or StateDir().root}: {e}") from e
 

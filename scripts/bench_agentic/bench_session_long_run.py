@@ -149,11 +149,18 @@ class Agent(threading.Thread):
         client = kakeya.Client(self.target)
         s = client.create_session(self.chunk(self.args.initial_tokens), ignore_eos=True)
         self.session_id = s.id
-        t0 = time.perf_counter()
-        s.generate_all(1)  # warm-up, not a turn: the initial prefill (the "system prompt") happens here
-        self.warmup_s = time.perf_counter() - t0
         down_since = None
         while time.time() < self.end:
+            if self.warmup_s is None:  # warm-up, not a turn: the initial prefill (the "system prompt")
+                t0 = time.perf_counter()
+                try:
+                    s.generate_all(1)
+                except UnavailableError:
+                    down_since = down_since or t0
+                    time.sleep(0.5)
+                    continue
+                self.warmup_s = time.perf_counter() - t0
+                continue
             large = self.rng.random() < self.args.large_append_p
             n_app = self.rng.randint(1000, 1500) if large else self.rng.randint(30, 120)
             n_gen = self.rng.randint(16, 32)

@@ -351,3 +351,16 @@ def test_paged_archived_pages_are_append_segments(tmp_path):
     resumed.append(s.id, [9, 8])
     assert turn(resumed, s.id, 6) == turn(kept, s.id, 6)
     assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
+
+
+def test_one_daemon_per_state_dir(tmp_path):
+    from inference_engine.server.app import build_persister
+    from inference_engine.server.config import ConfigError, ServeConfig
+
+    e = engine(KVStrategy("full"))
+    first = build_persister(ServeConfig(state_dir=str(tmp_path)), e)
+    with pytest.raises(ConfigError, match="another kakeya daemon is using the state directory"):
+        build_persister(ServeConfig(state_dir=str(tmp_path)), e)
+    assert build_persister(ServeConfig(state_dir=str(tmp_path), persist="off"), e) is None
+    first._lock_file.close()  # the holder goes away (a killed daemon's lock goes with its process)
+    build_persister(ServeConfig(state_dir=str(tmp_path)), e)._lock_file.close()
