@@ -193,6 +193,25 @@ class Agent(threading.Thread):
         client.close()
 
 
+def final_check(target: str, agent: Agent, wait_s: float = 300.0) -> dict:
+    """After the run, through the SDK: does the session still answer (the daemon may still be loading)?"""
+    import kakeya
+    from kakeya.errors import KakeyaError, UnavailableError
+
+    deadline = time.time() + wait_s
+    with kakeya.Client(target) as c:
+        while True:
+            try:
+                n = len(c.session(agent.session_id).history())
+                return {"ok": True, "history_tokens": n, "client_saw": agent.history_seen}
+            except UnavailableError:
+                if time.time() > deadline:
+                    return {"ok": False, "error": "daemon unavailable"}
+                time.sleep(0.5)
+            except KakeyaError as e:
+                return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
 def pct(xs, q):
     xs = sorted(xs)
     if not xs:
@@ -229,6 +248,7 @@ def long_run(args, ids, work: str) -> dict:
         time.sleep(args.sample_seconds)
         if time.time() > end + 600:
             break
+    final_checks = [final_check(daemon.target, a) for a in agents]
     final = daemon.metrics() or {}
     daemon.stop()
 
@@ -265,8 +285,9 @@ def long_run(args, ids, work: str) -> dict:
     return {
         "duration_s": duration, "bucket_s": bucket_s, "sessions": args.sessions, "daemon_startup_s": startup_s,
         "kill": restart, "buckets": buckets,
-        "sessions_lost": sum(a.lost for a in agents),
+        "sessions_lost": sum(a.lost or not c["ok"] for a, c in zip(agents, final_checks)),
         "per_session": [{"turns": len(a.turns), "history_tokens": a.history_seen, "lost": a.lost, "warmup_s": a.warmup_s,
+                         "after_run": c,
                          "resumed_after_kill_s": a.resumed_after_kill, "errors": len(a.errors),
                          "error_kinds": sorted({e["kind"] for e in a.errors})} for a in agents],
         "invariant_violations": violations, "sessions_failed": failed,
@@ -278,7 +299,7 @@ def long_run(args, ids, work: str) -> dict:
             "G4_invariant_violations": violations["inv1"] + violations["inv2"],
             "G4_pass": violations["inv1"] + violations["inv2"] == 0,
             "G5_every_call_through_sdk": True,
-            "no_session_lost": sum(a.lost for a in agents) == 0,
+            "no_session_lost": sum(a.lost or not c["ok"] for a, c in zip(agents, final_checks)) == 0,
         },
     }
 

@@ -27,7 +27,10 @@ def test_short_long_run(tmp_path):
     doc = json.loads(out.read_text())
     lr = doc["long_run"]
     assert lr["sessions_lost"] == 0 and lr["gates"]["G4_pass"] and lr["kill"] is not None
-    assert all(s["turns"] > 0 and s["resumed_after_kill_s"] is not None for s in lr["per_session"])
+    # every session answers after the run, with at least the history of its last completed turn but one
+    # (a turn in flight at the kill may be lost: it was never saved)
+    assert all(s["after_run"]["ok"] for s in lr["per_session"])
+    assert all(s["after_run"]["history_tokens"] >= 300 for s in lr["per_session"])
     row = doc["ttft_8k"]["kakeya"][0]
     assert row["reload_ttft_s_median"] < row["reprefill_ttft_s"]
     assert pathlib.Path(str(out).replace(".json", ".png")).is_file()
