@@ -132,16 +132,25 @@ class PagedCache(SinkWindowCache):
         if plan is None or w not in plan["allowed"]:
             return None
         t0 = time.perf_counter()
-        sel = self._choose(layer, q, k_all, plan["allowed"][w], plan["cols"])  # (Hkv, T, C)
+        allowed = plan["allowed"][w]
+        idx, ok, c = self._choose_pages(layer, q, k_all, allowed, plan["cols"])  # (Hkv, T, M) page indices
+        row_exact = getattr(layout, "row_exact", False)
+        sel = None if row_exact else self._selection(idx, ok, allowed, c)  # (Hkv, T, C)
         t1 = time.perf_counter()
-        hkv, t = sel.shape[0], sel.shape[1]
+        hkv, t = idx.shape[0], idx.shape[1]
         h = q.shape[0]
         g = h // hkv
         jobs = []
-        if getattr(layout, "row_exact", False):
+        if row_exact:
             host = layout.host_masks[w]
+            p = self.page_size
+            offsets = torch.arange(p, device=idx.device)
             for j in range(t):
-                rows, valid = _rows_per_head(sel[:, j])
+                pages, order = idx[:, j].sort(-1)  # (Hkv, M): this row's pages in position order
+                rows = (pages[..., None] * p + offsets).flatten(1)  # (Hkv, M * P) candidate rows, ascending
+                valid = ok[:, j].gather(-1, order).repeat_interleave(p, -1) & (rows < c)
+                rows = rows.clamp(max=c - 1)
+                valid &= allowed[j][rows]
                 kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
                 cols = torch.from_numpy(np.flatnonzero(host[j])).to(k_all.device)
                 mask = torch.cat([valid, valid.new_ones(hkv, cols.numel())], 1)  # (Hkv, E + n): per KV head
@@ -173,6 +182,18 @@ class PagedCache(SinkWindowCache):
 
     def _choose(self, layer, q, k_all, allowed, cols) -> torch.Tensor:
         """(Hkv, T, C) bool: candidate c (position sink + c) is recalled by query t for KV head h."""
+        idx, ok, c = self._choose_pages(layer, q, k_all, allowed, cols)
+        return self._selection(idx, ok, allowed, c)
+
+    def _selection(self, idx, ok, allowed, c) -> torch.Tensor:
+        """(Hkv, T, C) bool from the chosen pages: keys of a chosen page the query may see."""
+        n_pages = -(-c // self.page_size)
+        chosen = torch.zeros(*idx.shape[:2], n_pages, dtype=torch.bool, device=idx.device).scatter_(-1, idx, ok)
+        return chosen.repeat_interleave(self.page_size, -1)[..., :c] & allowed
+
+    def _choose_pages(self, layer, q, k_all, allowed, cols):
+        """Each query's top pages per KV head: idx (Hkv, T, M) page indices, ok (Hkv, T, M) (the page
+        holds a key the query may see), and C, the number of candidate keys."""
         hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
         g, t = q.shape[0] // hkv, q.shape[1]
         codec = self.keys.codec
@@ -192,8 +213,7 @@ class PagedCache(SinkWindowCache):
             page_scores = torch.cat([page_scores, scores[..., whole * p:].amax(-1, keepdim=True)], -1)
         n_pages = page_scores.shape[-1]
         best, idx = page_scores.topk(min(self.recall_pages, n_pages), -1)
-        chosen = torch.zeros_like(page_scores, dtype=torch.bool).scatter_(-1, idx, best > float("-inf"))
-        return chosen.repeat_interleave(p, -1)[..., :c] & allowed
+        return idx, best > float("-inf"), c
 
     def _rows_kv(self, layer, rows, k_all, v_all, cols):
         """Exact K/V (Hkv, E, D) of candidate rows[h] per KV head: archived ones decoded from the page
