@@ -289,7 +289,7 @@ def long_run(args, ids, work: str) -> dict:
         "per_session": [{"turns": len(a.turns), "history_tokens": a.history_seen, "lost": a.lost, "warmup_s": a.warmup_s,
                          "after_run": c,
                          "resumed_after_kill_s": a.resumed_after_kill, "errors": len(a.errors),
-                         "error_kinds": sorted({e["kind"] for e in a.errors})} for a in agents],
+                         "error_kinds": sorted({e["kind"] for e in a.errors})} for a, c in zip(agents, final_checks)],
         "invariant_violations": violations, "sessions_failed": failed,
         "saves": {"count": save_n, "mean_s": save_sum / save_n if save_n else None},
         "loads_after_restart": {"count": load_n, "mean_s": load_sum / load_n if load_n else None},
