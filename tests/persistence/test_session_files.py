@@ -98,6 +98,20 @@ def test_resumed_session_continues_token_identical(name, compressor, tmp_path):
         assert turn(resumed, s.id, 5, sampled) == turn(kept, s.id, 5, sampled)
 
 
+@pytest.mark.parametrize("name", ["full", "sink_window"])
+def test_int8_resident_store_resumes_identical(name, tmp_path):
+    """--kv-dtype int8 (a store persistence saves whole in the tail) resumes bit for bit too."""
+    st = dataclasses.replace(STRATEGIES[name], kv_dtype="int8")
+    kept = runtime(tmp_path, st)
+    s = kept.create_session(ids(40))
+    turn(kept, s.id, 5)
+    kept.append(s.id, ids(20, seed=1))
+    turn(kept, s.id, 4)
+    resumed = runtime(tmp_path, st)
+    assert turn(resumed, s.id, 8) == turn(kept, s.id, 8)
+    assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
+
+
 def test_sink_window_past_the_trained_context_resumes_identical(tmp_path):
     """Past max_context the sink is re-anchored; a resumed session must keep doing exactly that."""
     model_dir = tiny_model_dir("llama", max_position_embeddings=64)
