@@ -27,6 +27,7 @@ STRATEGIES = {
     "sink_window_d4": KVStrategy("sink_window", 4, 24, compressor="kakeya_d4"),
     "full_kv_int8": KVStrategy("full", kv_dtype="int8"),
     "sink_window_kv_int8": KVStrategy("sink_window", 4, 24, kv_dtype="int8"),
+    "paged": KVStrategy("paged", 4, 24, page_size=8, recall_pages=2),
 }
 
 
