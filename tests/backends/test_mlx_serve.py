@@ -78,6 +78,9 @@ def test_mlx_session_resumes_after_a_restart_as_torch_does(tmp_path):
                 toks = list(s.generate(max_tokens=10))
         finally:
             running.stop()
+            # RunningServer.stop() keeps the state-dir lock (a daemon's goes with its process); release it
+            # so this process can play the restarted daemon
+            running.runtime.persister._lock_file.close()
         running = start(serve_args(*args))
         try:
             with kakeya.Client(f"127.0.0.1:{running.port}") as c:
