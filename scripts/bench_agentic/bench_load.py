@@ -87,15 +87,20 @@ def run_level_kakeya(target, n, args, rss_probe):
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
+    wall = run_sessions(session_thread, n)
+    stop.set()
+    return summarize(results, wall, peak[0])
+
+
+def run_sessions(session_thread, n) -> float:
+    """Run n session threads at once; the wall time until the last one ends."""
     threads = [threading.Thread(target=session_thread, args=(i,)) for i in range(n)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    stop.set()
-    return summarize(results, wall, peak[0])
+    return time.perf_counter() - t0
 
 
 def timed_turn(rec, stream) -> list:
@@ -147,13 +152,7 @@ def run_level_llama(gguf, n, args):
 
     import psutil
 
-    threads = [threading.Thread(target=session_thread, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out = summarize(results, time.perf_counter() - t0, psutil.Process().memory_info().rss)
+    out = summarize(results, run_sessions(session_thread, n), psutil.Process().memory_info().rss)
     del llms
     return out
 
