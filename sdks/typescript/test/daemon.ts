@@ -6,6 +6,8 @@
  * KAKEYA_PYTHON / KAKEYA_BIN override the interpreter and CLI (default: the repo's .venv).
  */
 import { spawn, spawnSync, type ChildProcess } from "node:child_process";
+import { mkdtempSync } from "node:fs";
+import os from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 
@@ -31,9 +33,11 @@ export interface Daemon {
   stop(): Promise<void>;
 }
 
-/** Spawn `kakeya serve --bind 127.0.0.1:0 ...args` and resolve once it prints READY. */
+/** Spawn `kakeya serve --bind 127.0.0.1:0 ...args` and resolve once it prints READY. Each daemon
+ * persists sessions to a state directory of its own (one daemon per state directory). */
 export function startDaemon(args: string[]): Promise<Daemon> {
-  const child = spawn(KAKEYA, ["serve", "--bind", "127.0.0.1:0", ...args], {
+  const stateDir = mkdtempSync(path.join(os.tmpdir(), "kakeya-ts-state-"));
+  const child = spawn(KAKEYA, ["serve", "--bind", "127.0.0.1:0", "--state-dir", stateDir, ...args], {
     cwd: REPO_ROOT,
     stdio: ["ignore", "pipe", "pipe"],
     // A KAKEYA_API_KEY in the caller's environment would silently key every daemon.

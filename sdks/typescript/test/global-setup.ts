@@ -33,7 +33,8 @@ export default async function setup(project: TestProject) {
     const common = ["--model", model, "--threads", "1", "--idle-ttl", "0"];
     const started = await Promise.allSettled([
       startDaemon([...common, "--kv-strategy", "sink_window", "--window", "32"]),
-      startDaemon([...common, "--kv-strategy", "full", "--capacity", "1", "--api-key", apiKey]),
+      // --persist off: LRU eviction deletes (with persistence it spills to disk and the session resumes)
+      startDaemon([...common, "--kv-strategy", "full", "--capacity", "1", "--api-key", apiKey, "--persist", "off"]),
     ]);
     for (const r of started) if (r.status === "fulfilled") daemons.push(r.value);
     const failed = started.find((r) => r.status === "rejected");

@@ -75,7 +75,7 @@ describe("bounded context (`full` strategy)", () => {
 });
 
 describe("capacity", () => {
-  it("an idle session evicted for a new one (LRU) is NOT_FOUND afterwards", async () => {
+  it("an idle session evicted for a new one (LRU, --persist off) is NOT_FOUND afterwards", async () => {
     const old = await client.createSession({ initialTokens: [1, 2, 3] });
     const fresh = await client.createSession({ initialTokens: [4, 5] });
     await expect(old.append([6])).rejects.toBeInstanceOf(SessionNotFoundError);
