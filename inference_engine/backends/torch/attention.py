@@ -1,6 +1,8 @@
 """Attention of one layer over what a resident cache returned for a step's layout (torch)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -40,7 +42,7 @@ def _attend_int8(q, k: Int8Rows, v: Int8Rows, mask, scale):
     h, t, d = q.shape
     hkv = k.codes.shape[0]
     g = h // hkv
-    ones = torch.ones(d, dtype=torch.bfloat16, device=q.device)
+    ones = _unit_scales(d, q.device)
     out = []
     for j in range(hkv):
         qj = q[j * g:(j + 1) * g].reshape(g * t, d).to(torch.bfloat16)
@@ -51,6 +53,12 @@ def _attend_int8(q, k: Int8Rows, v: Int8Rows, mask, scale):
         o = torch._weight_int8pack_mm(p.view(g * t, -1).to(torch.bfloat16), v.codes[j], ones)
         out.append(o.float().view(g, t, d))
     return torch.cat(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _unit_scales(d: int, device) -> torch.Tensor:
+    """The V pass's per-output scales (all 1: V's scales go into the probabilities); made once."""
+    return torch.ones(d, dtype=torch.bfloat16, device=device)
 
 
 def _columns(x, keys):
