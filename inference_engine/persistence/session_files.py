@@ -89,6 +89,14 @@ class SessionFiles:
         self.identity = model_identity(info.model_id, info.path, info.weights, info.backend)
         self.bytes_written = 0  # since start
         self._fresh = None  # see _template
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop saving and release the directory's lock, so that another daemon (in this process
+        too) can take the directory; a save after close fails (counted, logged) instead of writing."""
+        self.closed = True
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the file drops its flock (closing it again is a no-op)
 
     # -- SessionPersister ---------------------------------------------------------------
     def has(self, session_id: str) -> bool:
@@ -105,6 +113,9 @@ class SessionFiles:
         return str(dest) if dest is not None else None
 
     def save(self, session) -> None:
+        if self.closed:
+            raise RuntimeError(f"session {session.id!r} not saved: the state directory {self.dir.root} was released "
+                               "(its daemon stopped)")
         kv, history = session.kv, session.history
         prev = session.saved
         d = self.dir.session_dir(session.id)

@@ -171,6 +171,9 @@ class RunningServer:
         for stop in self._stoppers:
             stop()
         self.grpc_server.stop(grace).wait()
+        close = getattr(self.runtime.persister, "close", None)
+        if close is not None:  # releases the state directory: a new daemon can take it, in this process too
+            close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()
@@ -179,6 +182,7 @@ class RunningServer:
 def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     check_exposure(cfg)
     runtime = runtime or build_runtime(cfg)
+    runtime.metrics.track_kv_tiers(runtime.store.sessions)
     interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors)
     add_runtime_service(RuntimeServicer(runtime), server)

@@ -1,7 +1,11 @@
 """Prometheus metrics (ADR 0008 §2.9 set, plus generation throughput) on a private registry."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from inference_engine.kv.byte_counts import KVBytes, kv_bytes
 
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -13,7 +17,15 @@ class RuntimeMetrics:
         self.session_active = Gauge("session_active", "Currently allocated sessions.", registry=r)
         self.session_total = Counter("session_total", "Sessions that ended, by outcome.", ["outcome"], registry=r)
         self.sessions_created = Counter("session_opened_total", "Sessions created.", registry=r)
-        self.session_kv_live_bytes = Gauge("session_kv_live_bytes", "Resident KV bytes across allocated sessions.", registry=r)
+        self.session_kv_live_bytes = Gauge("session_kv_live_bytes",
+                                           "KV bytes held for attention across allocated sessions (resident + selection).",
+                                           registry=r)
+        self.session_kv_resident_bytes = Gauge(
+            "session_kv_resident_bytes", "Hot-set KV bytes (sink, window, recalled pages) across allocated sessions.", registry=r)
+        self.session_kv_selection_bytes = Gauge(
+            "session_kv_selection_bytes", "Page-selection bytes (paged: compact keys) across allocated sessions.", registry=r)
+        self.session_kv_stored_bytes = Gauge(
+            "session_kv_stored_bytes", "Page-store bytes (exact K/V of evicted positions) across allocated sessions.", registry=r)
         self.session_history_tokens = Histogram(
             "session_history_tokens", "Per-session history length at Generate time.", buckets=TOKEN_BUCKETS, registry=r
         )
@@ -66,6 +78,16 @@ class RuntimeMetrics:
             self.session_total.labels(outcome=outcome)
         for outcome in ("ok", "unusable"):
             self.session_loads_total.labels(outcome=outcome)
+
+    def track_kv_tiers(self, sessions: Callable[[], Iterable]) -> None:
+        """Read the three KV byte tiers of `sessions()` (objects with a `.kv`) at scrape time."""
+
+        def total() -> KVBytes:
+            return sum((kv_bytes(s.kv) for s in sessions()), KVBytes())
+
+        self.session_kv_resident_bytes.set_function(lambda: total().resident)
+        self.session_kv_selection_bytes.set_function(lambda: total().selection)
+        self.session_kv_stored_bytes.set_function(lambda: total().stored)
 
     def serve(self, port: int, addr: str = "127.0.0.1"):
         return start_http_server(port, addr=addr, registry=self.registry)

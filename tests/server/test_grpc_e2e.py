@@ -228,6 +228,63 @@ def test_sink_window_kv_bytes_do_not_depend_on_history_length():
         srv.stop()
 
 
+def test_paged_kv_tiers_resident_flat_selection_and_stored_grow():
+    """paged 4 + 32, pages of 8: the hot set (resident) does not grow with the history; the compact keys
+    (selection) and the page store (stored) grow with the archived positions, through the RPC and /metrics."""
+    import socket
+
+    from factories import load_model, tiny_model_dir
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.strategy import KVStrategy
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    model = load_model(str(tiny_model_dir("llama")))
+    srv = start_server(Engine(model, KVStrategy("paged", 4, 32, page_size=8, recall_pages=2), prefill_chunk=16),
+                       metrics_port=port)
+    try:
+        with kakeya.Client(f"127.0.0.1:{srv.port}") as c:
+            tiers = {}
+            for n in (100, 300):
+                with c.create_session(history(n, n), ignore_eos=True) as s:
+                    list(s.generate(max_tokens=2))
+                    i = s.info()
+                    tiers[n] = (i.kv_resident_bytes, i.kv_selection_bytes, i.kv_stored_bytes)
+                    assert i.kv_live_bytes == i.kv_resident_bytes + i.kv_selection_bytes
+                    assert i.dropped_tokens == 0  # archived, not dropped
+                    if n == 300:  # one session open: the gauges are its tiers
+                        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+                        got = {name: float(line.split()[1]) for line in text.splitlines() for name in
+                               ("session_kv_resident_bytes", "session_kv_selection_bytes", "session_kv_stored_bytes")
+                               if line.startswith(name + " ")}
+                        assert got == {"session_kv_resident_bytes": tiers[n][0], "session_kv_selection_bytes": tiers[n][1],
+                                       "session_kv_stored_bytes": tiers[n][2]}
+        (r1, sel1, st1), (r3, sel3, st3) = tiers[100], tiers[300]
+        assert r1 == r3 > 0
+        # every position out of the window is archived: (history + 1 - sink - window) rows, in whole pages
+        assert 0 < sel1 < sel3 and 0 < st1 < st3
+        assert sel3 / sel1 == pytest.approx(st3 / st1, rel=0.1) and st3 / st1 > 2.5
+        assert st3 > sel3  # exact K and V vs 4-bit keys
+    finally:
+        srv.stop()
+
+
+def test_non_paged_strategies_report_everything_resident(client):
+    with client.create_session(history(80, 5), ignore_eos=True) as s:
+        list(s.generate(max_tokens=2))
+        i = s.info()
+        assert (i.kv_resident_bytes, i.kv_selection_bytes, i.kv_stored_bytes) == (i.kv_live_bytes, 0, 0)
+        assert i.kv_live_bytes > 0
+
+
+def test_server_info_reports_persistence_off(client):
+    # this server's runtime has no persister (tests/persistence/test_server_restart.py: mode "turn")
+    p = client.server_info().persistence
+    assert (p.mode, p.state_dir) == ("off", "")
+
+
 def test_speculative_server_reports_drafted_and_accepted():
     from drafters import SelfDrafter
     from factories import load_model, tiny_model_dir

@@ -22,10 +22,10 @@ from kakeya.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from kakeya.types import GenerationResult, ServerInfo, SessionInfo
+from kakeya.types import GenerationResult, PersistenceInfo, ServerInfo, SessionInfo
 
 __all__ = [
-    "AsyncClient", "AsyncSession", "Client", "Session", "GenerationResult", "ServerInfo", "SessionInfo",
+    "AsyncClient", "AsyncSession", "Client", "Session", "GenerationResult", "PersistenceInfo", "ServerInfo", "SessionInfo",
     "KakeyaError", "InvalidArgumentError", "SessionNotFoundError", "UnauthenticatedError", "PermissionDeniedError",
     "FailedPreconditionError", "OutOfRangeError", "ResourceExhaustedError", "CancelledError", "DeadlineExceededError",
     "UnavailableError", "InternalError",

@@ -56,13 +56,29 @@ class SessionInfo:
     idle_seconds: float
     dropped_tokens: int
     eos_token_ids: tuple = field(default=())
+    # KV bytes by tier (kv_live_bytes = resident + selection). Resident: the hot set (sink, window,
+    # recalled pages), flat in the history length for bounded strategies. Selection: what queries
+    # score to choose pages (paged: compact keys). Stored: exact K/V of evicted positions kept outside
+    # the hot set (paged: the page store). Strategies without pages report selection = stored = 0.
+    kv_resident_bytes: int = 0
+    kv_selection_bytes: int = 0
+    kv_stored_bytes: int = 0
 
     @classmethod
     def from_pb(cls, r) -> "SessionInfo":
         return cls(
             r.session_id, r.history_length, r.resident_positions, r.pending_tokens, r.kv_live_bytes,
             r.inv1_violations, r.inv2_violations, r.idle_seconds, r.dropped_tokens, tuple(r.eos_token_ids),
+            r.kv_resident_bytes, r.kv_selection_bytes, r.kv_stored_bytes,
         )
+
+
+@dataclass(frozen=True)
+class PersistenceInfo:
+    # "turn": sessions saved after every turn and resumed after a restart; "off": memory only;
+    # "" from a server too old to report it.
+    mode: str = ""
+    state_dir: str = ""  # where they are saved ("" when off)
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,7 @@ class ServerInfo:
     # The strategy's parameters as the server reports them (strings): "compressor" always,
     # "sink" / "window" for bounded strategies, research keys for research strategies.
     kv_params: Mapping[str, str] = field(default_factory=dict)
+    persistence: PersistenceInfo = field(default_factory=PersistenceInfo)
 
     @property
     def sink(self) -> int:
@@ -104,7 +121,7 @@ class ServerInfo:
         return cls(
             r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name,
             r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
-            dict(sorted(k.params.items())),
+            dict(sorted(k.params.items())), PersistenceInfo(r.persistence.mode, r.persistence.state_dir),
         )
 
 

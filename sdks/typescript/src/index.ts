@@ -15,7 +15,7 @@
 export { Client, type ClientOptions, type CreateSessionOptions } from "./client.js";
 export { Session, type GenerateOptions } from "./session.js";
 export type { RequestOptions } from "./rpc.js";
-export type { GenerationResult, HistoryTruncation, ServerInfo, SessionInfo, StopReason } from "./types.js";
+export type { GenerationResult, HistoryTruncation, PersistenceInfo, ServerInfo, SessionInfo, StopReason } from "./types.js";
 export {
   CancelledError,
   DeadlineExceededError,

@@ -48,13 +48,28 @@ export interface SessionInfo {
   readonly residentPositions: number;
   /** Tokens recorded but not yet prefilled (the next Generate prefills them). */
   readonly pendingTokens: number;
+  /** KV bytes held for attention every step: kvResidentBytes + kvSelectionBytes. */
   readonly kvLiveBytes: number;
+  /** The hot set (sink, window, recalled pages); flat in the history length for bounded strategies. */
+  readonly kvResidentBytes: number;
+  /** What queries score to choose pages (paged: compact keys); 0 for strategies without pages. */
+  readonly kvSelectionBytes: number;
+  /** Exact K/V of evicted positions kept outside the hot set (paged: the page store); 0 otherwise. */
+  readonly kvStoredBytes: number;
   readonly inv1Violations: number;
   readonly inv2Violations: number;
   readonly idleSeconds: number;
   /** Positions dropped from attention over the session's lifetime. */
   readonly droppedTokens: number;
   readonly eosTokenIds: readonly number[];
+}
+
+/** Session persistence: where and when sessions are saved to disk. */
+export interface PersistenceInfo {
+  /** "turn" (saved after every turn, resumed after a restart), "off" (memory only), "" (not reported). */
+  readonly mode: string;
+  /** The state directory sessions are saved under ("" when off). */
+  readonly stateDir: string;
 }
 
 export interface ServerInfo {
@@ -85,6 +100,7 @@ export interface ServerInfo {
   /** Speculative decoding drafter ("" when off) and its block size. */
   readonly drafter: string;
   readonly specK: number;
+  readonly persistence: PersistenceInfo;
 }
 
 export function generationResult(done: DoneEvent, tokens: readonly number[], truncated: readonly HistoryTruncation[]): GenerationResult {
@@ -109,6 +125,9 @@ export function sessionInfo(r: GetSessionInfoResponse): SessionInfo {
     residentPositions: r.residentPositions,
     pendingTokens: r.pendingTokens,
     kvLiveBytes: r.kvLiveBytes,
+    kvResidentBytes: r.kvResidentBytes,
+    kvSelectionBytes: r.kvSelectionBytes,
+    kvStoredBytes: r.kvStoredBytes,
     inv1Violations: r.inv1Violations,
     inv2Violations: r.inv2Violations,
     idleSeconds: r.idleSeconds,
@@ -137,5 +156,6 @@ export function serverInfo(r: GetServerInfoResponse): ServerInfo {
     idleTtlSeconds: r.idleTtlSeconds,
     drafter: r.drafter,
     specK: r.specK,
+    persistence: { mode: r.persistence?.mode ?? "", stateDir: r.persistence?.stateDir ?? "" },
   };
 }

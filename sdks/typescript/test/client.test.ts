@@ -30,6 +30,9 @@ describe("server info", () => {
       specK: 0,
     });
     expect(info.sessionCapacity).toBeGreaterThan(0);
+    // The suite's open daemon saves every turn under a state directory of its own (daemon.ts).
+    expect(info.persistence.mode).toBe("turn");
+    expect(path.basename(info.persistence.stateDir)).toMatch(/^kakeya-ts-state-/);
     // Research knobs are no part of the product surface: they are not typed fields.
     expect(Object.keys(info).filter((key) => key.startsWith("restore"))).toEqual([]);
   });

@@ -1,0 +1,35 @@
+"""KVBytes: a session cache's bytes by tier, for any strategy, without importing torch.
+
+    resident   the hot set: sink + window K/V (and whatever a strategy holds between steps to
+               attend, e.g. dlm_restore's held restored K/V); flat in the history length for the
+               bounded strategies
+    selection  what queries score to choose pages (paged: compact keys); grows with the pages
+    stored     exact K/V of evicted positions kept outside the hot set (paged: the page store)
+
+A cache reports the tiers through `resident_nbytes` / `selection_nbytes` / `stored_nbytes`; one
+that has only `nbytes` keeps everything resident (selection 0, stored 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    resident: int = 0
+    selection: int = 0
+    stored: int = 0
+
+    def __add__(self, other: "KVBytes") -> "KVBytes":
+        return KVBytes(self.resident + other.resident, self.selection + other.selection, self.stored + other.stored)
+
+
+def kv_bytes(kv) -> KVBytes:
+    """The tiers of a session's KV (a SessionKV, whose `.cache` is the strategy's cache, or a cache)."""
+    if kv is None:
+        return KVBytes()
+    cache = getattr(kv, "cache", kv)
+    resident = getattr(cache, "resident_nbytes", None)
+    if resident is None:
+        return KVBytes(int(cache.nbytes))
+    return KVBytes(int(resident), int(getattr(cache, "selection_nbytes", 0)), int(getattr(cache, "stored_nbytes", 0)))
