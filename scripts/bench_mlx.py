@@ -11,8 +11,10 @@ For each weight format in `--formats` (fp32, int4; the same format on both backe
     generation identical to torch's; every other prompt's MLX greedy generation is run in full
     and compared, and its first divergence is reported with both backends' top-2 logit margin
     there (a near-tie when small). Gate: >= 45 of 50 identical;
-  - weights: max |W - W_pulled_fp32| of the MLX int4 linears (built from the GGUF's Q4_1 blocks)
-    and of torch's int4 linears (bf16 scale/zero), over every linear layer;
+  - weights: max |W - W_pulled_fp32| of the MLX and torch int4 linears (both built from the GGUF's
+    Q4_1 blocks with torch's bf16 scale/zero), max |W_mlx - W_torch| (0 when MLX int4 computes with
+    torch int4's weights), and how many outputs of every linear layer differ between the backends
+    on random inputs (0 when MLX int4 reproduces torch's kernel, bf16 activations included);
   - speed: prefill tok/s of a `--prefill` token prompt and decode tok/s (bench_weights.decode_and_prefill),
     both backends in this process, best of two alternating rounds; torch at `--threads` (default 1: MLX's
     CPU backend runs one thread). Measured on THIS machine's CPU (Linux x86, MLX's CPU backend,
@@ -100,6 +102,21 @@ def linear_diffs(model, ref) -> float:
     return worst
 
 
+def linear_outputs_unequal(model, ref, rows: int = 3) -> dict:
+    """Outputs of every linear layer that differ between the backends on the same random inputs."""
+    import mlx.core as mx
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    unequal = total = 0
+    for L, R in zip(model.layers, ref.layers):
+        for a, b in ((L.wqkv, R.wqkv), (L.wo, R.wo), (L.w_gate_up, R.w_gate_up), (L.w_down, R.w_down)):
+            x = g.standard_normal((rows, b.dequantized().shape[1])).astype(np.float32)
+            ym, yt = np.array(a(mx.array(x))), b(torch.from_numpy(x)).numpy()
+            unequal, total = unequal + int((ym != yt).sum()), total + ym.size
+    return {"unequal": unequal, "total": total}
+
+
 def measure_speed(fmt: str, models: dict, args) -> dict:
     """Best of two alternating rounds per backend (the 2-core machine is shared)."""
     warm = argparse.Namespace(prefill=16, decode=4)
@@ -136,6 +153,8 @@ def run_format(fmt: str, path, prompts: list, args, checkpoint=lambda row: None)
         tref, mref = TorchCausalLM.load(path, weights="fp32"), MlxCausalLM.load(path, weights="fp32")
         out["mlx_int4_vs_pulled_fp32_max_abs_diff"] = linear_diffs(mm, mref)
         out["torch_int4_vs_pulled_fp32_max_abs_diff"] = linear_diffs(tm, tref)
+        out["mlx_int4_vs_torch_int4_max_abs_diff"] = linear_diffs(mm, tm)
+        out["mlx_vs_torch_int4_linear_outputs_on_random_inputs"] = linear_outputs_unequal(mm, tm)
         del tref, mref
     # speed first: the agreement loop is the long part (MLX's x86 CPU kernels are slow)
     out["speed"] = speed = measure_speed(fmt, {"torch": tm, "mlx": mm}, args)

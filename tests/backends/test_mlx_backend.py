@@ -166,31 +166,64 @@ def test_mlx_cache_state_round_trip_and_cross_backend(strategy, window):
         assert generate(mx_engine, history, 10, kv=restored) == want, f"state saved by {src}"
 
 
-def test_mlx_int4_from_q4_1_blocks_reproduces_the_block_weights():
-    """mx.quantize layout from Q4_1 blocks: dequantized == q * d + m; fused rows stay independent."""
+def test_mlx_int4_from_q4_1_blocks_computes_what_torch_int4_computes():
+    """MLX int4 from Q4_1 blocks holds torch int4's weights (bf16 scale and zero = m + 8 d) and returns
+    torch's kernel output bit for bit (bf16 activations and output), whatever the number of rows;
+    fused rows stay independent."""
     require_backend("mlx")
+    import mlx.core as mx
+
     from inference_engine.backends.mlx.linear import Int4Linear
+    from inference_engine.backends.torch.linear import Int4Linear as TorchInt4
 
     g = np.random.default_rng(0)
     q = g.integers(0, 16, (48, 96)).astype(np.uint8)
-    d = g.random((48, 3)).astype(np.float16).astype(np.float32)
-    m = (g.random((48, 3)) - 0.5).astype(np.float16).astype(np.float32)
-    want = (q.reshape(48, 3, 32) * d[..., None] + m[..., None]).reshape(48, 96)
+    d = (g.random((48, 3)) * 0.05).astype(np.float16).astype(np.float32)
+    m = ((g.random((48, 3)) - 0.5) * 0.4).astype(np.float16).astype(np.float32)
     lin = Int4Linear.from_blocks(q, d, m)
-    got = np.array(lin.dequantized())
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    ref = TorchInt4.from_blocks(*(torch.from_numpy(a) for a in (q, d, m)))
+    want = ref.dequantized().numpy()
+    assert np.array_equal(np.array(lin.dequantized()), want)
+    exact = (q.reshape(48, 3, 32) * d[..., None] + m[..., None]).reshape(48, 96)
+    assert 0 < np.abs(want - exact).max() < 0.01  # bf16 scale/zero: not the fp16 block values
+    for rows in (1, 5, 17):
+        x = g.standard_normal((rows, 96)).astype(np.float32)
+        assert np.array_equal(np.array(lin(mx.array(x))), ref(torch.from_numpy(x)).numpy()), f"{rows} rows"
     fused = Int4Linear.stacked([lin, Int4Linear.from_blocks(q[:16], d[:16], m[:16])])
-    np.testing.assert_allclose(np.array(fused.dequantized()), np.concatenate([want, want[:16]]), atol=1e-6)
+    assert np.array_equal(np.array(fused.dequantized()), np.concatenate([want, want[:16]]))
+    x = mx.array(g.standard_normal((5, 96)).astype(np.float32))
+    assert np.array_equal(np.array(fused(x))[:, :48], np.array(lin(x)))
+
+
+def test_mlx_int4_equals_torch_int4_on_a_tiny_model():
+    """Without a GGUF both backends quantize with the same Q4_1 quantizer: every linear's weights and
+    outputs are equal, and greedy generation is token-identical."""
+    require_backend("mlx")
     import mlx.core as mx
 
-    x = g.standard_normal((5, 96)).astype(np.float32)
-    np.testing.assert_allclose(np.array(lin(mx.array(x))), x @ want.T, rtol=1e-4, atol=1e-4)
+    from inference_engine.backends.mlx.model import MlxCausalLM
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine.generate import Engine
+
+    path = tiny_model_dir("llama")
+    mm, tm = MlxCausalLM.load(path, weights="int4"), TorchCausalLM.load(path, weights="int4")
+    assert mm.int4_source.startswith("Q4_1 min/max") and mm.weight_bytes < MlxCausalLM.load(path).weight_bytes
+    g = np.random.default_rng(1)
+    for L, R in zip(mm.layers, tm.layers):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            a, b = getattr(L, name), getattr(R, name)
+            assert np.array_equal(np.array(a.dequantized()), b.dequantized().numpy()), name
+            x = g.standard_normal((3, b.shape[1])).astype(np.float32)
+            assert np.array_equal(np.array(a(mx.array(x))), b(torch.from_numpy(x)).numpy()), name
+    history = ids(20, 9)
+    got = {b: generate(Engine(m, KVStrategy("sink_window", 4, 8), prefill_chunk=8), history, 16) for b, m in (("mlx", mm), ("torch", tm))}
+    assert got["mlx"] == got["torch"]
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+@pytest.mark.parametrize("fmt", ["fp16"])
 def test_mlx_weight_formats_compute_with_their_weights(fmt):
-    """fp16 and int4 (a tiny model keeps no GGUF: mx.quantize of the fp32 weights) equal an fp32 model
-    holding the weights they compute with (int4: its dequantized matrices), and run the engine's steps."""
+    """fp16 equals an fp32 model holding the weights it computes with, and runs the engine's steps
+    (int4: test_mlx_int4_equals_torch_int4_on_a_tiny_model)."""
     require_backend("mlx")
     import mlx.core as mx
 
@@ -208,29 +241,33 @@ def test_mlx_weight_formats_compute_with_their_weights(fmt):
         ref.head = DenseLinear(model.head.w.astype(mx.float32))
     history = ids(20, 9)
     got, want = host_logits(model, history), host_logits(ref, history)
-    tol = 5e-2 if fmt == "fp16" else 1e-4
+    tol = 5e-2  # fp16 activations
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert len(generate(Engine(model, KVStrategy("sink_window", 4, 8), prefill_chunk=8), history, 8)) == 8
 
 
 @pytest.mark.model
-def test_mlx_int4_on_smollm2_is_the_gguf_blocks():
-    """The pulled model's int4 on MLX is built from source.gguf's Q4_1 blocks and reproduces the pulled
-    fp32 weights (which transformers dequantized from the same blocks) to fp32 rounding."""
+def test_mlx_int4_on_smollm2_is_torch_int4():
+    """The pulled model's int4 on MLX is built from source.gguf's Q4_1 blocks, as torch's is, and its
+    linears hold torch int4's weights and return its kernel's outputs bit for bit."""
     require_backend("mlx")
     from factories import require_smollm2
     from inference_engine.backends.mlx.model import MlxCausalLM
+    from inference_engine.backends.torch.model import TorchCausalLM
 
     path = require_smollm2()
     if not (path / "source.gguf").exists():
         pytest.skip("this pull keeps no source.gguf (re-pull the model)")
-    m4, m32 = MlxCausalLM.load(path, weights="int4"), MlxCausalLM.load(path, weights="fp32")
+    m4, t4 = MlxCausalLM.load(path, weights="int4"), TorchCausalLM.load(path, weights="int4")
     assert m4.int4_source == "gguf Q4_1 blocks"
     import mlx.core as mx
 
-    for L4, L32 in zip(m4.layers[:4], m32.layers[:4]):
-        for a, b in ((L4.wqkv, L32.wqkv), (L4.w_down, L32.w_down)):
-            assert float(mx.abs(a.dequantized() - b.dequantized()).max()) < 1e-6
+    g = np.random.default_rng(2)
+    for L4, T4 in zip(m4.layers[:4], t4.layers[:4]):
+        for a, b in ((L4.wqkv, T4.wqkv), (L4.w_gate_up, T4.w_gate_up), (L4.w_down, T4.w_down)):
+            assert np.array_equal(np.array(a.dequantized()), b.dequantized().numpy())
+            x = g.standard_normal((2, b.shape[1])).astype(np.float32)
+            assert np.array_equal(np.array(a(mx.array(x))), b(torch.from_numpy(x)).numpy())
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])

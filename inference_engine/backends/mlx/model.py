@@ -101,7 +101,7 @@ class MlxCausalLM:
                 self.int4_source = "gguf Q4_1 blocks"
                 parts = [Int4Linear.from_blocks(*(t.numpy() for t in blocks[n])) for n in names]
             else:
-                self.int4_source = "mx.quantize of the fp32 weights"
+                self.int4_source = "Q4_1 min/max quantization of the fp32 weights"
                 parts = [Int4Linear.from_float(lin.weight) for lin in linears]
             fused = Int4Linear.stacked(parts)
             fused.b = b

@@ -76,6 +76,16 @@ class Int8Linear:
         return self.q[ids].float() * self.scales[ids].float()[:, None]
 
 
+def quantize_q4_1(w: torch.Tensor) -> tuple:
+    """(q (N, K) in 0..15, d, m (N, K / 32)) with w ~ q * d + m per group of 32: min/max per group, as
+    llama.cpp's Q4_1 quantizer does. The MLX backend's int4 quantizes with this too (same weights)."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = ((hi - lo) / 15).clamp_min(1e-12)
+    return torch.round((g - lo[..., None]) / d[..., None]).clamp(0, 15).view(n, k), d, lo
+
+
 class Int4Linear:
     """Groups of 32 along the input: w = (q - 8) * scale + zero, q in [0, 15] (torch's int4pack
     convention; a Q4_1 block q * d + m is scale = d, zero = m + 8 d)."""
@@ -96,12 +106,8 @@ class Int4Linear:
 
     @classmethod
     def from_float(cls, w: torch.Tensor, b: torch.Tensor | None = None) -> "Int4Linear":
-        """Min/max per group of 32, as llama.cpp's Q4_1 quantizer does."""
-        n, k = w.shape
-        g = w.float().view(n, k // GROUP, GROUP)
-        lo, hi = g.amin(-1), g.amax(-1)
-        d = ((hi - lo) / 15).clamp_min(1e-12)
-        return cls.from_blocks(torch.round((g - lo[..., None]) / d[..., None]).clamp(0, 15).view(n, k), d, lo, b)
+        """Min/max per group of 32, as llama.cpp's Q4_1 quantizer does (quantize_q4_1)."""
+        return cls.from_blocks(*quantize_q4_1(w), b)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, b: torch.Tensor | None = None) -> "Int4Linear":
