@@ -90,7 +90,7 @@ class MlxCausalLM:
             L.k_norm = a.k_norm.weight.astype(dense) if spec.qk_norm else None
             self.layers.append(L)
         mx.eval(self._params())  # MLX streams are per thread: gRPC workers must find nothing lazy
-        self._step: StepLayout | None = None
+        self._steps: dict = {}  # id(layout) -> StepLayout of the forward in progress
 
     def _linear(self, blocks: dict, names: list, linears: list):
         """One (possibly fused) linear layer: the rows of `linears` stacked, in this model's format."""
@@ -205,9 +205,11 @@ class MlxCausalLM:
         return mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=self.spec.attn_scale, mask=m)[0]
 
     def attend_layout(self, layer: int, q, q_normed, k_all, v_all, layout, restored=None, sink_rope=None) -> mx.array:
-        if self._step is None or self._step.source is not layout:  # once per step, not per layer
-            self._step = StepLayout(layout)
-        return attend_layout(self, layer, q, q_normed, k_all, v_all, self._step, restored, sink_rope)
+        key = id(layout)
+        step = self._steps.get(key)
+        if step is None or step.source is not layout:  # once per step (per session of a batch), not per layer
+            step = self._steps[key] = StepLayout(layout)
+        return attend_layout(self, layer, q, q_normed, k_all, v_all, step, restored, sink_rope)
 
     def finish(self, layer: int, x: mx.array, o: mx.array) -> mx.array:
         """Attention output o (H, T, D) -> residual stream after the output projection and MLP."""
@@ -222,14 +224,27 @@ class MlxCausalLM:
         return contextlib.nullcontext()
 
     def to_host(self, logits: mx.array) -> torch.Tensor:
-        self._step = None  # the step is over; drop its layout
+        self._steps = {}  # the step is over; drop its layouts
         return torch.from_numpy(np.array(logits.astype(mx.float32)))
 
+    # MLX evaluates a graph only on the thread that built it ("There is no Stream(cpu, N) in current
+    # thread"), and the StepBatcher may run a session's forward on another session's thread: so the
+    # forward's results (and with them the cache writes they read) are evaluated here, where it runs.
     def final_norm(self, x: mx.array) -> mx.array:
-        return self.rms(x, self.final_norm_weight)
+        out = self.rms(x, self.final_norm_weight)
+        mx.eval(out)
+        return out
 
     def logits(self, hidden: mx.array) -> mx.array:
-        return self.head(hidden).astype(mx.float32)
+        out = self.head(hidden).astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    def cat(self, arrays, dim: int) -> mx.array:
+        """Concatenate MLX arrays (and layout position tensors) along `dim` (engine/batching.py)."""
+        if all(isinstance(a, torch.Tensor) for a in arrays):
+            return torch.cat(list(arrays), dim)
+        return mx.concatenate([_as_mx(a) for a in arrays], axis=dim)
 
     def verifier_restore_source(self):
         raise NotImplementedError("dlm_restore runs on the torch backend only; use --backend torch for --kv-strategy dlm_restore")

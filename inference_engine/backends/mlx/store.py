@@ -49,6 +49,12 @@ class MlxSlabStore(SlotStore):
         self.k[layer][:, idx] = k.astype(self._mx_dtype)
         self.v[layer][:, idx] = v.astype(self._mx_dtype)
 
+    def release(self, slots) -> None:
+        # An aborted step's writes may still be lazy: evaluate them on the thread that built them (MLX
+        # cannot evaluate another thread's graph; the next step may run elsewhere). No-op otherwise.
+        super().release(slots)
+        mx.eval(self.k, self.v)
+
     def fetch(self, layer: int, n: int, slots):
         return self.k[layer][:, :n], self.v[layer][:, :n]
 
