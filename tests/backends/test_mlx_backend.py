@@ -1,8 +1,9 @@
 """The MLX backend (backends/mlx): equal to the torch backend on the same weights, through the same
 engine steps and caches; INV-1/INV-3, speculative rollback, cache state, int4 from Q4_1 blocks.
 
-Tiny random-weight models; tests of both backends are parametrised over `BACKENDS`. Without MLX
-the MLX cases skip (they fail under CI, where `make test` installs it)."""
+Tiny random-weight models. The engine/cache properties run on each backend on its own are in
+test_backend_parity.py; these compare the backends with each other. Without MLX the MLX cases
+skip (they fail under CI, where `make test` installs it)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 from factories import BACKENDS, load_model, make_engine, require_backend, tiny_model_dir
-from inference_engine.engine import steps
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.requests import GenerateParams, SamplingParams
 from inference_engine.kv.factory import cache_from_state, make_cache
@@ -59,20 +59,6 @@ def test_mlx_full_greedy_matches_transformers(arch):
     assert generate(make_engine(arch, backend="mlx"), prompt, 24) == want.tolist()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("strategy, window", [("full", 1020), ("sink_window", 12)])
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 7}], ids=["greedy", "sampled"])
-def test_inv3_one_append_equals_one_token_appends(backend, strategy, window, sampling):
-    """Same history, seed and params -> same tokens, whether the history came in one append or one token at a time."""
-    engine = make_engine("llama", strategy, 4, window, prefill_chunk=16, backend=backend)
-    history = ids(40, 2)
-    one = generate(engine, history, 16, **sampling)
-    kv = engine.new_session_kv()
-    for i in range(1, len(history)):  # one prefill step per appended token
-        engine.prefill(kv, history[kv.next_position : i])
-    assert generate(engine, history, 16, kv=kv, **sampling) == one
-
-
 @pytest.mark.parametrize("strategy, window", [("full", 1020), ("sink_window", 12)])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20, "seed": 3}], ids=["greedy", "sampled"])
 def test_mlx_generates_what_torch_generates(strategy, window, sampling):
@@ -110,38 +96,6 @@ def test_mlx_cache_keeps_inv1_and_the_torch_caches_bytes(strategy, window):
         assert len(set(nbytes[2:])) == 1 and kvs["mlx"][1][-1][1] < 4 + window + 1  # bounded between steps
     else:
         assert kvs["mlx"][1][-1][1] == 48
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_verify_block_rolls_back_exactly(backend):
-    """A verify step whose drafts are partly wrong keeps the accepted prefix and leaves the cache as
-    if only those tokens had been decoded: continuing equals plain decoding, token for token."""
-    engine = make_engine("llama", "sink_window", 4, 12, prefill_chunk=16, backend=backend)
-    model, history = engine.model, ids(30, 6)
-    plain = generate(engine, history, 12)
-    kv = engine.new_session_kv()
-    engine.prefill(kv, history)
-    first = int(kv.last_logits.argmax())
-    drafts = [plain[1], plain[2], (plain[3] + 1) % 256, plain[4]]  # two right, then a wrong one
-    r = steps.verify_block(model, kv, first, drafts, SamplingParams(), None, budget=10)
-    assert r.accepted == 2 and list(r.emitted) == plain[1:4] and kv.next_position == len(history) + 3
-    kv.cache.check_inv1()
-    out = [first, *r.emitted]
-    while len(out) < 12:
-        steps.decode_step(model, kv, out[-1])
-        out.append(int(kv.last_logits.argmax()))
-    assert out == plain
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_ngram_speculation_equals_plain_decoding(backend):
-    from inference_engine.engine.generate import Engine
-    from inference_engine.engine.prompt_lookup import PromptLookupDrafter
-
-    plain = make_engine("llama", "full", prefill_chunk=16, backend=backend)
-    spec = Engine(plain.model, plain.strategy, prefill_chunk=16, drafter=PromptLookupDrafter(), spec_k=3)
-    history = ids(12, 7) * 3  # repeats, so prompt lookup drafts
-    assert generate(spec, history, 24) == generate(plain, history, 24)
 
 
 @pytest.mark.parametrize("strategy, window", [("full", 1020), ("sink_window", 10)])
