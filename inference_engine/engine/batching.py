@@ -42,9 +42,12 @@ class BatchStats:
 
 
 class StepBatcher:
-    def __init__(self, token_budget: int, *, batching: bool = True):
+    def __init__(self, token_budget: int, *, batching: bool = True, model_thread=None):
+        """model_thread: a ModelThread that runs every forward (the daemon's; see model_thread.py),
+        or None to run them on the leader's own thread (in-process use, tests)."""
         self.token_budget = token_budget
         self.batching = batching
+        self.model_thread = model_thread
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._queue: deque[_Pending] = deque()
@@ -87,12 +90,17 @@ class StepBatcher:
             self._queue.remove(p)
         return batch
 
+    def _forward(self, backend, inputs: list) -> list:
+        if self.model_thread is None:
+            return forward_batch(backend, inputs)
+        return self.model_thread.call(lambda: forward_batch(backend, inputs))
+
     def _execute(self, backend, batch: list) -> None:
         s = self.stats
         s.forwards, s.steps, s.last_batch_size = s.forwards + 1, s.steps + len(batch), len(batch)
         s.batch_sizes[len(batch)] = s.batch_sizes.get(len(batch), 0) + 1
         try:
-            for p, res in zip(batch, forward_batch(backend, [p.inp for p in batch])):
+            for p, res in zip(batch, self._forward(backend, [p.inp for p in batch])):
                 p.result = res
         except BaseException as e:
             if len(batch) == 1:
@@ -100,7 +108,7 @@ class StepBatcher:
             else:  # each cache was rolled back: find the step that failed by running them one by one
                 for p in batch:
                     try:
-                        p.result = forward_batch(backend, [p.inp])[0]
+                        p.result = self._forward(backend, [p.inp])[0]
                     except BaseException as e1:
                         p.error = e1
         for p in batch:

@@ -22,7 +22,28 @@ __all__ = ["ConfigError", "ResearchOptions", "RunningServer", "ServeConfig", "bu
 log = logging.getLogger("kakeya")
 
 
+def model_thread():
+    """The process's one ModelThread (engine/model_thread.py): it loads models and runs every
+    forward of every runtime built here, so torch keeps a single multi-threaded OpenMP pool."""
+    global _MODEL_THREAD
+    with _MODEL_THREAD_LOCK:
+        if _MODEL_THREAD is None:
+            from inference_engine.engine.model_thread import ModelThread
+
+            _MODEL_THREAD = ModelThread()
+        return _MODEL_THREAD
+
+
+_MODEL_THREAD = None
+_MODEL_THREAD_LOCK = threading.Lock()
+
+
 def load_model(cfg: ServeConfig):
+    """Load the model `cfg` names, on the model thread."""
+    return model_thread().call(lambda: _load_model(cfg))
+
+
+def _load_model(cfg: ServeConfig):
     from inference_engine.model_store import resolve_model
 
     if cfg.backend == "mlx":
@@ -144,7 +165,11 @@ def drafter_restore_source(cfg: ServeConfig, model, drafter):
 
 
 def build_runtime(cfg: ServeConfig, model=None) -> Runtime:
-    engine = build_engine(cfg, model if model is not None else load_model(cfg))
+    """The model is loaded (unless given), tuned and wrapped on the model thread, which then runs
+    every forward of this runtime's engine."""
+    mt = model_thread()
+    engine = mt.call(lambda: build_engine(cfg, model if model is not None else _load_model(cfg)))
+    engine.batcher.model_thread = mt
     return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl, persister=build_persister(cfg, engine))
 
 
@@ -182,6 +207,10 @@ class RunningServer:
 def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     check_exposure(cfg)
     runtime = runtime or build_runtime(cfg)
+    if runtime.model_info.backend == "torch" and runtime.engine.batcher.model_thread is not None:
+        from inference_engine.engine.model_thread import isolate_other_threads
+
+        isolate_other_threads()  # RPC threads run their small torch ops inline: one OpenMP pool in the process
     runtime.metrics.track_kv_tiers(runtime.store.sessions)
     interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors)

@@ -1,0 +1,50 @@
+"""ModelThread (engine/model_thread.py): the daemon loads the model and runs every forward on one
+OS thread, whichever thread a session's generate loop runs on; results and errors come back to
+the caller; a daemon built by build_runtime routes its forwards there."""
+import threading
+
+import pytest
+
+from factories import tiny_model_dir
+from inference_engine.engine import batching
+from inference_engine.engine.model_thread import ModelThread
+
+
+def test_call_returns_raises_and_runs_inline_when_nested():
+    mt = ModelThread(name="test-model-thread")
+    try:
+        assert mt.call(lambda: threading.get_ident()) == mt.ident != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            mt.call(lambda: 1 / 0)
+        assert mt.call(lambda: 7) == 7  # still serving after a failed job
+        assert mt.call(lambda: mt.call(lambda: threading.get_ident())) == mt.ident  # nested: inline, no deadlock
+    finally:
+        mt.close()
+    with pytest.raises(RuntimeError, match="stopped"):
+        mt.call(lambda: 1)
+
+
+def test_daemon_forwards_run_on_the_model_thread(monkeypatch):
+    from inference_engine.server.app import build_runtime, model_thread
+    from inference_engine.server.config import ServeConfig
+
+    seen = []
+    real = batching.forward_batch
+
+    def recording(backend, inputs):
+        seen.append(threading.get_ident())
+        return real(backend, inputs)
+
+    monkeypatch.setattr(batching, "forward_batch", recording)
+    cfg = ServeConfig(model=str(tiny_model_dir("llama")), persist="off", threads=1)
+    runtime = build_runtime(cfg)
+    assert runtime.engine.batcher.model_thread is model_thread()
+    sid = runtime.create_session([5, 6, 7]).id
+    from inference_engine.engine.requests import SamplingParams
+
+    out = []
+    th = threading.Thread(target=lambda: out.extend(runtime.generate(sid, 4, SamplingParams())))
+    th.start()
+    th.join()
+    assert len(out) == 5  # 4 tokens + done
+    assert seen and set(seen) == {model_thread().ident}
