@@ -126,11 +126,15 @@ class PagedCache(SinkWindowCache):
 
         Each KV head reads only the keys its own queries chose. A row-exact step (decode,
         speculative verify) attends row by row over exactly the columns a one-token step at that
-        position would: its chosen keys in position order, then its visible resident columns."""
+        position would: its chosen keys in position order, then its visible resident columns.
+        Arrays of another backend (MLX) are copied to CPU torch tensors and the output is torch; the
+        backend takes it back (MlxCausalLM.finish), and the store's `read` returns torch rows."""
         w = self.geometry.layer_windows[layer]
         plan = self._step
         if plan is None or w not in plan["allowed"]:
             return None
+        if not isinstance(q, torch.Tensor):  # another backend's arrays (MLX): recall runs on host torch tensors
+            q, k_all, v_all = (torch.from_numpy(np.array(x)) for x in (q, k_all, v_all))
         t0 = time.perf_counter()
         allowed = plan["allowed"][w]
         idx, ok, c = self._choose_pages(layer, q, k_all, allowed, plan["cols"])  # (Hkv, T, M) page indices

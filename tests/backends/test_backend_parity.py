@@ -2,7 +2,8 @@
 
 Each scenario here is a property of the engine's steps and the project's caches, not of one
 framework: INV-3 (one append vs one-token appends), multi-turn vs one-shot history, stop
-reasons, sink_window eviction and bounded bytes, chunking independence, exact rollback of a
+reasons, sink_window eviction and bounded bytes, chunking independence, paged recall (== full
+when every page is recalled; chunking- and append-independent), exact rollback of a
 speculative step, speculative decoding == autoregressive (greedy, and deterministic per seed
 when sampled), a failing step leaving the cache untouched, state() -> from_state through
 files, and concurrent sessions (batched and not) equal to their solo runs. The `backend`
@@ -76,12 +77,13 @@ def new_cache(m, strategy, max_step=64):
     return make_cache(strategy, m.geometry(), max_step=max_step, max_context=m.spec.max_context)
 
 
-def feed(m, cache, tokens, chunk) -> torch.Tensor:
+def feed(m, cache, tokens, chunk, row_exact=False) -> torch.Tensor:
     """Run tokens through the model in committed chunks; (T, V) host logits of every position."""
     out = []
     for i in range(0, len(tokens), chunk):
         part = tokens[i : i + chunk]
-        logits, _ = forward(m, m.tensor(part), range(cache.next_position, cache.next_position + len(part)), cache)
+        logits, _ = forward(m, m.tensor(part), range(cache.next_position, cache.next_position + len(part)), cache,
+                            row_exact=row_exact)
         cache.commit()
         out.append(m.to_host(logits))
     return torch.cat(out)
@@ -212,15 +214,53 @@ def test_window_wider_than_history_equals_full_and_a_narrow_one_differs_after_ev
     assert not torch.allclose(narrow[-1], full[-1], atol=1e-3)
 
 
+# -- paged: sink + window resident, evicted positions archived in pages, top pages recalled ----------
+def paged(pages: int = 2, window: int = 12) -> KVStrategy:
+    return KVStrategy("paged", 4, window, page_size=8, recall_pages=pages)
+
+
+def test_paged_recalling_every_page_equals_full(backend):
+    m = model(backend)
+    history = ids(120, 40)
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
+    for chunk in (16, 1):
+        cache = new_cache(m, paged(pages=100))
+        torch.testing.assert_close(feed(m, cache, history, chunk), full, rtol=1e-4, atol=1e-4)
+        assert cache.pages.rows == 120 - 12 + 1 - 4 and cache.dropped_total == 0
+
+
+def test_paged_recalls_and_does_not_depend_on_chunking(backend):
+    """Two recalled pages: neither full nor sink_window, and the same whatever the chunking (INV-3),
+    row-exact (decode/verify) steps included."""
+    m = model(backend)
+    history = ids(140, 41)
+    ref = feed(m, new_cache(m, paged()), history, 64)
+    full = feed(m, new_cache(m, KVStrategy("full")), history, 64)[-1]
+    sw = feed(m, new_cache(m, KVStrategy("sink_window", 4, 12)), history, 64)[-1]
+    assert not torch.allclose(ref[-1], full, atol=1e-4) and not torch.allclose(ref[-1], sw, atol=1e-4)
+    for chunk, row_exact in ((1, False), (7, False), (5, True)):
+        torch.testing.assert_close(feed(m, new_cache(m, paged()), history, chunk, row_exact), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_paged_engine_one_append_equals_token_by_token_appends(backend):
+    engine = Engine(model(backend), paged(), prefill_chunk=32)
+    history = ids(90, 42)
+    one = generate(engine, history, 12)
+    kv = engine.new_session_kv()
+    for t in history[:-1]:
+        engine.prefill(kv, [t])
+    assert generate(engine, history, 12, kv=kv) == one
+
+
 # -- speculative steps: exact rollback ----------------------------------------------------------
-@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 12)], ids=lambda s: s.name)
+@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 12), paged()], ids=lambda s: s.name)
 def test_cache_rollback_is_exact(backend, strategy):
     """A 6-token step of which 2 are kept leaves the cache as if only those 2 had been fed."""
     m = model(backend)
     history, extra, tail = ids(40, 9), ids(6, 10), ids(5, 11)
     a, b = new_cache(m, strategy), new_cache(m, strategy)
     feed(m, a, history, 16)
-    forward(m, m.tensor(extra), range(a.next_position, a.next_position + 6), a)
+    forward(m, m.tensor(extra), range(a.next_position, a.next_position + 6), a, row_exact=True)
     a.commit(2)
     feed(m, b, history + extra[:2], 16)
     assert (a.resident_positions, a.next_position, a.nbytes) == (b.resident_positions, b.next_position, b.nbytes)
@@ -295,7 +335,7 @@ def test_a_failing_step_leaves_the_cache_untouched(backend):
     assert out == want
 
 
-@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 16)], ids=lambda s: s.name)
+@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 16), paged()], ids=lambda s: s.name)
 def test_greedy_speculative_equals_autoregressive(backend, strategy):
     """Self drafts (mostly accepted, some corrupted) and n-gram drafts: the same tokens as plain decoding."""
     from inference_engine.engine.prompt_lookup import PromptLookupDrafter
@@ -320,7 +360,8 @@ def test_speculative_sampling_is_deterministic_per_seed(backend):
 
 
 # -- cache state --------------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 24)], ids=lambda s: s.name)
+@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 24), paged(window=24)],
+                         ids=lambda s: s.name)
 def test_state_round_trip_through_files_continues_token_identical(backend, strategy, tmp_path):
     """state() -> safetensors + JSON -> SessionKV.from_state: same bytes, positions and logits, and two
     more turns (greedy, then sampled) equal to the session that never left memory."""

@@ -70,6 +70,22 @@ def test_mlx_generates_what_torch_generates(strategy, window, sampling):
     assert got["mlx"] == got["torch"]
 
 
+@pytest.mark.parametrize("pages", [2, 100])
+def test_mlx_paged_generates_what_torch_generates(pages):
+    """The paged strategy on MLX (recall on host torch tensors, archiving through MlxSlabStore.read) gives
+    torch's tokens, greedy and sampled, with pages archived and recalled."""
+    require_backend("mlx")
+    from inference_engine.engine.generate import Engine
+
+    strategy = KVStrategy("paged", 4, 12, page_size=8, recall_pages=pages)
+    history, got = ids(90, 13), {}
+    for b in BACKENDS:
+        engine = Engine(load_model(str(tiny_model_dir("llama")), b), strategy, prefill_chunk=32)
+        kv = engine.new_session_kv()
+        got[b] = (generate(engine, history, 16, kv=kv), generate(engine, history, 8, temperature=0.9, seed=5), kv.cache.pages.rows)
+    assert got["mlx"] == got["torch"] and got["mlx"][2] > 0
+
+
 def test_mlx_sink_window_past_the_trained_context_equals_torch():
     """Past max_context the sink is scored from the virtual query position (SinkWindowCache) on MLX too."""
     require_backend("mlx")

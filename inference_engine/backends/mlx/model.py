@@ -214,6 +214,7 @@ class MlxCausalLM:
     def finish(self, layer: int, x: mx.array, o: mx.array) -> mx.array:
         """Attention output o (H, T, D) -> residual stream after the output projection and MLP."""
         L = self.layers[layer]
+        o = _as_mx(o)  # the paged strategy's recall attends on host torch tensors (kv/paged.py)
         x = x + L.wo(o.transpose(1, 0, 2).reshape(x.shape[0], -1))
         gu = L.w_gate_up(self.rms(x, L.ln_post_attn))
         inter = gu.shape[-1] // 2

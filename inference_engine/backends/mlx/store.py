@@ -59,8 +59,10 @@ class MlxSlabStore(SlotStore):
         return self.k[layer][:, :n], self.v[layer][:, :n]
 
     def read(self, layer: int, slots):
+        """The rows at `slots` as CPU torch tensors (Hkv, n, D): what the paged strategy archives into its
+        torch page store (kv/paged.py)."""
         idx = as_index(slots)
-        return self.k[layer][:, idx], self.v[layer][:, idx]
+        return _to_torch(self.k[layer][:, idx], self.dtype), _to_torch(self.v[layer][:, idx], self.dtype)
 
     def read_payload(self, slots) -> dict:
         """The rows at `slots` stacked over layers like `state()`'s payload: CPU torch (L, Hkv, n, D)
