@@ -437,6 +437,12 @@ def test_concurrent_sessions_equal_their_solo_runs(backend, batching):
         assert max(engine.batcher.stats.batch_sizes) > 1, engine.batcher.stats.batch_sizes  # steps really shared forwards
 
 
+def test_auto_batching_is_on_only_where_exact(backend):
+    """batching auto = on for int4 on the CPU (row-independent linears, checked above), off for fp32."""
+    assert Engine(int4_model(backend), KVStrategy("full")).batcher.batching
+    assert not Engine(model(backend), KVStrategy("full")).batcher.batching
+
+
 def test_the_backend_fixture_runs_the_backend_it_names(backend):
     """Guard against a parametrisation that silently runs torch twice."""
     m = model(backend)
