@@ -15,17 +15,19 @@ only what it added. A bounded strategy's positions leave the resident set; once 
 exceed twice the resident rows, one compacted rows segment of the resident rows replaces them
 (amortised, still proportional to what was added). History segments are merged past 32.
 Loading rebuilds the CacheState `SessionKV.state()` would have produced (rows of empty slots are
-zeros: masked, never read) and hands it to `SessionKV.from_state`.
+zeros: masked, never read) and hands it to `SessionKV.from_state`. Segments are read as tensors
+viewing the file's map (`segment_tensors`): a row is copied once, from the page cache into the
+rebuilt store; only the small tail is cloned (it outlives the load).
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from inference_engine.engine.session_kv import SessionKV
@@ -35,7 +37,7 @@ from inference_engine.kv.stores import CompressedStore, SlabStore
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.model_identity import identity_mismatch, model_identity
 from inference_engine.persistence.state_dir import (MANIFEST_NAME, StateDir, StateFileError, fsync_dir, manifest_bytes,
-                                                    read_manifest, read_segment, sha256_bytes, write_atomic)
+                                                    read_manifest, read_segment, segment_checksum, write_atomic)
 from inference_engine.session.store import PersistedSession
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,31 @@ COMPACT_SLACK_ROWS = 64
 # cache class -> (meta key holding their row count, {name prefix: row axis}). PagedCache's archived pages
 # and their compact keys: RowTables, (L, stack, Hkv, rows, ...).
 APPEND_ONLY = {"PagedCache": ("archived_rows", {"pages.": 3, "keys.": 3})}
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+             "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def segment_tensors(session_dir, seg: dict) -> dict:
+    """A checked segment's tensors as views of its map (no copy; the map lives as long as they do).
+    The safetensors layout: 8-byte little-endian header size, JSON header (name -> dtype, shape,
+    data_offsets relative to the end of the header), data."""
+    buf = read_segment(session_dir, seg)
+    n = int.from_bytes(buf[:8], "little")
+    if len(buf) < 8 or 8 + n > len(buf):
+        raise StateFileError(f"segment {seg['file']} is not a safetensors file (header of {n} bytes)")
+    header = json.loads(bytes(buf[8:8 + n]))
+    base, out = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = ST_DTYPES.get(info["dtype"])
+        start, end = info["data_offsets"]
+        count = int(np.prod(info["shape"], dtype=np.int64))
+        if dtype is None or end - start != count * dtype.itemsize or base + end > len(buf):
+            raise StateFileError(f"segment {seg['file']}: tensor {name!r} ({info}) does not fit the file")
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
+        out[name] = t.view(info["shape"])
+    return out
 
 
 def row_axes(store) -> dict | None:
@@ -130,7 +157,7 @@ class SessionFiles:
             name = f"{seq:08d}-{kind}.safetensors"
             write_atomic(d / name, data, sync_dir=False)
             written += len(data)
-            return {"file": name, "kind": kind, "bytes": len(data), "sha256": sha256_bytes(data), **extra}
+            return {"file": name, "kind": kind, "bytes": len(data), **segment_checksum(data), **extra}
 
         # history: the appended tokens (all of it again once there are too many segments)
         done = prev["history_length"] if prev else 0
@@ -224,13 +251,13 @@ class SessionFiles:
         for g in sorted((g for g in segments if g["kind"] == "history"), key=lambda g: g["start"]):
             if g["start"] != len(history):
                 raise StateFileError(f"history segment {g['file']} starts at {g['start']}, expected {len(history)}")
-            history.extend(st_load(read_segment(d, g))["tokens"].tolist())
+            history.extend(segment_tensors(d, g)["tokens"].tolist())
         if len(history) != body["history_length"]:
             raise StateFileError(f"history segments hold {len(history)} tokens, the manifest says {body['history_length']}")
         tails = [g for g in segments if g["kind"] == "tail"]
         if len(tails) != 1:
             raise StateFileError(f"the manifest names {len(tails)} tail segments, expected 1")
-        tail = st_load(read_segment(d, tails[0]))
+        tail = {k: v.clone() for k, v in segment_tensors(d, tails[0]).items()}  # kept by the cache: not a view of the file
         tail |= self._appended(d, body)
         e = self.engine
         hidden_keep, axes, template = self._template()
@@ -245,13 +272,13 @@ class SessionFiles:
         for n, (shape, dtype) in template.items():
             shape = list(shape)
             shape[axes[n]] = pos.size
-            payload[n] = torch.zeros(shape, dtype=dtype)
+            payload[n] = torch.empty(shape, dtype=dtype)  # resident rows filled below, empty slots zeroed
         res_slots = np.flatnonzero(pos >= 0)
         order = np.argsort(pos[res_slots], kind="stable")
         sorted_pos = pos[res_slots][order]
         filled = np.zeros(pos.size, dtype=bool)
         for g in (g for g in segments if g["kind"] == "rows"):
-            seg = st_load(read_segment(d, g))
+            seg = segment_tensors(d, g)
             if not sorted_pos.size:
                 continue
             positions = seg["positions"].numpy()
@@ -259,17 +286,29 @@ class SessionFiles:
             hit = sorted_pos[at] == positions
             if not hit.any():
                 continue
-            slots = torch.from_numpy(res_slots[order[at[hit]]])
-            rows = torch.from_numpy(np.flatnonzero(hit))
+            slot_ids = res_slots[order[at[hit]]]
+            slots = torch.from_numpy(slot_ids)
+            rows = None if hit.all() else torch.from_numpy(np.flatnonzero(hit))  # all rows: copied straight from the map
+            # rows saved in slot order (the usual case) land in a few runs of consecutive slots: block copies
+            cuts = np.flatnonzero(np.diff(slot_ids) != 1) + 1
+            runs = None if rows is not None or cuts.size > 8 else np.split(np.arange(slot_ids.size), cuts)
             for n, dst in payload.items():
                 src = seg[ROW_PREFIX + n]
                 if src.dtype != dst.dtype:
                     raise StateFileError(f"rows segment {g['file']} holds {n} as {src.dtype}, this cache stores {dst.dtype}")
-                dst.index_copy_(axes[n], slots, src.index_select(axes[n], rows))
-            filled[slots.numpy()] = True
+                if runs is not None:
+                    for r in runs:
+                        dst.narrow(axes[n], int(slot_ids[r[0]]), r.size).copy_(src.narrow(axes[n], int(r[0]), r.size))
+                else:
+                    dst.index_copy_(axes[n], slots, src if rows is None else src.index_select(axes[n], rows))
+            filled[slot_ids] = True
         missing = res_slots[~filled[res_slots]]
         if missing.size:
             raise StateFileError(f"rows of {missing.size} resident positions are missing (first: position {pos[missing[0]]})")
+        empty = torch.from_numpy(np.flatnonzero(~filled))
+        if empty.numel():
+            for n, dst in payload.items():
+                dst.index_fill_(axes[n], empty, 0)
         tensors = tail | {"store.pos": torch.from_numpy(pos)} | {f"store.{n}": t for n, t in payload.items()}
         kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
                                   max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
@@ -285,7 +324,7 @@ class SessionFiles:
         for g in sorted((g for g in body["segments"] if g["kind"] == "append"), key=lambda g: g["start"]):
             if g["start"] != end:
                 raise StateFileError(f"append segment {g['file']} starts at row {g['start']}, expected {end}")
-            for k, v in st_load(read_segment(d, g)).items():
+            for k, v in segment_tensors(d, g).items():
                 parts.setdefault(k, []).append(v)
             end = g["end"]
         if not parts:
@@ -294,7 +333,8 @@ class SessionFiles:
         if end != int(meta[rows_key]):
             raise StateFileError(f"append segments hold {end} rows, the cache state says {meta[rows_key]}")
         axis_of = {k: axis for k in parts for prefix, axis in axes.items() if k.startswith(prefix)}
-        return {k: torch.cat(v, dim=axis_of[k]) for k, v in parts.items()}
+        # one segment: its views as they are (the cache copies them into its tables)
+        return {k: v[0] if len(v) == 1 else torch.cat(v, dim=axis_of[k]) for k, v in parts.items()}
 
     def _template(self):
         """(hidden_keep, row axes, payload name -> (shape, dtype)) of this engine's fresh session
@@ -302,8 +342,11 @@ class SessionFiles:
         if self._fresh is None:
             fresh = self.engine.new_session_kv()
             store = fresh.cache.store
-            payload = {n: (tuple(t.shape), t.dtype) for n, t in store.state().items() if n != "pos"}
-            self._fresh = (fresh.hidden_keep, row_axes(store), payload)
+            axes = row_axes(store)
+            # shapes and dtypes from zero rows (store.state() would copy every slab)
+            empty = read_rows(store, np.zeros(0, dtype=np.int64)) if axes is not None else store.state()
+            payload = {n: (tuple(t.shape), t.dtype) for n, t in empty.items() if n != "pos"}
+            self._fresh = (fresh.hidden_keep, axes, payload)
         return self._fresh
 
     def _unusable(self, session_id: str, problem: str):

@@ -113,7 +113,7 @@ def test_kill_9_the_daemon_and_every_session_continues(tmp_path):
                 assert again.history() == ref.history(r.id)
                 assert list(again.generate_all(12).tokens) == _turn(ref, r.id, 12)
             # a damaged session answers FAILED_PRECONDITION naming the problem; its files are set aside
-            with pytest.raises(kakeya.errors.FailedPreconditionError, match="sha256: corrupted"):
+            with pytest.raises(kakeya.errors.FailedPreconditionError, match="crc32: corrupted"):
                 c.session(victim.id).generate_all(2)
             assert [d.name.startswith(victim.id) for d in StateDir(tmp_path).quarantine.iterdir()] == [True]
             assert len(c.session(sessions[2].id).generate_all(3).tokens) == 3

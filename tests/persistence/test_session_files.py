@@ -243,7 +243,7 @@ def _edit_manifest(d, edit):
 
 BAD = {
     "truncated segment": (_truncate_rows, "truncated"),
-    "corrupted segment": (_flip_a_byte, "sha256"),
+    "corrupted segment": (_flip_a_byte, "crc32: corrupted"),
     "missing segment": (lambda d, body: (d / body["segments"][0]["file"]).unlink(), "missing"),
     "truncated manifest": (lambda d, body: (d / MANIFEST_NAME).write_bytes((d / MANIFEST_NAME).read_bytes()[:200]),
                            "not valid JSON"),
@@ -270,6 +270,29 @@ def test_bad_state_is_refused_set_aside_and_others_keep_working(case, tmp_path):
         rt.append(sid, [1])
     assert rt.history(good) == good_history
     assert len(turn(rt, good, 3)) == 3
+
+
+def _as_sha256_manifest(d):
+    """Rewrite a manifest as saves before 2026-11-24 wrote it: a sha256 per segment instead of a CRC-32."""
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    for g in doc["body"]["segments"]:
+        del g["crc32"]
+        g["sha256"] = state_dir.sha256_bytes((d / g["file"]).read_bytes())
+    (d / MANIFEST_NAME).write_bytes(state_dir.manifest_bytes(doc["body"]))
+
+
+def test_manifests_with_sha256_segment_checksums_still_load_and_are_checked(tmp_path):
+    sid, good, _ = _saved_session(tmp_path)
+    kept = runtime(tmp_path / "kept", KVStrategy("full"))
+    k = kept.create_session(runtime(tmp_path, KVStrategy("full")).history(sid))
+    for session in (sid, good):
+        _as_sha256_manifest(StateDir(tmp_path).sessions / session)
+    rt = runtime(tmp_path, KVStrategy("full"))
+    assert turn(rt, sid, 5) == turn(kept, k.id, 5)
+    d = StateDir(tmp_path).sessions / good
+    _flip_a_byte(d, json.loads((d / MANIFEST_NAME).read_text())["body"])
+    with pytest.raises(SessionStateUnusable, match="sha256: corrupted"):
+        runtime(tmp_path, KVStrategy("full")).history(good)
 
 
 def test_foreign_weights_are_refused_and_set_aside(tmp_path):
