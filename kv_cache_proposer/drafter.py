@@ -6,31 +6,21 @@ drafter keeps no state between calls, and its K/V and hidden states are transien
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
 
 import torch
 
+from kv_cache_proposer.draft_result import DrafterInputError, DraftResult  # noqa: F401 (re-exported)
 from kv_cache_proposer.model import DrafterConfig, DrafterModel
 
 CHECKPOINTS_DIR = pathlib.Path(__file__).resolve().parent / "checkpoints"
 WEIGHTS_FILE = "drafter.safetensors"
 MANIFEST_FILE = "manifest.json"
+FORMAT_V2 = "kakeya-drafter/2"
 
 
-class DrafterInputError(ValueError):
-    """The caller passed inputs the drafter cannot use; the message names the value and the fix."""
-
-
-@dataclasses.dataclass
-class DraftResult:
-    ids: torch.LongTensor  # (k,)
-    probs: torch.Tensor  # (k, V) drafter distribution of each slot at the step it was committed
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each (H, T + k, D), last denoising pass
-    hidden: torch.Tensor  # (T + k, d) last-layer hidden states of the last denoising pass
-    steps_used: int = 0
 
 
 class Drafter:
@@ -147,7 +137,8 @@ def save_drafter(model: DrafterModel, out_dir: str | pathlib.Path, manifest_extr
              for k, v in model.state_dict().items()}
     save_file(state, str(out / WEIGHTS_FILE))
     (out / WEIGHTS_FILE).chmod(0o644)  # safetensors writes 0600; the checkpoint ships as package data
-    manifest = {"format": "kakeya-drafter/1", "config": model.cfg.to_dict(), "weights": WEIGHTS_FILE,
+    fmt = FORMAT_V2 if hasattr(model.cfg, "capture_layers") else "kakeya-drafter/1"
+    manifest = {"format": fmt, "config": model.cfg.to_dict(), "weights": WEIGHTS_FILE,
                 "weights_dtype": str(dtype).replace("torch.", ""),
                 "trainable_params": int(sum(v.numel() for v in state.values() if v.is_floating_point()))}
     old = out / MANIFEST_FILE
@@ -161,15 +152,25 @@ def save_drafter(model: DrafterModel, out_dir: str | pathlib.Path, manifest_extr
 
 
 def load_drafter(name_or_path: str, *, verifier_embed: torch.Tensor, verifier_lm_head: torch.Tensor,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Drafter:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load a drafter by shipped name (kv_cache_proposer/checkpoints/<name>/) or directory, sharing the
-    verifier's frozen token embedding (V, H) and LM head weight (V, H)."""
+    verifier's frozen token embedding (V, H) and LM head weight (V, H). The manifest's format picks the
+    kind: kakeya-drafter/1 -> Drafter (v1, cache-free), kakeya-drafter/2 -> DFlashDrafter (v2)."""
     from safetensors.torch import load_file
 
     path = resolve_checkpoint(name_or_path)
     manifest = json.loads((path / MANIFEST_FILE).read_text())
-    cfg = DrafterConfig.from_dict(manifest["config"])
-    model = DrafterModel(cfg, verifier_embed.detach().to(device, dtype), verifier_lm_head.detach().to(device, dtype))
+    fmt = manifest.get("format", "kakeya-drafter/1")
+    if fmt == FORMAT_V2:  # the DFlash-style drafter conditioned on several verifier layers (dflash_model.py)
+        from kv_cache_proposer.dflash_drafter import DFlashDrafter
+        from kv_cache_proposer.dflash_model import DFlashConfig, DFlashModel
+
+        cfg, make_model, wrap = DFlashConfig.from_dict(manifest["config"]), DFlashModel, DFlashDrafter
+    elif fmt == "kakeya-drafter/1":
+        cfg, make_model, wrap = DrafterConfig.from_dict(manifest["config"]), DrafterModel, Drafter
+    else:
+        raise ValueError(f"drafter checkpoint {path} has format {fmt!r}; this runtime reads kakeya-drafter/1 and {FORMAT_V2}")
+    model = make_model(cfg, verifier_embed.detach().to(device, dtype), verifier_lm_head.detach().to(device, dtype))
     state = load_file(str(path / manifest.get("weights", WEIGHTS_FILE)))
     state = {k: (v.to(dtype) if v.is_floating_point() else v.long()) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -178,4 +179,4 @@ def load_drafter(name_or_path: str, *, verifier_embed: torch.Tensor, verifier_lm
     model.to(device)
     for p in model.parameters():
         p.requires_grad_(False)
-    return Drafter(model)
+    return wrap(model)

@@ -3,12 +3,15 @@
 For each held-out prompt and each drafter in --drafters and k in --ks, greedy-generate --tokens
 tokens with speculation and once without; record the acceptance rate alpha = accepted / drafted,
 tokens emitted per verifier forward, decode tok/s, the drafter's share of decode time, and check
-the outputs are token-identical. Styles (the dLM drafter's held-out split, never trained on):
+the outputs are token-identical; per slot j, alpha_j = P(draft j accepted | drafts < j accepted) and the
+histogram of accepted drafts per verify step (recorded by wrapping the engine's acceptance rule). Styles (the dLM drafter's held-out split, never trained on):
   chat  a question about a command (man pages), raw
   code  a Python function's opening, to be continued (code completion)
   edit  the same held-out function inside a chat-templated editing request ("add type hints,
         reply with the whole function"): the answer re-states the input, as agents' edits do
-Writes results/speculative.json and .png (one file: every drafter and k of the run).
+Writes results/speculative.json and .png (one file: every drafter and k of the run). The arms of one
+prompt run back to back, so on a loaded machine the ratios are side by side while absolute tok/s move;
+the JSON records the load average at start and end.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ class TimedDrafter:
     def __init__(self, inner):
         self.inner, self.seconds, self.calls = inner, 0.0, 0
         self.context_window, self.uses_verifier_hidden = inner.context_window, inner.uses_verifier_hidden
+        if getattr(inner, "capture_layers", ()):  # v2: the engine captures these layers and keeps the drafter's cache
+            self.capture_layers, self.new_state = inner.capture_layers, inner.new_state
 
     def draft(self, *a, **kw):
         t = time.perf_counter()
@@ -36,6 +41,23 @@ class TimedDrafter:
         finally:
             self.seconds += time.perf_counter() - t
             self.calls += 1
+
+
+class AcceptanceLog:
+    """Wraps steps.accept_drafts to record (drafted, accepted) of every verify step of the current arm."""
+
+    def __init__(self):
+        import inference_engine.engine.steps as steps_mod
+
+        self.rows: list[tuple[int, int]] = []
+        inner = steps_mod.accept_drafts
+
+        def accept(drafts, logits, params, gen):
+            acc, nxt = inner(drafts, logits, params, gen)
+            self.rows.append((len(drafts), len(acc)))
+            return acc, nxt
+
+        steps_mod.accept_drafts = accept
 
 
 def run(engine, ids, n):
@@ -54,7 +76,7 @@ def run(engine, ids, n):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--drafters", default="ngram,smollm2-135m-dlm", help="comma list: ngram (prompt lookup) and/or dLM drafter names/dirs")
+    ap.add_argument("--drafters", default="ngram,smollm2-135m-dlm,smollm2-135m-dflash", help="comma list: ngram (prompt lookup) and/or dLM drafter names/dirs")
     ap.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
     ap.add_argument("--styles", default="chat,code,edit")
     ap.add_argument("--heldout-from", default="smollm2-135m-dlm",
@@ -65,6 +87,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-strategy", default="sink_window")
     ap.add_argument("--out", default=str(ROOT / "results" / "speculative.json"))
+    ap.add_argument("--v2-drafter", default="smollm2-135m-dflash", help="the drafter issue 18's targets are checked on")
+    ap.add_argument("--time-budget-min", type=float, default=0.0, help="stop starting prompts after this long (0 = all)")
     args = ap.parse_args()
 
     import torch
@@ -95,10 +119,15 @@ def main() -> int:
     arms = [(d, k) for d in drafters for k in ks]
     specs = {(d, k): Engine(model, strategy, drafter=drafters[d], spec_k=k) for d, k in arms}
 
+    log = AcceptanceLog()
     for eng in (ar, *specs.values()):  # warm-up: first-call allocations and kernel selection stay out of the timings
         run(eng, prompts[0][1]["ids"], 8)
     per_prompt = []
+    t_bench = time.perf_counter()
     for i, (style, p) in enumerate(prompts):
+        if args.time_budget_min and time.perf_counter() - t_bench > args.time_budget_min * 60:
+            print(f"time budget spent: {i} of {len(prompts)} prompts run", flush=True)
+            break
         ids = p["ids"]
         row = {"key": p["key"], "style": style, "prompt_tokens": len(ids)}
         t0 = time.perf_counter()
@@ -107,6 +136,7 @@ def main() -> int:
         for (d, k), eng in specs.items():
             drafter = drafters[d]
             drafter.seconds = drafter.calls = 0
+            log.rows = []
             toks, done = run(eng, ids, args.tokens)
             steps = max(1, done.generated_tokens - 1 - done.accepted_tokens)
             row[arm_key(d, k)] = {
@@ -117,6 +147,7 @@ def main() -> int:
                 "drafter_s": drafter.seconds,
                 "generated": done.generated_tokens,
                 "identical_to_ar": toks == ref,
+                "blocks": [list(r) for r in log.rows],  # (drafted, accepted) per verify step
             }
         per_prompt.append(row)
         print(f"[{i + 1}/{len(prompts)}] {style} {p['key']}: " + " ".join(
@@ -141,6 +172,7 @@ def main() -> int:
             "drafter_share_of_decode": sum(r[key]["drafter_s"] for r in rows) / dec,
             "identical_to_ar": sum(r[key]["identical_to_ar"] for r in rows),
             "prompts": len(rows),
+            **per_slot(rows, key),
         }
 
     groups = {style: [r for r in per_prompt if r["style"] == style] for style in styles} | {"all": per_prompt}
@@ -156,9 +188,11 @@ def main() -> int:
         "met_chat_floor": summary["chat"][best["chat"]]["speedup"] >= 1.0 if "chat" in summary else None,
         "all_identical_to_ar": all(v["identical_to_ar"] == v["prompts"] for s in summary.values() for v in s.values()),
     }
-    out = run_metadata(vars(args) | {"n_prompts": len(prompts), "heldout_split_rule": heldout.get("split_rule"),
+    v2 = issue18_targets(summary, args.v2_drafter) if args.v2_drafter in drafters else None
+    out = run_metadata(vars(args) | {"n_prompts": len(per_prompt), "heldout_split_rule": heldout.get("split_rule"),
                                      "edit_instruction": EDIT_INSTRUCTION})
-    out |= {"summary": summary, "targets": targets, "prompts": per_prompt}
+    out["machine"]["load_average_at_end"] = os.getloadavg()
+    out |= {"summary": summary, "targets": targets, "targets_issue18": v2, "prompts": per_prompt}
     import pathlib
 
     out_path = pathlib.Path(args.out)
@@ -166,7 +200,42 @@ def main() -> int:
     plot(summary, list(drafters), ks, styles, out_path.with_suffix(".png"))
     print(json.dumps({s: {a: round(v["speedup"], 3) for a, v in summary[s].items()} for s in summary}, indent=1))
     print(targets)
+    print(json.dumps(v2, indent=1))
     return 0
+
+
+def per_slot(rows, key) -> dict:
+    """alpha per block slot (accepted given the slots before it were) and the accepted-count histogram."""
+    blocks = [b for r in rows for b in r[key].get("blocks", [])]
+    kmax = max((d for d, _ in blocks), default=0)
+    alpha = []
+    for j in range(1, kmax + 1):
+        reached = sum(1 for d, a in blocks if d >= j and a >= j - 1)
+        alpha.append(round(sum(1 for d, a in blocks if a >= j) / reached, 4) if reached else None)
+    hist = [sum(1 for _, a in blocks if a == n) for n in range(kmax + 1)]
+    return {"alpha_per_slot": alpha, "accepted_histogram": hist, "verify_steps": len(blocks),
+            "mean_accepted_per_verify_step": sum(a for _, a in blocks) / len(blocks) if blocks else 0.0}
+
+
+def issue18_targets(summary: dict, drafter: str) -> dict:
+    """Issue 18: at k = 4, tokens per verify step >= 2.5 on code/editing and >= 2.0 on chat; greedy speedup
+    >= 1.8x / 1.4x over own AR; outputs exact. Tokens per verify step = accepted drafts + the verifier's own
+    token (the acceptance length tau of EAGLE/DFlash); verify steps counted over the steps that drafted."""
+    out = {"drafter": drafter, "k": 4, "tokens_per_step_min": {"code": 2.5, "edit": 2.5, "chat": 2.0},
+           "speedup_min": {"code": 1.8, "edit": 1.8, "chat": 1.4}, "measured": {}}
+    for style in ("chat", "code", "edit"):
+        arm = summary.get(style, {}).get(arm_key(drafter, 4))
+        if arm is None:
+            continue
+        tau = 1.0 + arm["mean_accepted_per_verify_step"]
+        out["measured"][style] = {
+            "tokens_per_verify_step": round(tau, 4), "mean_tokens_per_verifier_forward": round(arm["mean_tokens_per_verifier_step"], 4),
+            "speedup": round(arm["speedup"], 4), "alpha_per_slot": arm["alpha_per_slot"],
+            "identical_to_ar": f"{arm['identical_to_ar']}/{arm['prompts']}",
+            "met_tokens_per_step": tau >= out["tokens_per_step_min"][style],
+            "met_speedup": arm["speedup"] >= out["speedup_min"][style],
+        }
+    return out
 
 
 EDIT_INSTRUCTION = "Add type hints to this Python function. Reply with the complete function only."

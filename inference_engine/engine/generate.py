@@ -90,8 +90,9 @@ class Engine:
     def new_session_kv(self) -> SessionKV:
         cache = make_cache(self.strategy, self.model.geometry(), max_step=self.prefill_chunk, max_context=self.max_context,
                            restore_source=self.restore_source)
-        keep = self.drafter.context_window if self.drafter is not None and self.drafter.uses_verifier_hidden else 0
-        return SessionKV(cache, hidden_keep=keep)
+        d = self.drafter
+        keep = d.context_window if d is not None and d.uses_verifier_hidden else 0
+        return SessionKV(cache, hidden_keep=keep, capture_layers=getattr(d, "capture_layers", ()) if keep else ())
 
     def history_limit(self) -> int | None:
         """Longest history the strategy can serve; None = unbounded (sink_window: positions past
@@ -114,6 +115,15 @@ class Engine:
         if k <= 0:
             return []
         d = self.drafter
+        layers = getattr(d, "capture_layers", ())
+        if layers:  # v2: the last token + the captured layers' features of the positions before it, and its own cache
+            if kv.capture_layers != tuple(layers):  # a session saved under another drafter: features rebuild from here
+                kv.capture_layers, kv.recent_hidden, kv.hidden_keep = tuple(layers), None, d.context_window
+            if kv.drafter_state is None:
+                kv.drafter_state = d.new_state()
+            res = d.draft(torch.tensor(context[-1:], dtype=torch.long), k, context_hidden=kv.recent_hidden,
+                          state=kv.drafter_state, position=kv.next_position)
+            return [int(t) for t in res.ids[:k]]
         tail = context[-d.context_window :]
         hidden = None
         if d.uses_verifier_hidden and kv.recent_hidden is not None:

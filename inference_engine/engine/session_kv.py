@@ -10,13 +10,16 @@ from inference_engine.kv.slot_cache import CacheState
 
 class SessionKV:
     """The resident cache, the logits after the last committed token, and the verifier hidden
-    states of the most recent positions (drafter features)."""
+    states of the most recent positions (drafter features): the final hidden states, or with
+    `capture_layers` (a v2 drafter) the outputs of those layers, concatenated."""
 
-    def __init__(self, cache, hidden_keep: int = 0):
+    def __init__(self, cache, hidden_keep: int = 0, capture_layers: tuple = ()):
         self.cache = cache
         self.last_logits: torch.Tensor | None = None  # (V,) float32, host
         self.hidden_keep = hidden_keep
-        self.recent_hidden: torch.Tensor | None = None  # (<= hidden_keep, H), ends at next_position
+        self.capture_layers = tuple(capture_layers)
+        self.recent_hidden: torch.Tensor | None = None  # (<= hidden_keep, H or len(capture_layers) * H), ends at next_position
+        self.drafter_state = None  # a v2 drafter's own cache (not saved: rebuilt from recent_hidden)
         self.draft_gate = DraftGate()  # speculative decoding's back-off (not saved: it never changes output)
 
     def remember_hidden(self, hidden: torch.Tensor, n_committed: int) -> None:
@@ -52,6 +55,8 @@ class SessionKV:
         if self.recent_hidden is not None:
             tensors["session.recent_hidden"] = self.recent_hidden.cpu()
         meta["session.hidden_keep"] = self.hidden_keep
+        if self.capture_layers:
+            meta["session.capture_layers"] = list(self.capture_layers)
         return CacheState(tensors, meta)
 
     @classmethod
@@ -60,7 +65,7 @@ class SessionKV:
         cache = cache_from_state(state, geometry, max_step=max_step, max_context=max_context,
                                  restore_source=restore_source)
         keep = state.meta["session.hidden_keep"] if hidden_keep is None else hidden_keep
-        kv = cls(cache, hidden_keep=keep)
+        kv = cls(cache, hidden_keep=keep, capture_layers=tuple(state.meta.get("session.capture_layers", ())))
         kv.last_logits = state.tensors.get("session.last_logits")
         h = state.tensors.get("session.recent_hidden")
         kv.recent_hidden = h.to(geometry.device) if h is not None and keep else None

@@ -27,6 +27,8 @@ class StepInput:
     logits: str = "all"  # "all" -> (T, V), "last" -> (1, V), "none" -> None
     restored: Any = None  # a RestoreSource for a dlm_restore cache; None = the cache's own
     row_exact: bool = False  # each query row attends as a one-token step would (decode, verify)
+    capture: tuple = ()  # layers whose output (residual stream) to keep for a v2 drafter; () = none, no cost
+    captured: Any = None  # set by the forward when `capture`: (T, len(capture) * hidden), layers in order
 
 
 def forward(backend, ids, positions, cache, *, logits: str = "all", restored=None, row_exact: bool = False):
@@ -102,6 +104,8 @@ def _forward_items(backend, items: list) -> list:
         rope = backend.rope(backend.cat([it.layout.positions for it in items], 0))
         ends = list(itertools.accumulate(it.t for it in items))
         bounds = list(zip([0, *ends[:-1]], ends))
+    want = {i for it in items for i in it.inp.capture}
+    kept = {}
     for i in range(backend.spec.num_layers):
         q, k, v = backend.project(i, x)
         q, q_normed = backend.position_q(i, q, rope)
@@ -112,7 +116,13 @@ def _forward_items(backend, items: list) -> list:
             o = backend.cat([it.attend(backend, i, q[:, a:b], q_normed[:, a:b], k[:, a:b], v[:, a:b])
                              for it, (a, b) in zip(items, bounds)], 1)
         x = backend.finish(i, x, o)
+        if i in want:
+            kept[i] = x
         del q, k, v, o
+    if want:
+        for it, (a, b) in zip(items, bounds or [(0, items[0].t)]):
+            if it.inp.capture:
+                it.inp.captured = backend.cat([kept[i][a:b] for i in it.inp.capture], -1)
     hidden = backend.final_norm(x)
     if bounds is None:
         return [_logits(backend, items[0].inp.logits, hidden)]
@@ -144,14 +154,16 @@ class StepResult:
 
 
 def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False, run: Callable | None = None):
-    """Forward `ids` at the session's next positions, uncommitted; returns (host logits, hidden).
+    """Forward `ids` at the session's next positions, uncommitted; returns (host logits, drafter
+    features): the final hidden states, or the captured layers' outputs when kv.capture_layers.
     `run` executes the forward (default forward_batch; the engine passes its StepBatcher's).
     On failure the step is aborted and the cache is as before."""
     start = kv.cache.next_position
-    inp = StepInput(backend.tensor(list(ids)), range(start, start + len(ids)), kv.cache, logits, row_exact=row_exact)
+    inp = StepInput(backend.tensor(list(ids)), range(start, start + len(ids)), kv.cache, logits, row_exact=row_exact,
+                    capture=kv.capture_layers)
     try:
         out, hidden = (run or forward_batch)(backend, [inp])[0]
-        return backend.to_host(out), hidden
+        return backend.to_host(out), (inp.captured if inp.capture else hidden)
     except BaseException:
         kv.cache.abort()
         raise

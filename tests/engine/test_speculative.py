@@ -140,9 +140,24 @@ def small_vocab_setup():
     return model, history, exact_marginals(model, history)
 
 
-def test_speculative_sampling_matches_verifier_distribution(small_vocab_setup):
+def small_vocab_drafter(kind, model):
+    """hash: fixed drafts; dflash: a random-weight v2 drafter reading the verifier's layer-0 outputs."""
+    if kind == "hash":
+        return HashDrafter(VOCAB)
+    from kv_cache_proposer.dflash_drafter import DFlashDrafter
+    from kv_cache_proposer.dflash_model import DFlashConfig, DFlashModel
+
+    torch.manual_seed(0)
+    V, H = model.embed.shape
+    cfg = DFlashConfig(vocab_size=V, verifier_hidden_size=H, capture_layers=(0,), hidden_size=32, num_layers=1, num_heads=4,
+                       num_kv_heads=2, intermediate_size=64, draft_vocab_size=0, context_window=8)
+    return DFlashDrafter(DFlashModel(cfg, model.embed.float(), model.lm_head.float()))
+
+
+@pytest.mark.parametrize("drafter_kind", ["hash", "dflash"])
+def test_speculative_sampling_matches_verifier_distribution(small_vocab_setup, drafter_kind):
     model, history, (p2, p3) = small_vocab_setup
-    engine = Engine(model, KVStrategy("full"), drafter=HashDrafter(VOCAB), spec_k=2)
+    engine = Engine(model, KVStrategy("full"), drafter=small_vocab_drafter(drafter_kind, model), spec_k=2)
     c2, c3 = empirical(engine, history, 2000)
     assert chi2_pvalue(c2, p2) > 1e-3 and chi2_pvalue(c3, p3) > 1e-3
 

@@ -1,0 +1,187 @@
+"""The v2 drafter network (DFlash-style): a block [last token, MASK x (B-1)] is drafted in one
+bidirectional pass whose every layer also attends to the verifier's context, injected as extra
+keys/values projected from the verifier's hidden states of a few layers.
+
+Context features: c_t = ctx_norm(fc(concat_l feat_norm_l(h_t^l))) for the captured verifier layers l
+(the residual stream after those layers, each RMS-normed first: the mid-layer streams carry outliers
+in the thousands). Each drafter layer projects c_t with its own k/v projections (the ones its block
+tokens use too) and RoPE at c_t's position, so a context position's K/V never change once made: the
+drafter caches them (dflash_drafter.DraftCache). Block slot j >= 1 (a MASK) predicts its own token
+through out_proj and the verifier's frozen LM head restricted to the draft vocabulary (FR-Spec).
+
+The shared embedding and head are non-persistent buffers: never trained, never saved.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kv_cache_proposer.model import RMSNorm, apply_rope
+
+
+@dataclasses.dataclass
+class DFlashConfig:
+    vocab_size: int
+    verifier_hidden_size: int
+    capture_layers: tuple = (1, 8, 15, 22, 28)
+    hidden_size: int = 576
+    num_layers: int = 2
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    intermediate_size: int = 1536
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    draft_vocab_size: int = 8192  # 0 = the full vocabulary
+    context_window: int = 128  # verifier positions each block attends to (the drafter's cache size)
+    block_size: int = 5  # [last token, block_size - 1 masks]: up to block_size - 1 drafts per call
+    verifier: str = ""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.capture_layers) * self.verifier_hidden_size
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["capture_layers"] = list(self.capture_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DFlashConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["capture_layers"] = tuple(kw.get("capture_layers", ()))
+        return cls(**kw)
+
+
+def rope_at(positions: torch.Tensor, head_dim: int, theta: float, dtype):
+    """cos/sin (…, T, D) at arbitrary integer positions (…, T)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.float()[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+class ContextBlock(nn.Module):
+    """One drafter layer: the block's queries attend to [context K/V ; block K/V]."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        d, D = cfg.hidden_size, cfg.head_dim
+        self.h, self.hkv, self.D = cfg.num_heads, cfg.num_kv_heads, D
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q = nn.Linear(d, self.h * D, bias=False)
+        self.kv = nn.Linear(d, 2 * self.hkv * D, bias=False)
+        self.o = nn.Linear(self.h * D, d, bias=False)
+        self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def project_kv(self, c, cos, sin):
+        # c: (B, T, d) normed context features or normed block inputs -> k, v (B, Hkv, T, D)
+        B, T, _ = c.shape
+        k, v = self.kv(c).view(B, T, 2, self.hkv, self.D).permute(2, 0, 3, 1, 4)
+        return apply_rope(k, cos[:, None], sin[:, None]), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        # x: (B, Q, d) block rows; cos/sin (B, Q, D); ctx_k/v (B, Hkv, C, D); mask (B, 1, Q, C + Q) bool
+        B, Q, d = x.shape
+        hx = self.attn_norm(x)
+        q = apply_rope(self.q(hx).view(B, Q, self.h, self.D).transpose(1, 2), cos[:, None], sin[:, None])
+        bk, bv = self.project_kv(hx, cos, sin)
+        k = torch.cat([ctx_k, bk], dim=2).repeat_interleave(self.h // self.hkv, dim=1)
+        v = torch.cat([ctx_v, bv], dim=2).repeat_interleave(self.h // self.hkv, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o(a.transpose(1, 2).reshape(B, Q, self.h * self.D))
+        g, u = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class DFlashModel(nn.Module):
+    def __init__(self, cfg: DFlashConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
+        super().__init__()
+        V, Hv = embed_weight.shape
+        if (V, Hv) != (cfg.vocab_size, cfg.verifier_hidden_size) or head_weight.shape != (V, Hv):
+            raise ValueError(
+                f"verifier embedding {tuple(embed_weight.shape)} / LM head {tuple(head_weight.shape)} do not match "
+                f"the drafter config (vocab {cfg.vocab_size}, hidden {cfg.verifier_hidden_size}); "
+                "pass the embedding and head of the verifier this drafter was trained for"
+            )
+        if cfg.num_heads % cfg.num_kv_heads or not cfg.capture_layers:
+            raise ValueError(f"bad drafter config: heads {cfg.num_heads} / kv heads {cfg.num_kv_heads}, layers {cfg.capture_layers}")
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("head_weight", head_weight.detach(), persistent=False)
+        n_draft = cfg.draft_vocab_size or V
+        self.register_buffer("draft_vocab", torch.arange(n_draft), persistent=True)
+        self.register_buffer("draft_head", self.head_weight[:n_draft], persistent=False)
+        L = len(cfg.capture_layers)
+        self.feat_norm = nn.Parameter(torch.ones(L, Hv))
+        self.fc = nn.Linear(L * Hv, d, bias=False)
+        self.ctx_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.mask_embed = nn.Parameter(torch.randn(Hv) * 0.02)
+        self.emb_norm = RMSNorm(Hv, cfg.rms_norm_eps)
+        self.in_proj = nn.Linear(Hv, d, bias=False) if d != Hv else nn.Identity()
+        self.layers = nn.ModuleList(ContextBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(d, Hv, bias=False)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.in_features))
+        for blk in self.layers:  # residual branches start small
+            blk.o.weight.data.mul_(0.1)
+            blk.down.weight.data.mul_(0.1)
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.head_weight.device)
+        if ids.numel() != self.draft_vocab.numel():
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids; the config says {self.draft_vocab.numel()}")
+        self.draft_vocab = ids
+        self.draft_head = self.head_weight[ids]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.draft_head = self.head_weight[self.draft_vocab]
+
+    def context_features(self, feats):
+        """feats (…, T, L*Hv) verifier layer outputs -> (…, T, d) normed context features."""
+        L, Hv = self.feat_norm.shape
+        f = feats.to(self.fc.weight.dtype).unflatten(-1, (L, Hv))
+        f = f * torch.rsqrt(f.float().pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps).to(f.dtype) * self.feat_norm
+        return self.ctx_norm(self.fc(f.flatten(-2)))
+
+    def context_kv(self, c, positions):
+        """c (B, T, d) context features at positions (B, T) -> per layer (K, V), each (B, Hkv, T, D)."""
+        cos, sin = rope_at(positions, self.cfg.head_dim, self.cfg.rope_theta, c.dtype)
+        return [blk.project_kv(c, cos, sin) for blk in self.layers]
+
+    def block_inputs(self, first_ids):
+        """first_ids (B, N) -> block inputs (B, N * block_size, d): [embed(first), mask, ...] per block."""
+        B, N = first_ids.shape
+        e = F.embedding(first_ids.clamp(0, self.cfg.vocab_size - 1), self.embed_weight).to(self.mask_embed.dtype)
+        blk = torch.cat([e[:, :, None], self.mask_embed.expand(B, N, self.cfg.block_size - 1, -1)], dim=2)
+        return self.in_proj(self.emb_norm(blk)).flatten(1, 2)
+
+    def run_blocks(self, first_ids, block_pos, ctx_kv, mask):
+        """first_ids (B, N); block_pos (B, N * bs) positions; ctx_kv per layer; mask (B, 1, N*bs, C + N*bs).
+        Returns the final normed hidden of every block row (B, N * bs, d)."""
+        x = self.block_inputs(first_ids)
+        cos, sin = rope_at(block_pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for blk, (ck, cv) in zip(self.layers, ctx_kv):
+            x = blk(x, cos, sin, ck, cv, mask)
+        return self.final_norm(x)
+
+    def project(self, h):
+        return self.out_proj(h)
+
+    def logits(self, h):
+        """(…, d) -> (…, N) logits over the draft vocabulary (column c is token draft_vocab[c])."""
+        return self.project(h) @ self.draft_head.T.to(h.dtype)

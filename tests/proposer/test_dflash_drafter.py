@@ -1,0 +1,189 @@
+"""The v2 (DFlash-style) drafter over tiny random verifiers: the engine captures the verifier layers it
+reads during the steps it runs anyway, its cache drafts what a cache-free call drafts, speculation with
+it is token-identical to autoregressive greedy decoding, and checkpoints round-trip."""
+import json
+import threading
+
+import pytest
+import torch
+
+from factories import load_model, tiny_model_dir
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.generate import Engine, GenerateParams
+from inference_engine.engine.steps import StepInput, forward_batch
+from inference_engine.kv.factory import make_cache
+from inference_engine.kv.strategy import KVStrategy
+from kv_cache_proposer import load_drafter, save_drafter
+from kv_cache_proposer.dflash_drafter import DFlashDrafter
+from kv_cache_proposer.dflash_model import DFlashConfig, DFlashModel
+
+LAYERS = (0, 1)  # of a 3-layer tiny verifier: neither is the last (whose HF hidden_states entry is normed)
+
+
+def tiny_verifier_dir():
+    return tiny_model_dir("llama", num_hidden_layers=3)
+
+
+def tiny_dflash(model, *, window: int = 12, block: int = 5, draft_vocab: int = 0, seed: int = 0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    V, H = model.embed.shape
+    cfg = DFlashConfig(vocab_size=V, verifier_hidden_size=H, capture_layers=LAYERS, hidden_size=32, num_layers=2,
+                       num_heads=4, num_kv_heads=2, intermediate_size=64, draft_vocab_size=draft_vocab,
+                       context_window=window, block_size=block)
+    m = DFlashModel(cfg, model.embed.float(), model.lm_head.float())
+    with torch.no_grad():  # decisive, input-sensitive outputs
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return DFlashDrafter(m)
+
+
+def prompt(n, seed=0, vocab=256):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate(engine, history, n, kv=None):
+    kv = kv or engine.new_session_kv()
+    evs = list(engine.generate(kv, history, GenerateParams(max_tokens=n)))
+    return [e.token_id for e in evs if isinstance(e, TokenGenerated)], evs[-1], kv
+
+
+def hf_layer_outputs(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        hs = hf.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1][0] for i in LAYERS], -1)
+
+
+def test_forward_captures_the_requested_layers_and_nothing_when_off():
+    path = tiny_verifier_dir()
+    model = load_model(str(path))
+    ids = prompt(9)
+    cache = make_cache(KVStrategy("full"), model.geometry(), max_step=64, max_context=model.spec.max_context)
+    off = StepInput(torch.tensor(ids), range(0, 9), cache, "last")
+    forward_batch(model, [off])
+    cache.abort()
+    assert off.captured is None
+    on = StepInput(torch.tensor(ids), range(0, 9), cache, "last", capture=LAYERS)
+    forward_batch(model, [on])
+    cache.abort()
+    want = hf_layer_outputs(path, ids)
+    assert on.captured.shape == (9, len(LAYERS) * model.spec.hidden_size)
+    torch.testing.assert_close(on.captured.float(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_forward_gives_each_step_its_own_capture():
+    model = load_model(str(tiny_verifier_dir()))
+    mk = lambda: make_cache(KVStrategy("full"), model.geometry(), max_step=64, max_context=model.spec.max_context)  # noqa: E731
+    a, b = prompt(7, 1), prompt(5, 2)
+    alone = []
+    for ids in (a, b):
+        inp = StepInput(torch.tensor(ids), range(len(ids)), mk(), "last", capture=LAYERS)
+        forward_batch(model, [inp])
+        alone.append(inp.captured)
+    both = [StepInput(torch.tensor(a), range(7), mk(), "last", capture=LAYERS), StepInput(torch.tensor(b), range(5), mk(), "last")]
+    forward_batch(model, both)
+    torch.testing.assert_close(both[0].captured, alone[0], rtol=1e-5, atol=1e-5)
+    assert both[1].captured is None
+
+
+def test_engine_keeps_the_captured_features_of_committed_positions():
+    path = tiny_verifier_dir()
+    model = load_model(str(path))
+    d = tiny_dflash(model, window=12)
+    engine = Engine(model, KVStrategy("full"), prefill_chunk=16, drafter=d, spec_k=4)
+    history = prompt(20, seed=3)
+    toks, _, kv = generate(engine, history, 10)
+    assert kv.capture_layers == LAYERS and kv.recent_hidden.shape == (12, len(LAYERS) * model.spec.hidden_size)
+    # the features of the last 12 committed positions are the verifier's layer outputs there
+    seq = (history + toks)[: kv.next_position]
+    want = hf_layer_outputs(path, seq)[-12:]
+    torch.testing.assert_close(kv.recent_hidden.float(), want, rtol=1e-3, atol=1e-3)
+    assert Engine(model, KVStrategy("full")).new_session_kv().capture_layers == ()
+
+
+def test_cached_drafts_equal_cache_free_drafts():
+    model = load_model(str(tiny_verifier_dir()))
+    d = tiny_dflash(model, window=10)
+    F = len(LAYERS) * model.spec.hidden_size
+    feats = torch.randn(40, F, generator=torch.Generator().manual_seed(0))
+    state = d.new_state()
+    pos = 3
+    for step, last in enumerate([5, 9, 11, 7, 30, 4, 8]):
+        pos += [1, 3, 2, 5, 1, 4, 2][step]  # positions advance by 1 + accepted, sometimes past the window
+        r_cached = d.draft([last], 4, context_hidden=feats[max(0, pos - 10) : pos], state=state, position=pos)
+        r_free = d.draft([last], 4, context_hidden=feats[max(0, pos - 10) : pos], position=pos)
+        assert r_cached.ids.tolist() == r_free.ids.tolist()
+        torch.testing.assert_close(r_cached.probs, r_free.probs, rtol=1e-4, atol=1e-5)
+        assert state.positions == min(pos, 10)
+    # the drafts depend on the verifier features (it is conditioned on them)
+    other = d.draft([8], 4, context_hidden=torch.zeros(10, F), position=pos)
+    assert not torch.allclose(other.probs, r_free.probs)
+    assert d.draft([8], 9, context_hidden=feats[:pos][-10:]).ids.numel() == 4  # at most block_size - 1 drafts
+
+
+@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 24)], ids=lambda s: s.name)
+def test_greedy_speculation_with_the_v2_drafter_equals_autoregressive(strategy):
+    model = load_model(str(tiny_verifier_dir()))
+    ar = Engine(model, strategy, prefill_chunk=32)
+    for k, dv in ((1, 0), (3, 64), (4, 0)):
+        spec = Engine(model, strategy, prefill_chunk=32, drafter=tiny_dflash(model, draft_vocab=dv, seed=k), spec_k=k)
+        history = prompt(50, seed=k)  # longer than the 4+24 window and the drafter's 12
+        want, _, _ = generate(ar, history, 40)
+        got, done, _ = generate(spec, history, 40)
+        assert got == want
+        assert done.drafted_tokens > 0
+
+
+def test_multi_turn_and_concurrent_sessions_stay_exact():
+    from inference_engine.backends.torch.model import TorchCausalLM
+
+    model = TorchCausalLM.load(str(tiny_verifier_dir()), weights="int8")  # row-independent kernels: batching is exact
+    strategy = KVStrategy("sink_window", 4, 16)
+    ar = Engine(model, strategy, prefill_chunk=16)
+    spec = Engine(model, strategy, prefill_chunk=16, drafter=tiny_dflash(model, window=8), spec_k=4, batching="on")
+    out = {}
+
+    def session(engine, seed, key):
+        kv, history = engine.new_session_kv(), []
+        for turn in range(3):
+            history += prompt(9 + 20 * (turn == 1), seed=seed * 10 + turn)  # turn 1 is longer than the drafter's window
+            toks, _, kv = generate(engine, history, 11, kv)
+            history += toks
+        out[key] = history
+
+    threads = [threading.Thread(target=session, args=(spec, s, ("spec", s))) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in (1, 2):
+        session(ar, s, ("ar", s))
+        assert out[("spec", s)] == out[("ar", s)]
+
+
+def test_session_state_round_trip_keeps_the_capture_layers():
+    from inference_engine.engine.session_kv import SessionKV
+
+    model = load_model(str(tiny_verifier_dir()))
+    engine = Engine(model, KVStrategy("full"), prefill_chunk=16, drafter=tiny_dflash(model), spec_k=3)
+    _, _, kv = generate(engine, prompt(15), 6)
+    st = kv.state()
+    back = SessionKV.from_state(st, model.geometry(), max_step=16, max_context=model.spec.max_context)
+    assert back.capture_layers == LAYERS and torch.equal(back.recent_hidden, kv.recent_hidden)
+
+
+def test_checkpoint_round_trip_by_directory(tmp_path):
+    model = load_model(str(tiny_verifier_dir()))
+    d = tiny_dflash(model, draft_vocab=64)
+    d.model.set_draft_vocab(torch.arange(100, 164))
+    save_drafter(d.model, tmp_path / "ck", {"name": "tiny-dflash"})
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["format"] == "kakeya-drafter/2" and manifest["config"]["capture_layers"] == list(LAYERS)
+    back = load_drafter(str(tmp_path / "ck"), verifier_embed=model.embed, verifier_lm_head=model.lm_head)
+    assert isinstance(back, DFlashDrafter) and back.capture_layers == LAYERS
+    feats = torch.randn(6, len(LAYERS) * model.spec.hidden_size)
+    a, b = d.draft([7], 4, context_hidden=feats), back.draft([7], 4, context_hidden=feats)
+    assert a.ids.tolist() == b.ids.tolist() and bool((a.ids >= 100).all() and (a.ids < 164).all())
