@@ -1,8 +1,16 @@
 """Passkey (needle-in-a-haystack) recall ladder through the real gRPC server and Python SDK.
 
-Each sample is a filler document with one needle sentence carrying a random 5-digit
-passkey at a random depth, then the question; greedy decoding; recall = the passkey
-appears in the answer. Rungs are total prompt lengths in tokens. Arms are server
+Tasks (--task; one per run, recorded in the JSON and in the default file names):
+  passkey    a filler document with one needle sentence carrying a random 5-digit passkey at a
+             random depth, then the question;
+  multikey   --keys needles, each a different labelled key ("the pass key for the red door is
+             ..."), at random depths; the question asks for one label (the others are distractors;
+             rows record whether the answer gave a distractor's key);
+  multiturn  turn 1 is the passkey document without its question; then --turns turns, each
+             appending unrelated text and generating --turn-tokens tokens (they join the history);
+             then the question in a last turn.
+Greedy decoding; recall = the asked key appears in the final answer. Rungs are total prompt
+lengths in tokens (multiturn: the history when the question is asked, generated tokens included). Arms are server
 configurations (KV strategy, window, compressor, restoration). Per arm and rung we record
 recall, resident KV bytes, process peak RSS during the rung, time to first token, decode
 tokens/s and the effective attention fraction (positions a decode query attends / history).
@@ -17,6 +25,7 @@ retrieval data must use different ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import random
@@ -37,6 +46,15 @@ EVAL_INTRO = ("There is an important info hidden inside a lot of irrelevant text
 EVAL_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 EVAL_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 EVAL_QUESTION = "\nWhat is the pass key? The pass key is"
+# multikey: labels of the needles (a sample draws --keys of them); the question names one
+EVAL_LABELS = ("the red door", "the blue box", "the green gate", "the silver safe", "the old locker", "the back office",
+               "the garden shed", "the north tower")
+EVAL_KEYED_NEEDLE = "The pass key for {label} is {key}. Remember it. {key} is the pass key for {label}. "
+EVAL_KEYED_QUESTION = "\nWhat is the pass key for {label}? The pass key for {label} is"
+# multiturn: the unrelated text each later turn appends (a different filler from the document's)
+EVAL_TURN_TEXT = ("Here is an unrelated note. The library opens at nine. Traffic on the main road is light today. "
+                  "The bakery sells bread and cakes. ")
+TASKS = ("passkey", "multikey", "multiturn")
 
 # name -> ServeConfig overrides. Arms whose strategy/compressor the build lacks are reported as not run.
 ARMS = {
@@ -70,7 +88,30 @@ ARMS = {
     # the int8 resident K/V store (--kv-dtype int8); its gate: the same hits as fp32 K/V at every rung
     "full+kv_int8": dict(kv_strategy="full", kv_dtype="int8"),
     "sink_window_4+1020+kv_int8": dict(kv_strategy="sink_window", sink=4, window=1020, kv_dtype="int8"),
+    # paged (issue 15): window 508 keeps resident + selection under sink_window 4+1020's bytes up to 7.5k (docs/paged.md)
+    "paged_4+508_p64_m8": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8),
+    "paged_4+1020_p64_m8": dict(kv_strategy="paged", sink=4, window=1020, page_size=64, recall_pages=8),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One ladder sample: turns of (token ids appended, tokens generated after them); the last turn
+    asks the question, and `key` must appear in its answer. `distractors`: the other keys (multikey)."""
+    turns: tuple
+    key: str
+    depth: float
+    distractors: tuple = ()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.turns)
+
+    @property
+    def single_turn_ids(self) -> list:
+        if len(self.turns) != 1:
+            raise ValueError("a multi-turn sample has no single prompt")
+        return self.turns[0][0]
 
 
 def make_sample(tok, n_tokens: int, rng: random.Random):
@@ -89,6 +130,73 @@ def make_sample(tok, n_tokens: int, rng: random.Random):
     return ids, key, k / reps
 
 
+def _per_filler(tok, text: str) -> float:
+    return len(tok(text * 8, add_special_tokens=False)["input_ids"]) / 8
+
+
+def make_multikey_sample(tok, n_tokens: int, rng: random.Random, keys: int, answer_tokens: int) -> Sample:
+    """`keys` labelled needles with distinct keys at distinct random depths; the question asks one label."""
+    labels = rng.sample(EVAL_LABELS, keys)
+    values = []
+    while len(values) < keys:
+        v = str(rng.randint(10000, 99999))
+        values += [v] if v not in values else []
+    asked = rng.randrange(keys)
+    needles = [EVAL_KEYED_NEEDLE.format(label=lab, key=v) for lab, v in zip(labels, values)]
+    question = EVAL_KEYED_QUESTION.format(label=labels[asked])
+    overhead = len(tok(EVAL_INTRO + "".join(needles) + question, add_special_tokens=False)["input_ids"])
+    reps = max(keys, int((n_tokens - overhead) / _per_filler(tok, EVAL_FILLER)))
+    at = sorted(rng.sample(range(reps + 1), keys))  # filler repetitions before each needle
+    order = list(range(keys))
+    rng.shuffle(order)  # which needle goes where
+    text, prev = EVAL_INTRO, 0
+    for slot, i in zip(at, order):
+        text += EVAL_FILLER * (slot - prev) + needles[i]
+        prev = slot
+    text += EVAL_FILLER * (reps - prev) + question
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    depth = at[order.index(asked)] / reps
+    return Sample(((ids, answer_tokens),), values[asked], depth, tuple(v for i, v in enumerate(values) if i != asked))
+
+
+def make_multiturn_sample(tok, n_tokens: int, rng: random.Random, turns: int, turn_tokens: int, answer_tokens: int) -> Sample:
+    """Turn 1: the passkey document (half the rung) without its question; then `turns` turns of unrelated
+    text (the rest of the rung, split evenly), each followed by `turn_tokens` generated tokens; then the
+    question. The history at the question is about `n_tokens` long, generated tokens included."""
+    key = str(rng.randint(10000, 99999))
+    needle = EVAL_NEEDLE.format(key=key)
+    doc_tokens = n_tokens // 2
+    overhead = len(tok(EVAL_INTRO + needle, add_special_tokens=False)["input_ids"])
+    reps = max(1, int((doc_tokens - overhead) / _per_filler(tok, EVAL_FILLER)))
+    k = rng.randint(0, reps)
+    doc = tok(EVAL_INTRO + EVAL_FILLER * k + needle + EVAL_FILLER * (reps - k), add_special_tokens=False)["input_ids"]
+    question = tok(EVAL_QUESTION, add_special_tokens=False)["input_ids"]
+    budget = n_tokens - len(doc) - len(question) - (turns + 1) * turn_tokens  # the generated tokens join the history
+    per_turn = max(1, round(budget / turns / _per_filler(tok, EVAL_TURN_TEXT)))
+    note = tok("\n" + EVAL_TURN_TEXT * per_turn, add_special_tokens=False)["input_ids"]
+    return Sample(((doc, turn_tokens),) + ((note, turn_tokens),) * turns + ((question, answer_tokens),), key, k / reps)
+
+
+def make_task_sample(task: str, tok, n_tokens: int, rng: random.Random, args) -> Sample:
+    if task == "passkey":
+        ids, key, depth = make_sample(tok, n_tokens, rng)
+        return Sample(((ids, args.answer_tokens),), key, depth)
+    if task == "multikey":
+        return make_multikey_sample(tok, n_tokens, rng, args.keys, args.answer_tokens)
+    if task == "multiturn":
+        return make_multiturn_sample(tok, n_tokens, rng, args.turns, args.turn_tokens, args.answer_tokens)
+    raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+
+
+def run_sample(client, sample: Sample):
+    """Play the sample's turns in one session; (final answer token ids, last result, session info)."""
+    with client.create_session() as s:
+        for ids, n_gen in sample.turns:
+            s.append(ids)
+            toks = list(s.generate(max_tokens=n_gen))
+        return toks, s.last_result, s.info()
+
+
 FIDELITY_SCOPE = ("the proposer's K/V at every position a decode step after the prompt evicts, [sink, n - window], "
                   "against the verifier's own; --restore-pin positions are included (the runtime attends them exactly), "
                   "so for pinned arms this is f_θ's error, not the error the verifier sees")
@@ -104,7 +212,7 @@ def restore_fidelity(model, source, samples, sink: int, window: int) -> dict:
     s = model.spec
     kv_dim = s.num_kv_heads * s.head_dim
     ks, vs = torch.zeros(s.num_layers), torch.zeros(s.num_layers)
-    for ids, _, _ in samples:
+    for ids in (x.single_turn_ids for x in samples):
         hist = torch.tensor(ids)
         evicted = torch.arange(sink, len(ids) - window + 1)
         true = verifier_kv(model, hist[: int(evicted[-1]) + 1])[:, sink:]
@@ -137,6 +245,10 @@ def main() -> int:
                     help="run samples FIRST .. FIRST+SAMPLES-1 of each rung (a continuation of a cut-off cell; --merge joins it "
                          "to the cell holding samples 0 .. FIRST-1 on the same device)")
     ap.add_argument("--answer-tokens", type=int, default=12)
+    ap.add_argument("--task", default="passkey", choices=TASKS)
+    ap.add_argument("--keys", type=int, default=4, help="multikey: needles per sample")
+    ap.add_argument("--turns", type=int, default=10, help="multiturn: turns of unrelated text between the needle and the question")
+    ap.add_argument("--turn-tokens", type=int, default=8, help="multiturn: tokens generated after each earlier turn")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="torch device of the server's model and proposer: cpu or cuda")
     ap.add_argument("--max-seconds-per-arm-rung", type=float, default=0, help="stop a cell early (recorded) after this long; 0 = never")
@@ -152,11 +264,11 @@ def main() -> int:
                     help="with --merge: profile_restore.py JSONs (comma-separated) whose per-rung decode-step time split "
                          "(proposer open / per-layer / f_θ trunk, attention, decompress, other; CPU seconds) is copied in")
     args = ap.parse_args()
+    suffix = "" if args.task == "passkey" else f"_{args.task}"
     if args.merge:
-        return merge(args.merge.split(","), args.out or MERGED, [p for p in args.profiles.split(",") if p])
-    args.out = args.out or str(PARTS / time.strftime("niah_ladder_part_%Y%m%dT%H%M%SZ.json", time.gmtime()))
-
-    import dataclasses
+        return merge(args.merge.split(","), args.out or MERGED.with_name(f"niah_ladder{suffix}.json"),
+                     [p for p in args.profiles.split(",") if p])
+    args.out = args.out or str(PARTS / time.strftime(f"niah_ladder{suffix}_part_%Y%m%dT%H%M%SZ.json", time.gmtime()))
 
     import torch
     from transformers import AutoTokenizer
@@ -173,13 +285,19 @@ def main() -> int:
     model = load_model(base)
     tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
     rungs = [int(r) for r in args.rungs.split(",")]
-    samples = {n: [make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i))
+    # passkey keeps its original seeds (sample i is the same as in earlier parts); the other tasks draw their own
+    task_seed = {"passkey": 0, "multikey": 1, "multiturn": 2}[args.task]
+    samples = {n: [make_task_sample(args.task, tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i + task_seed * 10**7), args)
                    for i in range(args.first_sample, args.first_sample + args.samples)] for n in rungs}
     results = {}
     # Metadata taken at the start (load average before the run); the JSON is rewritten after every cell,
     # so a run that is cut off keeps what it measured ("complete": false until the end).
     meta = run_metadata(vars(args) | {"accelerator": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-                                      "eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
+                                      "eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION,
+                                      "task": args.task}
+                        | ({"labels": EVAL_LABELS, "keyed_needle": EVAL_KEYED_NEEDLE, "keyed_question": EVAL_KEYED_QUESTION}
+                           if args.task == "multikey" else {})
+                        | ({"turn_text": EVAL_TURN_TEXT} if args.task == "multiturn" else {}))
     for arm in args.arms.split(","):
         fields = {f.name for f in dataclasses.fields(ServeConfig)}
         research_fields = {f.name for f in dataclasses.fields(ResearchOptions)}
@@ -206,24 +324,26 @@ def main() -> int:
                     results[arm]["rungs"][str(n)] = {"status": "skipped", "reason": "--skip"}
                     print(f"{arm} @ {n}: skipped", flush=True)
                     continue
-                hits, ttfts, rates, kv_bytes, rows = 0, [], [], [], []
+                hits, ttfts, rates, kv_bytes, tiers, rows = 0, [], [], [], [], []
                 if args.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
                 t_cell = time.perf_counter()
                 with PeakRSS() as mem:
-                    for i, (ids, key, depth) in enumerate(samples[n], start=args.first_sample):
-                        with client.create_session(ids) as s:
-                            toks = list(s.generate(max_tokens=args.answer_tokens))
-                            r = s.last_result
-                            kv_bytes.append(s.info().kv_live_bytes)
+                    for i, smp in enumerate(samples[n], start=args.first_sample):
+                        toks, r, info = run_sample(client, smp)
+                        kv_bytes.append(info.kv_live_bytes)
+                        tiers.append((info.kv_resident_bytes, info.kv_selection_bytes, info.kv_stored_bytes))
                         answer = tok.decode(toks, skip_special_tokens=True)
+                        key, depth = smp.key, smp.depth
                         hit = key in answer
                         hits += hit
                         ttfts.append(r.time_to_first_token_seconds)
                         dec = r.total_seconds - r.time_to_first_token_seconds
                         rates.append((r.generated_tokens - 1) / dec if r.generated_tokens > 1 and dec > 0 else 0.0)
                         rows.append({"sample": i, "key": key, "depth": round(depth, 3), "hit": hit, "answer": answer,
-                                     "prompt_tokens": len(ids), "ttft_s": ttfts[-1], "decode_tok_s": rates[-1]})
+                                     "prompt_tokens": smp.prompt_tokens, "ttft_s": ttfts[-1], "decode_tok_s": rates[-1]}
+                                    | ({"distractor_answered": any(d in answer for d in smp.distractors)} if smp.distractors else {})
+                                    | ({"turns": len(smp.turns), "history_tokens": info.history_length} if len(smp.turns) > 1 else {}))
                         if limit and time.perf_counter() - t_cell > limit:
                             break
                 done = len(rows)
@@ -231,6 +351,10 @@ def main() -> int:
                     "samples": done,
                     "recall": hits / done,
                     "kv_live_bytes_max": max(kv_bytes),
+                    # the three tiers (GetSessionInfo): hot set, page-selection data, page store
+                    "kv_resident_bytes_max": max(t[0] for t in tiers),
+                    "kv_selection_bytes_max": max(t[1] for t in tiers),
+                    "kv_stored_bytes_max": max(t[2] for t in tiers),
                     "peak_rss_bytes": mem.peak,  # host memory of the process (server and harness)
                     **({"peak_accelerator_bytes": torch.cuda.max_memory_allocated()} if args.device.startswith("cuda") else {}),
                     "ttft_s_median": sorted(ttfts)[done // 2],
@@ -242,7 +366,7 @@ def main() -> int:
                     "rows": rows,
                 }
                 source = getattr(server.runtime.engine, "restore_source", None)
-                if source is not None and args.fidelity_samples:  # not timed: after the cell
+                if source is not None and args.fidelity_samples and args.task != "multiturn":  # not timed: after the cell
                     cell["restore_fidelity"] = restore_fidelity(model, source, samples[n][: args.fidelity_samples], cfg.sink, cfg.window)
                     f = cell["restore_fidelity"]
                     print(f"    restored K/V vs verifier: K rel-MSE {f['k_rel_mse_mean']:.3f}  V {f['v_rel_mse_mean']:.3f}", flush=True)
@@ -400,6 +524,9 @@ def join_cells(a: dict, b: dict) -> dict:
         "time_limit_s": (a["time_limit_s"] if len(a["provenance"]) > 1 else [a.get("time_limit_s")]) + [b.get("time_limit_s")],
         "rows": rows,
     }
+    for tier in ("kv_resident_bytes_max", "kv_selection_bytes_max", "kv_stored_bytes_max"):
+        if tier in a or tier in b:
+            cell[tier] = max(a.get(tier, 0), b.get(tier, 0))
     if "peak_accelerator_bytes" in a or "peak_accelerator_bytes" in b:
         cell["peak_accelerator_bytes"] = max(a.get("peak_accelerator_bytes", 0), b.get("peak_accelerator_bytes", 0))
     if all("ttft_s" in x and "decode_tok_s" in x for x in rows):
