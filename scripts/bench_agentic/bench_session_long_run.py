@@ -5,7 +5,8 @@ Part 1, the long run. A real `kakeya serve` (subprocess, --persist turn) and N c
 sessions driven only through the Python SDK: each turn appends a tool-call-sized chunk (30-120
 tokens; now and then a 1,000-1,500-token "file read") and generates 16-32 tokens. Time is cut
 into buckets (10 minutes in a 4-hour run, proportionally smaller in a short one); per bucket:
-resident KV peak (`session_kv_live_bytes` from /metrics) and stored bytes (the state directory),
+resident KV peak (`session_kv_resident_bytes` from /metrics: the hot set; the page-selection and
+page-store tiers of a `paged` daemon are recorded beside it) and stored bytes (the state directory),
 turn latency p50/p95, and the invariant counters from /metrics. Halfway through the daemon is
 killed with SIGKILL and started again on the same state directory; every session must go on
 under its id (`sessions_lost` counts those that could not).
@@ -244,6 +245,10 @@ def long_run(args, ids, work: str) -> dict:
         m = daemon.metrics()
         if m is not None:
             samples.append({"t": time.time(), "kv_live_bytes": m.get("session_kv_live_bytes", 0.0),
+                            # the hot set (daemons from before the tier gauges: kv_live_bytes, the same for non-paged)
+                            "kv_resident_bytes": m.get("session_kv_resident_bytes", m.get("session_kv_live_bytes", 0.0)),
+                            "kv_selection_bytes": m.get("session_kv_selection_bytes", 0.0),
+                            "kv_page_store_bytes": m.get("session_kv_stored_bytes", 0.0),
                             "stored_bytes": dir_bytes(state), "active": m.get("session_active", 0.0), "raw": m})
         time.sleep(args.sample_seconds)
         if time.time() > end + 600:
@@ -270,8 +275,10 @@ def long_run(args, ids, work: str) -> dict:
             "bucket": b, "start_s": b * bucket_s, "end_s": (b + 1) * bucket_s, "turns": len(turns),
             "turn_latency_p50_s": pct(lat, 0.5), "turn_latency_p95_s": pct(lat, 0.95),
             "small_turn_latency_p50_s": pct(small, 0.5),
-            "kv_resident_peak_bytes": max((s["kv_live_bytes"] for s in ss), default=None),
-            "kv_stored_peak_bytes": max((s["stored_bytes"] for s in ss), default=None),
+            "kv_resident_peak_bytes": max((s["kv_resident_bytes"] for s in ss), default=None),
+            "kv_selection_peak_bytes": max((s["kv_selection_bytes"] for s in ss), default=None),
+            "kv_page_store_peak_bytes": max((s["kv_page_store_bytes"] for s in ss), default=None),
+            "kv_stored_peak_bytes": max((s["stored_bytes"] for s in ss), default=None),  # on disk
             "contains_kill": killed is not None and lo <= killed < hi,
         })
     full = [b for b in buckets if b["turns"] and b["kv_resident_peak_bytes"]]
