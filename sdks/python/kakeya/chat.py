@@ -80,11 +80,14 @@ def describe_info(conv: Conversation, server: ServerInfo) -> str:
     s = conv.session.info()
     params = " ".join(f"{k}={v}" for k, v in sorted(server.kv_params.items()))
     return (f"session {s.session_id}: history {s.history_length} tokens ({len(conv.history.messages)} messages), "
-            f"{s.resident_positions} resident positions, resident KV {s.kv_live_bytes} bytes "
-            f"({s.kv_live_bytes / 2**20:.1f} MiB), {s.pending_tokens} pending\n"
+            f"{s.resident_positions} resident positions, resident KV {s.kv_resident_bytes} bytes "
+            f"({s.kv_resident_bytes / 2**20:.1f} MiB), page selection {s.kv_selection_bytes / 2**20:.1f} MiB, "
+            f"page store {s.kv_stored_bytes / 2**20:.1f} MiB, {s.pending_tokens} pending\n"
             f"server {server.server_version}: model {server.model_id}, kv {server.kv_strategy} ({params}), "
             f"{server.backend} on {server.device}, max context {server.max_context}, "
-            f"{server.session_capacity} sessions, drafter {server.drafter or 'none'}")
+            f"{server.session_capacity} sessions, drafter {server.drafter or 'none'}, "
+            f"persistence {server.persistence.mode or 'unreported'}"
+            + (f" in {server.persistence.state_dir}" if server.persistence.state_dir else ""))
 
 
 def _read_line(stdin: TextIO, stdout: TextIO, prompt: str) -> str | None:
