@@ -268,9 +268,15 @@ class PagedCache(SinkWindowCache):
         return None
 
     # -- persistence ------------------------------------------------------------------------------
+    # Archive rows a saver already holds (persistence/session_files.py sets it around `state()`): the
+    # state then carries rows archive_rows_saved .. archived_rows - 1 of the tables only, so a turn's save
+    # copies what the turn archived, not the whole archive. 0 (the default): a complete state.
+    archive_rows_saved = 0
+
     def _extra_state(self) -> tuple[dict, dict]:
-        tensors = {f"pages.{k}": v for k, v in self.pages.state().items()}
-        tensors |= {f"keys.{k}": v for k, v in self.keys.state().items()}
+        start = min(self.archive_rows_saved, self.pages.rows)
+        tensors = {f"pages.{k}": v for k, v in self.pages.state(start).items()}
+        tensors |= {f"keys.{k}": v for k, v in self.keys.state(start).items()}
         return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows}
 
     def _load_extra_state(self, tensors: dict, meta: dict) -> None:

@@ -160,9 +160,10 @@ class RowTable:
                 for name, x in self.slabs[layer].items()}
         return self.codec.decode(flat).reshape(self.stack, self.num_kv_heads, n, self.head_dim)
 
-    def state(self) -> dict:
-        """The used rows' payload per name, (L, S, Hkv, rows, *trailing) on the CPU."""
-        return {name: torch.stack([s[name][:, :, : self.rows] for s in self.slabs]).cpu() for name in self.layout}
+    def state(self, start: int = 0) -> dict:
+        """The used rows' payload per name, (L, S, Hkv, rows - start, *trailing) on the CPU: rows
+        `start` .. rows - 1 (a saver that holds the earlier ones asks for the new rows only)."""
+        return {name: torch.stack([s[name][:, :, start: self.rows] for s in self.slabs]).cpu() for name in self.layout}
 
     def load_state(self, tensors: dict, rows: int) -> None:
         want = {name: (len(self.slabs), self.stack, self.num_kv_heads, rows, *shape) for name, (shape, _) in self.layout.items()}

@@ -187,19 +187,35 @@ class SessionFiles:
                                   | {ROW_PREFIX + n: t for n, t in rows.items()}, rows=int(slots.size)))
 
         # tail: everything else, small; replaced (the whole store too, for a store saved whole)
-        st = kv.state(with_store=not incremental)
-        tail = dict(st.tensors) | {"store.pos": torch.from_numpy(pos)}
+        cache = kv.cache
+        grown = type(cache).__name__ in APPEND_ONLY
+        done = prev.get("appended_rows", 0) if prev and grown else 0
+        if sum(g["kind"] == "append" for g in segments) >= APPEND_SEGMENTS_MAX:
+            segments, done = [g for g in segments if g["kind"] != "append"], 0
+
+        def cache_state(rows_saved: int):
+            if grown:  # the state carries the rows not saved yet only (PagedCache.archive_rows_saved)
+                cache.archive_rows_saved = rows_saved
+            try:
+                return kv.state(with_store=not incremental)
+            finally:
+                if grown:
+                    cache.archive_rows_saved = 0
+
+        st = cache_state(done)
         appended = 0
-        if st.meta.get("cache") in APPEND_ONLY:  # grown tables: the new rows only, as "append" segments
+        if grown:
             rows_key, axes = APPEND_ONLY[st.meta["cache"]]
             appended = int(st.meta[rows_key])
-            done = prev.get("appended_rows", 0) if prev else 0
-            if done > appended or sum(g["kind"] == "append" for g in segments) >= APPEND_SEGMENTS_MAX:
+            if done > appended:  # fewer rows than saved (the archive only grows, so not expected): start over
                 segments, done = [g for g in segments if g["kind"] != "append"], 0
+                st = cache_state(0)
+        tail = dict(st.tensors) | {"store.pos": torch.from_numpy(pos)}
+        if grown:  # grown tables: the new rows only, as "append" segments
             names = {k: axis for k in tail for prefix, axis in axes.items() if k.startswith(prefix)}
             if appended:  # (with no rows yet the empty tables stay in the tail)
                 if appended > done:
-                    part = {k: tail[k].narrow(axis, done, appended - done) for k, axis in names.items()}
+                    part = {k: tail[k] for k in names}  # rows done .. appended - 1
                     segments.append(write("append", part, start=done, end=appended))
                 tail = {k: v for k, v in tail.items() if k not in names}
         segments = [g for g in segments if g["kind"] != "tail"] + [write("tail", tail)]

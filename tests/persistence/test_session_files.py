@@ -366,17 +366,25 @@ def test_a_store_without_row_access_is_saved_whole_and_resumes(tmp_path, monkeyp
     assert turn(resumed, s.id, 8) == turn(kept, s.id, 8)
 
 
-def test_paged_archived_pages_are_append_segments(tmp_path):
-    """A paged session's archive grows with the history; a save writes only the rows archived since the last."""
+def test_paged_archived_pages_are_append_segments(tmp_path, monkeypatch):
+    """A paged session's archive grows with the history; a save writes only the rows archived since the last,
+    and reads only those out of the cache (not a copy of the whole archive)."""
+    from inference_engine.kv.paged_store import RowTable
+
     st = STRATEGIES["paged"]
     kept = runtime(tmp_path, st)
     s = kept.create_session(ids(60))
     turn(kept, s.id, 3)
     archived = s.kv.cache.pages.rows
     assert archived > 0
+    read_from = []
+    state = RowTable.state
+    monkeypatch.setattr(RowTable, "state", lambda self, start=0: read_from.append(start) or state(self, start))
     for k in range(3):
         kept.append(s.id, ids(10, seed=k))
+        read_from.clear()
         turn(kept, s.id, 3)
+        assert read_from == [archived, archived]  # pages and keys, from the first row not saved yet
         body = manifest(tmp_path, s.id)
         last = [g for g in body["segments"] if g["kind"] == "append"][-1]
         assert (last["start"], last["end"]) == (archived, s.kv.cache.pages.rows)
