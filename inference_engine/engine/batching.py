@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from inference_engine.engine.steps import StepInput, forward_batch
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the queue removes *this* step (field equality would compare tensors)
 class _Pending:
     inp: StepInput
     tokens: int

@@ -165,3 +165,16 @@ def test_a_cancelled_session_leaves_the_others_unchanged():
         t.join()
     assert out[0] == want[0] and out[2] == want[2]
     assert out[1] == want[1][: len(out[1])] and len(out[1]) < 16
+
+
+def test_take_skips_a_step_over_the_budget_and_keeps_it_queued():
+    """The batch takes queued steps in order within the token budget; a step that does not fit
+    stays queued for the next forward (steps hold tensors: the queue must not compare them)."""
+    from inference_engine.engine.batching import _Pending
+
+    b = StepBatcher(token_budget=10)
+    first, big, small = (_Pending(torch.zeros(n), n) for n in (4, 9, 3))
+    b._queue.extend([first, big, small])
+    assert b._take() == [first, small]
+    assert list(b._queue) == [big]
+    assert b._take() == [big]
