@@ -179,6 +179,12 @@ class DFlashModel(nn.Module):
             x = blk(x, cos, sin, ck, cv, mask)
         return self.final_norm(x)
 
+    def forward(self, feats, ctx_pos, first_ids, block_pos, mask):
+        """Training pass (through forward, so DDP syncs gradients): verifier features (B, C, L*Hv) at ctx_pos (B, C),
+        blocks starting with first_ids (B, N) at block_pos (B, N * bs) -> out_proj of every block row (B, N * bs, Hv)."""
+        ctx_kv = self.context_kv(self.context_features(feats), ctx_pos)
+        return self.project(self.run_blocks(first_ids, block_pos, ctx_kv, mask))
+
     def project(self, h):
         return self.out_proj(h)
 

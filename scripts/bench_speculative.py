@@ -112,7 +112,9 @@ def main() -> int:
             drafters[name] = TimedDrafter(load_drafter(name, verifier_embed=model.embed, verifier_lm_head=model.lm_head))
     heldout = json.loads((resolve_checkpoint(args.heldout_from) / "heldout_prompts.json").read_text())
     styles = args.styles.split(",")
-    prompts = [(style, p) for style in styles for p in style_prompts(style, heldout, path)[: args.prompts_per_style]]
+    per_style = {style: style_prompts(style, heldout, path)[: args.prompts_per_style] for style in styles}
+    # styles interleaved, so a run stopped by --time-budget-min still covers each style about equally
+    prompts = [(style, per_style[style][i]) for i in range(args.prompts_per_style) for style in styles if i < len(per_style[style])]
     ks = [int(k) for k in args.ks.split(",")]
     strategy = KVStrategy(args.kv_strategy)
     ar = Engine(model, strategy)

@@ -136,12 +136,9 @@ def choose_draft_vocab(data: dict, vocab_size: int, n: int, always: list[int]) -
 def step_loss(model: DFlashModel, b: dict, col_of: torch.Tensor, w: LossWeights, device) -> tuple[torch.Tensor, dict]:
     m = model.module if hasattr(model, "module") else model
     b = {k: v.to(device) for k, v in b.items()}
-    c = m.context_features(b["feats"])
-    ctx_kv = m.context_kv(c, b["cpos"])
-    h = m.run_blocks(b["first"], b["bpos"], ctx_kv, b["mask"])  # (B, N*bs, d)
     B, N, K = b["tgt"].shape
-    h = h.view(B, N, K + 1, -1)[:, :, 1:]  # mask slots
-    proj = m.project(h)  # (B, N, K, Hv)
+    proj = model(b["feats"], b["cpos"], b["first"], b["bpos"], b["mask"])  # (B, N*bs, Hv), via DDP's forward
+    proj = proj.view(B, N, K + 1, -1)[:, :, 1:]  # the mask slots
     logits = proj @ m.draft_head.T.to(proj.dtype)
     cols = col_of.to(device)[b["tgt"]]
     valid = b["tvalid"] & (cols >= 0)
@@ -192,7 +189,7 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
         step, history, elapsed0 = st["step"], st["history"], st["elapsed"]
         log(f"resumed at step {step} ({elapsed0:.0f}s trained)")
     net = model
-    if world > 1:
+    if dist.is_initialized():  # torchrun: gradients all-reduced over the processes (gloo on CPU, nccl on CUDA)
         net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     gen = torch.Generator().manual_seed(tc.seed * 1000 + rank * 7919 + step)
     sampler = AnchorSampler(data, cfg, gen)
@@ -284,11 +281,12 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
                  "cache": {"dir": str(work), "sha256": data["sha256"]},
                  "heldout_prompts": "the benchmark uses kv_cache_proposer/checkpoints/smollm2-135m-dlm/heldout_prompts.json "
                                     "(same split rule; none of its keys reach a job)",
+                 "note": getattr(args, "note", ""),
                  "draft_vocab_coverage_of_verifier_greedy_tokens": round(torch.isin(greedy, model.draft_vocab).float().mean().item(), 4)},
         "training": {
-            "command": " ".join(["torchrun" if world > 1 else "python"] + sys.argv),
+            "command": " ".join(["torchrun" if dist.is_initialized() else "python"] + sys.argv),
             "world_size": world, "threads_per_process": torch.get_num_threads(),
-            "backend": ("nccl" if device.startswith("cuda") else "gloo") if world > 1 else "none",
+            "backend": dist.get_backend() if dist.is_initialized() else "none (one process, no DDP)",
             "trained_on": machine, "commit_at_start": commit,
             "config": {**{k: v for k, v in tc.__dict__.items() if k != "loss"}, "loss": tc.loss.__dict__},
             "steps_done": info["steps_done"], "train_seconds": info["elapsed_s"],

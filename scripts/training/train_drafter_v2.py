@@ -67,6 +67,7 @@ def parse_args(argv=None):
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--time-budget-min", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="", help="recorded in the manifest's data section (how the data stage ran)")
     return ap.parse_args(argv)
 
 
@@ -110,7 +111,7 @@ def data_stage(args, model, tok, work: pathlib.Path, rank: int, world: int) -> N
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    if "LOCAL_RANK" in os.environ and not dist.is_initialized():  # under torchrun (any number of processes): DDP
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(hours=3))
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -187,3 +187,46 @@ def test_checkpoint_round_trip_by_directory(tmp_path):
     feats = torch.randn(6, len(LAYERS) * model.spec.hidden_size)
     a, b = d.draft([7], 4, context_hidden=feats), back.draft([7], 4, context_hidden=feats)
     assert a.ids.tolist() == b.ids.tolist() and bool((a.ids >= 100).all() and (a.ids < 164).all())
+
+
+def _train_args(tmp_path, verifier, steps=40):
+    return ["--verifier", str(verifier), "--name", "tiny-dflash", "--out", str(tmp_path / "ck"), "--work-dir", str(tmp_path / "work"),
+            "--synthetic", "40", "--max-new", "12", "--layers", "0,1", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
+            "--intermediate", "64", "--draft-vocab", "0", "--context-window", "16", "--steps", str(steps), "--seqs-per-step", "4",
+            "--anchors-per-seq", "8", "--lr", "3e-3"]
+
+
+def test_training_script_learns_the_tiny_verifier_and_exports_a_loadable_checkpoint(tmp_path):
+    import importlib.util
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "training" / "train_drafter_v2.py"
+    spec = importlib.util.spec_from_file_location("train_drafter_v2", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    verifier = tiny_verifier_dir()
+    assert mod.main(_train_args(tmp_path, verifier, steps=60)) == 0
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    hist = manifest["training"]["history"]
+    assert manifest["format"] == "kakeya-drafter/2" and manifest["training"]["steps_done"] == 60
+    assert hist[-1]["ce"] < hist[0]["ce"]  # the drafter learns the verifier's greedy continuations
+    model = load_model(str(verifier))
+    d = load_drafter(str(tmp_path / "ck"), verifier_embed=model.embed, verifier_lm_head=model.lm_head)
+    ar = Engine(model, KVStrategy("full"), prefill_chunk=16)
+    spec_engine = Engine(model, KVStrategy("full"), prefill_chunk=16, drafter=d, spec_k=4)
+    assert generate(spec_engine, prompt(12, 9), 20)[0] == generate(ar, prompt(12, 9), 20)[0]
+
+
+@pytest.mark.slow
+def test_training_runs_under_torchrun_with_two_processes(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    torchrun = pathlib.Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(root / "scripts" / "training" / "train_drafter_v2.py"),
+           *_train_args(tmp_path, tiny_verifier_dir(), steps=20)]
+    subprocess.run(cmd, check=True, cwd=root, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["training"]["world_size"] == 2 and manifest["training"]["backend"] == "gloo"
