@@ -35,16 +35,20 @@ def percentile(xs, q):
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-def workload(session: int, turns: int, seed: int):
+def workload(session: int, turns: int, seed: int, vocab: int = 40000):
+    """Tool-result appends of 40-400 token ids in [100, min(vocab, 40000))."""
     rng = random.Random(seed * 1000 + session)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(40, 401))] for _ in range(turns)]
+    hi = min(vocab, 40000)
+    return [[rng.randrange(100, hi) for _ in range(rng.randrange(40, 401))] for _ in range(turns)]
 
 
 class Daemon:
-    def __init__(self, model, weights, batching, threads, state_dir):
+    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None):
         # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
-        cmd = [str(ROOT / ".venv" / "bin" / "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model, "--weights", weights,
+        cmd = [os.path.join(os.path.dirname(sys.executable), "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model, "--weights", weights,
                "--batching", batching, "--threads", str(threads), "--state-dir", state_dir]
+        if prefill_chunk:
+            cmd += ["--prefill-chunk", str(prefill_chunk)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("READY"):
@@ -62,34 +66,73 @@ class Daemon:
         self.proc.wait(30)
 
 
-def run_level_kakeya(target, n, args, rss_probe):
+def turns_of(session: int, args, vocab: int = 40000):
+    """The session's tool-result appends: --turns of them, or (--duration-s) as many as fit."""
+    if not args.duration_s:
+        yield from workload(session, args.turns, args.seed, vocab)
+        return
+    deadline, k = time.perf_counter() + args.duration_s, 0
+    while time.perf_counter() < deadline:
+        yield from workload(session, 1, args.seed * 7919 + k, vocab)
+        k += 1
+
+
+def run_level_kakeya(target, n, args, rss_probe, big_append: int = 0):
+    """n sessions through the Python SDK; big_append > 0: one more session appends that many tokens
+    (and generates --generate) once the others are streaming, and only the n sessions are measured."""
     import kakeya
 
     results = [None] * n
     peak = [rss_probe()]
     stop = threading.Event()
+    streaming = threading.Semaphore(0)  # released once per session at its first token
 
     def sample_rss():
         while not stop.wait(0.1):
             peak[0] = max(peak[0], rss_probe())
 
     def session_thread(i):
-        rec = {"itl": [], "ttft": [], "tokens": 0, "decode_s": 0.0, "errors": [], "lost": False}
+        rec = {"itl": [], "ttft": [], "tokens": 0, "decode_s": 0.0, "errors": [], "lost": False, "turns": 0}
         try:
             with kakeya.Client(target) as client, client.create_session(ignore_eos=True) as s:
-                for turn in workload(i, args.turns, args.seed):
+                for turn in turns_of(i, args, client.server_info().vocab_size):
                     s.append(turn)
-                    timed_turn(rec, s.generate(max_tokens=args.generate))
+                    timed_turn(rec, s.generate(max_tokens=args.generate), streaming.release if rec["turns"] == 0 else None)
+                    rec["turns"] += 1
         except Exception as e:  # noqa: BLE001 - recorded per session
             rec["errors"].append(f"{type(e).__name__}: {e}")
             rec["lost"] = "NotFound" in type(e).__name__
         results[i] = rec
 
+    big = {}
+
+    def big_thread():
+        try:
+            with kakeya.Client(target) as client, client.create_session(ignore_eos=True) as s:
+                for _ in range(n):  # every measured session is streaming
+                    streaming.acquire(timeout=600)
+                t0 = time.perf_counter()
+                hi = min(40000, client.server_info().vocab_size)
+                s.append([100 + (i * 37) % (hi - 100) for i in range(big_append)])
+                toks = list(s.generate(max_tokens=args.generate))
+                big.update(tokens=len(toks), seconds=round(time.perf_counter() - t0, 2))
+        except Exception as e:  # noqa: BLE001
+            big["error"] = f"{type(e).__name__}: {e}"
+
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
+    extra = threading.Thread(target=big_thread) if big_append else None
+    if extra is not None:
+        extra.start()
     wall = run_sessions(session_thread, n)
+    if extra is not None:
+        extra.join()
     stop.set()
-    return summarize(results, wall, peak[0])
+    out = summarize(results, wall, peak[0])
+    if big_append:
+        out["big_append"] = {"tokens": big_append, **big}
+        out["errors"] += int("error" in big)
+    return out
 
 
 def run_sessions(session_thread, n) -> float:
@@ -103,14 +146,17 @@ def run_sessions(session_thread, n) -> float:
     return time.perf_counter() - t0
 
 
-def timed_turn(rec, stream) -> list:
-    """Consume one turn's token stream, recording time to first token, inter-token gaps and decode time."""
+def timed_turn(rec, stream, on_first_token=None) -> list:
+    """Consume one turn's token stream, recording time to first token, inter-token gaps and decode
+    time; on_first_token (if any) is called once the first token is in."""
     t0, first, last, toks = time.perf_counter(), None, None, []
     for tok in stream:
         now = time.perf_counter()
         if last is None:
             rec["ttft"].append(now - t0)
             first = now
+            if on_first_token is not None:
+                on_first_token()
         else:
             rec["itl"].append(now - last)
         last = now
@@ -167,7 +213,8 @@ def summarize(results, wall, peak_rss):
             "itl_p50_s": percentile(itl, 0.5), "itl_p95_s": percentile(itl, 0.95),
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
             "errors": sum(len(r["errors"]) for r in results), "error_samples": [e for r in results for e in r["errors"]][:3],
-            "sessions_lost": sum(r["lost"] for r in results), "peak_rss_bytes": peak_rss}
+            "sessions_lost": sum(r["lost"] for r in results), "peak_rss_bytes": peak_rss,
+            "turns": sum(r.get("turns", 0) for r in results)}
 
 
 def main() -> int:
@@ -179,10 +226,17 @@ def main() -> int:
     ap.add_argument("--generate", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arms", default="batching-on,batching-off,llama.cpp")
+    ap.add_argument("--arms", default="batching-on,batching-off,batching-on-chunk32,llama.cpp",
+                    help="batching-on|batching-off[-chunkN] (kakeya serve, --prefill-chunk N) and llama.cpp")
+    ap.add_argument("--duration-s", type=float, default=0.0,
+                    help="each session keeps taking turns for this long instead of --turns (the long-load mode)")
+    ap.add_argument("--big-append", type=int, default=2048,
+                    help="at --interference-levels, one more session appends this many tokens while the others stream")
+    ap.add_argument("--interference-levels", default="8", help="levels re-run with the big append ('' = none)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_load.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    interference = [int(x) for x in args.interference_levels.split(",") if x]
     arms = args.arms.split(",")
     out = {"levels": levels, "arms": {}}
     for arm in arms:
@@ -190,11 +244,17 @@ def main() -> int:
         if arm.startswith("batching-"):
             import tempfile
 
-            d = Daemon(args.model, args.weights, arm.removeprefix("batching-"), args.threads, tempfile.mkdtemp(prefix="kakeya-load-"))
+            mode, _, chunk = arm.removeprefix("batching-").partition("-chunk")
+            d = Daemon(args.model, args.weights, mode, args.threads, tempfile.mkdtemp(prefix="kakeya-load-"),
+                       prefill_chunk=int(chunk) if chunk else None)
             try:
                 for n in levels:
                     res[n] = run_level_kakeya(d.target, n, args, d.rss)
                     print(arm, n, res[n]["aggregate_tok_s"], "tok/s", flush=True)
+                for n in interference:
+                    key = f"{n}+append{args.big_append}"
+                    res[key] = run_level_kakeya(d.target, n, args, d.rss, big_append=args.big_append)
+                    print(arm, key, "itl p95", res[key]["itl_p95_s"], flush=True)
             finally:
                 d.close()
         elif arm == "llama.cpp":
@@ -216,12 +276,30 @@ def main() -> int:
     if "batching-on" in out["arms"] and "llama.cpp" in out["arms"]:
         on, ll = out["arms"]["batching-on"], out["arms"]["llama.cpp"]
         out["vs_llama_cpp"] = {n: round(on[n]["aggregate_tok_s"] / ll[n]["aggregate_tok_s"], 3) for n in levels}
-    doc = run_metadata(vars(args)) | out
+    out["targets"] = targets(out, levels, interference, args.big_append)
+    doc = run_metadata(vars(args) | {"load_average_at_start": os.getloadavg()}) | out
     path = pathlib.Path(args.out)
     write_json(path, doc)
     plot(out, path.with_suffix(".png"))
     print({k: out.get(k) for k in ("batching_gain", "vs_llama_cpp")})
     return 0
+
+
+def targets(out, levels, interference, big_append) -> dict:
+    """The issue's gates, per kakeya arm: aggregate at 8 >= 4x one session; p95 inter-token latency
+    at 8 sessions while a big append lands <= 3x one session's; zero errors and sessions lost."""
+    t = {}
+    for arm, res in out["arms"].items():
+        row = {"errors": sum(r["errors"] for r in res.values()), "sessions_lost": sum(r["sessions_lost"] for r in res.values())}
+        if 1 in res and 8 in res:
+            row["aggregate_8_vs_1"] = round(res[8]["aggregate_tok_s"] / res[1]["aggregate_tok_s"], 2)
+            row["aggregate_8_vs_1_target"] = ">= 4"
+        key = f"8+append{big_append}"
+        if 1 in res and key in res and res[1]["itl_p95_s"] and res[key]["itl_p95_s"]:
+            row["itl_p95_8_with_append_vs_1"] = round(res[key]["itl_p95_s"] / res[1]["itl_p95_s"], 2)
+            row["itl_p95_8_with_append_vs_1_target"] = "<= 3"
+        t[arm] = row
+    return t
 
 
 def plot(out, png):
@@ -233,6 +311,8 @@ def plot(out, png):
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     levels = out["levels"]
     for arm, res in out["arms"].items():
+        if not all(n in res for n in levels):
+            continue
         axes[0].plot(levels, [res[n]["aggregate_tok_s"] for n in levels], marker="o", label=arm)
         axes[1].plot(levels, [res[n]["itl_p95_s"] or 0 for n in levels], marker="o", label=arm)
         axes[2].plot(levels, [res[n]["ttft_p95_s"] or 0 for n in levels], marker="o", label=arm)
