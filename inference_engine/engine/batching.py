@@ -2,10 +2,14 @@
 
 Each session's generate loop stays a plain generator on its own thread; when it needs a
 forward it calls `run(backend, [StepInput])` and blocks. Whichever waiting thread finds the
-model idle becomes the leader: it takes the queued steps in arrival order, up to `token_budget`
-tokens (the oldest always goes, so nothing starves), runs them through `steps.forward_batch`,
-hands each thread its result, and the next leader takes what queued meanwhile. New sessions
-join between forwards; a session that stops simply stops submitting.
+model idle becomes the leader: it takes the queued steps in arrival order (the oldest always
+goes, so nothing starves) within a two-part token budget — decode and verify steps (at most
+`small_step` rows each) up to `row_budget` rows, prefill chunks up to `prefill_budget` tokens
+(one chunk: a large append lands one chunk per forward while every decoding session still
+advances one token per forward, so inter-token latency is bounded by one chunk's forward) —
+runs them through `steps.forward_batch` (on the model thread when there is one), hands each
+thread its result, and the next leader takes what queued meanwhile. New sessions join between
+forwards; a session that stops simply stops submitting.
 
 Exactness: forward_batch runs the linear layers on every session's rows at once and attention
 per session; with row-independent kernels (int8/int4 weights) each session's logits are bit for
@@ -42,10 +46,13 @@ class BatchStats:
 
 
 class StepBatcher:
-    def __init__(self, token_budget: int, *, batching: bool = True, model_thread=None):
-        """model_thread: a ModelThread that runs every forward (the daemon's; see model_thread.py),
-        or None to run them on the leader's own thread (in-process use, tests)."""
-        self.token_budget = token_budget
+    def __init__(self, prefill_budget: int, *, row_budget: int = 64, small_step: int = 16, batching: bool = True,
+                 model_thread=None):
+        """prefill_budget: prefill tokens per forward; row_budget: decode/verify rows per forward
+        (a step of at most `small_step` tokens counts as one of those). model_thread: a ModelThread
+        that runs every forward (the daemon's; see model_thread.py), or None to run them on the
+        leader's own thread (in-process use, tests)."""
+        self.prefill_budget, self.row_budget, self.small_step = prefill_budget, row_budget, small_step
         self.batching = batching
         self.model_thread = model_thread
         self.stats = BatchStats()
@@ -79,14 +86,17 @@ class StepBatcher:
         return [me.result]
 
     def _take(self) -> list:
-        """Queued steps in arrival order within the token budget (the oldest always)."""
-        batch, used = [], 0
-        limit = self.token_budget if self.batching else 0
+        """Queued steps in arrival order within the two budgets (the oldest always)."""
+        batch, rows, prefill = [], 0, 0
         for p in list(self._queue):
-            if batch and used + p.tokens > limit:
-                continue
+            small = p.tokens <= self.small_step
+            if batch:
+                if not self.batching:
+                    break
+                if small and rows + p.tokens > self.row_budget or not small and prefill + p.tokens > self.prefill_budget:
+                    continue
             batch.append(p)
-            used += p.tokens
+            rows, prefill = (rows + p.tokens, prefill) if small else (rows, prefill + p.tokens)
             self._queue.remove(p)
         return batch
 

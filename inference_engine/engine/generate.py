@@ -53,9 +53,9 @@ class Engine:
         on = batching == "on" or (batching == "auto" and exact)
         if on and not hasattr(model, "cat"):
             raise ValueError(f"the {getattr(model, 'backend_name', '?')} backend cannot batch sessions' steps; use batching off")
-        # A forward takes up to one prefill chunk plus 64 rows of others' decode/verify steps, so
-        # sessions that are decoding ride along a long append instead of waiting behind it.
-        self.batcher = StepBatcher(prefill_chunk + 64, batching=on)
+        # A forward takes up to one prefill chunk plus 64 rows of decode/verify steps, so sessions
+        # that are decoding ride along a long append (one chunk per forward) instead of waiting behind it.
+        self.batcher = StepBatcher(prefill_chunk, row_budget=64, small_step=max(16, spec_k + 1), batching=on)
         if max_threads:
             torch.set_num_threads(max_threads)
         self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)

@@ -167,14 +167,18 @@ def test_a_cancelled_session_leaves_the_others_unchanged():
     assert out[1] == want[1][: len(out[1])] and len(out[1]) < 16
 
 
-def test_take_skips_a_step_over_the_budget_and_keeps_it_queued():
-    """The batch takes queued steps in order within the token budget; a step that does not fit
-    stays queued for the next forward (steps hold tensors: the queue must not compare them)."""
+def test_take_fills_two_budgets_in_order_and_keeps_the_rest_queued():
+    """The batch takes queued steps in order: prefill chunks within the prefill budget, decode/
+    verify steps within the row budget, the oldest always; a step that does not fit stays queued
+    for the next forward (steps hold tensors: the queue must not compare them)."""
     from inference_engine.engine.batching import _Pending
 
-    b = StepBatcher(token_budget=10)
-    first, big, small = (_Pending(torch.zeros(n), n) for n in (4, 9, 3))
-    b._queue.extend([first, big, small])
-    assert b._take() == [first, small]
-    assert list(b._queue) == [big]
-    assert b._take() == [big]
+    b = StepBatcher(10, row_budget=3, small_step=2)
+    first, big, d1, mid, d2, v3 = (_Pending(torch.zeros(n), n) for n in (4, 9, 1, 3, 1, 2))
+    b._queue.extend([first, big, d1, mid, d2, v3])
+    assert b._take() == [first, d1, mid, d2]  # prefill 4+3 (9 does not fit), rows 1+1 (2 more would be 4 > 3)
+    assert list(b._queue) == [big, v3]
+    assert b._take() == [big, v3]
+    off = StepBatcher(10, batching=False)
+    off._queue.extend([first, d1])
+    assert off._take() == [first] and off._take() == [d1]  # batching off: one step per forward
