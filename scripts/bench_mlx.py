@@ -26,14 +26,15 @@ For each weight format in `--formats` (fp32, int4; the same format on both backe
     .venv/bin/python scripts/bench_mlx.py --formats fp32 --out results/parts/bench_mlx/fp32.json
     .venv/bin/python scripts/bench_mlx.py --formats int4 --out results/parts/bench_mlx/int4.json
     .venv/bin/python scripts/bench_mlx.py --control --out results/parts/bench_mlx/int4_control.json
-    .venv/bin/python scripts/bench_mlx.py --merge results/parts/bench_mlx/fp32.json results/parts/bench_mlx/int4.json \
-        results/parts/bench_mlx/int4_control.json
+    .venv/bin/python scripts/bench_mlx.py --probe --prompts 3 --out results/parts/bench_mlx/probe.json
+    .venv/bin/python scripts/bench_mlx.py --merge results/parts/bench_mlx/*.json
 
 `--control` (no MLX): torch int4 against torch int4 with an ulp-level change to its RMSNorm
 (run_control), the same measures, as the yardstick for the int4 greedy gate: int4 rounds
 activations to bf16 before every linear, so any fp32-ulp difference between two
 implementations (two frameworks' attention, norm, RoPE kernels) flips some roundings and the
-two greedy runs part at the next near-tie.
+two greedy runs part at the next near-tie. `--probe`: where the two backends part, layer by
+layer, per format (run_probe).
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def parse_args(argv=None):
                     help="torch intra-op threads; default 1, as MLX's CPU backend runs (and 2 threads stall on a shared 2-core box)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_mlx.json"))
     ap.add_argument("--merge", nargs="+", metavar="PART", help="merge part JSONs (one format each) into --out (+ PNG)")
+    ap.add_argument("--probe", action="store_true",
+                    help="instead of the gate: where torch and MLX part, layer by layer, on --prompts prompts, per --formats (run_probe)")
     ap.add_argument("--control", action="store_true",
                     help="instead of MLX: the int4 control, torch int4 vs torch int4 with an ulp-level RMSNorm change (run_control)")
     return ap.parse_args(argv)
@@ -236,6 +239,50 @@ def run_control(path, prompts: list, args, checkpoint=lambda row: None) -> dict:
     return agreement(te, pe, prompts, args, "int4-control", out, checkpoint, other="perturbed")
 
 
+def run_probe(path, prompts: list, formats: list) -> dict:
+    """Where the backends part, per format: both run the same prompt (prefill, plain causal attention)
+    piece by piece; after the embedding and after each layer, the fraction of the residual stream's
+    elements that differ and the largest difference, then the same for the logits."""
+    import mlx.core as mx
+    import numpy as np
+
+    from inference_engine.backends.mlx.model import MlxCausalLM
+    from inference_engine.backends.torch.model import TorchCausalLM
+
+    def host(a):
+        return a.detach().float().numpy().copy() if isinstance(a, torch.Tensor) else np.array(a.astype(mx.float32))
+
+    def stream(m, p):
+        x = m.embed_ids(m.tensor(p))
+        rope = m.rope(torch.arange(len(p)) if m.backend_name == "torch" else m.tensor(list(range(len(p)))))
+        out = [host(x)]
+        with m.inference():
+            for i in range(m.spec.num_layers):
+                q, k, v = m.project(i, x)
+                q, _ = m.position_q(i, q, rope)
+                k = m.position_k(i, k, rope)
+                x = m.finish(i, x, m.attend(i, q, k, v, None))
+                out.append(host(x))
+            out.append(host(m.logits(m.final_norm(x))))
+        return out
+
+    res = {"prompt_tokens": [len(p) for p in prompts], "what": "after embedding, after each layer, then logits"}
+    for fmt in formats:
+        tm, mm = TorchCausalLM.load(path, weights=fmt), MlxCausalLM.load(path, weights=fmt)
+        rows = []
+        for p in prompts:
+            for i, (a, b) in enumerate(zip(stream(tm, p), stream(mm, p))):
+                d = np.abs(a - b)
+                r = {"unequal_fraction": float((a != b).mean()), "max_abs_diff": float(d.max())}
+                if i < len(rows):
+                    rows[i] = {k: max(rows[i][k], r[k]) for k in r}
+                else:
+                    rows.append(r)
+        res[fmt] = {"per_point_worst_over_prompts": rows, "logits_max_abs_diff": rows[-1]["max_abs_diff"],
+                    "layer0_unequal_fraction": rows[1]["unequal_fraction"]}
+    return res
+
+
 def main(argv=None) -> int:
     import mlx.core as mx
     import mlx_lm
@@ -256,6 +303,12 @@ def main(argv=None) -> int:
                              "torch at --threads. "
                              "Apple Silicon: not measured here.",
     }
+    if args.probe:
+        row = run_probe(path, prompts, args.formats.split(","))
+        write_json(out, meta | {"probes": {"layer_by_layer": row}})
+        for fmt in args.formats.split(","):
+            print(fmt, {k: v for k, v in row[fmt].items() if k != "per_point_worst_over_prompts"})
+        return 0
     if args.control:
         row = run_control(path, prompts, args, checkpoint=lambda r: write_json(out, meta | {"controls": {"int4_torch_vs_torch_ulp_rms": r}}))
         write_json(out, meta | {"controls": {"int4_torch_vs_torch_ulp_rms": row}})
@@ -279,15 +332,18 @@ def merge(args) -> int:
     """One result from parts that each measured some formats (provenance kept per part)."""
     import json
 
-    rows, controls, parts = {}, {}, []
+    rows, controls, probes, parts = {}, {}, {}, []
     for part in args.merge:
         doc = json.loads(pathlib.Path(part).read_text())
         rows |= doc.get("formats", {})
         controls |= doc.get("controls", {})
+        probes |= doc.get("probes", {})
         parts.append({"part": os.path.relpath(part, ROOT), "formats": list(doc.get("formats", {})), "controls": list(doc.get("controls", {})),
+                      "probes": list(doc.get("probes", {})),
                       **{k: doc[k] for k in ("command", "commit", "dirty_worktree", "date_utc", "machine", "mlx")}})
     payload = run_metadata(vars(args)) | {"mlx": parts[0]["mlx"], "speed_measured_on": doc["speed_measured_on"],
-                                          "parts": parts, "formats": rows} | ({"controls": controls} if controls else {})
+                                          "parts": parts, "formats": rows} | ({"controls": controls} if controls else {}) \
+        | ({"probes": probes} if probes else {})
     out = pathlib.Path(args.out)
     write_json(out, payload)
     _plot(rows, out.with_suffix(".png"))
