@@ -6,9 +6,15 @@ Arms, one after another on the same machine and thread count:
   kakeya-batching-on   `kakeya serve --weights <fmt> --batching on` (other flags default: capacity 16,
                        sessions persisted per turn to a temporary --state-dir), driven through the Python SDK
   kakeya-batching-off  the same daemon with --batching off (one session's step per forward)
-  llama.cpp            llama-cpp-python on the same GGUF: its `Llama` object has no cross-sequence
-                       batching (one sequence per context), so each session gets its own `Llama`
-                       (own KV, prefix reuse) and they run one call at a time
+  kakeya-batching-on-chunkN  batching on with --prefill-chunk N (smaller chunks bound the inter-token
+                       latency others see while an append lands, at some prefill cost)
+  llama.cpp-batched    llama.cpp on the same GGUF with n sequences in one context (n_seq_max = n), each
+                       forward carrying one token per decoding sequence plus up to --llama-chunk prefill
+                       tokens: llama-server's continuous batching, driven in-process through
+                       llama-cpp-python's low-level API (no transport in the loop: favours llama.cpp)
+  llama.cpp            llama-cpp-python's `Llama` class (what its high-level API supports: one sequence
+                       per context): each session gets its own `Llama` (own KV, prefix reuse) and they
+                       run one call at a time
 Per level and arm: aggregate tok/s (generated tokens / wall time of the level), per-session
 decode tok/s, p50/p95 inter-token latency and time to first token, errors, sessions lost, the
 server's peak RSS. Writes results/bench_load.json and .png.
@@ -203,6 +209,91 @@ def run_level_llama(gguf, n, args):
     return out
 
 
+def run_level_llama_batched(gguf, n, args):
+    """llama.cpp with n parallel sequences in one context, batched the way llama-server's slots are:
+    each forward (`llama_decode`) carries one token of every decoding sequence plus prefill tokens of
+    sequences whose tool result just arrived (up to --llama-chunk per forward), greedy argmax per
+    sequence. Driven through llama-cpp-python's low-level API (its `Llama` class runs one sequence).
+    Each session's turns follow the same workload as the daemon's; a session's next turn starts
+    when its generation ends (the client's append)."""
+    import ctypes
+
+    import llama_cpp as lc
+    import numpy as np
+    import psutil
+
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
+    cp = lc.llama_context_default_params()
+    cp.n_seq_max, cp.n_ctx = n, 2048 * n
+    cp.n_batch = cp.n_ubatch = args.llama_chunk + n
+    cp.n_threads = cp.n_threads_batch = args.threads
+    ctx = lc.llama_init_from_model(model, cp)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(cp.n_batch, 0, n)
+    turns = [workload(i, args.turns, args.seed) for i in range(n)]
+    # per session: turn index, tokens left to prefill, pos, last sampled token, tokens to generate
+    st = [{"turn": 0, "prefill": list(turns[i][0]), "pos": 0, "tok": None, "left": args.generate, "t_turn": None,
+           "last": None} for i in range(n)]
+    results = [{"itl": [], "ttft": [], "tokens": 0, "decode_s": 0.0, "errors": [], "lost": False, "turns": 0} for _ in range(n)]
+    t0 = time.perf_counter()
+    for s_ in st:
+        s_["t_turn"] = t0
+    while any(s_["turn"] < args.turns for s_ in st):
+        k, rows = 0, []  # rows: (batch index, session) whose logits are read
+        for i, s_ in enumerate(st):  # decoding sequences: one token each
+            if s_["turn"] < args.turns and not s_["prefill"] and s_["tok"] is not None:
+                rows.append((k, i))
+                k = add_token(batch, k, s_["tok"], s_["pos"], i, True)
+                s_["pos"] += 1
+        room = args.llama_chunk
+        for i, s_ in enumerate(st):  # prefill chunks, oldest sessions first, within the chunk budget
+            if room <= 0:
+                break
+            if s_["turn"] < args.turns and s_["prefill"]:
+                take, s_["prefill"] = s_["prefill"][:room], s_["prefill"][room:]
+                for j, tok in enumerate(take):
+                    last = j == len(take) - 1 and not s_["prefill"]
+                    if last:
+                        rows.append((k, i))
+                    k = add_token(batch, k, tok, s_["pos"], i, last)
+                    s_["pos"] += 1
+                room -= len(take)
+        batch.n_tokens = k
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        now = time.perf_counter()
+        for idx, i in rows:
+            s_, rec = st[i], results[i]
+            logits = np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx, idx), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+            tok = int(logits.argmax())
+            if s_["left"] == args.generate:  # first token of the turn
+                rec["ttft"].append(now - s_["t_turn"])
+                s_["first"] = now
+            else:
+                rec["itl"].append(now - s_["last"])
+            s_["last"], s_["tok"], s_["left"] = now, tok, s_["left"] - 1
+            rec["tokens"] += 1
+            if s_["left"] == 0:  # turn done: the sampled token is part of the history, the next tool result follows
+                rec["decode_s"] += now - s_["first"]
+                rec["turns"] += 1
+                s_["turn"] += 1
+                if s_["turn"] < args.turns:
+                    s_["prefill"] = [tok] + list(turns[i][s_["turn"]])
+                    s_["tok"], s_["left"], s_["t_turn"] = None, args.generate, now
+    wall = time.perf_counter() - t0
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return summarize(results, wall, psutil.Process().memory_info().rss)
+
+
+def add_token(batch, k, tok, pos, seq, logits) -> int:
+    batch.token[k], batch.pos[k], batch.n_seq_id[k], batch.logits[k] = tok, pos, 1, logits
+    batch.seq_id[k][0] = seq
+    return k + 1
+
+
 def summarize(results, wall, peak_rss):
     itl = [x for r in results for x in r["itl"]]
     ttft = [x for r in results for x in r["ttft"]]
@@ -226,8 +317,11 @@ def main() -> int:
     ap.add_argument("--generate", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arms", default="batching-on,batching-off,batching-on-chunk32,llama.cpp",
-                    help="batching-on|batching-off[-chunkN] (kakeya serve, --prefill-chunk N) and llama.cpp")
+    ap.add_argument("--arms", default="batching-on,batching-off,batching-on-chunk32,llama.cpp-batched,llama.cpp",
+                    help="batching-on|batching-off[-chunkN] (kakeya serve, --prefill-chunk N), llama.cpp-batched (n "
+                         "sequences in one context, batched decode) and llama.cpp (one Llama object per session, one "
+                         "call at a time)")
+    ap.add_argument("--llama-chunk", type=int, default=256, help="llama.cpp-batched: prefill tokens per forward")
     ap.add_argument("--duration-s", type=float, default=0.0,
                     help="each session keeps taking turns for this long instead of --turns (the long-load mode)")
     ap.add_argument("--big-append", type=int, default=2048,
@@ -257,7 +351,7 @@ def main() -> int:
                     print(arm, key, "itl p95", res[key]["itl_p95_s"], flush=True)
             finally:
                 d.close()
-        elif arm == "llama.cpp":
+        elif arm in ("llama.cpp", "llama.cpp-batched"):
             try:
                 import llama_cpp  # noqa: F401
             except ImportError:
@@ -267,21 +361,22 @@ def main() -> int:
 
             gguf = pathlib.Path(resolve_model(args.model)) / "source.gguf"
             for n in levels:
-                res[n] = run_level_llama(gguf, n, args)
+                res[n] = (run_level_llama_batched if arm == "llama.cpp-batched" else run_level_llama)(gguf, n, args)
                 print(arm, n, res[n]["aggregate_tok_s"], "tok/s", flush=True)
         out["arms"][arm] = res
     if "batching-on" in out["arms"] and "batching-off" in out["arms"]:
         on, off = out["arms"]["batching-on"], out["arms"]["batching-off"]
         out["batching_gain"] = {n: round(on[n]["aggregate_tok_s"] / off[n]["aggregate_tok_s"], 3) for n in levels}
-    if "batching-on" in out["arms"] and "llama.cpp" in out["arms"]:
-        on, ll = out["arms"]["batching-on"], out["arms"]["llama.cpp"]
-        out["vs_llama_cpp"] = {n: round(on[n]["aggregate_tok_s"] / ll[n]["aggregate_tok_s"], 3) for n in levels}
+    for ref in ("llama.cpp-batched", "llama.cpp"):
+        if "batching-on" in out["arms"] and ref in out["arms"]:
+            on, ll = out["arms"]["batching-on"], out["arms"][ref]
+            out[f"vs_{ref}"] = {n: round(on[n]["aggregate_tok_s"] / ll[n]["aggregate_tok_s"], 3) for n in levels}
     out["targets"] = targets(out, levels, interference, args.big_append)
     doc = run_metadata(vars(args) | {"load_average_at_start": os.getloadavg()}) | out
     path = pathlib.Path(args.out)
     write_json(path, doc)
     plot(out, path.with_suffix(".png"))
-    print({k: out.get(k) for k in ("batching_gain", "vs_llama_cpp")})
+    print({k: out.get(k) for k in ("batching_gain", "vs_llama.cpp-batched", "vs_llama.cpp", "targets")})
     return 0
 
 
