@@ -1,4 +1,14 @@
-"""dLM drafter for speculative decoding and (next) evicted-KV restoration.
+"""Drafters for speculative decoding (and v1's evicted-KV restoration).
+
+Two kinds, picked by the checkpoint manifest's format when `load_drafter` loads one:
+- v2 (`kakeya-drafter/2`, dflash_model.py / dflash_drafter.py, shipped smollm2-135m-dflash): a block
+  [last token, MASK x 4] drafted in one pass whose layer attends to the verifier's hidden states of 5
+  layers, captured by the engine during the steps it runs, through the drafter's own per-session K/V
+  cache. Design, training and measured figures: docs/drafters.md.
+- v1 (`kakeya-drafter/1`, below; shipped smollm2-135m-dlm): cache-free block diffusion from token
+  embeddings and the verifier's final hidden; it stays for dlm_restore (its f_θ is trained for it).
+
+v1 in detail:
 
 Contract: `load_drafter(name_or_path, verifier_embed=..., verifier_lm_head=...) -> Drafter`;
 `Drafter.draft(context_ids, k, context_hidden=None, steps=None, threshold=None) -> DraftResult(ids, probs,
@@ -38,10 +48,15 @@ from kv_cache_proposer.drafter import (
     resolve_checkpoint,
     save_drafter,
 )
+from kv_cache_proposer.dflash_drafter import DFlashDrafter
+from kv_cache_proposer.dflash_model import DFlashConfig, DFlashModel
 from kv_cache_proposer.model import DrafterConfig, DrafterModel
 
 __all__ = [
     "CHECKPOINTS_DIR",
+    "DFlashConfig",
+    "DFlashDrafter",
+    "DFlashModel",
     "Drafter",
     "DrafterConfig",
     "DrafterInputError",
