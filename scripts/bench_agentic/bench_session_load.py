@@ -8,6 +8,11 @@ SessionFiles, from the page cache (warm: the files were just written or read). -
 where one load spends its time.
 
     OMP_NUM_THREADS=1 python scripts/bench_agentic/bench_session_load.py --strategy sink_window
+
+Comparing with code from before the CRC-32 segment checksums (3ff9319 and earlier read sha256
+only): rewrite the saved manifests' checksums with `--segment-checksums sha256` (this script), then
+run the old code's copy of this script on the same --state-dir; `--segment-checksums crc32` turns
+them back. The segments themselves are not touched.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ def main() -> int:
     ap.add_argument("--state-dir", default=str(pathlib.Path.home() / ".cache" / "kakeya" / "bench_session_load"))
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--segment-checksums", choices=("keep", "sha256", "crc32"), default="keep",
+                    help="rewrite the saved manifests' segment checksums first (see above)")
     args = ap.parse_args()
 
     import torch
@@ -72,6 +79,8 @@ def main() -> int:
         sid_file.write_text(s.id)
         print(f"prefilled and saved {args.history} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
     sid = sid_file.read_text().strip()
+    if args.segment_checksums != "keep":
+        rewrite_checksums(root / "sessions" / sid, args.segment_checksums)
     disk = sum(p.stat().st_size for p in (root / "sessions" / sid).iterdir())
 
     class LoadOnly(SessionFiles):  # samples must not save their turn over the files the next one loads
@@ -105,6 +114,22 @@ def main() -> int:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
+
+
+def rewrite_checksums(session_dir: pathlib.Path, kind: str) -> None:
+    """Record each segment's checksum as `kind` (sha256: what saves before 2026-11-24 wrote)."""
+    import hashlib
+    import zlib
+
+    from inference_engine.persistence.state_dir import MANIFEST_NAME, manifest_bytes, read_manifest, write_atomic
+
+    body = read_manifest(session_dir)
+    for g in body["segments"]:
+        data = (session_dir / g["file"]).read_bytes()
+        g.pop("crc32", None)
+        g.pop("sha256", None)
+        g[kind] = hashlib.sha256(data).hexdigest() if kind == "sha256" else f"{zlib.crc32(data):08x}"
+    write_atomic(session_dir / MANIFEST_NAME, manifest_bytes(body))
 
 
 if __name__ == "__main__":
