@@ -3,14 +3,16 @@
 Pure Python (no torch, mlx or grpc). A session owns an opaque engine-side KV handle and
 looks at it only through `nbytes`, `resident_positions`, `next_position` and
 `dropped_total`. The store enforces: unguessable ids, vocabulary-checked appends, capacity
-with LRU eviction, idle-TTL eviction, one Generate per session at a time, and failing (and
+(admission: spill the least recently used idle session, or refuse when sessions are not
+persisted), idle-TTL eviction, one Generate per session at a time, and failing (and
 freeing) a session whose cache broke an invariant. A closed or failed session is gone: later
 calls get SessionNotFound, never a silent new session.
 
 With a `SessionPersister` (engine-side, e.g. inference_engine/persistence) sessions outlive the
 process: `persist(s)` saves what changed, eviction spills to disk instead of dropping, the first
 call naming a session that is only on disk loads it, and `close` deletes its files. Without one,
-an evicted session is gone like a closed one.
+a full store refuses new sessions (RESOURCE_EXHAUSTED) rather than drop one in use, and only
+the idle TTL removes sessions (gone like a closed one).
 """
 from __future__ import annotations
 
@@ -372,13 +374,22 @@ class SessionStore:
         self.events.on_ended("spilled" if spilled else "evicted")
 
     def _evict_lru(self) -> None:
-        # Oldest idle session first; a session inside a Generate is never evicted.
-        for sid, s in self._sessions.items():
-            if not s.lock.locked():
-                self._remove(sid, "lru")
-                return
+        """Make room for one more live session (admission). With a persister the least recently
+        used idle session spills to disk and comes back on its next call: nothing is lost. Without
+        one, evicting would drop a session its client may still be using, so a full store refuses
+        the new session instead. A session inside a Generate (or the HTTP shim's one-request
+        session while its request runs) is never evicted."""
         from inference_engine.errors import CapacityExhausted
 
+        for sid, s in self._sessions.items():  # oldest first; an idle one-request session is never coming back
+            if not s.lock.locked() and (self.persister is not None or s.ephemeral):
+                self._remove(sid, "lru")
+                return
+        if self.persister is None:
+            raise CapacityExhausted(
+                f"all {self.capacity} session slots are taken and sessions are not persisted (--persist off), so none "
+                f"is evicted to make room: close sessions, let idle ones expire (--idle-ttl {self.idle_ttl_s:g} s), raise "
+                f"--capacity, or run with --persist turn (idle sessions then spill to disk)")
         raise CapacityExhausted(f"all {self.capacity} sessions are generating; retry later or raise --capacity")
 
     def evict_idle(self) -> int:

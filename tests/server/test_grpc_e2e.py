@@ -120,15 +120,19 @@ def test_client_cancel_mid_stream_keeps_session_usable(client, server):
         assert len(list(s.generate(max_tokens=3))) == 3
 
 
-def test_capacity_evicts_lru_and_counts(server):
+def test_a_full_daemon_without_persistence_refuses_new_sessions(server):
+    """capacity 4, sessions in memory only: the fifth CreateSession is RESOURCE_EXHAUSTED (no
+    session in use is dropped for it); closing one admits the next."""
     c = kakeya.Client(f"127.0.0.1:{server.port}")
-    before = server.runtime.metrics.session_evicted_total.labels(reason="lru")._value.get()
-    sessions = [c.create_session([3]) for _ in range(5)]  # capacity 4
-    after = server.runtime.metrics.session_evicted_total.labels(reason="lru")._value.get()
-    assert after >= before + 1
-    with pytest.raises(kakeya.SessionNotFoundError):
-        sessions[0].append([4])
-    for s in sessions[1:]:
+    live = len(server.runtime.store)
+    sessions = [c.create_session([3]) for _ in range(4 - live)]
+    with pytest.raises(kakeya.ResourceExhaustedError, match="session slots are taken"):
+        c.create_session([3])
+    for s in sessions:
+        s.append([4])  # every admitted session is still there
+    sessions[0].close()
+    sessions[0] = c.create_session([3])
+    for s in sessions:
         s.close()
     c.close()
 

@@ -63,14 +63,17 @@ def test_unknown_closed_and_evicted_sessions_are_not_found():
     assert ev["evicted"] == ["close"] and ev["ended"] == ["closed"]
 
 
-def test_lru_eviction_at_capacity():
+def test_a_full_store_without_persistence_refuses_rather_than_drops():
+    """Without a persister an evicted session would be lost while its client may still use it:
+    at capacity, CreateSession is refused (naming the ways out) and every session stays."""
     s, ev = store(capacity=2)
     a, b = s.create(), s.create()
-    s.get(a.id)  # a is now most recently used
+    with pytest.raises(CapacityExhausted, match=r"all 2 session slots .* --persist turn"):
+        s.create()
+    assert ev["evicted"] == []
+    s.get(a.id), s.get(b.id)
+    s.close(b.id)  # a freed slot admits the next one
     c = s.create()
-    assert ev["evicted"] == ["lru"]
-    with pytest.raises(SessionNotFound):
-        s.get(b.id)
     s.get(a.id), s.get(c.id)
 
 
@@ -78,9 +81,9 @@ def test_busy_sessions_are_not_evicted():
     s, _ = store(capacity=1)
     a = s.create()
     with s.generation(a.id):
-        with pytest.raises(CapacityExhausted):
+        with pytest.raises(CapacityExhausted, match="generating|slots"):
             s.create()
-    s.create()  # a was idle again: evicted now
+    s.get(a.id)  # still there
 
 
 def test_idle_ttl_eviction():

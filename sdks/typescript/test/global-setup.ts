@@ -33,7 +33,7 @@ export default async function setup(project: TestProject) {
     const common = ["--model", model, "--threads", "1", "--idle-ttl", "0"];
     const started = await Promise.allSettled([
       startDaemon([...common, "--kv-strategy", "sink_window", "--window", "32"]),
-      // --persist off: LRU eviction deletes (with persistence it spills to disk and the session resumes)
+      // --persist off: a full store refuses new sessions (with persistence the LRU idle session spills to disk)
       startDaemon([...common, "--kv-strategy", "full", "--capacity", "1", "--api-key", apiKey, "--persist", "off"]),
     ]);
     for (const r of started) if (r.status === "fulfilled") daemons.push(r.value);

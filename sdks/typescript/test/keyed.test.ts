@@ -8,7 +8,6 @@ import {
   Client,
   OutOfRangeError,
   ResourceExhaustedError,
-  SessionNotFoundError,
   Status,
   UnauthenticatedError,
   type KakeyaError,
@@ -76,11 +75,15 @@ describe("bounded context (`full` strategy)", () => {
 });
 
 describe("capacity", () => {
-  it("an idle session evicted for a new one (LRU, --persist off) is NOT_FOUND afterwards", async () => {
+  it("a full daemon without persistence (--persist off) refuses a new session rather than drop an idle one", async () => {
     const old = await client.createSession({ initialTokens: [1, 2, 3] });
+    const err = await client.createSession({ initialTokens: [4, 5] }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(ResourceExhaustedError);
+    expect((err as KakeyaError).message).toContain("session slots are taken");
+    await old.append([6]); // still there
+    expect((await old.info()).historyLength).toBe(4);
+    await old.close();
     const fresh = await client.createSession({ initialTokens: [4, 5] });
-    await expect(old.append([6])).rejects.toBeInstanceOf(SessionNotFoundError);
-    expect((await fresh.info()).historyLength).toBe(2);
     await fresh.close();
   });
 });
