@@ -166,11 +166,13 @@ def drafter_restore_source(cfg: ServeConfig, model, drafter):
 
 def build_runtime(cfg: ServeConfig, model=None) -> Runtime:
     """The model is loaded (unless given), tuned and wrapped on the model thread, which then runs
-    every forward of this runtime's engine."""
+    every forward of this runtime's engine; the persister is built there too, so the calling
+    thread runs no torch work of its own (start() then isolates the other threads)."""
     mt = model_thread()
     engine = mt.call(lambda: build_engine(cfg, model if model is not None else _load_model(cfg)))
     engine.batcher.model_thread = mt
-    return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl, persister=build_persister(cfg, engine))
+    persister = mt.call(lambda: build_persister(cfg, engine))
+    return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl, persister=persister)
 
 
 def build_persister(cfg: ServeConfig, engine):
