@@ -213,7 +213,6 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
         from inference_engine.engine.model_thread import isolate_other_threads
 
         isolate_other_threads()  # RPC threads run their small torch ops inline: one OpenMP pool in the process
-    runtime.metrics.track_kv_tiers(runtime.store.sessions)
     interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors)
     add_runtime_service(RuntimeServicer(runtime), server)

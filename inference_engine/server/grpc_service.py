@@ -14,7 +14,6 @@ from google.protobuf.message import DecodeError
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.requests import SamplingParams
 from inference_engine.errors import KakeyaError
-from inference_engine.kv.byte_counts import kv_bytes
 from inference_engine.server.runtime import Runtime
 from kakeya_wire.v1 import runtime_pb2 as pb
 from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
@@ -106,7 +105,6 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     @_typed_errors
     def GetSessionInfo(self, request, context):
         i = self.rt.session_info(request.session_id)
-        tiers = kv_bytes(self.rt.store.get(request.session_id, touch=False).kv)
         return pb.GetSessionInfoResponse(
             session_id=i.session_id,
             history_length=i.history_length,
@@ -118,9 +116,9 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             idle_seconds=i.idle_seconds,
             dropped_tokens=i.dropped_tokens,
             eos_token_ids=list(i.eos_token_ids),
-            kv_resident_bytes=tiers.resident,
-            kv_selection_bytes=tiers.selection,
-            kv_stored_bytes=tiers.stored,
+            kv_resident_bytes=i.kv_resident_bytes,
+            kv_selection_bytes=i.kv_selection_bytes,
+            kv_stored_bytes=i.kv_stored_bytes,
         )
 
     @_typed_errors

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.requests import GenerateParams, ModelInfo, SamplingParams
 from inference_engine.errors import InvalidArgument
+from inference_engine.kv.byte_counts import kv_bytes
 from inference_engine.server.metrics import RuntimeMetrics
 from inference_engine.session.store import SessionPersister, SessionStore, StoreEvents
 
@@ -38,6 +39,9 @@ class SessionInfo:
     idle_seconds: float
     dropped_tokens: int
     eos_token_ids: tuple
+    kv_resident_bytes: int = 0  # the hot set (kv/byte_counts.py)
+    kv_selection_bytes: int = 0  # what queries score to choose pages
+    kv_stored_bytes: int = 0  # exact K/V kept outside the hot set
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class Runtime:
         )
         m.session_active.set_function(lambda: len(self.store))
         m.session_kv_live_bytes.set_function(self.store.kv_live_bytes)
+        m.track_kv_tiers(self.store.sessions)
         batcher = getattr(engine, "batcher", None)
         if batcher is not None:  # engine-side counters, read at scrape time
             m.batch_size.set_function(lambda: batcher.stats.last_batch_size)
@@ -178,6 +183,7 @@ class Runtime:
     def session_info(self, session_id: str) -> SessionInfo:
         s = self.store.get(session_id, touch=False)
         kv = s.kv
+        tiers = kv_bytes(kv)
         return SessionInfo(
             session_id=s.id,
             history_length=len(s.history),
@@ -189,6 +195,9 @@ class Runtime:
             idle_seconds=0.0 if s.lock.locked() else max(0.0, self.store.clock() - s.last_access),
             dropped_tokens=kv.dropped_total,
             eos_token_ids=tuple(sorted(s.eos_token_ids)),
+            kv_resident_bytes=tiers.resident,
+            kv_selection_bytes=tiers.selection,
+            kv_stored_bytes=tiers.stored,
         )
 
     def server_info(self) -> ServerInfo:
