@@ -31,7 +31,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from bench_common import ROOT, git_state, run_metadata, write_json  # noqa: E402
 
 
 def percentile(xs, q):
@@ -329,6 +329,8 @@ def main() -> int:
     ap.add_argument("--interference-levels", default="8", help="levels re-run with the big append ('' = none)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_load.json"))
     args = ap.parse_args()
+    at_start = {"load_average_at_start": os.getloadavg(), "commit_at_start": git_state()[0],
+                "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     levels = [int(x) for x in args.levels.split(",")]
     interference = [int(x) for x in args.interference_levels.split(",") if x]
     arms = args.arms.split(",")
@@ -372,7 +374,7 @@ def main() -> int:
             on, ll = out["arms"]["batching-on"], out["arms"][ref]
             out[f"vs_{ref}"] = {n: round(on[n]["aggregate_tok_s"] / ll[n]["aggregate_tok_s"], 3) for n in levels}
     out["targets"] = targets(out, levels, interference, args.big_append)
-    doc = run_metadata(vars(args) | {"load_average_at_start": os.getloadavg()}) | out
+    doc = run_metadata(vars(args) | at_start | {"load_average_at_end": os.getloadavg()}) | out
     path = pathlib.Path(args.out)
     write_json(path, doc)
     plot(out, path.with_suffix(".png"))
