@@ -95,6 +95,7 @@ def main() -> int:
     if a.arm:
         print(json.dumps(run_arm(a.arm, a.context, a.tokens, a.reps, a.threads)))
         return 0
+    load_at_start = os.getloadavg()
     rows = []
     for r in range(a.rounds):
         for arm in ARMS:
@@ -109,7 +110,8 @@ def main() -> int:
     write_json(a.out, {
         "experiment": "decode speed by the OS thread that runs the forwards (SmolLM2 int4, sink_window, Engine.generate)",
         "meta": run_metadata({"context": a.context, "tokens": a.tokens, "reps": a.reps, "threads": a.threads,
-                              "rounds": a.rounds, "load_average_at_start": os.getloadavg()}),
+                              "rounds": a.rounds, "load_average_at_start": load_at_start,
+                              "load_average_at_end": os.getloadavg()}),
         "runs": rows,
         "best_tok_s": best,
         "ratios": {"second_vs_main": round(best["second"] / best["main"], 3),
