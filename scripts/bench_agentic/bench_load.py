@@ -15,9 +15,12 @@ Arms, one after another on the same machine and thread count:
   llama.cpp            llama-cpp-python's `Llama` class (what its high-level API supports: one sequence
                        per context): each session gets its own `Llama` (own KV, prefix reuse) and they
                        run one call at a time
-Per level and arm: aggregate tok/s (generated tokens / wall time of the level), per-session
-decode tok/s, p50/p95 inter-token latency and time to first token, errors, sessions lost, the
-server's peak RSS. Writes results/bench_load.json and .png.
+Per level and arm: aggregate tok/s (generated tokens / wall time of the level: the agent mix,
+prefill included), per-session decode tok/s, p50/p95 inter-token latency and time to first
+token, errors, sessions lost, the server's peak RSS; then pure decode (every session generates
+--decode-tokens at once after a 32-token history: aggregate decode tok/s). At
+--interference-levels the level runs again while one more session appends --big-append tokens.
+--duration-s turns it into the long-load run. Writes results/bench_load.json and .png.
 """
 from __future__ import annotations
 
@@ -139,6 +142,44 @@ def run_level_kakeya(target, n, args, rss_probe, big_append: int = 0):
         out["big_append"] = {"tokens": big_append, **big}
         out["errors"] += int("error" in big)
     return out
+
+
+def decode_kakeya(target, n, args) -> dict:
+    """Pure decode at n sessions: each session holds a short history (32 tokens, prefilled), then
+    all start generating --decode-tokens at once; aggregate decode tok/s = n * tokens / time until
+    the last stream ends."""
+    import kakeya
+
+    start, ends, errors = threading.Barrier(n + 1), [None] * n, []
+
+    def one(i):
+        try:
+            with kakeya.Client(target) as client:
+                s = client.create_session(workload(i, 1, args.seed + 99, client.server_info().vocab_size)[0][:32], ignore_eos=True)
+                list(s.generate(max_tokens=1))  # prefilled: what follows is decode only
+                start.wait(timeout=600)
+                got = list(s.generate(max_tokens=args.decode_tokens))
+                ends[i] = (time.perf_counter(), len(got))
+                s.close()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__}: {e}")
+            start.abort()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        start.wait(timeout=600)
+    except threading.BrokenBarrierError:
+        pass  # a session failed before the start: recorded in errors
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    done = [e for e in ends if e is not None]
+    toks = sum(k for _, k in done)
+    wall = max(t for t, _ in done) - t0 if done else float("nan")
+    return {"sessions": n, "tokens": toks, "wall_s": round(wall, 3), "aggregate_decode_tok_s": round(toks / wall, 2),
+            "errors": len(errors), "error_samples": errors[:3]}
 
 
 def run_sessions(session_thread, n) -> float:
@@ -282,10 +323,36 @@ def run_level_llama_batched(gguf, n, args):
                     s_["prefill"] = [tok] + list(turns[i][s_["turn"]])
                     s_["tok"], s_["left"], s_["t_turn"] = None, args.generate, now
     wall = time.perf_counter() - t0
+    out = summarize(results, wall, psutil.Process().memory_info().rss)
+    # Pure decode, as the daemon's: every sequence restarts from a 32-token history, then all decode
+    # --decode-tokens in lockstep (one llama_decode per step carrying n tokens).
+    lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+    toks = [None] * n
+    k = 0
+    for i in range(n):
+        for p, tok in enumerate(workload(i, 1, args.seed + 99)[0][:32]):
+            k = add_token(batch, k, tok, p, i, p == 31)
+        batch.n_tokens = k
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        toks[i] = int(np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx, k - 1), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).argmax())
+        k = 0
+    t0 = time.perf_counter()
+    for step in range(args.decode_tokens):
+        for i in range(n):
+            k = add_token(batch, i, toks[i], 32 + step, i, True)
+        batch.n_tokens = k
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        for i in range(n):
+            toks[i] = int(np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).argmax())
+    dwall = time.perf_counter() - t0
+    out["decode"] = {"sessions": n, "tokens": n * args.decode_tokens, "wall_s": round(dwall, 3),
+                     "aggregate_decode_tok_s": round(n * args.decode_tokens / dwall, 2), "errors": 0}
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
     lc.llama_model_free(model)
-    return summarize(results, wall, psutil.Process().memory_info().rss)
+    return out
 
 
 def add_token(batch, k, tok, pos, seq, logits) -> int:
@@ -321,6 +388,8 @@ def main() -> int:
                     help="batching-on|batching-off[-chunkN] (kakeya serve, --prefill-chunk N), llama.cpp-batched (n "
                          "sequences in one context, batched decode) and llama.cpp (one Llama object per session, one "
                          "call at a time)")
+    ap.add_argument("--decode-tokens", type=int, default=48,
+                    help="per level, the pure-decode measurement: every session generates this many at once (0 = skip)")
     ap.add_argument("--llama-chunk", type=int, default=256, help="llama.cpp-batched: prefill tokens per forward")
     ap.add_argument("--duration-s", type=float, default=0.0,
                     help="each session keeps taking turns for this long instead of --turns (the long-load mode)")
@@ -346,7 +415,11 @@ def main() -> int:
             try:
                 for n in levels:
                     res[n] = run_level_kakeya(d.target, n, args, d.rss)
-                    print(arm, n, res[n]["aggregate_tok_s"], "tok/s", flush=True)
+                    if args.decode_tokens and not args.duration_s:
+                        res[n]["decode"] = decode_kakeya(d.target, n, args)
+                        res[n]["errors"] += res[n]["decode"]["errors"]
+                    print(arm, n, res[n]["aggregate_tok_s"], "tok/s", res[n].get("decode", {}).get("aggregate_decode_tok_s"),
+                          "decode tok/s", flush=True)
                 for n in interference:
                     key = f"{n}+append{args.big_append}"
                     res[key] = run_level_kakeya(d.target, n, args, d.rss, big_append=args.big_append)
@@ -373,6 +446,9 @@ def main() -> int:
         if "batching-on" in out["arms"] and ref in out["arms"]:
             on, ll = out["arms"]["batching-on"], out["arms"][ref]
             out[f"vs_{ref}"] = {n: round(on[n]["aggregate_tok_s"] / ll[n]["aggregate_tok_s"], 3) for n in levels}
+            if all("decode" in on[n] and "decode" in ll[n] for n in levels):
+                out[f"decode_vs_{ref}"] = {n: round(on[n]["decode"]["aggregate_decode_tok_s"]
+                                                    / ll[n]["decode"]["aggregate_decode_tok_s"], 3) for n in levels}
     out["targets"] = targets(out, levels, interference, args.big_append)
     doc = run_metadata(vars(args) | at_start | {"load_average_at_end": os.getloadavg()}) | out
     path = pathlib.Path(args.out)
@@ -389,8 +465,11 @@ def targets(out, levels, interference, big_append) -> dict:
     for arm, res in out["arms"].items():
         row = {"errors": sum(r["errors"] for r in res.values()), "sessions_lost": sum(r["sessions_lost"] for r in res.values())}
         if 1 in res and 8 in res:
-            row["aggregate_8_vs_1"] = round(res[8]["aggregate_tok_s"] / res[1]["aggregate_tok_s"], 2)
-            row["aggregate_8_vs_1_target"] = ">= 4"
+            row["agent_mix_aggregate_8_vs_1"] = round(res[8]["aggregate_tok_s"] / res[1]["aggregate_tok_s"], 2)
+            if "decode" in res[1] and "decode" in res[8]:
+                row["decode_aggregate_8_vs_1"] = round(res[8]["decode"]["aggregate_decode_tok_s"]
+                                                       / res[1]["decode"]["aggregate_decode_tok_s"], 2)
+                row["decode_aggregate_8_vs_1_target"] = ">= 4"
         key = f"8+append{big_append}"
         if 1 in res and key in res and res[1]["itl_p95_s"] and res[key]["itl_p95_s"]:
             row["itl_p95_8_with_append_vs_1"] = round(res[key]["itl_p95_s"] / res[1]["itl_p95_s"], 2)
@@ -410,10 +489,14 @@ def plot(out, png):
     for arm, res in out["arms"].items():
         if not all(n in res for n in levels):
             continue
-        axes[0].plot(levels, [res[n]["aggregate_tok_s"] for n in levels], marker="o", label=arm)
+        line = axes[0].plot(levels, [res[n]["aggregate_tok_s"] for n in levels], marker="o", label=arm)[0]
+        if all("decode" in res[n] for n in levels):
+            axes[0].plot(levels, [res[n]["decode"]["aggregate_decode_tok_s"] for n in levels], marker="x", linestyle="--",
+                         color=line.get_color())
         axes[1].plot(levels, [res[n]["itl_p95_s"] or 0 for n in levels], marker="o", label=arm)
         axes[2].plot(levels, [res[n]["ttft_p95_s"] or 0 for n in levels], marker="o", label=arm)
-    for a, t in zip(axes, ("aggregate tok/s", "p95 inter-token latency (s)", "p95 time to first token (s)")):
+    for a, t in zip(axes, ("aggregate tok/s (agent mix; dashed: pure decode)", "p95 inter-token latency (s)",
+                           "p95 time to first token (s)")):
         a.set(title=t, xlabel="concurrent sessions", xscale="log", xticks=levels, xticklabels=levels)
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
