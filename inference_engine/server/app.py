@@ -76,7 +76,7 @@ def load_mlx_model(cfg: ServeConfig, path):
 
 
 # What the MLX backend runs today (docs/mlx.md); the rest needs --backend torch.
-MLX_STRATEGIES = ("full", "sink_window")
+MLX_STRATEGIES = ("full", "sink_window", "paged")
 
 
 def check_backend_options(cfg: ServeConfig, model) -> None:
@@ -87,6 +87,8 @@ def check_backend_options(cfg: ServeConfig, model) -> None:
                           f"{' or '.join(MLX_STRATEGIES)}")
     if cfg.kv_compressor != "identity":
         raise ConfigError(f"--kv-compressor {cfg.kv_compressor} runs on --backend torch only; with --backend mlx use identity")
+    if cfg.kv_strategy == "paged" and cfg.page_compressor != "identity":
+        raise ConfigError(f"--page-compressor {cfg.page_compressor} runs on --backend torch only; with --backend mlx use identity")
     if cfg.kv_dtype != "fp32":
         raise ConfigError(f"--kv-dtype {cfg.kv_dtype} runs on --backend torch only; with --backend mlx use fp32")
     if cfg.drafter and cfg.drafter != "ngram" and cfg.spec_k:
