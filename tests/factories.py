@@ -89,3 +89,19 @@ def require_smollm2() -> pathlib.Path:
             pytest.fail(f"{msg}; CI is set, so a missing model is a failure, not a skip")
         pytest.skip(msg)
     return path
+
+
+class SlowModel:
+    """A model with a pause per forward, so concurrent steps pile up in the batcher's queue."""
+
+    def __init__(self, model, pause=0.02):
+        self._m, self._pause = model, pause
+
+    def embed_ids(self, ids):
+        import time
+
+        time.sleep(self._pause)
+        return self._m.embed_ids(ids)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import functools
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from factories import BACKENDS, load_model, make_engine, require_backend, tiny_model_dir
+from factories import BACKENDS, SlowModel, load_model, make_engine, require_backend, tiny_model_dir
 from inference_engine.engine import steps
 from inference_engine.engine.events import HistoryTruncated, TokenGenerated
 from inference_engine.engine.generate import Engine
@@ -388,20 +387,6 @@ def test_state_round_trip_through_files_continues_token_identical(backend, strat
 
 
 # -- concurrent sessions ------------------------------------------------------------------------
-class SlowModel:
-    """The model with a pause per forward, so concurrent steps pile up in the batcher's queue."""
-
-    def __init__(self, model, pause=0.02):
-        self._m, self._pause = model, pause
-
-    def embed_ids(self, ids):
-        time.sleep(self._pause)
-        return self._m.embed_ids(ids)
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
-
-
 def run_concurrently(engine, jobs) -> list:
     out, errors = [None] * len(jobs), []
 

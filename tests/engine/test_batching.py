@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from drafters import HashDrafter
-from factories import tiny_model_dir
+from factories import SlowModel, tiny_model_dir
 from inference_engine.backends.torch.model import TorchCausalLM
 from inference_engine.engine.batching import StepBatcher
 from inference_engine.engine.events import TokenGenerated
@@ -25,20 +25,6 @@ def ids(n, seed):
 
 def int4_model():
     return TorchCausalLM.load(str(tiny_model_dir("llama")), weights="int4")
-
-
-class SlowModel:
-    """The model with a pause per forward, so concurrent steps pile up in the batcher's queue."""
-
-    def __init__(self, model, pause=0.02):
-        self._m, self._pause = model, pause
-
-    def embed_ids(self, ids):
-        time.sleep(self._pause)
-        return self._m.embed_ids(ids)
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
 
 
 def test_forward_batch_gives_each_session_its_solo_result():
