@@ -179,10 +179,11 @@ class DFlashModel(nn.Module):
             x = blk(x, cos, sin, ck, cv, mask)
         return self.final_norm(x)
 
-    def forward(self, feats, ctx_pos, first_ids, block_pos, mask):
+    def forward(self, feats, ctx_pos, first_ids, block_pos, mask, feat_dropout: float = 0.0):
         """Training pass (through forward, so DDP syncs gradients): verifier features (B, C, L*Hv) at ctx_pos (B, C),
         blocks starting with first_ids (B, N) at block_pos (B, N * bs) -> out_proj of every block row (B, N * bs, Hv)."""
-        ctx_kv = self.context_kv(self.context_features(feats), ctx_pos)
+        c = F.dropout(self.context_features(feats), feat_dropout, self.training)
+        ctx_kv = self.context_kv(c, ctx_pos)
         return self.project(self.run_blocks(first_ids, block_pos, ctx_kv, mask))
 
     def project(self, h):

@@ -90,6 +90,7 @@ def main() -> int:
     ap.add_argument("--v2-drafter", default="smollm2-135m-dflash", help="the drafter issue 18's targets are checked on")
     ap.add_argument("--time-budget-min", type=float, default=0.0, help="stop starting prompts after this long (0 = all)")
     args = ap.parse_args()
+    load_at_start = os.getloadavg()
 
     import torch
 
@@ -193,7 +194,7 @@ def main() -> int:
     v2 = issue18_targets(summary, args.v2_drafter) if args.v2_drafter in drafters else None
     out = run_metadata(vars(args) | {"n_prompts": len(per_prompt), "heldout_split_rule": heldout.get("split_rule"),
                                      "edit_instruction": EDIT_INSTRUCTION})
-    out["machine"]["load_average_at_end"] = os.getloadavg()
+    out["machine"]["load_average_at_start"], out["machine"]["load_average_at_end"] = load_at_start, os.getloadavg()
     out |= {"summary": summary, "targets": targets, "targets_issue18": v2, "prompts": per_prompt}
     import pathlib
 

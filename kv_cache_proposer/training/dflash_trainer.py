@@ -47,13 +47,16 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     time_budget_s: float = 0.0
+    feat_dropout: float = 0.0  # dropout on the fused context features (the verifier states identify training positions)
+    val_every_seq: int = 0  # > 0: every n-th sequence is held out for validation; the best validated weights are kept
+    eval_every: int = 50
     loss: LossWeights = dataclasses.field(default_factory=LossWeights)
 
 
 class AnchorSampler:
     """Batches of (sequence window, anchors) from the cached data."""
 
-    def __init__(self, data: dict, cfg: DFlashConfig, gen: torch.Generator):
+    def __init__(self, data: dict, cfg: DFlashConfig, gen: torch.Generator, keep=lambda s: True):
         self.d, self.cfg, self.g = data, cfg, gen
         toks, am = data["tokens"].long(), data["argmax"].long()
         offs = data["seq_offsets"].tolist()
@@ -71,7 +74,7 @@ class AnchorSampler:
         for s in range(len(offs) - 1):
             lo, hi = offs[s], offs[s + 1]
             anchors = (torch.arange(lo + 1, hi)[self.run[lo + 1 : hi] >= 1])  # >= 1 context position, slot 1 valid
-            if anchors.numel():
+            if anchors.numel() and keep(s):
                 self.seqs.append((lo, hi, anchors))
         self.weights = torch.tensor([float(a.numel()) for _, _, a in self.seqs])
 
@@ -133,11 +136,12 @@ def choose_draft_vocab(data: dict, vocab_size: int, n: int, always: list[int]) -
     return torch.sort(torch.topk(counts, n).indices).values
 
 
-def step_loss(model: DFlashModel, b: dict, col_of: torch.Tensor, w: LossWeights, device) -> tuple[torch.Tensor, dict]:
+def step_loss(model: DFlashModel, b: dict, col_of: torch.Tensor, w: LossWeights, device,
+              feat_dropout: float = 0.0) -> tuple[torch.Tensor, dict]:
     m = model.module if hasattr(model, "module") else model
     b = {k: v.to(device) for k, v in b.items()}
     B, N, K = b["tgt"].shape
-    proj = model(b["feats"], b["cpos"], b["first"], b["bpos"], b["mask"])  # (B, N*bs, Hv), via DDP's forward
+    proj = model(b["feats"], b["cpos"], b["first"], b["bpos"], b["mask"], feat_dropout=feat_dropout)  # (B, N*bs, Hv), via DDP's forward
     proj = proj.view(B, N, K + 1, -1)[:, :, 1:]  # the mask slots
     logits = proj @ m.draft_head.T.to(proj.dtype)
     cols = col_of.to(device)[b["tgt"]]
@@ -192,7 +196,13 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
     if dist.is_initialized():  # torchrun: gradients all-reduced over the processes (gloo on CPU, nccl on CUDA)
         net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     gen = torch.Generator().manual_seed(tc.seed * 1000 + rank * 7919 + step)
-    sampler = AnchorSampler(data, cfg, gen)
+    n = tc.val_every_seq
+    sampler = AnchorSampler(data, cfg, gen, keep=(lambda s: s % n != n - 1) if n else (lambda s: True))
+    val_batches, best = [], None
+    if n:
+        vs = AnchorSampler(data, cfg, torch.Generator().manual_seed(12345), keep=lambda s: s % n == n - 1)
+        val_batches = [vs.batch(tc.seqs_per_step, tc.anchors_per_seq) for _ in range(6)]
+        log(f"r{rank}: validation: {len(vs.seqs)} sequences, {len(val_batches)} fixed batches")
     log(f"r{rank}: {len(sampler.seqs)} sequences, {sampler.n_anchors} anchors")
     t0 = time.time()
     stopped = False
@@ -205,7 +215,7 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
         for g in opt.param_groups:
             g["lr"] = lr_at(tc, step, elapsed)
         b = sampler.batch(tc.seqs_per_step, tc.anchors_per_seq)
-        loss, met = step_loss(net, b, col_of, tc.loss, device)
+        loss, met = step_loss(net, b, col_of, tc.loss, device, feat_dropout=tc.feat_dropout)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item()
@@ -219,6 +229,15 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
                 row[k] = round(sum(a[k] for a in acc) / len(acc), 4)
             row["top1_slot"] = [round(sum(a["top1_slot"][j] for a in acc) / len(acc), 4) for j in range(cfg.block_size - 1)]
             acc = []
+            if val_batches and step % tc.eval_every == 0:
+                model.eval()
+                with torch.no_grad():
+                    vm = [step_loss(model, vb, col_of, tc.loss, device)[1] for vb in val_batches]
+                model.train()
+                row["val_accepted_per_block"] = round(sum(v["accepted_per_block"] for v in vm) / len(vm), 4)
+                row["val_top1_slot"] = [round(sum(v["top1_slot"][j] for v in vm) / len(vm), 4) for j in range(cfg.block_size - 1)]
+                if best is None or row["val_accepted_per_block"] > best[0]:
+                    best = (row["val_accepted_per_block"], step, {k: v.detach().clone() for k, v in model.state_dict().items()})
             history.append(row)
             if rank == 0:
                 log(f"step {step} " + " ".join(f"{k}={v}" for k, v in row.items() if k != "step"))
@@ -226,10 +245,15 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
                         "elapsed": elapsed0 + time.time() - t0}, state_path)
     elapsed = elapsed0 + time.time() - t0
+    best_info = None
+    if best is not None:  # export the best validated weights, not the last (the small data set is memorised)
+        best_info = {"val_accepted_per_block": best[0], "step": best[1]}
+        model.load_state_dict(best[2])
     if rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
                     "elapsed": elapsed}, state_path)
-    return model, {"steps_done": step, "elapsed_s": round(elapsed, 1), "stopped_by_time_budget": stopped, "history": history}
+    return model, {"steps_done": step, "elapsed_s": round(elapsed, 1), "stopped_by_time_budget": stopped, "history": history,
+                   "best_validated": best_info}
 
 
 def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib.Path, *, rank: int, world: int,
@@ -253,7 +277,8 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
                        verifier=pathlib.Path(args.verifier).expanduser().name)
     draft_vocab = choose_draft_vocab(data, V, cfg.draft_vocab_size, always_ids)
     tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
-                     save_every=args.save_every, seed=args.seed, time_budget_s=args.time_budget_min * 60)
+                     save_every=args.save_every, seed=args.seed, time_budget_s=args.time_budget_min * 60,
+                     feat_dropout=args.feat_dropout, val_every_seq=args.val_every_seq, weight_decay=args.weight_decay)
     device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if torch.cuda.is_available() else "cpu"
     model, info = train(tc, cfg, data, embed, head, work, draft_vocab=draft_vocab, rank=rank, world=world, device=device,
                         log=lambda s: print(s, flush=True))
@@ -290,6 +315,7 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
             "trained_on": machine, "commit_at_start": commit,
             "config": {**{k: v for k, v in tc.__dict__.items() if k != "loss"}, "loss": tc.loss.__dict__},
             "steps_done": info["steps_done"], "train_seconds": info["elapsed_s"],
+            "exported": {"which": "best validated weights", **info["best_validated"]} if info["best_validated"] else "last step",
             "data_stage_seconds_this_run": round(data_seconds, 1), "stopped_by_time_budget": info["stopped_by_time_budget"],
             "final_metrics_mean_last_50_steps": {
                 k: round(sum(r[k] for r in last) / len(last), 4) for k in ("loss", "ce", "hidden", "accepted_per_block")} if last else {},

@@ -66,6 +66,10 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--time-budget-min", type=float, default=0.0)
+    ap.add_argument("--feat-dropout", type=float, default=0.0, help="dropout on the fused verifier features (training)")
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--val-every-seq", type=int, default=0,
+                    help="hold out every n-th sequence for validation and export the best validated weights (0 = off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default="", help="recorded in the manifest's data section (how the data stage ran)")
     return ap.parse_args(argv)
