@@ -107,11 +107,10 @@ def main() -> int:
             rows.append(row)
             print(row, flush=True)
     best = {arm: max(x["best_tok_s"] for x in rows if x["arm"] == arm) for arm in ARMS}
-    write_json(a.out, {
+    meta = run_metadata({"context": a.context, "tokens": a.tokens, "reps": a.reps, "threads": a.threads, "rounds": a.rounds,
+                         "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()})
+    write_json(a.out, meta | {
         "experiment": "decode speed by the OS thread that runs the forwards (SmolLM2 int4, sink_window, Engine.generate)",
-        "meta": run_metadata({"context": a.context, "tokens": a.tokens, "reps": a.reps, "threads": a.threads,
-                              "rounds": a.rounds, "load_average_at_start": load_at_start,
-                              "load_average_at_end": os.getloadavg()}),
         "runs": rows,
         "best_tok_s": best,
         "ratios": {"second_vs_main": round(best["second"] / best["main"], 3),
