@@ -4,8 +4,8 @@ Why (measured, `results/research/model_thread.json`): torch's CPU build parallel
 OpenMP, which keeps one worker pool per OS thread that ever entered a parallel region. Once the
 pools hold more threads than there are cores, libgomp stops spin-waiting between regions
 (its "throttled" spin count, about 100 spins) and every one of the ~hundreds of parallel regions in
-a decode step pays a futex wake-up. On this 2-core box the same int4 decode ran at ~70 tok/s on the
-thread that loaded the model and at 38–42 tok/s on a second thread.
+a decode step pays a futex wake-up. On this 2-core box the same int4 decode ran at ~75 tok/s on the
+thread that loaded the model and at ~45 tok/s on a second thread; on a ModelThread at ~76.
 
 So the daemon keeps exactly one multi-threaded pool: this thread sets torch's intra-op thread
 count, loads the model and runs the StepBatcher's forwards; `isolate_other_threads()` then sets
