@@ -14,13 +14,12 @@ The shared embedding and head are non-persistent buffers: never trained, never s
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kv_cache_proposer.model import RMSNorm, apply_rope
+from kv_cache_proposer.model import DraftHeadModule, RMSNorm, apply_rope
 
 
 @dataclasses.dataclass
@@ -104,7 +103,7 @@ class ContextBlock(nn.Module):
         return x + self.down(F.silu(g) * u)
 
 
-class DFlashModel(nn.Module):
+class DFlashModel(DraftHeadModule):
     def __init__(self, cfg: DFlashConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
         V, Hv = embed_weight.shape
@@ -133,23 +132,7 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(ContextBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(d, Hv, bias=False)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.in_features))
-        for blk in self.layers:  # residual branches start small
-            blk.o.weight.data.mul_(0.1)
-            blk.down.weight.data.mul_(0.1)
-
-    def set_draft_vocab(self, ids: torch.Tensor) -> None:
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.head_weight.device)
-        if ids.numel() != self.draft_vocab.numel():
-            raise ValueError(f"draft vocabulary has {ids.numel()} ids; the config says {self.draft_vocab.numel()}")
-        self.draft_vocab = ids
-        self.draft_head = self.head_weight[ids]
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.draft_head = self.head_weight[self.draft_vocab]
+        self._init_weights()
 
     def context_features(self, feats):
         """feats (…, T, L*Hv) verifier layer outputs -> (…, T, d) normed context features."""

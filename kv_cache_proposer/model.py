@@ -105,7 +105,32 @@ class BidirectionalBlock(nn.Module):
         return x, k, v
 
 
-class DrafterModel(nn.Module):
+class DraftHeadModule(nn.Module):
+    """What both drafter models share: the frozen verifier head restricted to a draft vocabulary
+    (FR-Spec) and the initialisation of their linear layers (residual branches start small)."""
+
+    def _init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.in_features))
+        for blk in self.layers:  # residual branches start small so the input path dominates early
+            blk.o.weight.data.mul_(0.1)
+            blk.down.weight.data.mul_(0.1)
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Restrict predictions to the shared-head rows `ids` (ascending token ids)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.head_weight.device)
+        if ids.numel() != self.draft_vocab.numel():
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids; the config says {self.draft_vocab.numel()}")
+        self.draft_vocab = ids
+        self.draft_head = self.head_weight[ids]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.draft_head = self.head_weight[self.draft_vocab]
+
+
+class DrafterModel(DraftHeadModule):
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
         V, Hv = embed_weight.shape
@@ -132,24 +157,7 @@ class DrafterModel(nn.Module):
         self.layers = nn.ModuleList(BidirectionalBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(cfg.hidden_size, Hv, bias=False)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=1.0 / math.sqrt(m.in_features))
-        for blk in self.layers:  # residual branches start small so the fuse path dominates early
-            blk.o.weight.data.mul_(0.1)
-            blk.down.weight.data.mul_(0.1)
-
-    def set_draft_vocab(self, ids: torch.Tensor) -> None:
-        """Restrict predictions to the shared-head rows `ids` (ascending token ids)."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.head_weight.device)
-        if ids.numel() != self.draft_vocab.numel():
-            raise ValueError(f"draft vocabulary has {ids.numel()} ids; the config says {self.draft_vocab.numel()}")
-        self.draft_vocab = ids
-        self.draft_head = self.head_weight[ids]
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.draft_head = self.head_weight[self.draft_vocab]
+        self._init_weights()
 
     def encode(self, ids, masked, in_hidden=None, has_hidden=None, pad_mask=None):
         """ids (B, T) long (any value where masked); masked (B, T) bool; in_hidden (B, T, Hv) the verifier

@@ -19,7 +19,7 @@ import torch
 
 from kv_cache_proposer.training import corpus as corpus_mod
 from kv_cache_proposer.training.dataset import chat_ids, code_ids
-from kv_cache_proposer.training.teacher import greedy_generate
+from kv_cache_proposer.training.teacher import greedy_generate, left_padded
 
 STYLES = {"chat": 0, "code": 1, "edit": 2, "synthetic": 3}
 CHUNK = 32
@@ -122,12 +122,8 @@ def generate_with_features(model, prompts: list[list[int]], layers: tuple[int, .
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for b0 in range(0, len(order), batch_size):
         idx = order[b0 : b0 + batch_size]
-        L = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), L), pad, dtype=torch.long)
-        att = torch.zeros((len(idx), L), dtype=torch.long)
-        for r, i in enumerate(idx):  # left padding
-            ids[r, L - len(prompts[i]) :] = torch.tensor(prompts[i])
-            att[r, L - len(prompts[i]) :] = 1
+        ids, att = left_padded([prompts[i] for i in idx], pad)
+        L = ids.shape[1]
         out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
                              pad_token_id=pad, temperature=None, top_p=None, top_k=None, output_hidden_states=True,
                              return_dict_in_generate=True)

@@ -44,6 +44,17 @@ def verifier_embed_and_head(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
+def left_padded(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), each (len(seqs), longest): the sequences left-padded with pad_id."""
+    L = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    att = torch.zeros((len(seqs), L), dtype=torch.long)
+    for r, x in enumerate(seqs):
+        ids[r, L - len(x) :] = torch.tensor(x)
+        att[r, L - len(x) :] = 1
+    return ids, att
+
+
 def greedy_generate(model, prompts: list[list[int]], max_new: int, eos_ids: list[int], pad_id: int,
                     batch_size: int = 16, progress=None) -> list[list[int]]:
     """The verifier's greedy continuation of each prompt (up to and including an EOS)."""
@@ -51,12 +62,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new: int, eos_ids: list
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for b in range(0, len(order), batch_size):
         idx = order[b : b + batch_size]
-        L = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), L), pad_id, dtype=torch.long)
-        att = torch.zeros((len(idx), L), dtype=torch.long)
-        for r, i in enumerate(idx):  # left padding
-            ids[r, L - len(prompts[i]) :] = torch.tensor(prompts[i])
-            att[r, L - len(prompts[i]) :] = 1
+        ids, att = left_padded([prompts[i] for i in idx], pad_id)
+        L = ids.shape[1]
         gen = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new, do_sample=False,
                              eos_token_id=eos_ids, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
         for r, i in enumerate(idx):
