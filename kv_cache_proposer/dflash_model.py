@@ -106,13 +106,7 @@ class ContextBlock(nn.Module):
 class DFlashModel(DraftHeadModule):
     def __init__(self, cfg: DFlashConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
-        V, Hv = embed_weight.shape
-        if (V, Hv) != (cfg.vocab_size, cfg.verifier_hidden_size) or head_weight.shape != (V, Hv):
-            raise ValueError(
-                f"verifier embedding {tuple(embed_weight.shape)} / LM head {tuple(head_weight.shape)} do not match "
-                f"the drafter config (vocab {cfg.vocab_size}, hidden {cfg.verifier_hidden_size}); "
-                "pass the embedding and head of the verifier this drafter was trained for"
-            )
+        V, Hv = self._check_verifier(cfg, embed_weight, head_weight)
         if cfg.num_heads % cfg.num_kv_heads or not cfg.capture_layers:
             raise ValueError(f"bad drafter config: heads {cfg.num_heads} / kv heads {cfg.num_kv_heads}, layers {cfg.capture_layers}")
         self.cfg = cfg

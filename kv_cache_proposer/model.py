@@ -109,6 +109,18 @@ class DraftHeadModule(nn.Module):
     """What both drafter models share: the frozen verifier head restricted to a draft vocabulary
     (FR-Spec) and the initialisation of their linear layers (residual branches start small)."""
 
+    @staticmethod
+    def _check_verifier(cfg, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> tuple[int, int]:
+        """(vocab, hidden) of the shared embedding and head, which must be the config's verifier's."""
+        V, Hv = embed_weight.shape
+        if (V, Hv) != (cfg.vocab_size, cfg.verifier_hidden_size) or head_weight.shape != (V, Hv):
+            raise ValueError(
+                f"verifier embedding {tuple(embed_weight.shape)} / LM head {tuple(head_weight.shape)} do not match "
+                f"the drafter config (vocab {cfg.vocab_size}, hidden {cfg.verifier_hidden_size}); "
+                "pass the embedding and head of the verifier this drafter was trained for"
+            )
+        return V, Hv
+
     def _init_weights(self) -> None:
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -133,13 +145,7 @@ class DraftHeadModule(nn.Module):
 class DrafterModel(DraftHeadModule):
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
-        V, Hv = embed_weight.shape
-        if (V, Hv) != (cfg.vocab_size, cfg.verifier_hidden_size) or head_weight.shape != (V, Hv):
-            raise ValueError(
-                f"verifier embedding {tuple(embed_weight.shape)} / LM head {tuple(head_weight.shape)} do not match "
-                f"the drafter config (vocab {cfg.vocab_size}, hidden {cfg.verifier_hidden_size}); "
-                "pass the embedding and head of the verifier this drafter was trained for"
-            )
+        V, Hv = self._check_verifier(cfg, embed_weight, head_weight)
         self.cfg = cfg
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("head_weight", head_weight.detach(), persistent=False)
