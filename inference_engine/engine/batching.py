@@ -100,10 +100,12 @@ class StepBatcher:
             self._queue.remove(p)
         return batch
 
+    def on_model(self, fn):
+        """Run fn where forwards run: on the model thread when there is one, else right here."""
+        return fn() if self.model_thread is None else self.model_thread.call(fn)
+
     def _forward(self, backend, inputs: list) -> list:
-        if self.model_thread is None:
-            return forward_batch(backend, inputs)
-        return self.model_thread.call(lambda: forward_batch(backend, inputs))
+        return self.on_model(lambda: forward_batch(backend, inputs))
 
     def _execute(self, backend, batch: list) -> None:
         s = self.stats

@@ -122,7 +122,7 @@ class Engine:
             if kv.drafter_state is None:
                 kv.drafter_state = d.new_state()
             last = torch.tensor(context[-1:], dtype=torch.long)
-            res = self._on_model(lambda: d.draft(last, k, context_hidden=kv.recent_hidden, state=kv.drafter_state,
+            res = self.batcher.on_model(lambda: d.draft(last, k, context_hidden=kv.recent_hidden, state=kv.drafter_state,
                                                  position=kv.next_position))
             return [int(t) for t in res.ids[:k]]
         tail = context[-d.context_window :]
@@ -132,14 +132,8 @@ class Engine:
             hidden = kv.recent_hidden[kv.recent_hidden.shape[0] - have :] if have > 0 else None
             tail = tail[len(tail) - 1 - have :] if hidden is not None else tail
         ids = torch.tensor(tail, dtype=torch.long)
-        res = self._on_model(lambda: d.draft(ids, k, context_hidden=hidden))
+        res = self.batcher.on_model(lambda: d.draft(ids, k, context_hidden=hidden))
         return [int(t) for t in res.ids[:k]]
-
-    def _on_model(self, fn):
-        """Run a drafter forward where the verifier's run: on the daemon's model thread when there
-        is one (engine/model_thread.py: other threads run torch single-threaded)."""
-        mt = self.batcher.model_thread
-        return fn() if mt is None else mt.call(fn)
 
     def _advance(self, kv: SessionKV, token: int, drafts: list, params: GenerateParams, gen, budget: int) -> steps.StepResult:
         """Feed `token` (and a drafted block) in one step; the result's `emitted` are the next tokens."""
