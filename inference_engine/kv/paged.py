@@ -54,6 +54,7 @@ class PagedCache(SinkWindowCache):
         self.evicted_total = 0
         self.timings = {"score_s": 0.0, "fetch_s": 0.0, "attend_s": 0.0, "recalls": 0}  # cumulative, for the cost split
         self._step = None  # per-step host bookkeeping for recall (see prepare)
+        self._rows_table = None  # (pages, P) row indices of each page (see _page_rows)
 
     # -- bytes ------------------------------------------------------------------------------
     @property
@@ -89,17 +90,21 @@ class PagedCache(SinkWindowCache):
         return layout
 
     def _plan_step(self, layout: AttentionLayout):
-        """Host bookkeeping shared by the step's layers: candidate positions [sink, cand_end) and
-        which of them each query may recall (per model window), resident columns of candidates
-        not yet archived."""
+        """Host bookkeeping shared by the step's layers (computed once a step, not per layer):
+        candidate positions [sink, cand_end), their count C and pages; which candidates each query
+        may recall per model window (None: all of them, as for a decode step on a global layer);
+        resident columns of candidates not yet archived; per query row, its visible resident
+        columns (row-exact steps)."""
         first, t = layout.first_position, layout.positions.numel()
         cand_end = first + t - self.window  # exclusive: the last query's out-of-window keys end at p - window
         if self.recall_pages == 0 or cand_end <= self.sink:
             return None
+        c = cand_end - self.sink
+        n_pages = -(-c // self.page_size)
         cpos = np.arange(self.sink, cand_end)
         qpos = np.arange(first, first + t)[:, None]
         dev = self.store.device
-        allowed = {}
+        allowed, free = {}, {}
         for w in set(self.geometry.layer_windows):
             if w is not None and w <= self.window:
                 continue  # a local layer sees nothing its cache window does not hold
@@ -107,6 +112,7 @@ class PagedCache(SinkWindowCache):
             if w is not None:
                 a &= cpos[None, :] > qpos - w
             allowed[w] = torch.from_numpy(a).to(dev)
+            free[w] = bool(a.all())
         cols = None
         if cand_end > self.archived_end:  # out-of-window keys still resident (a step longer than the window)
             key_pos = layout.key_positions.cpu().numpy()
@@ -115,7 +121,20 @@ class PagedCache(SinkWindowCache):
             if missing:
                 raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
             cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
-        return {"cand_end": cand_end, "allowed": allowed, "cols": cols}
+        return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols,
+                "row_cols": {}}
+
+    def _row_columns(self, plan, layout, w) -> list:
+        """Per query row, its visible resident columns in slot order: a few [start, end) runs (read as
+        slices, no copy) or an index; made once a step per window, shared by the layers."""
+        if w not in plan["row_cols"]:
+            out = []
+            for r in layout.host_masks[w]:
+                edges = np.flatnonzero(np.diff(np.concatenate([[False], r, [False]]).astype(np.int8)))
+                runs = list(zip(edges[0::2].tolist(), edges[1::2].tolist()))  # [start, end) of each visible run
+                out.append(runs if len(runs) <= 4 else torch.from_numpy(np.flatnonzero(r)).to(self.store.device))
+            plan["row_cols"][w] = out
+        return plan["row_cols"][w]
 
     @torch.inference_mode()
     def attend_with_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
@@ -126,7 +145,9 @@ class PagedCache(SinkWindowCache):
 
         Each KV head reads only the keys its own queries chose. A row-exact step (decode,
         speculative verify) attends row by row over exactly the columns a one-token step at that
-        position would: its chosen keys in position order, then its visible resident columns.
+        position would: its chosen keys in position order, then its visible resident columns, in
+        one call for all heads (a per-head mask only when a chosen page holds keys the row may not
+        see: the last, partial page).
         Arrays of another backend (MLX) are copied to CPU torch tensors and the output is torch; the
         backend takes it back (MlxCausalLM.finish), and the store's `read` returns torch rows."""
         w = self.geometry.layer_windows[layer]
@@ -137,57 +158,100 @@ class PagedCache(SinkWindowCache):
             q, k_all, v_all = (torch.from_numpy(np.array(x)) for x in (q, k_all, v_all))
         t0 = time.perf_counter()
         allowed = plan["allowed"][w]
-        idx, ok, c = self._choose_pages(layer, q, k_all, allowed, plan["cols"])  # (Hkv, T, M) page indices
-        row_exact = getattr(layout, "row_exact", False)
-        sel = None if row_exact else self._selection(idx, ok, allowed, c)  # (Hkv, T, C)
+        idx, ok = self._choose_pages(layer, q, k_all, plan, w)  # (Hkv, T, M) page indices
+        c = plan["c"]
         t1 = time.perf_counter()
         hkv, t = idx.shape[0], idx.shape[1]
         h = q.shape[0]
         g = h // hkv
+        if getattr(layout, "row_exact", False):
+            return self._attend_rows(layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1)
+        sel = self._selection(idx, ok, allowed, c)  # (Hkv, T, C)
         jobs = []
-        if row_exact:
-            host = layout.host_masks[w]
-            p = self.page_size
-            offsets = torch.arange(p, device=idx.device)
-            for j in range(t):
-                pages, order = idx[:, j].sort(-1)  # (Hkv, M): this row's pages in position order
-                rows = (pages[..., None] * p + offsets).flatten(1)  # (Hkv, M * P) candidate rows, ascending
-                valid = ok[:, j].gather(-1, order).repeat_interleave(p, -1) & (rows < c)
-                rows = rows.clamp(max=c - 1)
-                valid &= allowed[j][rows]
-                kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
-                cols = torch.from_numpy(np.flatnonzero(host[j])).to(k_all.device)
-                mask = torch.cat([valid, valid.new_ones(hkv, cols.numel())], 1)  # (Hkv, E + n): per KV head
-                jobs.append((q[:, j:j + 1], torch.cat([kr, k_all.index_select(1, cols)], 1),
-                             torch.cat([vr, v_all.index_select(1, cols)], 1), mask))
-        else:
-            rows, valid = _rows_per_head(sel.any(1))  # per head: keys any of the step's queries chose
-            kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
-            mask_r = sel.gather(2, rows[:, None].expand(-1, t, -1)) & valid[:, None]  # (Hkv, T, E)
-            t2 = time.perf_counter()
-            if _FLASH is not None:  # a step of many queries: two-part attention, resident part on the 2-D mask
-                o = _attend_merged(q, k_all, v_all, layout.masks[w], kr, vr, mask_r, scale)
-                self.timings["score_s"] += t1 - t0
-                self.timings["fetch_s"] += t2 - t1
-                self.timings["attend_s"] += time.perf_counter() - t2
-                self.timings["recalls"] += 1
-                return o
-            mask = torch.cat([mask_r.repeat_interleave(g, 0), layout.masks[w][None].expand(h, -1, -1)], 2)  # (H, T, E + N)
-            jobs.append((q, torch.cat([kr, k_all], 1), torch.cat([vr, v_all], 1), mask))
+        rows, valid = _rows_per_head(sel.any(1))  # per head: keys any of the step's queries chose
+        kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
+        mask_r = sel.gather(2, rows[:, None].expand(-1, t, -1)) & valid[:, None]  # (Hkv, T, E)
         t2 = time.perf_counter()
-        o = [_attend_per_head(qq, kk, vv, mm, scale) if mm.dim() == 2 else
-             F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mm, scale=scale, enable_gqa=True)[0]
+        if _FLASH is not None:  # a step of many queries: two-part attention, resident part on the 2-D mask
+            o = _attend_merged(q, k_all, v_all, layout.masks[w], kr, vr, mask_r, scale)
+            self._time(t0, t1, t2)
+            return o
+        mask = torch.cat([mask_r.repeat_interleave(g, 0), layout.masks[w][None].expand(h, -1, -1)], 2)  # (H, T, E + N)
+        jobs.append((q, torch.cat([kr, k_all], 1), torch.cat([vr, v_all], 1), mask))
+        t2 = time.perf_counter()
+        o = [F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mm, scale=scale, enable_gqa=True)[0]
              for qq, kk, vv, mm in jobs]
+        self._time(t0, t1, t2)
+        return o[0]
+
+    def _attend_rows(self, layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1):
+        """Row-exact attention: row j over its chosen pages' keys (position order) + its visible
+        resident columns, one call per row for all heads (each KV head's query heads as the call's
+        query rows, so a per-KV-head mask broadcasts over them)."""
+        hkv = idx.shape[0]
+        g, d = q.shape[0] // hkv, q.shape[2]
+        cols = plan["cols"]
+        row_ok, row_full = self._row_visible(plan, w)
+        row_cols = self._row_columns(plan, layout, w)
+        table = self._page_rows(plan["n_pages"], idx.device)  # (pages, P): page j's candidate rows
+        fetch = attend = 0.0
+        out = []
+        for j in range(idx.shape[1]):
+            ta = time.perf_counter()
+            pages = idx[:, j].sort(-1).values  # (Hkv, M): position order
+            rows = table.index_select(0, pages.flatten()).view(hkv, -1)  # (Hkv, M * P) ascending
+            if cols is None:  # every candidate archived; rows past C stay inside the table's whole pages
+                kr, vr = self.pages.gather(layer, rows).to(k_all.dtype)
+            else:
+                kr, vr = self._rows_kv(layer, rows.clamp(max=plan["c"] - 1), k_all, v_all, cols)
+            rc = row_cols[j]
+            if isinstance(rc, list):
+                kk = torch.cat([kr, *(k_all[:, a:b] for a, b in rc)], 1)
+                vv = torch.cat([vr, *(v_all[:, a:b] for a, b in rc)], 1)
+            else:
+                kk, vv = torch.cat([kr, k_all.index_select(1, rc)], 1), torch.cat([vr, v_all.index_select(1, rc)], 1)
+            mask = None
+            if not row_full[j]:  # chosen rows this query may not see (past C, or out of a local window)
+                valid = row_ok[j].index_select(0, rows.flatten()).view(hkv, 1, -1)
+                mask = F.pad(valid, (0, kk.shape[1] - valid.shape[2]), value=True)[None]  # (1, Hkv, 1, E + n)
+            tb = time.perf_counter()
+            o = F.scaled_dot_product_attention(q[:, j].reshape(1, hkv, g, d), kk[None], vv[None], attn_mask=mask, scale=scale)
+            out.append(o.view(hkv * g, 1, d))
+            fetch += tb - ta
+            attend += time.perf_counter() - tb
+        self._time(t0, t1, t1 + fetch, t1 + fetch + attend)
+        return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+    def _row_visible(self, plan, w):
+        """Per query row, which of the step's whole-page candidate rows it may attend ((T, pages * P)
+        bool: allowed, padded with False past C) and whether that is all of them (no mask needed)."""
+        key = ("row_ok", w)
+        if key not in plan:
+            span = plan["n_pages"] * self.page_size
+            ok = F.pad(plan["allowed"][w], (0, span - plan["c"]), value=False)
+            plan[key] = ok, ok.all(1).tolist()
+        return plan[key]
+
+    def _page_rows(self, n_pages, device) -> torch.Tensor:
+        """(n_pages, P): candidate rows of each page, a view of a table grown as needed."""
+        p = self.page_size
+        if self._rows_table is None or self._rows_table.shape[0] < n_pages:
+            self._rows_table = torch.arange(max(n_pages, 2 * (0 if self._rows_table is None else self._rows_table.shape[0]), 16) * p,
+                                            device=device).view(-1, p)
+        return self._rows_table[:n_pages]
+
+    def _time(self, t0, t1, t2, t3=None):
+        t3 = time.perf_counter() if t3 is None else t3
         self.timings["score_s"] += t1 - t0
         self.timings["fetch_s"] += t2 - t1
-        self.timings["attend_s"] += time.perf_counter() - t2
+        self.timings["attend_s"] += t3 - t2
         self.timings["recalls"] += 1
-        return o[0] if len(o) == 1 else torch.cat(o, 1)
 
-    def _choose(self, layer, q, k_all, allowed, cols) -> torch.Tensor:
+    def _choose(self, layer, q, k_all, w=None) -> torch.Tensor:
         """(Hkv, T, C) bool: candidate c (position sink + c) is recalled by query t for KV head h."""
-        idx, ok, c = self._choose_pages(layer, q, k_all, allowed, cols)
-        return self._selection(idx, ok, allowed, c)
+        plan = self._step
+        idx, ok = self._choose_pages(layer, q, k_all, plan, w)
+        return self._selection(idx, ok, plan["allowed"][w], plan["c"])
 
     def _selection(self, idx, ok, allowed, c) -> torch.Tensor:
         """(Hkv, T, C) bool from the chosen pages: keys of a chosen page the query may see."""
@@ -195,29 +259,36 @@ class PagedCache(SinkWindowCache):
         chosen = torch.zeros(*idx.shape[:2], n_pages, dtype=torch.bool, device=idx.device).scatter_(-1, idx, ok)
         return chosen.repeat_interleave(self.page_size, -1)[..., :c] & allowed
 
-    def _choose_pages(self, layer, q, k_all, allowed, cols):
-        """Each query's top pages per KV head: idx (Hkv, T, M) page indices, ok (Hkv, T, M) (the page
-        holds a key the query may see), and C, the number of candidate keys."""
+    def _choose_pages(self, layer, q, k_all, plan, w):
+        """Each query's top pages per KV head: idx (Hkv, T, M) page indices and ok (Hkv, T, M) (the
+        page holds a key the query may see). Every candidate is scored through its compact code:
+        archived ones as stored, still-resident ones (a long prefill chunk) encoded on the fly, by
+        the same codec and the same scoring call."""
         hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
         g, t = q.shape[0] // hkv, q.shape[1]
+        c, n_pages, cols = plan["c"], plan["n_pages"], plan["cols"]
+        span = n_pages * p
         codec = self.keys.codec
-        stored = self.keys.payload(layer)
-        codes, sc = stored["codes"][0], stored["scale"][0]  # (Hkv, n_archived, ...)
-        if cols is not None:  # candidates still resident: the same code they get when archived
+        if cols is None:  # every candidate archived: read whole pages (rows past C are the table's spare rows)
+            stored = self.keys.whole_pages(layer, span)
+            codes, sc = stored["codes"][0], stored["scale"][0]  # (Hkv, span, ...)
+        else:  # candidates still resident: the same code they get when archived
+            stored = self.keys.payload(layer)
+            codes, sc = stored["codes"][0], stored["scale"][0]  # (Hkv, n_archived, ...)
             fresh = codec.encode(k_all.index_select(1, cols).reshape(-1, d))
             nf = cols.numel()
             codes = torch.cat([codes, fresh["codes"].reshape(hkv, nf, -1)], 1)
             sc = torch.cat([sc, fresh["scale"].reshape(hkv, nf, 1)], 1)
-        c = codes.shape[1]
-        scores = codec.group_max_scores(q.reshape(hkv, g, t, d).float(), codes, sc)  # (Hkv, T, C)
-        scores.masked_fill_(~allowed, float("-inf"))
-        whole = c // p
-        page_scores = scores[..., : whole * p].unflatten(-1, (whole, p)).amax(-1)  # (Hkv, T, pages): a page's best key
-        if whole * p < c:  # the last, partial page
-            page_scores = torch.cat([page_scores, scores[..., whole * p:].amax(-1, keepdim=True)], -1)
-        n_pages = page_scores.shape[-1]
+        scores = codec.group_max_scores(q.reshape(hkv, g, t, d).float(), codes, sc)  # (Hkv, T, C or span)
+        if scores.shape[-1] < span:
+            scores = F.pad(scores, (0, span - scores.shape[-1]), value=float("-inf"))
+        elif span > c:
+            scores[..., c:] = float("-inf")
+        if not plan["free"][w]:
+            scores[..., :c].masked_fill_(~plan["allowed"][w], float("-inf"))
+        page_scores = scores.view(hkv, t, n_pages, p).amax(-1)  # (Hkv, T, pages): a page's best key
         best, idx = page_scores.topk(min(self.recall_pages, n_pages), -1)
-        return idx, best > float("-inf"), c
+        return idx, best > float("-inf")
 
     def _rows_kv(self, layer, rows, k_all, v_all, cols):
         """Exact K/V (Hkv, E, D) of candidate rows[h] per KV head: archived ones decoded from the page
@@ -308,16 +379,6 @@ def _flash(q, k, v, mask, scale):
     ninf = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=ninf, scale=scale)
     return out, lse.masked_fill(~mask.any(-1), float("-inf"))
-
-
-def _attend_per_head(q, k, v, mask, scale):
-    """q (H, T, D) over k, v (Hkv, N, D) with a mask per KV head, (Hkv, N) shared by its queries: one
-    call per KV head, each on a 1-row mask (the fast kernel; a per-head 3-D mask takes the slow path)."""
-    hkv = k.shape[0]
-    g = q.shape[0] // hkv
-    return torch.cat([F.scaled_dot_product_attention(q[j * g:(j + 1) * g][None], k[j:j + 1][None], v[j:j + 1][None],
-                                                     attn_mask=mask[j][None], scale=scale, enable_gqa=True)[0]
-                      for j in range(hkv)])
 
 
 def _attend_merged(q, k_all, v_all, mask_w, kr, vr, mask_r, scale):

@@ -72,17 +72,30 @@ class RowQuant:
 
     def group_max_scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """max over g of q[b, g, m] . decode(row c), (B, M, C), for q (B, G, M, D) float and coded rows
-        (B, C, ...): one matmul over the integer codes (4-bit: q's even dims against the low nibbles,
-        odd dims against the high ones), the max over the group, then the row scale (> 0, so it
-        commutes with the max). Nothing decoded, and only one (B, G*M, C) pass besides the matmul."""
+        (B, C, ...): a matmul over the integer codes (4-bit: unpacked to int8 in dimension order),
+        the max over the group, then the row scale (> 0, so it commutes with the max). Nothing
+        decoded is kept.
+
+        Steps of few queries (decode, speculative verify: up to `_INT_QUERIES` queries) multiply in
+        integers: q as three int8 limbs per (b, m) (`query_limbs`), one exact int8 x int8 -> int32
+        matmul per KV head (torch._int_mm), the limbs combined in float32. It reads the int8 codes
+        as they are (4-bit: one unpack to int8), a quarter of the bytes of the float path's float
+        copy of every code, which is what a decode step paid on a loaded box. Longer steps (prefill
+        chunks) take the float path (torch._int_mm is slow for many rows here). The two differ by
+        float rounding only: the limbs hold q to 2^-23 of the group's largest |q| element."""
         b, g, m, d = q.shape
         if self.bits == 8:
-            ints, qq = codes.float(), q
-        else:
-            ints = torch.cat([codes & 15, codes >> 4], -1).float() - 8  # (B, C, D): even dims, then odd dims
-            qq = torch.cat([q[..., 0::2], q[..., 1::2]], -1)
-        raw = (qq.reshape(b, g * m, d) @ ints.transpose(1, 2)).view(b, g, m, -1).amax(1)  # (B, M, C)
-        return raw * scale.float().squeeze(-1)[:, None, :]
+            ints = codes  # (B, C, D) int8
+        else:  # low nibble = even dimension, high nibble = odd dimension
+            ints = torch.stack([codes & 15, codes >> 4], -1).view(torch.int8).sub_(8).view(b, -1, d)  # (B, C, D)
+        if m > _INT_QUERIES:
+            raw = torch.bmm(q.reshape(b, g * m, d), ints.float().transpose(1, 2)).view(b, g, m, -1).amax(1)  # (B, M, C)
+            return raw.mul_(scale.transpose(1, 2))  # float * float16 scales: float
+        c = ints.shape[1]
+        limbs, s = query_limbs(q)  # (B, 3 * G * M, D) int8, (B, M, 1) float
+        ii = torch.stack([torch._int_mm(limbs[h], ints[h].t()) for h in range(b)]).view(b, 3, g, m, c).float()
+        raw = ii[:, 0].add_(ii[:, 1], alpha=1 / 254).add_(ii[:, 2], alpha=1 / 254 ** 2).amax(1)  # (B, M, C)
+        return raw.mul_(s).mul_(scale.transpose(1, 2))
 
     def decode(self, payload: dict) -> torch.Tensor:
         codes, scale = payload["codes"], payload["scale"].float()
@@ -91,6 +104,24 @@ class RowQuant:
         lo = (codes & 15).to(torch.int8) - 8
         hi = (codes >> 4).to(torch.int8) - 8
         return torch.stack([lo, hi], -1).reshape(codes.shape[0], self.head_dim).float() * scale
+
+
+_INT_QUERIES = 16  # RowQuant.group_max_scores: steps of up to this many queries score in integers
+
+
+def query_limbs(q: torch.Tensor):
+    """q (B, G, M, D) float -> (B, 3 * G * M, D) int8 limbs a0, a1, a2 (limb-major) and s (B, M, 1)
+    float32 with q = s * (a0 + a1 / 254 + a2 / 254^2) to within s * 254^-2 / 2 (s = max |q| over
+    the group's heads and D / 127, so 2^-23 of that max; computed in float64)."""
+    b, g, m, d = q.shape
+    x = q.double()
+    s = x.abs().amax((1, 3), keepdim=True).clamp_(min=1e-30).div_(127)  # (B, 1, M, 1)
+    x = x / s
+    a0 = torch.round(x)
+    r = x.sub_(a0).mul_(254)
+    a1 = torch.round(r)
+    a2 = r.sub_(a1).mul_(254).round_()
+    return torch.stack([a0, a1, a2], 1).to(torch.int8).view(b, 3 * g * m, d), s.view(b, m, 1).float()
 
 
 def make_row_codec(name: str, *, head_dim: int, dtype, q_range: int = 38, device="cpu"):
@@ -151,6 +182,13 @@ class RowTable:
     def payload(self, layer: int) -> dict:
         """The stored payload of every row of `layer`, per name (S, Hkv, rows, *trailing) views."""
         return {name: x[:, :, : self.rows] for name, x in self.slabs[layer].items()}
+
+    def whole_pages(self, layer: int, rows: int) -> dict:
+        """The stored payload of rows 0 .. rows - 1 of `layer` (views), `rows` a multiple of the page up
+        to the capacity: rows past `self.rows` are spare (zeros or stale), for callers that mask them."""
+        if rows > self.capacity or rows % self.page:
+            raise ValueError(f"{rows} rows are not whole pages within the capacity {self.capacity}")
+        return {name: x[:, :, :rows] for name, x in self.slabs[layer].items()}
 
     def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Decoded rows (S, Hkv, E, D): rows[h] (E,) of KV head h, for every head h (a per-head choice)."""

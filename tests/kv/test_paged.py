@@ -125,7 +125,7 @@ def test_the_needle_page_is_recalled():
     g = m.spec.num_heads // m.spec.num_kv_heads
     q = (k * 50).repeat_interleave(g, 0)[:, None]  # (H, 1, D): a query that aligns with the needle key
     layout = cache.prepare(range(80, 81))
-    sel = cache._choose(layer, q, cache.store.k[layer], cache._step["allowed"][None], cache._step["cols"])
+    sel = cache._choose(layer, q, cache.store.k[layer])
     cache.abort()
     chosen = sorted(set((sel[0, 0].nonzero().flatten() + 4).tolist()))
     assert chosen == list(range(28, 36)) and bool(sel[:, 0].any(-1).all())
