@@ -54,7 +54,6 @@ class PagedCache(SinkWindowCache):
         self.evicted_total = 0
         self.timings = {"score_s": 0.0, "fetch_s": 0.0, "attend_s": 0.0, "recalls": 0}  # cumulative, for the cost split
         self._step = None  # per-step host bookkeeping for recall (see prepare)
-        self._rows_table = None  # (pages, P) row indices of each page (see _page_rows)
 
     # -- bytes ------------------------------------------------------------------------------
     @property
@@ -122,7 +121,7 @@ class PagedCache(SinkWindowCache):
                 raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
             cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
         return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols,
-                "row_cols": {}}
+                "row_cols": {}, "layout": layout}
 
     def _row_columns(self, plan, layout, w) -> list:
         """Per query row, its visible resident columns in slot order: a few [start, end) runs (read as
@@ -186,59 +185,81 @@ class PagedCache(SinkWindowCache):
 
     def _attend_rows(self, layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1):
         """Row-exact attention: row j over its chosen pages' keys (position order) + its visible
-        resident columns, one call per row for all heads (each KV head's query heads as the call's
-        query rows, so a per-KV-head mask broadcasts over them)."""
+        resident columns, for all heads at once (each KV head's query heads as the call's query rows,
+        so a per-KV-head mask broadcasts over them). With torch's CPU flash kernel: one call over
+        the recalled rows and one over the resident slab as it is (its 1-row mask), merged by
+        log-sum-exp, so nothing is concatenated; without it, one call over both, concatenated."""
         hkv = idx.shape[0]
         g, d = q.shape[0] // hkv, q.shape[2]
         cols = plan["cols"]
-        row_ok, row_full = self._row_visible(plan, w)
-        row_cols = self._row_columns(plan, layout, w)
-        table = self._page_rows(plan["n_pages"], idx.device)  # (pages, P): page j's candidate rows
+        vis = self._row_visible(plan, w, q.dtype)
+        table = self._page_rows(plan, idx.device)  # (Hkv * pages, P): slab rows (head-major) of each page
+        merged = _FLASH is not None and cols is None
+        row_cols = None if merged else self._row_columns(plan, layout, w)
         fetch = attend = 0.0
         out = []
         for j in range(idx.shape[1]):
             ta = time.perf_counter()
             pages = idx[:, j].sort(-1).values  # (Hkv, M): position order
-            rows = table.index_select(0, pages.flatten()).view(hkv, -1)  # (Hkv, M * P) ascending
+            flat = (pages + plan["head_pages"]).flatten()
+            qj = q[:, j].reshape(1, hkv, g, d)
             if cols is None:  # every candidate archived; rows past C stay inside the table's whole pages
-                kr, vr = self.pages.gather(layer, rows).to(k_all.dtype)
+                kr, vr = self.pages.gather_flat(layer, table.index_select(0, flat).flatten(), hkv).to(k_all.dtype)
             else:
+                rows = table.index_select(0, flat).view(hkv, -1) - plan["head_rows"]
                 kr, vr = self._rows_kv(layer, rows.clamp(max=plan["c"] - 1), k_all, v_all, cols)
-            rc = row_cols[j]
-            if isinstance(rc, list):
-                kk = torch.cat([kr, *(k_all[:, a:b] for a, b in rc)], 1)
-                vv = torch.cat([vr, *(v_all[:, a:b] for a, b in rc)], 1)
+            bias = None if vis["full"][j] else vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
+            if merged:
+                tb = time.perf_counter()
+                o_w, l_w = _FLASH(qj, k_all[None], v_all[None], 0.0, False, attn_mask=vis["resident_bias"][j], scale=scale)
+                if vis["any"][j]:
+                    o_r, l_r = _FLASH(qj, kr[None], vr[None], 0.0, False, attn_mask=bias, scale=scale)
+                    o_w = torch.lerp(o_w, o_r, torch.sigmoid(l_r - l_w)[..., None])  # weights e^l / (e^l_w + e^l_r)
             else:
-                kk, vv = torch.cat([kr, k_all.index_select(1, rc)], 1), torch.cat([vr, v_all.index_select(1, rc)], 1)
-            mask = None
-            if not row_full[j]:  # chosen rows this query may not see (past C, or out of a local window)
-                valid = row_ok[j].index_select(0, rows.flatten()).view(hkv, 1, -1)
-                mask = F.pad(valid, (0, kk.shape[1] - valid.shape[2]), value=True)[None]  # (1, Hkv, 1, E + n)
-            tb = time.perf_counter()
-            o = F.scaled_dot_product_attention(q[:, j].reshape(1, hkv, g, d), kk[None], vv[None], attn_mask=mask, scale=scale)
-            out.append(o.view(hkv * g, 1, d))
+                rc = row_cols[j]
+                if isinstance(rc, list):
+                    kk = torch.cat([kr, *(k_all[:, a:b] for a, b in rc)], 1)
+                    vv = torch.cat([vr, *(v_all[:, a:b] for a, b in rc)], 1)
+                else:
+                    kk, vv = torch.cat([kr, k_all.index_select(1, rc)], 1), torch.cat([vr, v_all.index_select(1, rc)], 1)
+                if bias is not None:
+                    bias = F.pad(bias, (0, kk.shape[1] - bias.shape[3]), value=0.0)  # (1, Hkv, 1, E + n)
+                tb = time.perf_counter()
+                o_w = F.scaled_dot_product_attention(qj, kk[None], vv[None], attn_mask=bias, scale=scale)
+            out.append(o_w.view(hkv * g, 1, d))
             fetch += tb - ta
             attend += time.perf_counter() - tb
         self._time(t0, t1, t1 + fetch, t1 + fetch + attend)
         return out[0] if len(out) == 1 else torch.cat(out, 1)
 
-    def _row_visible(self, plan, w):
-        """Per query row, which of the step's whole-page candidate rows it may attend ((T, pages * P)
-        bool: allowed, padded with False past C) and whether that is all of them (no mask needed)."""
-        key = ("row_ok", w)
+    def _row_visible(self, plan, w, dtype):
+        """Per query row (made once a step per window, shared by the layers): additive masks (0 /
+        -inf) of the recalled rows by page ((pages, P): allowed, and nothing past C), whether that
+        is all rows (full: no mask), whether any candidate is visible, and the resident slab's
+        1-row mask ((1, 1, 1, N); None when every column is visible)."""
+        key = ("visible", w)
         if key not in plan:
-            span = plan["n_pages"] * self.page_size
-            ok = F.pad(plan["allowed"][w], (0, span - plan["c"]), value=False)
-            plan[key] = ok, ok.all(1).tolist()
+            p, n_pages, layout = self.page_size, plan["n_pages"], plan["layout"]
+            ok = F.pad(plan["allowed"][w], (0, n_pages * p - plan["c"]), value=False)
+            ninf = torch.tensor(float("-inf"), dtype=dtype, device=ok.device)
+            zero = torch.zeros((), dtype=dtype, device=ok.device)
+            page_bias = torch.where(ok, zero, ninf).view(ok.shape[0], n_pages, p)
+            host = layout.host_masks[w]
+            res = [None if r.all() else torch.where(torch.from_numpy(r).to(ok.device), zero, ninf).view(1, 1, 1, -1)
+                   for r in host]
+            plan[key] = {"full": ok.all(1).tolist(), "any": ok.any(1).tolist(), "page_bias": page_bias, "resident_bias": res}
         return plan[key]
 
-    def _page_rows(self, n_pages, device) -> torch.Tensor:
-        """(n_pages, P): candidate rows of each page, a view of a table grown as needed."""
-        p = self.page_size
-        if self._rows_table is None or self._rows_table.shape[0] < n_pages:
-            self._rows_table = torch.arange(max(n_pages, 2 * (0 if self._rows_table is None else self._rows_table.shape[0]), 16) * p,
-                                            device=device).view(-1, p)
-        return self._rows_table[:n_pages]
+    def _page_rows(self, plan, device) -> torch.Tensor:
+        """(Hkv * pages, P): page j of KV head h at row h * pages + j, holding the rows h * capacity +
+        j * P + (0 .. P-1) of the row table's (Hkv * capacity) flattened slab; made once a step."""
+        if "page_rows" not in plan:
+            hkv, p, n_pages, cap = self.geometry.num_kv_heads, self.page_size, plan["n_pages"], self.pages.capacity
+            heads = torch.arange(hkv, device=device)
+            plan["head_pages"] = (heads * n_pages)[:, None]
+            plan["head_rows"] = (heads * cap)[:, None]
+            plan["page_rows"] = ((heads * cap)[:, None, None] + torch.arange(n_pages * p, device=device).view(1, n_pages, p)).view(-1, p)
+        return plan["page_rows"]
 
     def _time(self, t0, t1, t2, t3=None):
         t3 = time.perf_counter() if t3 is None else t3

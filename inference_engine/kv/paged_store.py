@@ -198,6 +198,12 @@ class RowTable:
                 for name, x in self.slabs[layer].items()}
         return self.codec.decode(flat).reshape(self.stack, self.num_kv_heads, n, self.head_dim)
 
+    def gather_flat(self, layer: int, flat_rows: torch.Tensor, heads: int) -> torch.Tensor:
+        """Decoded rows (S, heads, E, D) at flat_rows (heads * E,) of the (Hkv * capacity) flattened
+        slab: head h's row r is h * capacity + r (a per-head choice, offsets added by the caller)."""
+        flat = {name: x.flatten(1, 2).index_select(1, flat_rows).flatten(0, 1) for name, x in self.slabs[layer].items()}
+        return self.codec.decode(flat).reshape(self.stack, heads, -1, self.head_dim)
+
     def state(self, start: int = 0) -> dict:
         """The used rows' payload per name, (L, S, Hkv, rows - start, *trailing) on the CPU: rows
         `start` .. rows - 1 (a saver that holds the earlier ones asks for the new rows only)."""

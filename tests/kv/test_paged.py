@@ -62,9 +62,9 @@ def test_recalling_every_page_equals_full(arch):
     m = model(arch)
     history = ids(120)
     full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
-    for chunk in (16, 1):
+    for chunk, row_exact in ((16, False), (1, False)) + (((1, True), (5, True)) if ROW_EXACT else ()):
         cache = new_cache(m, paged(window=12, page=8, pages=100))
-        got = feed(m, cache, history, chunk)
+        got = feed(m, cache, history, chunk, row_exact=row_exact)
         torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
         assert cache.pages.rows == 120 - 12 + 1 - 4 and cache.dropped_total == 0
 
@@ -89,8 +89,9 @@ def test_paged_result_does_not_depend_on_chunking(arch):
 
 
 @needs_row_exact
-def test_row_exact_steps_equal_batched_steps():
-    m = model()
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_row_exact_steps_equal_batched_steps(arch):
+    m = model(arch)
     history = ids(100)
     ref = feed(m, new_cache(m, paged()), history, 5)
     torch.testing.assert_close(feed(m, new_cache(m, paged()), history, 5, row_exact=True), ref, rtol=1e-5, atol=1e-5)
@@ -161,11 +162,12 @@ def test_row_codecs_round_trip_per_row(codec):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_scores_over_codes_equal_scores_over_decoded_keys(bits):
+@pytest.mark.parametrize("queries", [1, 4, 40])  # few queries score in integers (query limbs), many in float
+def test_scores_over_codes_equal_scores_over_decoded_keys(bits, queries):
     rq = RowQuant(bits, 64)
     keys = torch.randn(3 * 50, 64)
     pay = rq.encode(keys)
-    q = torch.randn(3, 2, 4, 64)  # (Hkv, G, T, D)
+    q = torch.randn(3, 2, queries, 64)  # (Hkv, G, T, D)
     got = rq.group_max_scores(q, pay["codes"].reshape(3, 50, -1), pay["scale"].reshape(3, 50, 1))
     want = (q @ rq.decode(pay).reshape(3, 1, 50, 64).transpose(-1, -2)).amax(1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
