@@ -198,17 +198,22 @@ class PagedCache(SinkWindowCache):
         row_cols = None if merged else self._row_columns(plan, layout, w)
         fetch = attend = 0.0
         out = []
+        every = plan["n_pages"] <= self.recall_pages and cols is None  # every page chosen: the table's first pages as they are
         for j in range(idx.shape[1]):
             ta = time.perf_counter()
-            pages = idx[:, j].sort(-1).values  # (Hkv, M): position order
-            flat = (pages + plan["head_pages"]).flatten()
             qj = q[:, j].reshape(1, hkv, g, d)
-            if cols is None:  # every candidate archived; rows past C stay inside the table's whole pages
-                kr, vr = self.pages.gather_flat(layer, table.index_select(0, flat).flatten(), hkv).to(k_all.dtype)
+            if every:
+                kr, vr = self.pages.read_pages(layer, plan["n_pages"] * self.page_size).to(k_all.dtype)
+                bias = None if vis["full"][j] else vis["page_bias"][j].view(1, 1, 1, -1)
             else:
-                rows = table.index_select(0, flat).view(hkv, -1) - plan["head_rows"]
-                kr, vr = self._rows_kv(layer, rows.clamp(max=plan["c"] - 1), k_all, v_all, cols)
-            bias = None if vis["full"][j] else vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
+                pages = idx[:, j].sort(-1).values  # (Hkv, M): position order
+                flat = (pages + plan["head_pages"]).flatten()
+                if cols is None:  # every candidate archived; rows past C stay inside the table's whole pages
+                    kr, vr = self.pages.gather_flat(layer, table.index_select(0, flat).flatten(), hkv).to(k_all.dtype)
+                else:
+                    rows = table.index_select(0, flat).view(hkv, -1) - plan["head_rows"]
+                    kr, vr = self._rows_kv(layer, rows.clamp(max=plan["c"] - 1), k_all, v_all, cols)
+                bias = None if vis["full"][j] else vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
             if merged:
                 tb = time.perf_counter()
                 o_w, l_w = _FLASH(qj, k_all[None], v_all[None], 0.0, False, attn_mask=vis["resident_bias"][j], scale=scale)
@@ -223,7 +228,7 @@ class PagedCache(SinkWindowCache):
                 else:
                     kk, vv = torch.cat([kr, k_all.index_select(1, rc)], 1), torch.cat([vr, v_all.index_select(1, rc)], 1)
                 if bias is not None:
-                    bias = F.pad(bias, (0, kk.shape[1] - bias.shape[3]), value=0.0)  # (1, Hkv, 1, E + n)
+                    bias = F.pad(bias, (0, kk.shape[1] - bias.shape[3]), value=0.0)  # (1, Hkv or 1, 1, E + n)
                 tb = time.perf_counter()
                 o_w = F.scaled_dot_product_attention(qj, kk[None], vv[None], attn_mask=bias, scale=scale)
             out.append(o_w.view(hkv * g, 1, d))
@@ -289,6 +294,12 @@ class PagedCache(SinkWindowCache):
         g, t = q.shape[0] // hkv, q.shape[1]
         c, n_pages, cols = plan["c"], plan["n_pages"], plan["cols"]
         span = n_pages * p
+        if n_pages <= self.recall_pages:  # every page is chosen, whatever the scores: nothing to score
+            key = ("every_page", w)
+            if key not in plan:
+                ok = F.pad(plan["allowed"][w], (0, span - c), value=False).view(t, n_pages, p).any(-1)  # (T, pages)
+                plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
+            return plan[key]
         codec = self.keys.codec
         if cols is None:  # every candidate archived: read whole pages (rows past C are the table's spare rows)
             stored = self.keys.whole_pages(layer, span)

@@ -198,6 +198,15 @@ class RowTable:
                 for name, x in self.slabs[layer].items()}
         return self.codec.decode(flat).reshape(self.stack, self.num_kv_heads, n, self.head_dim)
 
+    def read_pages(self, layer: int, rows: int) -> torch.Tensor:
+        """Decoded rows 0 .. rows - 1 (S, Hkv, rows, D), `rows` whole pages within the capacity (rows
+        past `self.rows` are spare, for callers that mask them); identity: views, no copy."""
+        part = self.whole_pages(layer, rows)
+        if isinstance(self.codec, IdentityRows):
+            return part["rows"]
+        flat = {name: x.reshape(-1, *x.shape[3:]) for name, x in part.items()}
+        return self.codec.decode(flat).reshape(self.stack, self.num_kv_heads, rows, self.head_dim)
+
     def gather_flat(self, layer: int, flat_rows: torch.Tensor, heads: int) -> torch.Tensor:
         """Decoded rows (S, heads, E, D) at flat_rows (heads * E,) of the (Hkv * capacity) flattened
         slab: head h's row r is h * capacity + r (a per-head choice, offsets added by the caller)."""
