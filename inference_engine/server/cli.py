@@ -19,8 +19,8 @@ def _add_serve(sub) -> None:
                    help="paged: sink_window's resident cache + every evicted position kept exactly in pages, each query "
                         "attending to its top --recall-pages pages; dlm_restore: sink_window's resident cache + every "
                         "evicted position restored each step")
-    p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (sink_window, dlm_restore)")
-    p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (sink_window, dlm_restore)")
+    p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (sink_window, paged, dlm_restore)")
+    p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (sink_window, paged, dlm_restore)")
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=("fp32", "int8"),
@@ -34,15 +34,15 @@ def _add_serve(sub) -> None:
                    help="paged: pages each query attends to (per layer and KV head) besides sink and window")
     p.add_argument("--page-compressor", default=d.page_compressor, choices=("identity", "int8", "kakeya_d4", "kakeya_e8"),
                    help="paged: how evicted pages are stored (decoded only when recalled)")
-    p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; LRU-evicts beyond")
-    p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session is evicted (0 = never)")
+    p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; beyond it the least recently used idle session is spilled to disk (--persist turn) or, with --persist off, CreateSession is refused with RESOURCE_EXHAUSTED")
+    p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session leaves memory: spilled to disk with --persist turn (it resumes on its next call), dropped with --persist off (0 = never)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
     p.add_argument("--http-port", type=int, default=d.http_port, help="deprecated OpenAI-style HTTP shim port (0 = off)")
     p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="require 'authorization: Bearer KEY' (env KAKEYA_API_KEY)")
     p.add_argument("--device", default=d.device, help="torch device: cpu or cuda")
     p.add_argument("--backend", default=d.backend, choices=("torch", "mlx"),
                    help="model backend: torch, or mlx (Apple's framework: Metal on Apple Silicon, CPU elsewhere; needs "
-                        "pip install 'kakeya-runtime[mlx]'; strategies full and sink_window; see docs/mlx.md)")
+                        "pip install 'kakeya-runtime[mlx]'; strategies full, sink_window and paged (identity pages); see docs/mlx.md)")
     p.add_argument("--threads", type=_threads, default=None,
                    help="torch intra-op threads: N, or auto = the count that decodes fastest here, measured at startup "
                         "(default: torch's choice)")
