@@ -7,6 +7,7 @@ from inference_engine.kv.layout import CacheGeometry
 from inference_engine.kv.paged import PagedCache
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import STATE_FORMAT, CacheState, SlotKVCache, geometry_meta
+from inference_engine.kv.stores import rows_deferred
 from inference_engine.kv.strategy import KVStrategy
 
 
@@ -32,7 +33,8 @@ def cache_from_state(state: CacheState, geometry: CacheGeometry, *, max_step: in
     got = geometry_meta(geometry)
     if meta["geometry"] != got:
         raise ValueError(f"cache state is for a model with {meta['geometry']}; this model has {got}")
-    cache = make_cache(KVStrategy(**meta["strategy"]), geometry, max_step=max_step, max_context=max_context,
-                       restore_source=restore_source)
+    with rows_deferred():  # the store's slabs come from the state: not allocated (and zeroed) first
+        cache = make_cache(KVStrategy(**meta["strategy"]), geometry, max_step=max_step, max_context=max_context,
+                           restore_source=restore_source)
     cache.load_state(state)
     return cache

@@ -11,11 +11,15 @@ A store maps slots to positions (`pos`, host numpy, -1 = empty) and holds rows p
                    attention runs on the codes through torch's int8 kernel.
 
 `state()` returns the slot map and the stored bytes (codes, not decoded values, for a
-compressed store), so `load_state` rebuilds a store that reads back bit for bit.
+compressed store), so `load_state` rebuilds a store that reads back bit for bit. A store made
+inside `rows_deferred()` allocates no rows until `load_state` hands it its payload (what
+`factory.cache_from_state` does: a load does not allocate and zero slabs it then drops).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +29,25 @@ from inference_engine.kv.compressor_names import COMPRESSOR_NAMES
 
 INT8_RESIDENT = "int8_resident"  # the store name make_store takes for KVStrategy(kv_dtype="int8")
 from inference_engine.kv.compressors import CompressorInputError, make_codec
+
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def rows_deferred():
+    """Stores that `make_store` makes inside (on this thread) hold no rows until their `load_state`:
+    for a cache whose state is loaded at once, so its slabs are not allocated and zeroed twice.
+    Until then the store's slabs have 0 slots (its `capacity` is already the one asked for)."""
+    before = getattr(_deferred, "on", False)
+    _deferred.on = True
+    try:
+        yield
+    finally:
+        _deferred.on = before
+
+
+def _allocating() -> bool:
+    return not getattr(_deferred, "on", False)
 
 
 class SlotStore:
@@ -119,9 +142,10 @@ class SlotStore:
 class SlabStore(SlotStore):
     """Uncompressed rows; `fetch` returns views of the first n slots of each slab."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device, *, allocate: bool = True):
         super().__init__(capacity, device)
-        self.k = [torch.zeros(num_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        n = capacity if allocate else 0  # rows_deferred: load_state brings the slabs
+        self.k = [torch.zeros(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -168,7 +192,7 @@ class CompressedStore(SlotStore):
     asked for; growing and compacting move payload bytes (never re-encode)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device,
-                 *, compressor: str, q_range: int):
+                 *, compressor: str, q_range: int, allocate: bool = True):
         super().__init__(capacity, device)
         self.compressor = compressor
         self.q_range = q_range
@@ -177,7 +201,7 @@ class CompressedStore(SlotStore):
         self.head_dim = head_dim
         self.codec = make_codec(compressor, q_range=q_range, head_dim=head_dim, device=device)
         self.layout = self.codec.payload_layout()  # name -> (trailing shape, dtype)
-        self.slabs = [self._zeros(capacity) for _ in range(num_layers)]  # per layer: name -> slab
+        self.slabs = [self._zeros(capacity if allocate else 0) for _ in range(num_layers)]  # per layer: name -> slab
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode k, v (Hkv, T, D) into `slots` (T,) long. The cache owns slot choice, so slots are
@@ -281,7 +305,7 @@ class Int8SlabStore(SlotStore):
     # crash in torch 2.13): capacity is the reduction of the weighted sum, head_dim of the scores.
     MULTIPLE = 16
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device, *, allocate: bool = True):
         if torch.device(device).type != "cpu":
             raise ValueError(f"an int8 K/V store runs on torch's CPU int8 kernel; on {device} use kv dtype fp32")
         if head_dim % self.MULTIPLE:
@@ -292,10 +316,11 @@ class Int8SlabStore(SlotStore):
         self.dtype = dtype
         z8 = functools.partial(torch.zeros, dtype=torch.int8, device=device)
         zs = functools.partial(torch.zeros, dtype=torch.bfloat16, device=device)
-        self.k = [z8(num_kv_heads, capacity, head_dim) for _ in range(num_layers)]
-        self.v = [z8(num_kv_heads, head_dim, capacity) for _ in range(num_layers)]  # transposed
-        self.ks = [zs(num_kv_heads, capacity) for _ in range(num_layers)]
-        self.vs = [zs(num_kv_heads, capacity) for _ in range(num_layers)]
+        n = capacity if allocate else 0  # rows_deferred: load_state brings the slabs
+        self.k = [z8(num_kv_heads, n, head_dim) for _ in range(num_layers)]
+        self.v = [z8(num_kv_heads, head_dim, n) for _ in range(num_layers)]  # transposed
+        self.ks = [zs(num_kv_heads, n) for _ in range(num_layers)]
+        self.vs = [zs(num_kv_heads, n) for _ in range(num_layers)]
 
     @staticmethod
     def quantize(x: torch.Tensor):
@@ -364,11 +389,12 @@ class Int8SlabStore(SlotStore):
 
 def make_store(compressor: str, q_range: int, *, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                dtype, device) -> SlotStore:
+    allocate = _allocating()
     if compressor == "identity":
-        return SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device)
+        return SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device, allocate=allocate)
     if compressor == INT8_RESIDENT:
-        return Int8SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device)
+        return Int8SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device, allocate=allocate)
     if compressor not in COMPRESSOR_NAMES:
         raise CompressorInputError(f"unknown kv compressor {compressor!r}; choose one of {', '.join(COMPRESSOR_NAMES)}")
     return CompressedStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device,
-                           compressor=compressor, q_range=q_range)
+                           compressor=compressor, q_range=q_range, allocate=allocate)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import numpy as np
@@ -36,8 +38,9 @@ from inference_engine.kv.slot_cache import CacheState
 from inference_engine.kv.stores import CompressedStore, SlabStore
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.model_identity import identity_mismatch, model_identity
-from inference_engine.persistence.state_dir import (MANIFEST_NAME, StateDir, StateFileError, fsync_dir, manifest_bytes,
-                                                    read_manifest, read_segment, segment_checksum, write_atomic)
+from inference_engine.persistence.state_dir import (MANIFEST_NAME, StateDir, StateFileError, check_segment, fsync_dir,
+                                                    manifest_bytes, read_manifest, read_segment, segment_checksum,
+                                                    write_atomic)
 from inference_engine.session.store import PersistedSession
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ HISTORY_SEGMENTS_MAX = 32
 ROWS_SEGMENTS_MAX = 64
 APPEND_SEGMENTS_MAX = 64
 COMPACT_SLACK_ROWS = 64
+RUNS_MAX = 64  # a rows segment's rows land in at most this many runs of slots: block copies (else one indexed copy)
 # Cache state tensors that only ever grow along one axis, saved as "append" segments of the rows added:
 # cache class -> (meta key holding their row count, {name prefix: row axis}). PagedCache's archived pages
 # and their compact keys: RowTables, (L, stack, Hkv, rows, ...).
@@ -55,11 +59,15 @@ ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "
              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def segment_tensors(session_dir, seg: dict) -> dict:
+def segment_tensors(session_dir, seg: dict, checks: list | None = None) -> dict:
     """A checked segment's tensors as views of its map (no copy; the map lives as long as they do).
-    The safetensors layout: 8-byte little-endian header size, JSON header (name -> dtype, shape,
-    data_offsets relative to the end of the header), data."""
-    buf = read_segment(session_dir, seg)
+    With `checks` (a list), the checksum runs on a background thread, beside whatever the caller does
+    with the tensors, and its future is appended: the caller waits for it (`wait_checks`) before it
+    trusts anything it read. The safetensors layout: 8-byte little-endian header size, JSON header
+    (name -> dtype, shape, data_offsets relative to the end of the header), data."""
+    buf = read_segment(session_dir, seg, check=checks is None)
+    if checks is not None:
+        checks.append(_checker().submit(check_segment, seg, buf))
     n = int.from_bytes(buf[:8], "little")
     if len(buf) < 8 or 8 + n > len(buf):
         raise StateFileError(f"segment {seg['file']} is not a safetensors file (header of {n} bytes)")
@@ -76,6 +84,28 @@ def segment_tensors(session_dir, seg: dict) -> dict:
         t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
         out[name] = t.view(info["shape"])
     return out
+
+
+_checker_pool: ThreadPoolExecutor | None = None
+_checker_lock = threading.Lock()
+
+
+def _checker() -> ThreadPoolExecutor:
+    """One thread for segment checksums (zlib releases the GIL over large buffers), made on first use."""
+    global _checker_pool
+    with _checker_lock:
+        if _checker_pool is None:
+            _checker_pool = ThreadPoolExecutor(1, thread_name_prefix="kakeya-segment-check")
+        return _checker_pool
+
+
+def wait_checks(checks: list) -> None:
+    """Wait for every checksum in `checks`; StateFileError for the first segment that does not match."""
+    errors = [f.exception() for f in checks]
+    checks.clear()
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 def row_axes(store) -> dict | None:
@@ -288,13 +318,46 @@ class SessionFiles:
         for n, (shape, dtype) in template.items():
             shape = list(shape)
             shape[axes[n]] = pos.size
-            payload[n] = torch.empty(shape, dtype=dtype)  # resident rows filled below, empty slots zeroed
+            payload[n] = torch.empty(shape, dtype=dtype)  # resident rows copied in below, empty slots zeroed
+        # The rows segments' checksums run on another thread while their rows are copied (both read the
+        # same page-cache pages); nothing is trusted before they match, and a corrupted segment is reported
+        # as such, not as whatever its bytes made the parsing do.
+        checks: list = []
+        try:
+            res_slots, filled = self._copy_rows(d, segments, pos, payload, axes, checks)
+        except BaseException:
+            wait_checks(checks)
+            raise
+        wait_checks(checks)
+        missing = res_slots[~filled[res_slots]]
+        if missing.size:
+            raise StateFileError(f"rows of {missing.size} resident positions are missing (first: position {pos[missing[0]]})")
+        empty = np.flatnonzero(~filled)  # a few runs (full: the room past the last position): zeroed block by block
+        if empty.size:
+            cuts = np.flatnonzero(np.diff(empty) != 1) + 1
+            for n, dst in payload.items():
+                if cuts.size < RUNS_MAX:
+                    for r in np.split(empty, cuts):
+                        dst.narrow(axes[n], int(r[0]), r.size).zero_()
+                else:
+                    dst.index_fill_(axes[n], torch.from_numpy(empty), 0)
+        tensors = tail | {"store.pos": torch.from_numpy(pos)} | {f"store.{n}": t for n, t in payload.items()}
+        kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
+                                  max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
+        if kv.next_position > len(history):
+            raise StateFileError(f"the cache holds {kv.next_position} positions but the history only {len(history)} tokens")
+        return kv, history
+
+    @staticmethod
+    def _copy_rows(d, segments: list, pos: np.ndarray, payload: dict, axes: dict, checks: list):
+        """Copy the rows segments' rows of the resident positions into their slots of `payload`;
+        returns (resident slots, which slots were filled)."""
         res_slots = np.flatnonzero(pos >= 0)
         order = np.argsort(pos[res_slots], kind="stable")
         sorted_pos = pos[res_slots][order]
         filled = np.zeros(pos.size, dtype=bool)
         for g in (g for g in segments if g["kind"] == "rows"):
-            seg = segment_tensors(d, g)
+            seg = segment_tensors(d, g, checks)
             if not sorted_pos.size:
                 continue
             positions = seg["positions"].numpy()
@@ -302,35 +365,24 @@ class SessionFiles:
             hit = sorted_pos[at] == positions
             if not hit.any():
                 continue
-            slot_ids = res_slots[order[at[hit]]]
-            slots = torch.from_numpy(slot_ids)
-            rows = None if hit.all() else torch.from_numpy(np.flatnonzero(hit))  # all rows: copied straight from the map
-            # rows saved in slot order (the usual case) land in a few runs of consecutive slots: block copies
-            cuts = np.flatnonzero(np.diff(slot_ids) != 1) + 1
-            runs = None if rows is not None or cuts.size > 8 else np.split(np.arange(slot_ids.size), cuts)
+            src_ids = np.flatnonzero(hit)  # the segment's rows still resident ...
+            slot_ids = res_slots[order[at[hit]]]  # ... and their slots
+            # rows saved in slot order (the usual case) land in a few runs of consecutive rows and slots: block
+            # copies straight from the map (a compacted segment's rows of evicted positions only cut the runs)
+            cuts = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(slot_ids) != 1)) + 1
+            runs = np.split(np.arange(slot_ids.size), cuts) if cuts.size <= RUNS_MAX else None
             for n, dst in payload.items():
                 src = seg[ROW_PREFIX + n]
                 if src.dtype != dst.dtype:
                     raise StateFileError(f"rows segment {g['file']} holds {n} as {src.dtype}, this cache stores {dst.dtype}")
                 if runs is not None:
                     for r in runs:
-                        dst.narrow(axes[n], int(slot_ids[r[0]]), r.size).copy_(src.narrow(axes[n], int(r[0]), r.size))
+                        dst.narrow(axes[n], int(slot_ids[r[0]]), r.size).copy_(src.narrow(axes[n], int(src_ids[r[0]]), r.size))
                 else:
-                    dst.index_copy_(axes[n], slots, src if rows is None else src.index_select(axes[n], rows))
+                    rows = src if src_ids.size == positions.size else src.index_select(axes[n], torch.from_numpy(src_ids))
+                    dst.index_copy_(axes[n], torch.from_numpy(slot_ids), rows)
             filled[slot_ids] = True
-        missing = res_slots[~filled[res_slots]]
-        if missing.size:
-            raise StateFileError(f"rows of {missing.size} resident positions are missing (first: position {pos[missing[0]]})")
-        empty = torch.from_numpy(np.flatnonzero(~filled))
-        if empty.numel():
-            for n, dst in payload.items():
-                dst.index_fill_(axes[n], empty, 0)
-        tensors = tail | {"store.pos": torch.from_numpy(pos)} | {f"store.{n}": t for n, t in payload.items()}
-        kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
-                                  max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
-        if kv.next_position > len(history):
-            raise StateFileError(f"the cache holds {kv.next_position} positions but the history only {len(history)} tokens")
-        return kv, history
+        return res_slots, filled
 
     def _appended(self, d, body: dict) -> dict:
         """The grown tables (APPEND_ONLY) rebuilt from their append segments; {} when none."""

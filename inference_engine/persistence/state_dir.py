@@ -108,9 +108,10 @@ def read_manifest(session_dir: Path) -> dict:
     return body
 
 
-def read_segment(session_dir: Path, seg: dict):
+def read_segment(session_dir: Path, seg: dict, *, check: bool = True):
     """A segment's bytes (a private, copy-on-write map of the file: writable, never written back),
-    checked against the size and checksum the manifest records."""
+    checked against the size and (unless check=False: the caller runs `check_segment` itself, before
+    it trusts what it read) the checksum the manifest records."""
     path = session_dir / seg["file"]
     try:
         f = open(path, "rb")
@@ -121,6 +122,14 @@ def read_segment(session_dir: Path, seg: dict):
         if size != seg["bytes"]:
             raise StateFileError(f"segment {seg['file']} has {size} bytes, the manifest says {seg['bytes']}: truncated")
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else bytearray()
+    if check:
+        check_segment(seg, data)
+    return data
+
+
+def check_segment(seg: dict, data) -> None:
+    """StateFileError unless `data` (a segment's bytes) matches the checksum the manifest records.
+    Thread-safe; zlib and hashlib release the GIL over large buffers."""
     if "crc32" in seg:
         ok, kind = segment_checksum(data)["crc32"] == seg["crc32"], "crc32"
     elif "sha256" in seg:
@@ -129,7 +138,6 @@ def read_segment(session_dir: Path, seg: dict):
         raise StateFileError(f"the manifest records no checksum for segment {seg['file']}")
     if not ok:
         raise StateFileError(f"segment {seg['file']} does not match its recorded {kind}: corrupted")
-    return data
 
 
 @dataclass(frozen=True)

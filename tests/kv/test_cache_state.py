@@ -112,3 +112,35 @@ def test_state_refuses_another_model_and_an_open_step():
     with pytest.raises(Exception, match="uncommitted"):
         kv.state()
     kv.cache.abort()
+
+
+@pytest.mark.parametrize("kv_dtype,compressor", [("fp32", "identity"), ("fp32", "kakeya_d4"), ("int8", "identity")])
+def test_from_state_allocates_the_store_once(kv_dtype, compressor):
+    """cache_from_state builds its cache under rows_deferred: the store's slabs are the state's
+    payload, not fresh zeroed slabs that load_state then drops (a load's double allocation)."""
+    if compressor != "identity":
+        pytest.importorskip("kakeyalattice")
+    from inference_engine.kv.factory import cache_from_state
+    from inference_engine.kv.stores import make_store, rows_deferred
+
+    with rows_deferred():
+        store = make_store("identity", 38, num_layers=2, num_kv_heads=2, head_dim=16, capacity=64,
+                           dtype=torch.float32, device="cpu")
+    assert store.capacity == 64 and store.nbytes == 0  # the capacity asked for, no rows yet
+    assert make_store("identity", 38, num_layers=2, num_kv_heads=2, head_dim=16, capacity=64, dtype=torch.float32,
+                      device="cpu").nbytes > 0  # outside: allocated as before
+
+    e = engine_for("sink_window", compressor)
+    e = Engine(e.model, dataclasses.replace(e.strategy, kv_dtype=kv_dtype), prefill_chunk=16)
+    kv = e.new_session_kv()
+    history = ids(40)
+    turn(e, kv, history, 3)
+    st = kv.state()
+    restored = cache_from_state(st, e.model.geometry(), max_step=e.prefill_chunk, max_context=e.max_context)
+    assert restored.nbytes == kv.cache.nbytes and restored.capacity == kv.cache.capacity
+    payload = {k.removeprefix("store."): v for k, v in st.tensors.items() if k.startswith("store.") and k != "store.pos"}
+    first = next(iter(payload.values()))[0]  # layer 0 of the first payload tensor: the store adopts it as it is
+    slabs = restored.store.slabs[0] if compressor != "identity" else {"k": restored.store.k[0]}
+    assert first.data_ptr() in {t.data_ptr() for t in slabs.values()}
+    again = SessionKV.from_state(st, e.model.geometry(), max_step=e.prefill_chunk, max_context=e.max_context)
+    assert turn(e, again, list(history), 6) == turn(e, kv, list(history), 6)

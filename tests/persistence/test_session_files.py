@@ -98,6 +98,31 @@ def test_resumed_session_continues_token_identical(name, compressor, tmp_path):
         assert turn(resumed, s.id, 5, sampled) == turn(kept, s.id, 5, sampled)
 
 
+@pytest.mark.parametrize("runs_max", [-1, session_files.RUNS_MAX])
+@pytest.mark.parametrize("name", ["full", "sink_window", "paged"])
+def test_rows_copied_by_runs_or_by_index_resume_identical(name, runs_max, tmp_path, monkeypatch):
+    """A load copies each rows segment's still-resident rows in blocks (runs of consecutive rows and slots,
+    cut by the rows of evicted positions a segment still holds) or, past RUNS_MAX runs (-1: always), by index;
+    both rebuild the same cache. Several turns without compaction: segments hold evicted rows."""
+    monkeypatch.setattr(session_files, "COMPACT_SLACK_ROWS", 1000)
+    st = strategy(name)
+    kept = runtime(tmp_path / "kept", st)
+    s = kept.create_session(ids(20))
+    for k in range(4):
+        kept.append(s.id, ids(13, seed=k + 1))
+        turn(kept, s.id, 3)
+    assert sum(g["kind"] == "rows" for g in manifest(tmp_path / "kept", s.id)["segments"]) > 2
+    import shutil
+    shutil.copytree(tmp_path / "kept", tmp_path / "restarted")
+    monkeypatch.setattr(session_files, "RUNS_MAX", runs_max)
+    resumed = runtime(tmp_path / "restarted", st)
+    more = ids(9, seed=9)
+    kept.append(s.id, more)
+    resumed.append(s.id, more)
+    assert turn(resumed, s.id, 6) == turn(kept, s.id, 6)
+    assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
+
+
 @pytest.mark.parametrize("name", ["full", "sink_window"])
 def test_int8_resident_store_resumes_identical(name, tmp_path):
     """--kv-dtype int8 (a store persistence saves whole in the tail) resumes bit for bit too."""
@@ -235,6 +260,15 @@ def _flip_a_byte(d, body):
     f.write_bytes(bytes(data))
 
 
+def _flip_a_header_byte(d, body):
+    """A byte of the rows segment's safetensors header: its parse fails (or misreads the data) while the
+    checksum runs beside it; the checksum's verdict is what is reported."""
+    f = d / next(g["file"] for g in body["segments"] if g["kind"] == "rows")
+    data = bytearray(f.read_bytes())
+    data[12] ^= 0x21
+    f.write_bytes(bytes(data))
+
+
 def _edit_manifest(d, edit):
     doc = json.loads((d / MANIFEST_NAME).read_text())
     edit(doc)
@@ -244,6 +278,7 @@ def _edit_manifest(d, edit):
 BAD = {
     "truncated segment": (_truncate_rows, "truncated"),
     "corrupted segment": (_flip_a_byte, "crc32: corrupted"),
+    "corrupted segment header": (_flip_a_header_byte, "crc32: corrupted"),
     "missing segment": (lambda d, body: (d / body["segments"][0]["file"]).unlink(), "missing"),
     "truncated manifest": (lambda d, body: (d / MANIFEST_NAME).write_bytes((d / MANIFEST_NAME).read_bytes()[:200]),
                            "not valid JSON"),
