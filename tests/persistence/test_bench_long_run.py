@@ -21,7 +21,7 @@ def test_short_long_run(tmp_path):
     out = tmp_path / "long_run.json"
     cmd = [sys.executable, "scripts/bench_agentic/bench_session_long_run.py", "--minutes", "0.75", "--sessions", "2",
            "--initial-tokens", "300", "--ttft-history", "300", "--ttft-strategies", "sink_window", "--reloads", "1",
-           "--skip-llama-cpp", "--out", str(out)]
+           "--ttft-threads", "1,2", "--skip-llama-cpp", "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -33,4 +33,5 @@ def test_short_long_run(tmp_path):
     assert all(s["after_run"]["history_tokens"] >= 300 for s in lr["per_session"])
     row = doc["ttft_8k"]["kakeya"][0]
     assert row["reload_ttft_s_median"] < row["reprefill_ttft_s"]
+    assert set(row["resume_by_threads"]) == {"1", "2"} and row["best_threads"] in (1, 2)  # a restart per thread count
     assert pathlib.Path(str(out).replace(".json", ".png")).is_file()
