@@ -72,28 +72,37 @@ class RowQuant:
 
     def group_max_scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """max over g of q[b, g, m] . decode(row c), (B, M, C), for q (B, G, M, D) float and coded rows
-        (B, C, ...): a matmul over the integer codes (4-bit: unpacked to int8 in dimension order),
-        the max over the group, then the row scale (> 0, so it commutes with the max). Nothing
-        decoded is kept.
+        (B, C, ...): a matmul over the integer codes, the max over the group, then the row scale
+        (> 0, so it commutes with the max). Nothing decoded is kept. 4-bit codes are unpacked into
+        two int8 halves, the low nibbles (even dimensions) and the high ones (odd dimensions), each
+        multiplied with q's matching dimensions (no interleaving copy).
 
         Steps of few queries (decode, speculative verify: up to `_INT_QUERIES` queries) multiply in
-        integers: q as three int8 limbs per (b, m) (`query_limbs`), one exact int8 x int8 -> int32
-        matmul per KV head (torch._int_mm), the limbs combined in float32. It reads the int8 codes
-        as they are (4-bit: one unpack to int8), a quarter of the bytes of the float path's float
-        copy of every code, which is what a decode step paid on a loaded box. Longer steps (prefill
-        chunks) take the float path (torch._int_mm is slow for many rows here). The two differ by
-        float rounding only: the limbs hold q to 2^-23 of the group's largest |q| element."""
+        integers: q as three int8 limbs per (b, m) (`query_limbs`), exact int8 x int8 -> int32
+        matmuls (torch._int_mm), the limbs combined in float32. It reads the int8 codes as they are,
+        a quarter of the bytes of a float copy of every code, which is what a decode step paid on a
+        loaded box. Longer steps (prefill chunks) take a float matmul (torch._int_mm is slow for
+        many rows here). The two differ by float rounding only: the limbs hold q to 2^-23 of the
+        group's largest |q| element."""
         b, g, m, d = q.shape
         if self.bits == 8:
-            ints = codes  # (B, C, D) int8
+            halves = [(codes, slice(None))]  # (B, C, D) int8
         else:  # low nibble = even dimension, high nibble = odd dimension
-            ints = torch.stack([codes & 15, codes >> 4], -1).view(torch.int8).sub_(8).view(b, -1, d)  # (B, C, D)
+            halves = [((codes & 15).view(torch.int8).sub_(8), slice(0, None, 2)),
+                      ((codes >> 4).view(torch.int8).sub_(8), slice(1, None, 2))]  # (B, C, D / 2) each
+        c = codes.shape[1]
         if m > _INT_QUERIES:
-            raw = torch.bmm(q.reshape(b, g * m, d), ints.float().transpose(1, 2)).view(b, g, m, -1).amax(1)  # (B, M, C)
-            return raw.mul_(scale.transpose(1, 2))  # float * float16 scales: float
-        c = ints.shape[1]
+            qq = q.reshape(b, g * m, d)
+            raw = sum(torch.bmm(qq[..., dims], ints.float().transpose(1, 2)) for ints, dims in halves)
+            return raw.view(b, g, m, c).amax(1).mul_(scale.transpose(1, 2))  # float * float16 scales: float
         limbs, s = query_limbs(q)  # (B, 3 * G * M, D) int8, (B, M, 1) float
-        ii = torch.stack([torch._int_mm(limbs[h], ints[h].t()) for h in range(b)]).view(b, 3, g, m, c).float()
+        parts = [limbs[..., dims].contiguous() for _, dims in halves]
+        ii = torch.empty(b, 3 * g * m, c, dtype=torch.int32, device=q.device)
+        for h in range(b):
+            torch._int_mm(parts[0][h], halves[0][0][h].t(), out=ii[h])
+            if len(halves) == 2:
+                ii[h].add_(torch._int_mm(parts[1][h], halves[1][0][h].t()))
+        ii = ii.view(b, 3, g, m, c).float()
         raw = ii[:, 0].add_(ii[:, 1], alpha=1 / 254).add_(ii[:, 2], alpha=1 / 254 ** 2).amax(1)  # (B, M, C)
         return raw.mul_(s).mul_(scale.transpose(1, 2))
 
