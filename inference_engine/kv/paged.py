@@ -36,6 +36,7 @@ from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry, SinkShift
 from inference_engine.kv.paged_store import RowTable, make_row_codec
 from inference_engine.kv.sink_window import SinkWindowCache
+from inference_engine.kv.stores import SlabStore
 from inference_engine.kv.strategy import KVStrategy
 
 
@@ -184,28 +185,40 @@ class PagedCache(SinkWindowCache):
         return o[0]
 
     def _attend_rows(self, layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1):
-        """Row-exact attention: row j over its chosen pages' keys (position order) + its visible
-        resident columns, for all heads at once (each KV head's query heads as the call's query rows,
-        so a per-KV-head mask broadcasts over them). With torch's CPU flash kernel: one call over
-        the recalled rows and one over the resident slab as it is (its 1-row mask), merged by
-        log-sum-exp, so nothing is concatenated; without it, one call over both, concatenated."""
+        """Row-exact attention: row j attends, in one call for all heads (each KV head's query heads
+        as the call's query rows, so a per-KV-head mask broadcasts over them), over exactly what a
+        one-token step at its position reads: its recalled rows, then its visible resident columns
+        in slot order. Its recalled rows depend on its own position only: the first pages of the
+        page table as they are when it has at most `recall_pages` pages (then all are chosen), else
+        its chosen pages' rows in position order; masked (rows past its candidates, or out of a
+        local window) exactly when its own candidates do not fill whole visible pages. So a
+        verified block's rows are bit-equal to one-token steps."""
         hkv = idx.shape[0]
         g, d = q.shape[0] // hkv, q.shape[2]
+        p, m = self.page_size, self.recall_pages
         cols = plan["cols"]
         vis = self._row_visible(plan, w, q.dtype)
-        table = self._page_rows(plan, idx.device)  # (Hkv * pages, P): slab rows (head-major) of each page
-        merged = _FLASH is not None and cols is None
-        row_cols = None if merged else self._row_columns(plan, layout, w)
+        row_cols = self._row_columns(plan, layout, w)
+        table = None
         fetch = attend = 0.0
         out = []
-        every = plan["n_pages"] <= self.recall_pages and cols is None  # every page chosen: the table's first pages as they are
         for j in range(idx.shape[1]):
             ta = time.perf_counter()
             qj = q[:, j].reshape(1, hkv, g, d)
-            if every:
-                kr, vr = self.pages.read_pages(layer, plan["n_pages"] * self.page_size).to(k_all.dtype)
-                bias = None if vis["full"][j] else vis["page_bias"][j].view(1, 1, 1, -1)
+            n_pages = vis["pages"][j]  # this row's candidate pages
+            bias = None
+            if n_pages == 0:
+                kr = vr = None
+            elif n_pages <= m:  # every page of this row chosen: the table's first pages as they are
+                if cols is None:
+                    kr, vr = self.pages.read_pages(layer, n_pages * p).to(k_all.dtype)
+                else:  # some of them still resident (a verify row past the first): the same rows, from the slab
+                    rows = torch.arange(n_pages * p, device=idx.device).clamp_(max=plan["c"] - 1).expand(hkv, -1)
+                    kr, vr = self._rows_kv(layer, rows, k_all, v_all, cols)
+                if vis["masked"][j]:
+                    bias = vis["page_bias"][j][:n_pages].reshape(1, 1, 1, -1)
             else:
+                table = self._page_rows(plan, idx.device) if table is None else table  # (Hkv * pages, P)
                 pages = idx[:, j].sort(-1).values  # (Hkv, M): position order
                 flat = (pages + plan["head_pages"]).flatten()
                 if cols is None:  # every candidate archived; rows past C stay inside the table's whole pages
@@ -213,46 +226,41 @@ class PagedCache(SinkWindowCache):
                 else:
                     rows = table.index_select(0, flat).view(hkv, -1) - plan["head_rows"]
                     kr, vr = self._rows_kv(layer, rows.clamp(max=plan["c"] - 1), k_all, v_all, cols)
-                bias = None if vis["full"][j] else vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
-            if merged:
-                tb = time.perf_counter()
-                o_w, l_w = _FLASH(qj, k_all[None], v_all[None], 0.0, False, attn_mask=vis["resident_bias"][j], scale=scale)
-                if vis["any"][j]:
-                    o_r, l_r = _FLASH(qj, kr[None], vr[None], 0.0, False, attn_mask=bias, scale=scale)
-                    o_w = torch.lerp(o_w, o_r, torch.sigmoid(l_r - l_w)[..., None])  # weights e^l / (e^l_w + e^l_r)
+                if vis["masked"][j]:
+                    bias = vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
+            rc = row_cols[j]
+            if isinstance(rc, list):
+                kc, vc = [k_all[:, a:b] for a, b in rc], [v_all[:, a:b] for a, b in rc]
             else:
-                rc = row_cols[j]
-                if isinstance(rc, list):
-                    kk = torch.cat([kr, *(k_all[:, a:b] for a, b in rc)], 1)
-                    vv = torch.cat([vr, *(v_all[:, a:b] for a, b in rc)], 1)
-                else:
-                    kk, vv = torch.cat([kr, k_all.index_select(1, rc)], 1), torch.cat([vr, v_all.index_select(1, rc)], 1)
-                if bias is not None:
-                    bias = F.pad(bias, (0, kk.shape[1] - bias.shape[3]), value=0.0)  # (1, Hkv or 1, 1, E + n)
-                tb = time.perf_counter()
-                o_w = F.scaled_dot_product_attention(qj, kk[None], vv[None], attn_mask=bias, scale=scale)
-            out.append(o_w.view(hkv * g, 1, d))
+                kc, vc = [k_all.index_select(1, rc)], [v_all.index_select(1, rc)]
+            kk = torch.cat(kc if kr is None else [kr, *kc], 1)
+            vv = torch.cat(vc if vr is None else [vr, *vc], 1)
+            if bias is not None:
+                bias = F.pad(bias, (0, kk.shape[1] - bias.shape[3]), value=0.0)  # (1, Hkv or 1, 1, E + n)
+            tb = time.perf_counter()
+            o = F.scaled_dot_product_attention(qj, kk[None], vv[None], attn_mask=bias, scale=scale)
+            out.append(o.view(hkv * g, 1, d))
             fetch += tb - ta
             attend += time.perf_counter() - tb
         self._time(t0, t1, t1 + fetch, t1 + fetch + attend)
         return out[0] if len(out) == 1 else torch.cat(out, 1)
 
     def _row_visible(self, plan, w, dtype):
-        """Per query row (made once a step per window, shared by the layers): additive masks (0 /
-        -inf) of the recalled rows by page ((pages, P): allowed, and nothing past C), whether that
-        is all rows (full: no mask), whether any candidate is visible, and the resident slab's
-        1-row mask ((1, 1, 1, N); None when every column is visible)."""
+        """Per query row (made once a step per window, shared by the layers): its candidate pages
+        (through its last visible candidate), additive masks (0 / -inf) of the step's candidate
+        rows by page ((pages, P): allowed, nothing past C), and whether the row's own pages hold
+        rows it may not see (then its call is masked)."""
         key = ("visible", w)
         if key not in plan:
-            p, n_pages, layout = self.page_size, plan["n_pages"], plan["layout"]
-            ok = F.pad(plan["allowed"][w], (0, n_pages * p - plan["c"]), value=False)
+            p, n_pages = self.page_size, plan["n_pages"]
+            ok = F.pad(plan["allowed"][w], (0, n_pages * p - plan["c"]), value=False)  # (T, pages * P)
+            host = ok.cpu().numpy()
+            last = [int(np.flatnonzero(r)[-1]) + 1 if r.any() else 0 for r in host]  # rows through the last visible one
+            pages = [-(-n // p) for n in last]
+            masked = [not host[j, : pages[j] * p].all() for j in range(len(host))]
             ninf = torch.tensor(float("-inf"), dtype=dtype, device=ok.device)
             zero = torch.zeros((), dtype=dtype, device=ok.device)
-            page_bias = torch.where(ok, zero, ninf).view(ok.shape[0], n_pages, p)
-            host = layout.host_masks[w]
-            res = [None if r.all() else torch.where(torch.from_numpy(r).to(ok.device), zero, ninf).view(1, 1, 1, -1)
-                   for r in host]
-            plan[key] = {"full": ok.all(1).tolist(), "any": ok.any(1).tolist(), "page_bias": page_bias, "resident_bias": res}
+            plan[key] = {"pages": pages, "masked": masked, "page_bias": torch.where(ok, zero, ninf).view(ok.shape[0], n_pages, p)}
         return plan[key]
 
     def _page_rows(self, plan, device) -> torch.Tensor:
@@ -352,16 +360,26 @@ class PagedCache(SinkWindowCache):
             live = np.flatnonzero((pos >= start) & (pos <= upto))
             if live.size != n:
                 raise CacheInvariantError("inv1", f"archiving positions {start}..{upto}: {live.size} of {n} are resident")
-            slots = self.store.slots_tensor(live[np.argsort(pos[live])])
+            order = live[np.argsort(pos[live])]
             self.pages.reserve(self.pages.rows + n)
             self.keys.reserve(self.keys.rows + n)
-            for layer in range(self.geometry.num_layers):
-                k, v = self.store.read(layer, slots)
-                self.pages.write(layer, self.pages.rows, torch.stack([k, v]))
-                self.keys.write(layer, self.keys.rows, k[None])
+            kv = self._read_all_layers(order)  # (L, 2, Hkv, n, D)
+            self.pages.write_all(self.pages.rows, kv)
+            self.keys.write_all(self.keys.rows, kv[:, :1])
             self.pages.rows += n
             self.keys.rows += n
         return super()._evict_dead()
+
+    def _read_all_layers(self, slots: np.ndarray) -> torch.Tensor:
+        """(L, 2, Hkv, n, D): every layer's K and V at resident `slots`. A plain slab store whose slots
+        form one run (a decode step archives one position) is read as slices, stacked in one copy."""
+        layers = range(self.geometry.num_layers)
+        store = self.store
+        if type(store) is SlabStore and slots.size and bool((np.diff(slots) == 1).all()):  # torch slabs, one run
+            a, b = int(slots[0]), int(slots[-1]) + 1
+            return torch.stack([torch.stack([store.k[i][:, a:b], store.v[i][:, a:b]]) for i in layers])
+        t = store.slots_tensor(slots)
+        return torch.stack([torch.stack(store.read(i, t)) for i in layers])
 
     def _dropped(self, evicted: int) -> int:
         self.evicted_total += evicted

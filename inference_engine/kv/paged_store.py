@@ -143,20 +143,26 @@ def make_row_codec(name: str, *, head_dim: int, dtype, q_range: int = 38, device
 
 
 class RowTable:
-    """Per layer, rows (S, Hkv, n, D) appended in order and read back by row index."""
+    """Per layer, rows (S, Hkv, n, D) appended in order and read back by row index. Each payload
+    name is one tensor (L, S, Hkv, capacity, *trailing) over the layers (`slabs[layer]` are its
+    per-layer views), so an append writes every layer in one copy (`write_all`)."""
 
     def __init__(self, codec, *, num_layers: int, num_kv_heads: int, head_dim: int, stack: int, page: int, device):
         self.codec, self.stack, self.page = codec, stack, page
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.device = torch.device(device)
         self.layout = codec.payload_layout()
         self.rows = 0  # rows every layer holds (between appends)
         self.capacity = 0
-        self.slabs = [self._zeros(0) for _ in range(num_layers)]
+        self._set(self._zeros(0))
+
+    def _set(self, data: dict) -> None:
+        self.data = data
+        self.slabs = [{name: x[i] for name, x in data.items()} for i in range(self.num_layers)]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slabs in self.slabs for t in slabs.values())
+        return sum(t.numel() * t.element_size() for t in self.data.values())
 
     def reserve(self, rows: int) -> None:
         """Room for `rows` rows, rounded up to whole pages."""
@@ -165,9 +171,9 @@ class RowTable:
         cap = -(-rows // self.page) * self.page
 
         def grown(x):
-            return torch.cat([x, x.new_zeros(*x.shape[:2], cap - x.shape[2], *x.shape[3:])], 2)
+            return torch.cat([x, x.new_zeros(*x.shape[:3], cap - x.shape[3], *x.shape[4:])], 3)
 
-        self.slabs = [{name: grown(x) for name, x in slabs.items()} for slabs in self.slabs]
+        self._set({name: grown(x) for name, x in self.data.items()})
         self.capacity = cap
 
     def write(self, layer: int, start: int, rows: torch.Tensor) -> None:
@@ -176,6 +182,14 @@ class RowTable:
         payload = self.codec.encode(rows.reshape(-1, d))
         for name, slab in self.slabs[layer].items():
             slab[:, :, start:start + n] = payload[name].reshape(s, h, n, *slab.shape[3:]).to(slab.device)
+
+    def write_all(self, start: int, rows: torch.Tensor) -> None:
+        """Encode rows (L, S, Hkv, n, D) of every layer into rows start .. start + n - 1 (after
+        `reserve`): one encode and one copy per payload name."""
+        n, d = rows.shape[3], rows.shape[4]
+        payload = self.codec.encode(rows.reshape(-1, d))
+        for name, x in self.data.items():
+            x[:, :, :, start:start + n] = payload[name].reshape(*rows.shape[:4], *x.shape[4:]).to(x.device)
 
     def read(self, layer: int, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded rows (S, Hkv, len(idx), D) float32 (identity: the stored dtype); idx None = all rows."""
@@ -224,22 +238,21 @@ class RowTable:
 
     def state(self, start: int = 0) -> dict:
         """The used rows' payload per name, (L, S, Hkv, rows - start, *trailing) on the CPU: rows
-        `start` .. rows - 1 (a saver that holds the earlier ones asks for the new rows only)."""
-        return {name: torch.stack([s[name][:, :, start: self.rows] for s in self.slabs]).cpu() for name in self.layout}
+        `start` .. rows - 1 (a saver that holds the earlier ones asks for the new rows only); copies."""
+        return {name: x[:, :, :, start: self.rows].clone().cpu() for name, x in self.data.items()}
 
     def load_state(self, tensors: dict, rows: int) -> None:
-        want = {name: (len(self.slabs), self.stack, self.num_kv_heads, rows, *shape) for name, (shape, _) in self.layout.items()}
+        want = {name: (self.num_layers, self.stack, self.num_kv_heads, rows, *shape) for name, (shape, _) in self.layout.items()}
         got = {name: tuple(t.shape) for name, t in tensors.items()}
         if got != want:
             raise ValueError(f"stored rows {got} do not fit this {type(self.codec).__name__} table, which holds {want}")
-        self.slabs = [self._zeros(0) for _ in self.slabs]
+        self._set(self._zeros(0))
         self.capacity = 0
         self.reserve(rows)
-        for i, slabs in enumerate(self.slabs):
-            for name, slab in slabs.items():
-                slab[:, :, :rows] = tensors[name][i].to(slab.device, slab.dtype)
+        for name, x in self.data.items():
+            x[:, :, :, :rows] = tensors[name].to(x.device, x.dtype)
         self.rows = rows
 
     def _zeros(self, capacity: int) -> dict:
-        return {name: torch.zeros(self.stack, self.num_kv_heads, capacity, *shape, dtype=dtype, device=self.device)
-                for name, (shape, dtype) in self.layout.items()}
+        return {name: torch.zeros(self.num_layers, self.stack, self.num_kv_heads, capacity, *shape, dtype=dtype,
+                                  device=self.device) for name, (shape, dtype) in self.layout.items()}
