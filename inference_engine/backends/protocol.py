@@ -63,8 +63,10 @@ class Backend(Protocol):
 
     def final_norm(self, x) -> Any: ...
 
-    def logits(self, hidden) -> Any:
-        """Normed hidden (T, hidden) -> float32 logits (T, V)."""
+    def logits(self, hidden, greedy: bool = False) -> Any:
+        """Normed hidden (T, hidden) -> float32 logits (T, V). greedy: the caller takes only each
+        row's argmax, so a backend may compute the logits outside its best candidates more
+        cheaply (the argmax must still be the exact head's)."""
 
     def inference(self) -> Any:
         """Context manager under which steps run (no autograd)."""

@@ -137,10 +137,13 @@ class Engine:
 
     def _advance(self, kv: SessionKV, token: int, drafts: list, params: GenerateParams, gen, budget: int) -> steps.StepResult:
         """Feed `token` (and a drafted block) in one step; the result's `emitted` are the next tokens."""
+        # A greedy session reads only the argmax of these logits, and every one is consumed by this call
+        # (the last emitted token is fed by the next turn's prefill), so its steps take the cheaper head.
+        greedy = params.sampling.greedy
         if drafts:
             return steps.verify_block(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
-                                      eos_token_ids=params.eos_token_ids, run=self.batcher.run)
-        step = steps.decode_step(self.model, kv, token, run=self.batcher.run)
+                                      eos_token_ids=params.eos_token_ids, run=self.batcher.run, greedy=greedy)
+        step = steps.decode_step(self.model, kv, token, run=self.batcher.run, greedy=greedy)
         return dataclasses.replace(step, emitted=(sample(kv.last_logits, params.sampling, gen),))
 
     def generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False,

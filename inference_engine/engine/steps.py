@@ -28,6 +28,7 @@ class StepInput:
     restored: Any = None  # a RestoreSource for a dlm_restore cache; None = the cache's own
     row_exact: bool = False  # each query row attends as a one-token step would (decode, verify)
     capture: tuple = ()  # layers whose output (residual stream) to keep for a v2 drafter; () = none, no cost
+    greedy: bool = False  # the caller takes only the argmax of these logits (backend.logits' cheaper scoring)
     captured: Any = None  # set by the forward when `capture`: (T, len(capture) * hidden), layers in order
 
 
@@ -125,14 +126,15 @@ def _forward_items(backend, items: list) -> list:
                 it.inp.captured = backend.cat([kept[i][a:b] for i in it.inp.capture], -1)
     hidden = backend.final_norm(x)
     if bounds is None:
-        return [_logits(backend, items[0].inp.logits, hidden)]
-    return [_logits(backend, it.inp.logits, hidden[a:b]) for it, (a, b) in zip(items, bounds)]
+        return [_logits(backend, items[0].inp, hidden)]
+    return [_logits(backend, it.inp, hidden[a:b]) for it, (a, b) in zip(items, bounds)]
 
 
-def _logits(backend, mode, hidden):
-    if mode == "none":
+def _logits(backend, inp: StepInput, hidden):
+    if inp.logits == "none":
         return None, hidden
-    return backend.logits(hidden[-1:] if mode == "last" else hidden), hidden
+    h = hidden[-1:] if inp.logits == "last" else hidden
+    return (backend.logits(h, greedy=True) if inp.greedy else backend.logits(h)), hidden
 
 
 def _restore_source(backend, cache, restored):
@@ -153,14 +155,16 @@ class StepResult:
     accepted: int = 0  # verify_block: drafts accepted
 
 
-def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False, run: Callable | None = None):
+def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False, run: Callable | None = None,
+          greedy: bool = False):
     """Forward `ids` at the session's next positions, uncommitted; returns (host logits, drafter
     features): the final hidden states, or the captured layers' outputs when kv.capture_layers.
     `run` executes the forward (default forward_batch; the engine passes its StepBatcher's).
-    On failure the step is aborted and the cache is as before."""
+    greedy: the logits serve only an argmax (StepInput.greedy). On failure the step is aborted
+    and the cache is as before."""
     start = kv.cache.next_position
     inp = StepInput(backend.tensor(list(ids)), range(start, start + len(ids)), kv.cache, logits, row_exact=row_exact,
-                    capture=kv.capture_layers)
+                    capture=kv.capture_layers, greedy=greedy)
     try:
         out, hidden = (run or forward_batch)(backend, [inp])[0]
         return backend.to_host(out), (inp.captured if inp.capture else hidden)
@@ -184,18 +188,22 @@ def prefill_chunk(backend, kv: SessionKV, ids: Sequence[int], *, run: Callable |
     return StepResult(len(ids), _close(kv, len(ids), host, hidden))
 
 
-def decode_step(backend, kv: SessionKV, token: int, *, run: Callable | None = None) -> StepResult:
-    """Feed one sampled token; kv.last_logits then scores the next position."""
-    host, hidden = _open(backend, kv, [token], "last", row_exact=True, run=run)
+def decode_step(backend, kv: SessionKV, token: int, *, run: Callable | None = None, greedy: bool = False) -> StepResult:
+    """Feed one sampled token; kv.last_logits then scores the next position. greedy: the caller
+    takes only their argmax (then logits outside the backend's best candidates may be approximate)."""
+    host, hidden = _open(backend, kv, [token], "last", row_exact=True, run=run, greedy=greedy)
     return StepResult(1, _close(kv, 1, host, hidden))
 
 
 def verify_block(backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams, generator,
-                 *, budget: int, eos_token_ids=frozenset(), run: Callable | None = None) -> StepResult:
+                 *, budget: int, eos_token_ids=frozenset(), run: Callable | None = None, greedy: bool = False) -> StepResult:
     """Feed `token` and a drafted block in one forward; keep the drafts the verifier accepts
     (speculative.accept_drafts) and draw its next token. At most `budget` tokens are emitted,
-    and emission stops after an eos. The emitted tokens but the last are committed."""
-    host, hidden = _open(backend, kv, [token, *drafts], "all", row_exact=True, run=run)
+    and emission stops after an eos. The emitted tokens but the last are committed. greedy: as
+    decode_step's (only with greedy `sampling`)."""
+    if greedy and not sampling.greedy:
+        raise ValueError("verify_block: greedy logits serve greedy sampling only")
+    host, hidden = _open(backend, kv, [token, *drafts], "all", row_exact=True, run=run, greedy=greedy)
     try:
         accepted, nxt = accept_drafts(drafts, host, sampling, generator)
     except BaseException:

@@ -64,6 +64,45 @@ def test_refined_head_scores_the_top_candidates_exactly():
     torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-5)
 
 
+def test_refined_head_greedy_path_keeps_the_argmax_and_scores_its_candidates_exactly():
+    """Greedy steps score with the 4-bit copy of the head (linear.RefinedHead): the argmax and the
+    refined candidates are the fp32 head's, rows are independent of their call (row-exact verify),
+    and the scoring really is a different (coarser) one, so the test sees the path it names."""
+    w = rnd(5008, 64) * 0.2
+    head, dense = RefinedHead(w, refine=8, greedy_refine=32), DenseLinear(w)
+    assert head.greedy_approx is not None
+    x = rnd(40, 64, seed=7)
+    got, want = head(x, greedy=True), dense(x)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    top = want.topk(8, -1).indices
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(got[i : i + 1], head(x[i : i + 1], greedy=True)) for i in range(0, 40, 7))
+    tail = want.topk(64, -1).indices[:, -1:]  # ranked below the refined set: the 4-bit score, not the exact one
+    assert not torch.allclose(got.gather(-1, tail), want.gather(-1, tail), atol=1e-3)
+    assert RefinedHead(rnd(304, 48), refine=8).greedy_approx is None  # not whole int4 groups: int8 for both
+    assert RefinedHead(rnd(300, 64), refine=8).greedy_approx is None  # rows the kernel cannot pack: int8 for both
+
+
+def test_greedy_generation_with_the_cheaper_head_equals_the_sampled_path_at_temperature_zero():
+    """The engine's greedy sessions use the 4-bit head (StepInput.greedy); their tokens equal a
+    step-by-step argmax over the int8 head's logits on the same quantized model."""
+    from inference_engine.engine import steps
+
+    m = TorchCausalLM.load(str(tiny_model_dir("llama")), weights="int4")
+    assert m.head.greedy_approx is not None  # the 4-bit head path is the one under test
+    history = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=64)
+    got = [e.token_id for e in engine.generate(engine.new_session_kv(), history, GenerateParams(max_tokens=12))
+           if isinstance(e, TokenGenerated)]
+    kv = engine.new_session_kv()
+    steps.prefill_chunk(m, kv, history)
+    want = [int(kv.last_logits.argmax())]
+    for _ in range(11):
+        steps.decode_step(m, kv, want[-1])
+        want.append(int(kv.last_logits.argmax()))
+    assert got == want
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_engine_is_chunking_independent_and_speculation_exact(weights):
     path = str(tiny_model_dir("llama"))

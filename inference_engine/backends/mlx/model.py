@@ -241,8 +241,8 @@ class MlxCausalLM:
         mx.eval(out)
         return out
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        out = self.head(hidden).astype(mx.float32)
+    def logits(self, hidden: mx.array, greedy: bool = False) -> mx.array:
+        out = self.head(hidden).astype(mx.float32)  # one head for greedy and sampled steps
         mx.eval(out)
         return out
 

@@ -212,8 +212,9 @@ class TorchCausalLM:
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.rms(x, self.final_norm_weight)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
+    def logits(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """greedy: the caller only takes the argmax (linear.RefinedHead's 4-bit scoring path)."""
+        return (self.head(hidden, greedy=True) if greedy and isinstance(self.head, RefinedHead) else self.head(hidden)).float()
 
     # -- dlm_restore: the model as its own (same-model) restore source -------------------------
     def verifier_restore_source(self):
