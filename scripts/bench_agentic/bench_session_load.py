@@ -13,12 +13,19 @@ Comparing with code from before the CRC-32 segment checksums (3ff9319 and earlie
 only): rewrite the saved manifests' checksums with `--segment-checksums sha256` (this script), then
 run the old code's copy of this script on the same --state-dir; `--segment-checksums crc32` turns
 them back. The segments themselves are not touched.
+
+--llama-cpp adds llama.cpp's restore of the same history (llama-cpp-python on the model's GGUF: its
+state file, saved once beside the session after prefilling the same token ids, loaded with
+llama_state_load_file, then the same new tokens evaluated; model and context creation excluded), one
+sample after each of ours in the same process at the same thread count: side by side, so a shared
+box's load moves both arms alike.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import json
+import os
 import pathlib
 import pstats
 import statistics
@@ -27,6 +34,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def main() -> int:
@@ -41,6 +49,7 @@ def main() -> int:
     ap.add_argument("--state-dir", default=str(pathlib.Path.home() / ".cache" / "kakeya" / "bench_session_load"))
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--llama-cpp", action="store_true", help="interleave llama.cpp state-file restores (see above)")
     ap.add_argument("--segment-checksums", choices=("keep", "sha256", "crc32"), default="keep",
                     help="rewrite the saved manifests' segment checksums first (see above)")
     args = ap.parse_args()
@@ -87,6 +96,7 @@ def main() -> int:
         def save(self, session) -> None:
             pass
 
+    llama = LlamaRestore(args, root, ids) if args.llama_cpp else None
     loads, ttfts, tokens = [], [], []
     for i in range(args.loads):
         files = SessionFiles(StateDir(root), engine)
@@ -99,6 +109,8 @@ def main() -> int:
         tokens.append(first_token(rt, sid))
         ttfts.append(time.perf_counter() - t0)
         print(f"sample {i}: load {loads[-1]:.3f} s, load + append + first token {ttfts[-1]:.3f} s", flush=True)
+        if llama is not None:
+            print(f"sample {i}: llama.cpp restore + eval + first token {llama.sample():.3f} s", flush=True)
     if args.profile:
         files = SessionFiles(StateDir(root), engine)
         prof = cProfile.Profile()
@@ -106,14 +118,69 @@ def main() -> int:
         files.load(sid)
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
-    doc = {"strategy": args.strategy, "weights": args.weights, "history": args.history, "new": args.new,
+    from bench_common import run_metadata
+
+    doc = run_metadata(vars(args)) | {"strategy": args.strategy, "weights": args.weights, "history": args.history, "new": args.new,
            "threads": args.threads, "disk_bytes": disk, "load_s": loads, "ttft_s": ttfts,
            "load_s_median": statistics.median(loads), "ttft_s_median": statistics.median(ttfts),
            "first_tokens": sorted(set(tokens))}
+    if llama is not None:
+        doc["llama_cpp"] = llama.summary()
+        doc["ttft_vs_llama_cpp"] = doc["ttft_s_median"] / doc["llama_cpp"]["restore_ttft_s_median"]
     print(json.dumps({k: v for k, v in doc.items() if not isinstance(v, list) or k == "first_tokens"}))
+    doc["load_average_at_end"] = os.getloadavg()
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
+
+
+class LlamaRestore:
+    """llama.cpp's side: the state file of the same history (made once), restored into one context."""
+
+    def __init__(self, args, root: pathlib.Path, ids: list):
+        import llama_cpp
+
+        from inference_engine.model_store import resolve_model
+
+        self.lc = llama_cpp
+        gguf = str(resolve_model(args.model) / "source.gguf")
+        self.n_ctx = args.history + 4 * args.new + 64
+        self.hist, self.new = ids[:args.history], ids[args.history:]
+        self.path = root.parent / f"llama-{args.history}.state"  # one per history: the token ids do not depend on the strategy
+        self.info = {"llama_cpp_version": llama_cpp.__version__, "threads": args.threads}
+        if not self.path.exists():
+            llm = llama_cpp.Llama(model_path=gguf, n_ctx=self.n_ctx, n_threads=args.threads, n_batch=512, verbose=False)
+            t0 = time.perf_counter()
+            llm.eval(self.hist)
+            arr = (llama_cpp.llama_token * len(self.hist))(*self.hist)
+            assert llama_cpp.llama_state_save_file(llm._ctx.ctx, str(self.path).encode(), arr, len(self.hist))
+            print(f"llama.cpp: prefilled and saved {args.history} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+            del llm
+        self.info["state_file_bytes"] = self.path.stat().st_size
+        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=self.n_ctx, n_threads=args.threads, n_batch=512, verbose=False)
+        self.times, self.tokens = [], set()
+
+    def sample(self) -> float:
+        import ctypes
+
+        import numpy as np
+
+        lc, llm = self.lc, self.llm
+        t0 = time.perf_counter()
+        out = (lc.llama_token * self.n_ctx)()
+        n_out = ctypes.c_size_t(0)
+        assert lc.llama_state_load_file(llm._ctx.ctx, str(self.path).encode(), out, self.n_ctx, n_out)
+        n = n_out.value
+        llm.n_tokens = n
+        llm.input_ids[:n] = np.array(out[:n], dtype=np.intc)
+        llm.eval(self.new)
+        self.tokens.add(int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)))))
+        self.times.append(time.perf_counter() - t0)
+        return self.times[-1]
+
+    def summary(self) -> dict:
+        return self.info | {"restore_ttft_s": self.times, "restore_ttft_s_median": statistics.median(self.times),
+                            "first_tokens": sorted(self.tokens)}
 
 
 def rewrite_checksums(session_dir: pathlib.Path, kind: str) -> None:
