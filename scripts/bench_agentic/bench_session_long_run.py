@@ -394,7 +394,7 @@ def ttft_llama_cpp(args, ids, work: str, n_hist: int, n_new: int) -> dict:
     n_ctx = n_hist + 4 * n_new + 64
     hist, new = ids[:n_hist + n_new], ids[n_hist + n_new:n_hist + 2 * n_new]
     threads = args.llama_threads or args.threads
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
     t0 = time.perf_counter()
     llm.eval(hist)
     prefill = time.perf_counter() - t0
@@ -406,7 +406,8 @@ def ttft_llama_cpp(args, ids, work: str, n_hist: int, n_new: int) -> dict:
     del llm
     by_threads = {}
     for t in sorted({1, threads, args.threads}):
-        llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=t, n_batch=512, verbose=False)  # "restart"
+        llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=t, n_threads_batch=t, n_batch=512,
+                              verbose=False)  # "restart"; batch threads too (llama-cpp-python defaults them to every core)
         restores = []
         for _ in range(1 + args.reloads):
             t0 = time.perf_counter()
