@@ -53,6 +53,9 @@ def main() -> int:
     ap.add_argument("--segment-checksums", choices=("keep", "sha256", "crc32"), default="keep",
                     help="rewrite the saved manifests' segment checksums first (see above)")
     args = ap.parse_args()
+    from bench_common import run_metadata
+
+    meta = run_metadata(vars(args))  # at the start: its load average is the one the samples began under
 
     import torch
 
@@ -118,9 +121,7 @@ def main() -> int:
         files.load(sid)
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
-    from bench_common import run_metadata
-
-    doc = run_metadata(vars(args)) | {"strategy": args.strategy, "weights": args.weights, "history": args.history, "new": args.new,
+    doc = meta | {"strategy": args.strategy, "weights": args.weights, "history": args.history, "new": args.new,
            "threads": args.threads, "disk_bytes": disk, "load_s": loads, "ttft_s": ttfts,
            "load_s_median": statistics.median(loads), "ttft_s_median": statistics.median(ttfts),
            "first_tokens": sorted(set(tokens))}
