@@ -122,7 +122,7 @@ class PagedCache(SinkWindowCache):
                 raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
             cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
         return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols,
-                "row_cols": {}, "layout": layout}
+                "row_cols": {}}
 
     def _row_columns(self, plan, layout, w) -> list:
         """Per query row, its visible resident columns in slot order: a few [start, end) runs (read as
