@@ -59,12 +59,13 @@ def main() -> int:
     ap.add_argument("--speed-steps", type=int, default=0,
                     help="speed mode: per rung, prefill sample 0 into every arm, then time this many decode steps per arm, "
                          "the arms' steps interleaved one by one (load drift hits every arm alike); writes --out")
-    ap.add_argument("--merge-speed", default="", help="copy a speed-mode JSON into --out as its decode_speed section")
+    ap.add_argument("--merge-speed", default="", help="copy speed-mode JSONs (comma-separated) into --out: the first as its "
+                                                      "decode_speed section, the others as decode_speed_<weights>")
     ap.add_argument("--merge", default="", help="join recall parts (comma-separated JSONs from runs of this script) into --out, "
                                                 "each cell keeping its part's provenance, with the ladder's own cells for reference")
     args = ap.parse_args()
     if args.merge_speed:
-        return merge_speed(pathlib.Path(args.merge_speed), pathlib.Path(args.out))
+        return merge_speed([pathlib.Path(x) for x in args.merge_speed.split(",")], pathlib.Path(args.out))
     if args.merge:
         return merge(args.merge.split(","), pathlib.Path(args.out))
 
@@ -235,16 +236,23 @@ def merge(parts: list, out: pathlib.Path) -> int:
     return 0
 
 
-def merge_speed(part: pathlib.Path, out: pathlib.Path) -> int:
+def merge_speed(parts: list, out: pathlib.Path) -> int:
+    """Copy speed-mode JSONs into `out`: the first as `decode_speed` (plotted), each further one as
+    `decode_speed_<its weights>` (e.g. the same measurement with --weights int4)."""
     import json
 
     doc = json.loads(out.read_text())
-    sp = json.loads(part.read_text())
-    doc["decode_speed"] = {"part": str(part.relative_to(ROOT)) if part.is_absolute() else str(part),
-                           "provenance": {k: sp[k] for k in ("command", "commit", "dirty_worktree", "date_utc", "machine")},
-                           "rungs": sp["rungs"]}
+    first = None
+    for i, part in enumerate(parts):
+        sp = json.loads(part.read_text())
+        key = "decode_speed" if i == 0 else f"decode_speed_{sp.get('config', {}).get('weights') or 'part' + str(i)}"
+        doc[key] = {"part": str(part.relative_to(ROOT)) if part.is_absolute() else str(part),
+                    "provenance": {k: sp[k] for k in ("command", "commit", "dirty_worktree", "date_utc", "machine")},
+                    "rungs": sp["rungs"]}
+        first = first or sp
+    doc["speed_merge_command"] = " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     write_json(out, doc)
-    plot(doc["arms"], list(doc["arms"]), out.with_suffix(".png"), doc.get("ladder_reference"), sp["rungs"])
+    plot(doc["arms"], list(doc["arms"]), out.with_suffix(".png"), doc.get("ladder_reference"), first["rungs"])
     return 0
 
 
