@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import subprocess
 import sys
 import threading
@@ -25,13 +26,18 @@ def git_state() -> tuple[str, bool | str]:
     return commit, dirty
 
 
+def command_line() -> str:
+    """This process's command line as a shell would take it back (arguments quoted where needed)."""
+    return shlex.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+
+
 def run_metadata(config: dict) -> dict:
     """Provenance every results JSON carries: command, commit, dirty flag, date, machine (and its accelerator), config."""
     commit, dirty = git_state()
     import torch
 
     return {
-        "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+        "command": command_line(),
         "commit": commit,
         "dirty_worktree": dirty,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from bench_common import ROOT, command_line, run_metadata, write_json  # noqa: E402
 from niah_ladder import EVAL_SEED, make_sample  # noqa: E402
 
 OUT = ROOT / "results" / "research" / "paged_recall.json"
@@ -250,7 +250,7 @@ def merge_speed(parts: list, out: pathlib.Path) -> int:
                     "provenance": {k: sp[k] for k in ("command", "commit", "dirty_worktree", "date_utc", "machine")},
                     "rungs": sp["rungs"]}
         first = first or sp
-    doc["speed_merge_command"] = " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    doc["speed_merge_command"] = command_line()
     write_json(out, doc)
     plot(doc["arms"], list(doc["arms"]), out.with_suffix(".png"), doc.get("ladder_reference"), first["rungs"])
     return 0
