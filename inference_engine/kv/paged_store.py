@@ -176,13 +176,6 @@ class RowTable:
         self._set({name: grown(x) for name, x in self.data.items()})
         self.capacity = cap
 
-    def write(self, layer: int, start: int, rows: torch.Tensor) -> None:
-        """Encode rows (S, Hkv, n, D) into rows start .. start + n - 1 of `layer` (after `reserve`)."""
-        s, h, n, d = rows.shape
-        payload = self.codec.encode(rows.reshape(-1, d))
-        for name, slab in self.slabs[layer].items():
-            slab[:, :, start:start + n] = payload[name].reshape(s, h, n, *slab.shape[3:]).to(slab.device)
-
     def write_all(self, start: int, rows: torch.Tensor) -> None:
         """Encode rows (L, S, Hkv, n, D) of every layer into rows start .. start + n - 1 (after
         `reserve`): one encode and one copy per payload name."""

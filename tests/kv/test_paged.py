@@ -182,16 +182,17 @@ def test_int4_codes_take_half_a_byte():
 def test_row_table_reads_rows_back_and_survives_state():
     t = RowTable(make_row_codec("identity", head_dim=8, dtype=torch.float32), num_layers=2, num_kv_heads=3, head_dim=8,
                  stack=2, page=4, device="cpu")
-    rows = torch.randn(2, 3, 6, 8)
+    rows = torch.randn(2, 2, 3, 6, 8)  # (layers, K/V, heads, rows, dim)
     t.reserve(6)
-    t.write(1, 0, rows)
+    t.write_all(0, rows)
     t.rows = 6
     assert t.capacity == 8
-    torch.testing.assert_close(t.read(1, torch.tensor([5, 2])), rows[:, :, [5, 2]], rtol=0, atol=0)
+    torch.testing.assert_close(t.read(1, torch.tensor([5, 2])), rows[1][:, :, [5, 2]], rtol=0, atol=0)
+    torch.testing.assert_close(t.read(0), rows[0], rtol=0, atol=0)
     u = RowTable(t.codec, num_layers=2, num_kv_heads=3, head_dim=8, stack=2, page=4, device="cpu")
     u.load_state(t.state(), 6)
     assert u.nbytes == t.nbytes
-    torch.testing.assert_close(u.read(1), rows, rtol=0, atol=0)
+    torch.testing.assert_close(u.read(1), rows[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("compressor", ["int8", "kakeya_d4"])
