@@ -28,9 +28,11 @@ Writes results/bench_session_long_run.json and .png (--ttft-only: results/parts/
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -42,7 +44,9 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from bench_common import ROOT, command_line, run_metadata, write_json  # noqa: E402
+
+CHECKPOINT = "checkpoint.json"
 
 
 def free_port() -> int:
@@ -125,12 +129,29 @@ def corpus(tokenizer_dir: str) -> list[int]:
     return AutoTokenizer.from_pretrained(tokenizer_dir)(text, add_special_tokens=False)["input_ids"]
 
 
-class Agent(threading.Thread):
-    """One agent session: turns until `end`, riding out the daemon's death (UNAVAILABLE) by retrying."""
+COUNTERS = ("cache_invariant_violations_total", "session_total", "session_save_duration_seconds",
+            "session_load_duration_seconds")  # the counters a daemon process's last sample is kept for
 
-    def __init__(self, idx: int, target: str, ids: list[int], end: float, args):
+
+class RunClock:
+    """Seconds of driving since the run began, summed over its legs: a run whose processes die with the
+    machine (a session's end) goes on with `--resume DIR`, and the time the machine was stopped is not
+    counted. Within a leg it is wall time."""
+
+    def __init__(self, offset: float):
+        self.offset, self.wall0 = offset, time.time()
+
+    def now(self) -> float:
+        return self.offset + time.time() - self.wall0
+
+
+class Agent(threading.Thread):
+    """One agent session: turns until run time `end`, riding out the daemon's death (UNAVAILABLE) by
+    retrying. `saved` (a checkpoint's `state()`) continues an agent whose process died."""
+
+    def __init__(self, idx: int, target: str, ids: list[int], end: float, args, clock: RunClock, saved: dict | None = None):
         super().__init__(daemon=True, name=f"agent-{idx}")
-        self.idx, self.target, self.ids, self.end, self.args = idx, target, ids, end, args
+        self.idx, self.target, self.ids, self.end, self.args, self.clock = idx, target, ids, end, args, clock
         self.rng = random.Random(1000 + idx)
         self.turns: list[dict] = []
         self.errors: list[dict] = []
@@ -139,6 +160,19 @@ class Agent(threading.Thread):
         self.resumed_after_kill = None  # seconds from the first failed call to the next success
         self.history_seen = 0
         self.warmup_s = None
+        self.resume_checks: list[dict] = []  # per outage: the daemon's history length against the client's
+        if saved:
+            v, internal, gauss = saved["rng"]
+            self.rng.setstate((v, tuple(internal), gauss))
+            for k in ("turns", "errors", "session_id", "lost", "resumed_after_kill", "history_seen", "warmup_s",
+                      "resume_checks"):
+                setattr(self, k, saved[k])
+
+    def state(self) -> dict:
+        v, internal, gauss = self.rng.getstate()
+        return {"rng": [v, list(internal), gauss], "turns": list(self.turns), "errors": list(self.errors),
+                "session_id": self.session_id, "lost": self.lost, "resumed_after_kill": self.resumed_after_kill,
+                "history_seen": self.history_seen, "warmup_s": self.warmup_s, "resume_checks": list(self.resume_checks)}
 
     def chunk(self, n: int) -> list[int]:
         start = self.rng.randrange(0, len(self.ids) - n)
@@ -148,11 +182,17 @@ class Agent(threading.Thread):
         import kakeya
         from kakeya.errors import FailedPreconditionError, KakeyaError, SessionNotFoundError, UnavailableError
 
+        if self.lost:
+            return
         client = kakeya.Client(self.target)
-        s = client.create_session(self.chunk(self.args.initial_tokens), ignore_eos=True)
-        self.session_id = s.id
-        down_since = None
-        while time.time() < self.end:
+        down_since, cause = None, "sigkill"
+        if self.session_id is None:
+            s = client.create_session(self.chunk(self.args.initial_tokens), ignore_eos=True)
+            self.session_id = s.id
+        else:  # a new leg: the machine stopped, the daemon was started again on the same state directory
+            s = client.session(self.session_id)
+            down_since, cause = time.perf_counter(), "machine_stop"
+        while self.clock.now() < self.end:
             if self.warmup_s is None:  # warm-up, not a turn: the initial prefill (the "system prompt")
                 t0 = time.perf_counter()
                 try:
@@ -161,35 +201,44 @@ class Agent(threading.Thread):
                     down_since = down_since or t0
                     time.sleep(0.5)
                     continue
+                except (SessionNotFoundError, FailedPreconditionError) as e:
+                    self.lost = True
+                    self.errors.append({"t": self.clock.now(), "kind": "not_found", "detail": str(e)[:300]})
+                    return
                 self.warmup_s = time.perf_counter() - t0
+                down_since = None
                 continue
             large = self.rng.random() < self.args.large_append_p
             n_app = self.rng.randint(1000, 1500) if large else self.rng.randint(30, 120)
             n_gen = self.rng.randint(16, 32)
             t0 = time.perf_counter()
             try:
-                if down_since is not None:  # first call after an outage: does the session still exist?
-                    self.history_seen = len(s.history())
-                    self.resumed_after_kill = time.perf_counter() - down_since
-                    down_since = None
+                if down_since is not None:  # first call after an outage: does the session still exist, and all of it?
+                    n = len(s.history())
+                    self.resume_checks.append({"t": self.clock.now(), "after": cause, "history": n,
+                                               "client_saw": self.history_seen})
+                    if cause == "sigkill":
+                        self.resumed_after_kill = time.perf_counter() - down_since
+                    self.history_seen = n
+                    down_since, cause = None, "sigkill"
                 length = s.append(self.chunk(n_app))
                 res = s.generate_all(n_gen)
             except UnavailableError as e:
                 down_since = down_since or t0
-                self.errors.append({"t": time.time(), "kind": "unavailable", "detail": str(e)[:200]})
+                self.errors.append({"t": self.clock.now(), "kind": "unavailable", "detail": str(e)[:200]})
                 time.sleep(0.5)
                 continue
             except (SessionNotFoundError, FailedPreconditionError) as e:
                 self.lost = True
-                self.errors.append({"t": time.time(), "kind": "not_found", "detail": str(e)[:300]})
+                self.errors.append({"t": self.clock.now(), "kind": "not_found", "detail": str(e)[:300]})
                 return
             except KakeyaError as e:
-                self.errors.append({"t": time.time(), "kind": type(e).__name__, "detail": str(e)[:300]})
+                self.errors.append({"t": self.clock.now(), "kind": type(e).__name__, "detail": str(e)[:300]})
                 time.sleep(0.5)
                 continue
             dt = time.perf_counter() - t0
             self.history_seen = length + res.generated_tokens
-            self.turns.append({"t_end": time.time(), "latency_s": dt, "ttft_s": res.time_to_first_token_seconds,
+            self.turns.append({"t_end": self.clock.now(), "latency_s": dt, "ttft_s": res.time_to_first_token_seconds,
                                "appended": n_app, "generated": res.generated_tokens, "large": large,
                                "prefill_s": res.prefill_seconds, "history": self.history_seen})
         client.close()
@@ -223,91 +272,133 @@ def pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def long_run(args, ids, work: str) -> dict:
+def write_checkpoint(work: str, ckpt: dict) -> None:
+    """Atomically (temporary name, fsync, rename): a machine stop mid-write leaves the previous one."""
+    path = os.path.join(work, CHECKPOINT)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def long_run(args, ids, work: str, ckpt: dict) -> dict:
+    """Part 1. `ckpt` is the run's checkpoint (empty for a new run): the agents' state, the samples and
+    the legs so far are saved to it every --checkpoint-seconds, and a `--resume` leg starts from it."""
     state = os.path.join(work, "long-run-state")
-    os.makedirs(state)
-    daemon = Daemon(args, state, "--kv-strategy", args.kv_strategy)
-    startup_s = daemon.start()
+    os.makedirs(state, exist_ok=True)
     duration = args.hours * 3600 if args.hours else args.minutes * 60
     bucket_s = args.bucket_seconds or (600.0 if duration >= 3600 else duration / args.short_buckets)
-    t_start = time.time()
-    end = t_start + duration
-    agents = [Agent(i, daemon.target, ids, end, args) for i in range(args.sessions)]
+    clock = RunClock(ckpt.get("run_s", 0.0))
+    leg = {"command": command_line(), "wall_start": time.time(), "run_start": clock.now(),
+           "load_average_at_start": os.getloadavg()}
+    daemon = Daemon(args, state, "--kv-strategy", args.kv_strategy)
+    leg["daemon_startup_s"] = daemon.start()
+    legs = ckpt.get("legs", []) + [leg]
+    samples = ckpt.get("samples", [])
+    counters = ckpt.get("counters", []) + [{}]  # per daemon process, its last sample of COUNTERS
+    kill = ckpt.get("kill")
+    saved = ckpt.get("agents") or [None] * args.sessions
+    agents = [Agent(i, daemon.target, ids, duration, args, clock, saved[i]) for i in range(args.sessions)]
     for a in agents:
         a.start()
-    samples, counters_before_kill = [], {}
-    kill_at, killed, restart = t_start + duration / 2, None, None
-    while time.time() < end or any(a.is_alive() for a in agents):
-        if killed is None and time.time() >= kill_at:
-            counters_before_kill = daemon.metrics() or (samples[-1]["raw"] if samples else {})
+
+    def keep(m: dict | None) -> dict:
+        return {k: v for k, v in (m or {}).items() if k.startswith(COUNTERS)}
+
+    def checkpoint() -> None:
+        leg.update(wall_end=time.time(), run_end=clock.now())
+        ckpt.update(config=ckpt.get("config"), run_s=clock.now(), legs=legs, samples=samples, counters=counters,
+                    kill=kill, agents=[a.state() for a in agents])
+        write_checkpoint(work, ckpt)
+
+    last_ckpt = time.time()
+    while clock.now() < duration or any(a.is_alive() for a in agents):
+        if kill is None and clock.now() >= duration / 2:
+            counters[-1] = keep(daemon.metrics()) or counters[-1]
             daemon.kill9()
-            killed = time.time()
-            restart = {"killed_at_s": killed - t_start, "restart_s": daemon.start()}
+            kill = {"killed_at_s": clock.now()}
+            kill["restart_s"] = daemon.start()
+            counters.append({})
         m = daemon.metrics()
         if m is not None:
-            samples.append({"t": time.time(), "kv_live_bytes": m.get("session_kv_live_bytes", 0.0),
+            counters[-1] = keep(m)
+            samples.append({"t": clock.now(), "kv_live_bytes": m.get("session_kv_live_bytes", 0.0),
                             # the hot set (daemons from before the tier gauges: kv_live_bytes, the same for non-paged)
                             "kv_resident_bytes": m.get("session_kv_resident_bytes", m.get("session_kv_live_bytes", 0.0)),
                             "kv_selection_bytes": m.get("session_kv_selection_bytes", 0.0),
                             "kv_page_store_bytes": m.get("session_kv_stored_bytes", 0.0),
-                            "stored_bytes": dir_bytes(state), "active": m.get("session_active", 0.0), "raw": m})
+                            "stored_bytes": dir_bytes(state), "active": m.get("session_active", 0.0),
+                            "load_1m": os.getloadavg()[0]})
+        if time.time() - last_ckpt >= args.checkpoint_seconds:
+            checkpoint()
+            last_ckpt = time.time()
         time.sleep(args.sample_seconds)
-        if time.time() > end + 600:
+        if clock.now() > duration + 600:
             break
     final_checks = [final_check(daemon.target, a) for a in agents]
-    final = daemon.metrics() or {}
+    counters[-1] = keep(daemon.metrics()) or counters[-1]
     daemon.stop()
+    checkpoint()
 
-    def counter(m, name):
-        return sum(v for k, v in m.items() if k.startswith(name) and not k.endswith("_created"))
+    def counter(name):
+        return sum(v for m in counters for k, v in m.items() if k.startswith(name) and not k.endswith("_created"))
 
-    violations = {kind: counter(counters_before_kill, f"cache_invariant_violations_total{{kind={kind}}}")
-                  + counter(final, f"cache_invariant_violations_total{{kind={kind}}}") for kind in ("inv1", "inv2")}
-    failed = counter(counters_before_kill, "session_total{outcome=failed}") + counter(final, "session_total{outcome=failed}")
+    violations = {kind: counter(f"cache_invariant_violations_total{{kind={kind}}}") for kind in ("inv1", "inv2")}
+    failed = counter("session_total{outcome=failed}")
     n_buckets = max(1, int(round(duration / bucket_s)))
+    stops = [lg["run_start"] for lg in legs[1:]]
     buckets = []
     for b in range(n_buckets):
-        lo, hi = t_start + b * bucket_s, t_start + (b + 1) * bucket_s
+        lo, hi = b * bucket_s, (b + 1) * bucket_s
         turns = [t for a in agents for t in a.turns if lo <= t["t_end"] < hi]
         ss = [s for s in samples if lo <= s["t"] < hi]
         lat = [t["latency_s"] for t in turns]
         small = [t["latency_s"] for t in turns if not t["large"]]
+        loads = [s["load_1m"] for s in ss if "load_1m" in s]
         buckets.append({
-            "bucket": b, "start_s": b * bucket_s, "end_s": (b + 1) * bucket_s, "turns": len(turns),
+            "bucket": b, "start_s": lo, "end_s": hi, "turns": len(turns),
             "turn_latency_p50_s": pct(lat, 0.5), "turn_latency_p95_s": pct(lat, 0.95),
             "small_turn_latency_p50_s": pct(small, 0.5),
             "kv_resident_peak_bytes": max((s["kv_resident_bytes"] for s in ss), default=None),
             "kv_selection_peak_bytes": max((s["kv_selection_bytes"] for s in ss), default=None),
             "kv_page_store_peak_bytes": max((s["kv_page_store_bytes"] for s in ss), default=None),
             "kv_stored_peak_bytes": max((s["stored_bytes"] for s in ss), default=None),  # on disk
-            "contains_kill": killed is not None and lo <= killed < hi,
+            "load_average_1m_mean": statistics.mean(loads) if loads else None,
+            "contains_kill": kill is not None and lo <= kill["killed_at_s"] < hi,
+            "contains_machine_stop": any(lo <= t < hi for t in stops),
         })
     full = [b for b in buckets if b["turns"] and b["kv_resident_peak_bytes"]]
     peaks = [b["kv_resident_peak_bytes"] for b in full]
     g1 = (max(peaks) - min(peaks)) / min(peaks) if peaks else None
     p50s = [b["turn_latency_p50_s"] for b in full]
     g2 = (p50s[-1] - p50s[0]) / p50s[0] if len(p50s) > 1 else None
-    save_sum = counter(counters_before_kill, "session_save_duration_seconds_sum") + counter(final, "session_save_duration_seconds_sum")
-    save_n = counter(counters_before_kill, "session_save_duration_seconds_count") + counter(final, "session_save_duration_seconds_count")
-    load_sum, load_n = counter(final, "session_load_duration_seconds_sum"), counter(final, "session_load_duration_seconds_count")
+    save_sum, save_n = counter("session_save_duration_seconds_sum"), counter("session_save_duration_seconds_count")
+    load_sum, load_n = counter("session_load_duration_seconds_sum"), counter("session_load_duration_seconds_count")
+    lost = sum(a.lost or not c["ok"] for a, c in zip(agents, final_checks))
+    # a session that answers with less history than its client had confirmed lost turns (a turn in flight at
+    # a kill is not confirmed, so it does not count)
+    regressed = sum(r["history"] < r["client_saw"] for a in agents for r in a.resume_checks)
     return {
-        "duration_s": duration, "bucket_s": bucket_s, "sessions": args.sessions, "daemon_startup_s": startup_s,
-        "kill": restart, "buckets": buckets,
-        "sessions_lost": sum(a.lost or not c["ok"] for a, c in zip(agents, final_checks)),
+        "duration_s": duration, "bucket_s": bucket_s, "sessions": args.sessions,
+        "daemon_startup_s": legs[0]["daemon_startup_s"], "kill": kill, "buckets": buckets,
+        "legs": [{k: v for k, v in lg.items()} for lg in legs], "machine_stops": len(legs) - 1,
+        "sessions_lost": lost, "resumes_with_history_lost": regressed,
         "per_session": [{"turns": len(a.turns), "history_tokens": a.history_seen, "lost": a.lost, "warmup_s": a.warmup_s,
-                         "after_run": c,
+                         "after_run": c, "resume_checks": a.resume_checks,
                          "resumed_after_kill_s": a.resumed_after_kill, "errors": len(a.errors),
                          "error_kinds": sorted({e["kind"] for e in a.errors})} for a, c in zip(agents, final_checks)],
         "invariant_violations": violations, "sessions_failed": failed,
         "saves": {"count": save_n, "mean_s": save_sum / save_n if save_n else None},
-        "loads_after_restart": {"count": load_n, "mean_s": load_sum / load_n if load_n else None},
+        "loads": {"count": load_n, "mean_s": load_sum / load_n if load_n else None},
         "gates": {
             "G1_resident_kv_peak_drift": g1, "G1_pass": g1 is not None and g1 < 0.10,
             "G2_turn_p50_drift_first_to_last": g2, "G2_pass": g2 is not None and g2 < 0.50,
             "G4_invariant_violations": violations["inv1"] + violations["inv2"],
             "G4_pass": violations["inv1"] + violations["inv2"] == 0,
             "G5_every_call_through_sdk": True,
-            "no_session_lost": sum(a.lost or not c["ok"] for a, c in zip(agents, final_checks)) == 0,
+            "no_session_lost": lost == 0 and regressed == 0,
         },
     }
 
@@ -333,8 +424,7 @@ def ttft_daemon(args, ids, work: str, strategy: str, n_hist: int, n_new: int) ->
     --threads each), as llama.cpp's restore is: the count with the faster median is the comparison."""
     import kakeya
 
-    state = os.path.join(work, f"ttft-{strategy}")
-    os.makedirs(state)
+    state = tempfile.mkdtemp(prefix=f"ttft-{strategy}-", dir=work)  # a fresh one per leg of a resumed run
     d = Daemon(args, state, "--kv-strategy", strategy, "--capacity", "1")
     d.start()
     hist = ids[:n_hist]
@@ -455,6 +545,9 @@ def plot(doc: dict, png) -> None:
     if lr["kill"]:
         for a in ax[:2]:
             a.axvline(lr["kill"]["killed_at_s"] / 60, color="red", ls=":", label="SIGKILL + restart")
+    for lg in lr.get("legs", [])[1:]:
+        for a in ax[:2]:
+            a.axvline(lg["run_start"] / 60, color="purple", ls="--", label="machine stop (--resume)")
     ax[0].set(xlabel="minutes", ylabel="turn latency (s)", title=f"{lr['sessions']} concurrent sessions")
     ax[0].legend()
     ax[1].plot(x, col("kv_resident_peak_bytes", 2**20), "o-", label="resident KV peak")
@@ -513,7 +606,19 @@ def main() -> int:
     ap.add_argument("--note", default="shared 2-core box: other engineers' jobs ran beside this one, timings are noisy")
     ap.add_argument("--out", default=None, help="default: results/bench_session_long_run.json "
                                                   "(--ttft-only: results/parts/session_ttft/ttft_8k.json)")
+    ap.add_argument("--work-dir", default=None,
+                    help="keep the run's state (daemon state directories, checkpoint) here, not in a temporary "
+                         "directory removed at the end: needed to --resume it")
+    ap.add_argument("--resume", metavar="WORK_DIR", default=None,
+                    help="go on with the run whose processes died (a machine stop) from WORK_DIR's checkpoint, "
+                         "with that run's settings; the stopped time is not counted as run time")
+    ap.add_argument("--checkpoint-seconds", type=float, default=30.0)
     args = ap.parse_args()
+    ckpt: dict = {}
+    if args.resume:
+        with open(os.path.join(args.resume, CHECKPOINT)) as f:
+            ckpt = json.load(f)
+        args = argparse.Namespace(**{**ckpt["config"], "work_dir": args.resume, "resume": args.resume})
     if args.ttft_only:
         args.skip_long_run = True
     if args.out is None:
@@ -527,13 +632,19 @@ def main() -> int:
     need = args.ttft_history + (2 + counts * (1 + args.reloads)) * args.ttft_new
     while len(ids) < need:
         ids = ids + ids
-    config = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    config = {k: v for k, v in vars(args).items() if k not in ("resume",)}
+    ckpt.setdefault("config", config)
     doc = run_metadata(config)
     doc["note"] = args.note
-    with tempfile.TemporaryDirectory(prefix="kakeya-long-run-") as work:
+    work = args.work_dir or tempfile.mkdtemp(prefix="kakeya-long-run-")
+    os.makedirs(work, exist_ok=True)
+    try:
         if not args.skip_long_run:
-            doc["long_run"] = long_run(args, ids, work)
-            print({k: v for k, v in doc["long_run"].items() if k in ("gates", "sessions_lost", "kill", "saves")})
+            if "long_run" not in ckpt:
+                ckpt["long_run"] = long_run(args, ids, work, ckpt)
+                write_checkpoint(work, ckpt)
+            doc["long_run"] = ckpt["long_run"]
+            print({k: v for k, v in doc["long_run"].items() if k in ("gates", "sessions_lost", "kill", "saves", "machine_stops")})
         rows = [ttft_daemon(args, ids, work, st, args.ttft_history, args.ttft_new) for st in args.ttft_strategies.split(",")]
         ttft = {"kakeya": rows}
         if not args.skip_llama_cpp:
@@ -551,6 +662,9 @@ def main() -> int:
         doc["ttft_8k"] = ttft
         doc["load_average_at_end"] = os.getloadavg()
         print(ttft)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
     out = ROOT / args.out if not os.path.isabs(args.out) else pathlib.Path(args.out)
     write_json(out, doc)
     if "long_run" in doc:
