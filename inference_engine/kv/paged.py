@@ -188,7 +188,10 @@ class PagedCache(SinkWindowCache):
         """Row-exact attention: row j attends, in one call for all heads (each KV head's query heads
         as the call's query rows, so a per-KV-head mask broadcasts over them), over exactly what a
         one-token step at its position reads: its recalled rows, then its visible resident columns
-        in slot order. Its recalled rows depend on its own position only: the first pages of the
+        in slot order (with torch's flash kernel: the recalled rows and the whole resident slab under the
+        row's mask, two calls merged by their log-sum-exp; a position's slot does not depend on how steps
+        were grouped (the sink_window ring), so the slab's visible columns are where a one-token step has
+        them). Its recalled rows depend on its own position only: the first pages of the
         page table as they are when it has at most `recall_pages` pages (then all are chosen), else
         its chosen pages' rows in position order; masked (rows past its candidates, or out of a
         local window) exactly when its own candidates do not fill whole visible pages. So a
@@ -228,6 +231,13 @@ class PagedCache(SinkWindowCache):
                     kr, vr = self._rows_kv(layer, rows.clamp(max=plan["c"] - 1), k_all, v_all, cols)
                 if vis["masked"][j]:
                     bias = vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
+            if _FLASH is not None:  # two calls merged by log-sum-exp: no copy of the resident slab
+                tb = time.perf_counter()
+                out.append(_attend_row_two_part(qj, kr, vr, bias, k_all, v_all, self._resident_bias(plan, layout, w, q.dtype)[j],
+                                                scale).view(hkv * g, 1, d))
+                fetch += tb - ta
+                attend += time.perf_counter() - tb
+                continue
             rc = row_cols[j]
             if isinstance(rc, list):
                 kc, vc = [k_all[:, a:b] for a, b in rc], [v_all[:, a:b] for a, b in rc]
@@ -244,6 +254,14 @@ class PagedCache(SinkWindowCache):
             attend += time.perf_counter() - tb
         self._time(t0, t1, t1 + fetch, t1 + fetch + attend)
         return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+    def _resident_bias(self, plan, layout, w, dtype) -> torch.Tensor:
+        """(T, N) additive mask (0 / -inf) of the resident slab per query row; once a step per window."""
+        key = ("resident_bias", w)
+        if key not in plan:
+            m = layout.masks[w]
+            plan[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+        return plan[key]
 
     def _row_visible(self, plan, w, dtype):
         """Per query row (made once a step per window, shared by the layers): its candidate pages
@@ -429,6 +447,20 @@ def _flash(q, k, v, mask, scale):
     ninf = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=ninf, scale=scale)
     return out, lse.masked_fill(~mask.any(-1), float("-inf"))
+
+
+def _attend_row_two_part(qj, kr, vr, bias_r, k_all, v_all, bias_w, scale):
+    """One query row, qj (1, Hkv, G, D) (a KV head's query heads as its rows): attention over its
+    recalled rows kr, vr (Hkv, E, D) (bias_r: None or (1, Hkv or 1, 1, E)) and over the resident slab
+    k_all, v_all (Hkv, N, D) under bias_w (N,), merged by log-sum-exp; kr None: the slab alone (the
+    row always sees its own key, so the resident part is never empty, and a row with recalled rows
+    sees at least one of them)."""
+    ow, lw = _FLASH(qj, k_all[None], v_all[None], 0.0, False, attn_mask=bias_w[None], scale=scale)
+    if kr is None:
+        return ow
+    orr, lr = _FLASH(qj, kr[None], vr[None], 0.0, False, attn_mask=bias_r, scale=scale)
+    lse = torch.logaddexp(lw, lr)
+    return ow * (lw - lse).exp_()[..., None] + orr * (lr - lse).exp_()[..., None]
 
 
 def _attend_merged(q, k_all, v_all, mask_w, kr, vr, mask_r, scale):
