@@ -41,6 +41,7 @@ PARTS = RESULTS / "parts"
 NOTES_DOC = "docs/research/niah_ladder_notes.md"
 
 EVAL_SEED = 20261122
+DEV_SEED = 20261124  # --sample-set dev: other samples of the same generator, for choosing settings (not for reporting)
 EVAL_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
               "I will quiz you about the important information there.\n")
 EVAL_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -91,6 +92,10 @@ ARMS = {
     # paged (issue 15): window 508 keeps resident + selection under sink_window 4+1020's bytes up to 7.5k (docs/paged.md)
     "paged_4+508_p64_m8": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8),
     "paged_4+1020_p64_m8": dict(kv_strategy="paged", sink=4, window=1020, page_size=64, recall_pages=8),
+    # the same 512 recalled rows in finer pages, and a narrower window with more recalled rows (chosen on --sample-set dev)
+    "paged_4+508_p32_m16": dict(kv_strategy="paged", sink=4, window=508, page_size=32, recall_pages=16),
+    "paged_4+508_p16_m32": dict(kv_strategy="paged", sink=4, window=508, page_size=16, recall_pages=32),
+    "paged_4+252_p64_m12": dict(kv_strategy="paged", sink=4, window=252, page_size=64, recall_pages=12),
 }
 
 
@@ -241,6 +246,9 @@ def main() -> int:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--rungs", default="1000,2000,4000,7500")
     ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--sample-set", default="eval", choices=("eval", "dev"),
+                    help="eval: the reported samples; dev: samples from another seed, for choosing settings without "
+                         "looking at the eval samples")
     ap.add_argument("--first-sample", type=int, default=0,
                     help="run samples FIRST .. FIRST+SAMPLES-1 of each rung (a continuation of a cut-off cell; --merge joins it "
                          "to the cell holding samples 0 .. FIRST-1 on the same device)")
@@ -287,14 +295,15 @@ def main() -> int:
     rungs = [int(r) for r in args.rungs.split(",")]
     # passkey keeps its original seeds (sample i is the same as in earlier parts); the other tasks draw their own
     task_seed = {"passkey": 0, "multikey": 1, "multiturn": 2}[args.task]
-    samples = {n: [make_task_sample(args.task, tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i + task_seed * 10**7), args)
+    seed = EVAL_SEED if args.sample_set == "eval" else DEV_SEED
+    samples = {n: [make_task_sample(args.task, tok, n, random.Random(seed * 1000 + n * 100 + i + task_seed * 10**7), args)
                    for i in range(args.first_sample, args.first_sample + args.samples)] for n in rungs}
     results = {}
     # Metadata taken at the start (load average before the run); the JSON is rewritten after every cell,
     # so a run that is cut off keeps what it measured ("complete": false until the end).
     meta = run_metadata(vars(args) | {"accelerator": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
                                       "eval_seed": EVAL_SEED, "filler": EVAL_FILLER, "needle": EVAL_NEEDLE, "question": EVAL_QUESTION,
-                                      "task": args.task}
+                                      "task": args.task, "sample_seed": seed}
                         | ({"labels": EVAL_LABELS, "keyed_needle": EVAL_KEYED_NEEDLE, "keyed_question": EVAL_KEYED_QUESTION}
                            if args.task == "multikey" else {})
                         | ({"turn_text": EVAL_TURN_TEXT} if args.task == "multiturn" else {}))
