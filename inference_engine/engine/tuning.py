@@ -47,3 +47,21 @@ def fastest_thread_count(model, candidates: list[int] | None = None, timed_steps
         if best is None or timings[n] < 0.95 * timings[best]:
             best = n
     return best, timings
+
+
+
+def warm_up(engine, tokens: int = 16) -> float:
+    """Generate on a scratch session of the engine's own strategy, through `Engine.generate` as a
+    client's turn does (a prefill chunk of `tokens`, greedy decode steps, then a sampled one), and
+    drop it: the first forward of a process pays one-time costs (kernel and allocator set-up) that
+    would otherwise land on the first client's turn, e.g. the first turn of a session resumed after
+    a restart. Returns the seconds it took."""
+    from inference_engine.engine.requests import GenerateParams, SamplingParams
+
+    t = time.perf_counter()
+    kv = engine.new_session_kv()
+    history = list(range(10, 10 + tokens))
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=1)):
+        for _ in engine.generate(kv, history, GenerateParams(max_tokens=2, sampling=sampling)):
+            pass
+    return time.perf_counter() - t

@@ -404,6 +404,10 @@ class SessionFiles:
         # one segment: its views as they are (the cache copies them into its tables)
         return {k: v[0] if len(v) == 1 else torch.cat(v, dim=axis_of[k]) for k, v in parts.items()}
 
+    def prepare_loads(self) -> None:
+        """Build what every load needs first (the session template), e.g. at daemon start."""
+        self._template()
+
     def _template(self):
         """(hidden_keep, row axes, payload name -> (shape, dtype)) of this engine's fresh session
         state; built once (making a cache allocates its slabs: not something to do per load)."""

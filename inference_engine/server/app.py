@@ -174,7 +174,19 @@ def build_runtime(cfg: ServeConfig, model=None) -> Runtime:
     engine = mt.call(lambda: build_engine(cfg, model if model is not None else _load_model(cfg)))
     engine.batcher.model_thread = mt
     persister = mt.call(lambda: build_persister(cfg, engine))
+    mt.call(lambda: warm(engine, persister))
     return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl, persister=persister)
+
+
+def warm(engine, persister) -> None:
+    """One-time costs paid before the daemon says READY, not on a client's first turn: a scratch
+    forward of each step kind (engine/tuning.py warm_up) and the persister's session template
+    (what a load after a restart builds first)."""
+    from inference_engine.engine.tuning import warm_up
+
+    log.info("warm-up forward: %.2f s", warm_up(engine))
+    if persister is not None:
+        persister.prepare_loads()
 
 
 def build_persister(cfg: ServeConfig, engine):
