@@ -201,7 +201,7 @@ class PagedCache(SinkWindowCache):
         p, m = self.page_size, self.recall_pages
         cols = plan["cols"]
         vis = self._row_visible(plan, w, q.dtype)
-        row_cols = self._row_columns(plan, layout, w)
+        row_cols = None if _FLASH is not None else self._row_columns(plan, layout, w)  # the concatenating fallback only
         table = None
         fetch = attend = 0.0
         out = []

@@ -281,3 +281,18 @@ def test_merged_two_part_attention_equals_one_call(monkeypatch):
     monkeypatch.setattr(paged_module, "_FLASH", None)
     one_call = feed(m, new_cache(m, paged()), history, 32)
     torch.testing.assert_close(merged, one_call, rtol=1e-5, atol=1e-5)
+
+
+@needs_row_exact
+@pytest.mark.parametrize("pages", [2, 100])  # some pages chosen (gathered rows) / every page (the table's views)
+def test_row_exact_two_part_attention_equals_the_concatenated_call(monkeypatch, pages):
+    """Row-exact steps attend the recalled rows and the resident slab in two flash calls merged by
+    log-sum-exp; without torch's flash kernel they concatenate the rows into one call. Same logits."""
+    from inference_engine.kv import paged as paged_module
+
+    m = model()
+    history = ids(110)
+    two_part = feed(m, new_cache(m, paged(pages=pages)), history, 3, row_exact=True)
+    monkeypatch.setattr(paged_module, "_FLASH", None)
+    one_call = feed(m, new_cache(m, paged(pages=pages)), history, 3, row_exact=True)
+    torch.testing.assert_close(two_part, one_call, rtol=1e-5, atol=1e-5)
