@@ -93,7 +93,10 @@ class RowQuant:
         c = codes.shape[1]
         if m > _INT_QUERIES:
             qq = q.reshape(b, g * m, d)
-            raw = sum(torch.bmm(qq[..., dims], ints.float().transpose(1, 2)) for ints, dims in halves)
+            (ints, dims), *rest = halves
+            raw = torch.bmm(qq[..., dims], ints.float().transpose(1, 2))
+            for ints, dims in rest:  # accumulated inside the matmul: no pass over the (B, G * M, C) scores
+                raw.baddbmm_(qq[..., dims], ints.float().transpose(1, 2))
             return raw.view(b, g, m, c).amax(1).mul_(scale.transpose(1, 2))  # float * float16 scales: float
         limbs, s = query_limbs(q)  # (B, 3 * G * M, D) int8, (B, M, 1) float
         parts = [limbs[..., dims].contiguous() for _, dims in halves]
