@@ -17,3 +17,14 @@ def pytest_runtest_makereport(item, call):
     if os.environ.get("CI") and rep.skipped and item.get_closest_marker("model") is not None and not hasattr(rep, "wasxfail"):
         rep.outcome = "failed"
         rep.longrepr = f"CI is set: the real-model test {item.nodeid} was skipped ({rep.longrepr[-1] if isinstance(rep.longrepr, tuple) else rep.longrepr})"
+
+
+# Daemons the suite starts (in-process and as subprocesses) persist sessions under a directory of
+# their own, never the machine's $KAKEYA_HOME/state (a daemon running there holds its lock).
+if "KAKEYA_STATE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["KAKEYA_STATE_DIR"] = tempfile.mkdtemp(prefix="kakeya-test-state-")
+    atexit.register(shutil.rmtree, os.environ["KAKEYA_STATE_DIR"], True)

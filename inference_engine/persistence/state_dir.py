@@ -43,7 +43,10 @@ class StateFileError(Exception):
 
 
 def default_state_dir() -> Path:
-    return kakeya_home() / "state"
+    """$KAKEYA_STATE_DIR when set (sessions elsewhere than the models, e.g. a test suite's own
+    directory), else $KAKEYA_HOME/state."""
+    env = os.environ.get("KAKEYA_STATE_DIR")
+    return Path(env).expanduser() if env else kakeya_home() / "state"
 
 
 def is_session_id(session_id: str) -> bool:

@@ -56,7 +56,7 @@ def _add_serve(sub) -> None:
                         "(shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir)")
     p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used only by --research-restore-from drafter)")
     p.add_argument("--state-dir", default=None,
-                   help="where sessions are persisted (default: $KAKEYA_HOME/state); see docs/persistence.md")
+                   help="where sessions are persisted (default: $KAKEYA_STATE_DIR, else $KAKEYA_HOME/state); see docs/persistence.md")
     p.add_argument("--persist", default=d.persist, choices=("off", "turn"),
                    help="turn: save each session after every turn, spill evicted sessions to disk and resume them after a "
                         "restart or crash; off: sessions live in memory only")

@@ -52,7 +52,7 @@ class ServeConfig:
     max_workers: int = 16
     drafter: str | None = None  # "ngram" (prompt lookup), a shipped drafter name or checkpoint dir; enables speculation
     spec_k: int = 4
-    state_dir: str | None = None  # persisted sessions; None = $KAKEYA_HOME/state
+    state_dir: str | None = None  # persisted sessions; None = $KAKEYA_STATE_DIR, else $KAKEYA_HOME/state
     persist: str = "turn"  # turn: save each session after every turn (spill, resume) | off: memory only
     research: ResearchOptions = field(default_factory=ResearchOptions)
 

@@ -174,6 +174,28 @@ class Agent(threading.Thread):
                 "session_id": self.session_id, "lost": self.lost, "resumed_after_kill": self.resumed_after_kill,
                 "history_seen": self.history_seen, "warmup_s": self.warmup_s, "resume_checks": list(self.resume_checks)}
 
+    def check_resumed(self, s, cause: str, wait_s: float = 300.0) -> bool:
+        """After an outage: does the session answer, with at least the history its client confirmed?
+        Recorded in resume_checks; False when it is gone (then the agent is lost)."""
+        from kakeya.errors import FailedPreconditionError, SessionNotFoundError, UnavailableError
+
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                n = len(s.history())
+                break
+            except UnavailableError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.5)
+            except (SessionNotFoundError, FailedPreconditionError) as e:
+                self.lost = True
+                self.errors.append({"t": self.clock.now(), "kind": "not_found", "detail": str(e)[:300]})
+                return False
+        self.resume_checks.append({"t": self.clock.now(), "after": cause, "history": n, "client_saw": self.history_seen})
+        self.history_seen = n
+        return True
+
     def chunk(self, n: int) -> list[int]:
         start = self.rng.randrange(0, len(self.ids) - n)
         return self.ids[start:start + n]
@@ -185,13 +207,14 @@ class Agent(threading.Thread):
         if self.lost:
             return
         client = kakeya.Client(self.target)
-        down_since, cause = None, "sigkill"
+        down_since = None
         if self.session_id is None:
             s = client.create_session(self.chunk(self.args.initial_tokens), ignore_eos=True)
             self.session_id = s.id
         else:  # a new leg: the machine stopped, the daemon was started again on the same state directory
             s = client.session(self.session_id)
-            down_since, cause = time.perf_counter(), "machine_stop"
+            if not self.check_resumed(s, "machine_stop"):  # first, whatever run time is left
+                return
         while self.clock.now() < self.end:
             if self.warmup_s is None:  # warm-up, not a turn: the initial prefill (the "system prompt")
                 t0 = time.perf_counter()
@@ -214,13 +237,10 @@ class Agent(threading.Thread):
             t0 = time.perf_counter()
             try:
                 if down_since is not None:  # first call after an outage: does the session still exist, and all of it?
-                    n = len(s.history())
-                    self.resume_checks.append({"t": self.clock.now(), "after": cause, "history": n,
-                                               "client_saw": self.history_seen})
-                    if cause == "sigkill":
-                        self.resumed_after_kill = time.perf_counter() - down_since
-                    self.history_seen = n
-                    down_since, cause = None, "sigkill"
+                    if not self.check_resumed(s, "sigkill"):
+                        return
+                    self.resumed_after_kill = time.perf_counter() - down_since
+                    down_since = None
                 length = s.append(self.chunk(n_app))
                 res = s.generate_all(n_gen)
             except UnavailableError as e:
@@ -315,7 +335,7 @@ def long_run(args, ids, work: str, ckpt: dict) -> dict:
 
     last_ckpt = time.time()
     while clock.now() < duration or any(a.is_alive() for a in agents):
-        if kill is None and clock.now() >= duration / 2:
+        if kill is None and clock.now() >= duration * args.kill_at:
             counters[-1] = keep(daemon.metrics()) or counters[-1]
             daemon.kill9()
             kill = {"killed_at_s": clock.now()}
@@ -613,12 +633,14 @@ def main() -> int:
                     help="go on with the run whose processes died (a machine stop) from WORK_DIR's checkpoint, "
                          "with that run's settings; the stopped time is not counted as run time")
     ap.add_argument("--checkpoint-seconds", type=float, default=30.0)
+    ap.add_argument("--kill-at", type=float, default=0.5, help="the daemon's SIGKILL, as a fraction of the run time")
     args = ap.parse_args()
     ckpt: dict = {}
     if args.resume:
         with open(os.path.join(args.resume, CHECKPOINT)) as f:
             ckpt = json.load(f)
-        args = argparse.Namespace(**{**ckpt["config"], "work_dir": args.resume, "resume": args.resume})
+        # the run's settings; options added since the checkpoint was written take their defaults
+        args = argparse.Namespace(**{**vars(ap.parse_args([])), **ckpt["config"], "work_dir": args.resume, "resume": args.resume})
     if args.ttft_only:
         args.skip_long_run = True
     if args.out is None:

@@ -287,6 +287,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     base = ServeConfig(bind="127.0.0.1:0", model=args.model, threads=args.threads, capacity=2, prefill_chunk=args.prefill_chunk,
+                       persist="off",  # research sessions: nothing to keep, and the user's state directory stays free
                        device=args.device)
     arm_seconds = {a: float(s) for a, s in (x.split("=") for x in args.arm_seconds.split(",") if x)}
     skip = set(x for x in args.skip.split(",") if x)

@@ -20,9 +20,9 @@ BENCH = [sys.executable, "scripts/bench_agentic/bench_session_long_run.py"]
 def test_short_long_run_survives_sigkill_and_machine_stop(tmp_path):
     require_smollm2()
     out, work = tmp_path / "long_run.json", tmp_path / "work"
-    cmd = [*BENCH, "--minutes", "1.2", "--sessions", "2", "--threads", "1", "--initial-tokens", "300",
+    cmd = [*BENCH, "--minutes", "1.5", "--sessions", "2", "--threads", "1", "--initial-tokens", "300",
            "--ttft-history", "300", "--ttft-strategies", "sink_window", "--reloads", "1", "--ttft-threads", "1",
-           "--skip-llama-cpp", "--checkpoint-seconds", "3", "--work-dir", str(work), "--out", str(out)]
+           "--skip-llama-cpp", "--checkpoint-seconds", "3", "--kill-at", "0.25", "--work-dir", str(work), "--out", str(out)]
     # leg 1: killed with its daemon (one process group, as a machine stop takes them) once it has checkpointed
     # the mid-run SIGKILL and a few seconds after it
     leg1 = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
