@@ -54,3 +54,13 @@ def test_list_rm_gc(tmp_path, capsys):
     assert not StateDir(tmp_path).has(b)
     assert main(["sessions", "--state-dir", str(tmp_path), "list"]) == 0
     assert "no persisted sessions" in capsys.readouterr().out
+
+
+def test_kakeya_state_dir_overrides_the_default_state_directory(monkeypatch, tmp_path):
+    from inference_engine.persistence.state_dir import StateDir, default_state_dir
+
+    monkeypatch.setenv("KAKEYA_STATE_DIR", str(tmp_path / "elsewhere"))
+    assert default_state_dir() == tmp_path / "elsewhere" and StateDir().root == tmp_path / "elsewhere"
+    monkeypatch.delenv("KAKEYA_STATE_DIR")
+    monkeypatch.setenv("KAKEYA_HOME", str(tmp_path / "home"))
+    assert default_state_dir() == tmp_path / "home" / "state"
