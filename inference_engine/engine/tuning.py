@@ -49,7 +49,6 @@ def fastest_thread_count(model, candidates: list[int] | None = None, timed_steps
     return best, timings
 
 
-
 def warm_up(engine, tokens: int = 16) -> float:
     """Generate on a scratch session of the engine's own strategy, through `Engine.generate` as a
     client's turn does (a prefill chunk of `tokens`, greedy decode steps, then a sampled one), and

@@ -174,6 +174,12 @@ class Agent(threading.Thread):
                 "session_id": self.session_id, "lost": self.lost, "resumed_after_kill": self.resumed_after_kill,
                 "history_seen": self.history_seen, "warmup_s": self.warmup_s, "resume_checks": list(self.resume_checks)}
 
+    def gone(self, e: Exception) -> bool:
+        """The session no longer exists (NOT_FOUND / FAILED_PRECONDITION): the agent is lost. False."""
+        self.lost = True
+        self.errors.append({"t": self.clock.now(), "kind": "not_found", "detail": str(e)[:300]})
+        return False
+
     def check_resumed(self, s, cause: str, wait_s: float = 300.0) -> bool:
         """After an outage: does the session answer, with at least the history its client confirmed?
         Recorded in resume_checks; False when it is gone (then the agent is lost)."""
@@ -189,9 +195,7 @@ class Agent(threading.Thread):
                     raise
                 time.sleep(0.5)
             except (SessionNotFoundError, FailedPreconditionError) as e:
-                self.lost = True
-                self.errors.append({"t": self.clock.now(), "kind": "not_found", "detail": str(e)[:300]})
-                return False
+                return self.gone(e)
         self.resume_checks.append({"t": self.clock.now(), "after": cause, "history": n, "client_saw": self.history_seen})
         self.history_seen = n
         return True
@@ -225,9 +229,7 @@ class Agent(threading.Thread):
                     time.sleep(0.5)
                     continue
                 except (SessionNotFoundError, FailedPreconditionError) as e:
-                    self.lost = True
-                    self.errors.append({"t": self.clock.now(), "kind": "not_found", "detail": str(e)[:300]})
-                    return
+                    return self.gone(e)
                 self.warmup_s = time.perf_counter() - t0
                 down_since = None
                 continue
@@ -249,9 +251,7 @@ class Agent(threading.Thread):
                 time.sleep(0.5)
                 continue
             except (SessionNotFoundError, FailedPreconditionError) as e:
-                self.lost = True
-                self.errors.append({"t": self.clock.now(), "kind": "not_found", "detail": str(e)[:300]})
-                return
+                return self.gone(e)
             except KakeyaError as e:
                 self.errors.append({"t": self.clock.now(), "kind": type(e).__name__, "detail": str(e)[:300]})
                 time.sleep(0.5)
