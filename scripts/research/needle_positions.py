@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import sys
 import types
 
@@ -33,6 +34,12 @@ def key_positions(tok, ids: list, key: str) -> list:
     """Token positions where the key's token ids start (the needle states each key twice)."""
     kid = tok(" " + key, add_special_tokens=False)["input_ids"]
     return [j for j in range(len(ids) - len(kid) + 1) if ids[j:j + len(kid)] == kid]
+
+
+def first_number(answer: str) -> str | None:
+    """The first run of 5 or more digits in an answer (the key it gave), or None."""
+    m = re.search(r"\d{5,}", answer)
+    return m.group(0) if m else None
 
 
 def part_args(ladder: dict) -> dict:
@@ -84,8 +91,9 @@ def main() -> int:
                 continue
             rows = {r["sample"]: r for r in res["rungs"][rung]["rows"]}
             full_hit = {r["sample"]: r["hit"] for r in cell["rows"]}
+            full_number = {r["sample"]: first_number(r["answer"]) for r in cell["rows"]}
             tally = {"asked_resident": {"samples": 0, "hits": 0}, "asked_evicted": {"samples": 0, "hits": 0},
-                     "misses_where_full_hit": []}
+                     "same_number_as_full": 0, "misses_where_full_hit": []}
             for i, row in rows.items():
                 smp = samples[i]
                 window_start = smp["length"] - cfg["window"]  # the window of the last prompt token (the first answer token's query)
@@ -93,6 +101,7 @@ def main() -> int:
                 t = tally["asked_resident" if resident else "asked_evicted"]
                 t["samples"] += 1
                 t["hits"] += int(row["hit"])
+                tally["same_number_as_full"] += int(first_number(row["answer"]) == full_number.get(i) is not None)
                 if full_hit.get(i) and not row["hit"]:
                     answered = next((k for k in smp["needles"] if k in row["answer"]), None)
                     latest = max(smp["needles"], key=smp["needles"].get)
@@ -106,7 +115,7 @@ def main() -> int:
     write_json(pathlib.Path(args.out), run_metadata(vars(args)) | out)
     for rung, r in out["rungs"].items():
         for arm, t in r["arms"].items():
-            print(rung, arm, "resident", t["asked_resident"], "evicted", t["asked_evicted"],
+            print(rung, arm, "same number as full", t["same_number_as_full"], "resident", t["asked_resident"], "evicted", t["asked_evicted"],
                   "misses where full hit:", [(m["sample"], m["asked_resident"], m["answered_the_needle_nearest_the_question"])
                                              for m in t["misses_where_full_hit"]])
     return 0
