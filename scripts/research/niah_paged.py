@@ -9,7 +9,8 @@ are taken on the same machine under the same load (timings on a shared 2-core bo
 
 Per cell: hits, resident bytes (the hot slab), selection bytes (paged: compact keys), stored bytes
 (paged: page store), decode tok/s (median over samples), prefill seconds, and for paged the
-per-decode-step split (scoring, page fetch/decode, attention over the chosen keys; wall seconds).
+per-decode-step split (scoring, page fetch/decode, attention over the chosen keys; wall seconds),
+and per row the same split summed over the prefill (`prefill_split_s`).
 
     .venv/bin/python scripts/research/niah_paged.py --samples 4 --rungs 1000,2000,4000,7500
 """
@@ -106,7 +107,9 @@ def main() -> int:
                 prefill_s = time.perf_counter() - t0
                 cache = kv.cache
                 timings = getattr(cache, "timings", None)
-                if timings is not None:
+                prefill_split = None
+                if timings is not None:  # what the prefill's recall cost (scoring / fetch / attention), then reset for decode
+                    prefill_split = {k: round(timings[k], 3) for k in ("score_s", "fetch_s", "attend_s")}
                     for k in timings:
                         timings[k] = 0
                 toks, stamps = [], []
@@ -123,6 +126,8 @@ def main() -> int:
                        "resident_bytes": getattr(cache, "resident_nbytes", cache.store.nbytes),
                        "selection_bytes": getattr(cache, "selection_nbytes", 0),
                        "stored_bytes": getattr(cache, "stored_nbytes", 0)}
+                if prefill_split is not None:
+                    row["prefill_split_s"] = prefill_split
                 if timings is not None and steps > 0:
                     row["decode_step_split_s"] = {k: timings[k] / steps for k in ("score_s", "fetch_s", "attend_s")}
                     row["archived_positions"] = cache.pages.rows
