@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import pathlib
-import random
 import re
 import sys
 import types
@@ -78,20 +77,20 @@ def main() -> int:
         samples = {}
         for row in cell["rows"]:
             i = row["sample"]
-            s = nl.make_task_sample("multikey", tok, n, random.Random(nl.EVAL_SEED * 1000 + n * 100 + i + 1 * 10**7), gen)
+            s = nl.make_task_sample("multikey", tok, n, nl.sample_rng("multikey", n, i), gen)
             if s.key != row["key"]:
                 raise SystemExit(f"rung {n} sample {i}: rebuilt key {s.key} != ladder key {row['key']}")
             ids = s.single_turn_ids
             needles = {k: key_positions(tok, ids, k)[0] for k in (s.key,) + s.distractors}
             samples[i] = {"length": len(ids), "asked": s.key, "needles": needles}
+        full_hit = {r["sample"]: r["hit"] for r in cell["rows"]}
+        full_number = {r["sample"]: first_number(r["answer"]) for r in cell["rows"]}
         arms = {}
         for arm, res in ladder["arms"].items():
             cfg = res.get("config", {})
             if arm == "full" or rung not in res.get("rungs", {}) or "window" not in cfg:
                 continue
             rows = {r["sample"]: r for r in res["rungs"][rung]["rows"]}
-            full_hit = {r["sample"]: r["hit"] for r in cell["rows"]}
-            full_number = {r["sample"]: first_number(r["answer"]) for r in cell["rows"]}
             tally = {"asked_resident": {"samples": 0, "hits": 0}, "asked_evicted": {"samples": 0, "hits": 0},
                      "same_number_as_full": 0, "misses_where_full_hit": []}
             for i, row in rows.items():
@@ -103,7 +102,7 @@ def main() -> int:
                 t["hits"] += int(row["hit"])
                 tally["same_number_as_full"] += int(first_number(row["answer"]) == full_number.get(i) is not None)
                 if full_hit.get(i) and not row["hit"]:
-                    answered = next((k for k in smp["needles"] if k in row["answer"]), None)
+                    answered = first_number(row["answer"])  # a needle's key, or a number no needle holds
                     latest = max(smp["needles"], key=smp["needles"].get)
                     tally["misses_where_full_hit"].append({
                         "sample": i, "asked_position": smp["needles"][smp["asked"]], "window_start": window_start,

@@ -119,6 +119,12 @@ class Sample:
         return self.turns[0][0]
 
 
+def sample_rng(task: str, n_tokens: int, i: int, seed: int = EVAL_SEED) -> random.Random:
+    """The generator of sample i of a rung: every script that rebuilds a ladder sample draws it here
+    (passkey keeps its original seeds, so its sample i is the same in every part and script)."""
+    return random.Random(seed * 1000 + n_tokens * 100 + i + TASKS.index(task) * 10**7)
+
+
 def make_sample(tok, n_tokens: int, rng: random.Random):
     """Token ids of a passkey document of about n_tokens tokens, the key, and the needle depth.
 
@@ -294,10 +300,8 @@ def main() -> int:
     model = load_model(base)
     tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
     rungs = [int(r) for r in args.rungs.split(",")]
-    # passkey keeps its original seeds (sample i is the same as in earlier parts); the other tasks draw their own
-    task_seed = {"passkey": 0, "multikey": 1, "multiturn": 2}[args.task]
     seed = EVAL_SEED if args.sample_set == "eval" else DEV_SEED
-    samples = {n: [make_task_sample(args.task, tok, n, random.Random(seed * 1000 + n * 100 + i + task_seed * 10**7), args)
+    samples = {n: [make_task_sample(args.task, tok, n, sample_rng(args.task, n, i, seed), args)
                    for i in range(args.first_sample, args.first_sample + args.samples)] for n in rungs}
     results = {}
     # Metadata taken at the start (load average before the run); the JSON is rewritten after every cell,

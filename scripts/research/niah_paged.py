@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import random
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import ROOT, command_line, run_metadata, write_json  # noqa: E402
-from niah_ladder import EVAL_SEED, make_sample  # noqa: E402
+from niah_ladder import EVAL_SEED, make_sample, sample_rng  # noqa: E402
 
 OUT = ROOT / "results" / "research" / "paged_recall.json"
 
@@ -96,7 +95,7 @@ def main() -> int:
         return speed(args, engines, tok, rungs, meta, out)
     for n in rungs:
         count = per_rung.get(n, args.samples)
-        samples = [make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i)) for i in range(count)]
+        samples = [make_sample(tok, n, sample_rng("passkey", n, i)) for i in range(count)]
         rows = {a: [] for a in arms}
         for i, (ids, key, depth) in enumerate(samples):
             for a in arms:  # arms interleaved per sample: the same load for every arm's timings
@@ -150,7 +149,7 @@ def speed(args, engines: dict, tok, rungs: list, meta: dict, out: pathlib.Path) 
 
     res = {}
     for n in rungs:
-        ids, _, _ = make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100))
+        ids, _, _ = make_sample(tok, n, sample_rng("passkey", n, 0))
         kvs = {}
         for a, engine in engines.items():
             kvs[a] = engine.new_session_kv()

@@ -7,7 +7,6 @@ Writes results/research/pinned_positions.json.
 import argparse
 import dataclasses
 import pathlib
-import random
 import sys
 import time
 
@@ -17,7 +16,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "scripts" / "resear
 import torch  # noqa: E402
 
 from bench_common import run_metadata, write_json  # noqa: E402
-from niah_ladder import EVAL_NEEDLE, EVAL_SEED, make_sample  # noqa: E402
+from niah_ladder import EVAL_NEEDLE, make_sample, sample_rng  # noqa: E402
 
 
 def main() -> int:
@@ -42,7 +41,7 @@ def main() -> int:
     engine = build_runtime(cfg, model).engine
     rows = []
     for i in (int(x) for x in args.samples.split(",")):
-        ids, key, depth = make_sample(tok, args.rung, random.Random(EVAL_SEED * 1000 + args.rung * 100 + i))
+        ids, key, depth = make_sample(tok, args.rung, sample_rng("passkey", args.rung, i))
         needle = tok(EVAL_NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
         start = next(p for p in range(len(ids)) if ids[p:p + 3] == needle[3:6])  # the needle's " key is" run
         span = set(range(start - 4, start + len(needle)))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 
@@ -97,7 +96,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from niah_ladder import EVAL_SEED, make_sample
+    from niah_ladder import make_sample, sample_rng
 
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.model_store import resolve_model
@@ -124,7 +123,7 @@ def main() -> int:
         agg = {name: {"answer_exact": 0, "first_digit_exact": 0, "kl_answer": 0.0, "k_rel_mse": 0.0, "v_rel_mse": 0.0} for name in cfgs}
         rows = []
         for i in range(args.samples):
-            ids, key, depth = make_sample(tok, n, random.Random(EVAL_SEED * 1000 + n * 100 + i))  # the ladder's samples
+            ids, key, depth = make_sample(tok, n, sample_rng("passkey", n, i))  # the ladder's samples
             answer = tok(" " + key, add_special_tokens=False)["input_ids"]
             full = torch.tensor(ids + answer)
             tail_start = len(ids) - args.window  # evicted: [sink, tail_start)
