@@ -80,7 +80,12 @@ MLX_STRATEGIES = ("full", "sink_window", "paged")
 
 
 def check_backend_options(cfg: ServeConfig, model) -> None:
-    if getattr(model, "backend_name", "torch") != "mlx":
+    check_backend_flags(cfg, getattr(model, "backend_name", "torch"))
+
+
+def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
+    """The options `backend` cannot run (no model needed: start() checks them before loading one)."""
+    if backend != "mlx":
         return
     if cfg.kv_strategy not in MLX_STRATEGIES:
         raise ConfigError(f"--kv-strategy {cfg.kv_strategy} runs on --backend torch only; with --backend mlx use "
@@ -220,23 +225,84 @@ class RunningServer:
         self.grpc_server.wait_for_termination()
 
 
+# grpc's default SO_REUSEPORT lets a second daemon bind a port another one serves, and the kernel then
+# splits new connections between the two (clients reach the wrong daemon's sessions): with it off, a
+# bind to a port in use fails.
+GRPC_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def bind_grpc(server, bind: str) -> int:
+    """Bind `server` to `bind`; the bound port (the one picked for port 0). ConfigError when taken."""
+    try:
+        port = server.add_insecure_port(bind)
+    except RuntimeError:  # grpcio >= 1.60 raises where older ones returned 0
+        port = 0
+    if port == 0:
+        raise ConfigError(f"--bind {bind}: the address is already in use (is another kakeya daemon serving it?) or is "
+                          f"not an address of this machine; stop the other process or pass another --bind HOST:PORT")
+    return port
+
+
+def check_port_free(flag: str, host: str, port: int) -> None:
+    """Refuse early a side port (--http-port, --metrics-port) that something already listens on."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind it: TIME_WAIT is no conflict
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror}); free it or pass another port") from e
+
+
+def check_before_loading(cfg: ServeConfig) -> None:
+    """The refusals that need no model, made before the seconds (or minutes) a model load costs:
+    flags, the side ports, and the state directory's lock (a check: the persister built after the
+    load takes the lock for good)."""
+    host, _ = split_bind(cfg.bind)
+    if cfg.backend not in ("torch", "mlx"):
+        raise ConfigError(f"--backend must be torch or mlx, got {cfg.backend!r}")
+    check_backend_flags(cfg, cfg.backend)
+    if cfg.persist not in ("off", "turn"):
+        raise ConfigError(f"--persist must be 'off' or 'turn', got {cfg.persist!r}")
+    for flag, port in (("--http-port", cfg.http_port), ("--metrics-port", cfg.metrics_port)):
+        if port:
+            check_port_free(flag, host or "127.0.0.1", port)
+    if cfg.persist == "turn":
+        from inference_engine.persistence.state_dir import StateDir
+
+        state_dir = StateDir(cfg.state_dir)
+        try:
+            state_dir.create().lock().close()
+        except OSError as e:
+            raise ConfigError(f"--state-dir {state_dir.root}: {e}") from e
+
+
 def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
+    """Serve `runtime` (built from `cfg` when not given: then every check that needs no model, and
+    the port's bind, come before the model loads)."""
     check_exposure(cfg)
-    runtime = runtime or build_runtime(cfg)
+    if runtime is None:
+        check_before_loading(cfg)
+    interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors,
+                         options=GRPC_SERVER_OPTIONS)
+    port = bind_grpc(server, cfg.bind)  # held from here on: a second daemon on this port is refused at once
+    try:
+        runtime = runtime or build_runtime(cfg)
+    except BaseException:
+        server.stop(None)
+        raise
     if runtime.model_info.backend == "torch" and runtime.engine.batcher.model_thread is not None:
         from inference_engine.engine.model_thread import isolate_other_threads
 
         isolate_other_threads()  # RPC threads run their small torch ops inline: one OpenMP pool in the process
-    interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors)
     add_runtime_service(RuntimeServicer(runtime), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = (pb.DESCRIPTOR.services_by_name["RuntimeService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(service_names, server)
-    port = server.add_insecure_port(cfg.bind)
-    if port == 0:
-        raise ConfigError(f"could not bind {cfg.bind}")
     stoppers = []
     try:  # side servers first: if one fails, nothing is left running
         if cfg.http_port:
@@ -250,6 +316,7 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     except BaseException:
         for stop in stoppers:
             stop()
+        server.stop(None)  # and the port goes back
         raise
     server.start()
     for name in ("", service_names[0]):

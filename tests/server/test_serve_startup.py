@@ -1,0 +1,82 @@
+"""Refusals at start: a port another daemon serves, a state directory in use and side ports taken are
+refused with a message naming them, before any model loads (issue 30, items 1 and 5)."""
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import kakeya
+from factories import make_engine, start_server, tiny_model_dir
+from inference_engine.persistence.state_dir import StateDir
+from inference_engine.server.app import ConfigError, ServeConfig, start
+from inference_engine.server.runtime import Runtime
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MISSING_MODEL = "/nonexistent/kakeya-model"  # a load would fail on it: a refusal naming something else came first
+
+
+def _serve(*argv, timeout=120):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "inference_engine.server.cli", "serve", "--threads", "1", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def first():
+    """The daemon already serving a port."""
+    srv = start_server(make_engine("llama", "sink_window", 4, 32, prefill_chunk=16))
+    yield srv
+    srv.stop()
+
+
+def test_a_second_server_on_a_port_in_use_is_refused(first):
+    engine = first.runtime.engine
+    cfg = ServeConfig(bind=f"127.0.0.1:{first.port}", model=str(tiny_model_dir("llama")), persist="off")
+    with pytest.raises(ConfigError, match=rf"--bind 127.0.0.1:{first.port}: the address is already in use"):
+        second = start(cfg, Runtime(engine))
+        second.stop()  # (today's bug: it served too)
+    with kakeya.Client(f"127.0.0.1:{first.port}") as c, c.create_session([5, 6, 7]) as s:
+        for _ in range(20):  # every new connection reaches the one daemon that holds the session
+            with kakeya.Client(f"127.0.0.1:{first.port}") as other:
+                assert other.session(s.id).info().history_length == 3
+
+
+def test_kakeya_serve_on_a_port_in_use_exits_before_loading_the_model(first):
+    r = _serve("--bind", f"127.0.0.1:{first.port}", "--model", MISSING_MODEL, "--persist", "off")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"--bind 127.0.0.1:{first.port}: the address is already in use" in r.stderr
+    assert "READY" not in r.stdout
+
+
+def test_a_state_dir_in_use_is_refused_before_loading_the_model(tmp_path):
+    held = StateDir(tmp_path).create().lock()  # another daemon's lock
+    try:
+        r = _serve("--bind", "127.0.0.1:0", "--model", MISSING_MODEL, "--state-dir", str(tmp_path))
+    finally:
+        held.close()
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "another kakeya daemon is using the state directory" in r.stderr and MISSING_MODEL not in r.stderr
+
+
+def test_a_side_port_in_use_is_refused_before_loading_the_model(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag in ("--metrics-port", "--http-port"):
+            r = _serve("--bind", "127.0.0.1:0", "--model", MISSING_MODEL, "--persist", "off", flag, str(port))
+            assert r.returncode == 2 and f"{flag} {port}: cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr[-2000:]
+
+
+def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
+    cfg = ServeConfig(bind="127.0.0.1:0", model=MISSING_MODEL, persist="sometimes", state_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="--persist must be 'off' or 'turn'"):
+        start(cfg)
+    cfg = ServeConfig(bind="127.0.0.1:0", model=MISSING_MODEL, backend="mlx", kv_strategy="dlm_restore", persist="off")
+    with pytest.raises(ConfigError, match="runs on --backend torch only"):
+        start(cfg)
