@@ -58,6 +58,11 @@ class Backend(Protocol):
         """Attention over what the cache returned for a layout; `restored` = (raw k, raw v, rope,
         logit_bias or None) of a dlm_restore step's evicted positions, prepended as extra keys."""
 
+    def step_runner(self, rows: int) -> Any:
+        """A runner of a step's dense pieces (everything but attention) for `rows` rows as captured
+        graphs (backends/torch/graphs.py: start(ids, rope), advance(layer, o)), or None: the engine
+        calls embed_ids / project / position_* / finish / final_norm one by one."""
+
     def finish(self, layer: int, x, o) -> Any:
         """Attention output o -> residual stream after the output projection and the MLP."""
 

@@ -99,32 +99,47 @@ class _Item:
 def _forward_items(backend, items: list) -> list:
     if len(items) == 1:  # the common case: no concatenation, the tensors as they are
         it = items[0]
-        x, rope, bounds = backend.embed_ids(it.inp.ids), backend.rope(it.layout.positions), None
+        ids, rope, bounds = it.inp.ids, backend.rope(it.layout.positions), None
     else:
-        x = backend.embed_ids(backend.cat([it.inp.ids for it in items], 0))
+        ids = backend.cat([it.inp.ids for it in items], 0)
         rope = backend.rope(backend.cat([it.layout.positions for it in items], 0))
         ends = list(itertools.accumulate(it.t for it in items))
         bounds = list(zip([0, *ends[:-1]], ends))
     want = {i for it in items for i in it.inp.capture}
     kept = {}
-    for i in range(backend.spec.num_layers):
-        q, k, v = backend.project(i, x)
-        q, q_normed = backend.position_q(i, q, rope)
-        k = backend.position_k(i, k, rope)
+    # the dense work between attentions as captured graphs (backends/torch/graphs.py), if the backend has them
+    runner = backend.step_runner(sum(it.t for it in items)) if all(it.step is None for it in items) else None
+    if runner is not None:  # it embeds inside its first graph
+        q, q_normed, k, v = runner.start(ids, rope)
+    else:
+        x = backend.embed_ids(ids)
+    n = backend.spec.num_layers
+    for i in range(n):
+        if runner is None:
+            q, k, v = backend.project(i, x)
+            q, q_normed = backend.position_q(i, q, rope)
+            k = backend.position_k(i, k, rope)
         if bounds is None:
             o = items[0].attend(backend, i, q, q_normed, k, v)
         else:
             o = backend.cat([it.attend(backend, i, q[:, a:b], q_normed[:, a:b], k[:, a:b], v[:, a:b])
                              for it, (a, b) in zip(items, bounds)], 1)
-        x = backend.finish(i, x, o)
+        if runner is None:
+            x = backend.finish(i, x, o)
+        elif i + 1 < n:
+            x, (q, q_normed, k, v) = runner.advance(i, o)
+        else:
+            x, hidden = runner.advance(i, o)
+            hidden = hidden.clone()  # the runner's buffers are overwritten by its next step; drafters keep this
         if i in want:
             kept[i] = x
-        del q, k, v, o
+        del o
     if want:
         for it, (a, b) in zip(items, bounds or [(0, items[0].t)]):
             if it.inp.capture:
                 it.inp.captured = backend.cat([kept[i][a:b] for i in it.inp.capture], -1)
-    hidden = backend.final_norm(x)
+    if runner is None:
+        hidden = backend.final_norm(x)
     if bounds is None:
         return [_logits(backend, items[0].inp, hidden)]
     return [_logits(backend, it.inp, hidden[a:b]) for it, (a, b) in zip(items, bounds)]

@@ -25,13 +25,13 @@ session holds for attention every step; the page store is a cheaper tier.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from inference_engine.backends.torch.attention import attend_merged, attend_row_two_part
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry, SinkShift
 from inference_engine.kv.paged_store import RowTable, make_row_codec
@@ -121,20 +121,7 @@ class PagedCache(SinkWindowCache):
             if missing:
                 raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
             cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
-        return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols,
-                "row_cols": {}}
-
-    def _row_columns(self, plan, layout, w) -> list:
-        """Per query row, its visible resident columns in slot order: a few [start, end) runs (read as
-        slices, no copy) or an index; made once a step per window, shared by the layers."""
-        if w not in plan["row_cols"]:
-            out = []
-            for r in layout.host_masks[w]:
-                edges = np.flatnonzero(np.diff(np.concatenate([[False], r, [False]]).astype(np.int8)))
-                runs = list(zip(edges[0::2].tolist(), edges[1::2].tolist()))  # [start, end) of each visible run
-                out.append(runs if len(runs) <= 4 else torch.from_numpy(np.flatnonzero(r)).to(self.store.device))
-            plan["row_cols"][w] = out
-        return plan["row_cols"][w]
+        return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols}
 
     @torch.inference_mode()
     def attend_with_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
@@ -161,28 +148,18 @@ class PagedCache(SinkWindowCache):
         idx, ok = self._choose_pages(layer, q, k_all, plan, w)  # (Hkv, T, M) page indices
         c = plan["c"]
         t1 = time.perf_counter()
-        hkv, t = idx.shape[0], idx.shape[1]
-        h = q.shape[0]
-        g = h // hkv
+        t = idx.shape[1]
         if getattr(layout, "row_exact", False):
             return self._attend_rows(layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1)
         sel = self._selection(idx, ok, allowed, c)  # (Hkv, T, C)
-        jobs = []
         rows, valid = _rows_per_head(sel.any(1))  # per head: keys any of the step's queries chose
         kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
         mask_r = sel.gather(2, rows[:, None].expand(-1, t, -1)) & valid[:, None]  # (Hkv, T, E)
         t2 = time.perf_counter()
-        if _FLASH is not None:  # a step of many queries: two-part attention, resident part on the 2-D mask
-            o = _attend_merged(q, k_all, v_all, layout.masks[w], kr, vr, mask_r, scale)
-            self._time(t0, t1, t2)
-            return o
-        mask = torch.cat([mask_r.repeat_interleave(g, 0), layout.masks[w][None].expand(h, -1, -1)], 2)  # (H, T, E + N)
-        jobs.append((q, torch.cat([kr, k_all], 1), torch.cat([vr, v_all], 1), mask))
-        t2 = time.perf_counter()
-        o = [F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mm, scale=scale, enable_gqa=True)[0]
-             for qq, kk, vv, mm in jobs]
+        # a step of many queries: two-part attention (the backend's kernels), resident part on the 2-D mask
+        o = attend_merged(q, k_all, v_all, layout.masks[w], kr, vr, mask_r, scale)
         self._time(t0, t1, t2)
-        return o[0]
+        return o
 
     def _attend_rows(self, layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1):
         """Row-exact attention: row j attends, in one call for all heads (each KV head's query heads
@@ -201,7 +178,6 @@ class PagedCache(SinkWindowCache):
         p, m = self.page_size, self.recall_pages
         cols = plan["cols"]
         vis = self._row_visible(plan, w, q.dtype)
-        row_cols = None if _FLASH is not None else self._row_columns(plan, layout, w)  # the concatenating fallback only
         table = None
         fetch = attend = 0.0
         out = []
@@ -231,25 +207,9 @@ class PagedCache(SinkWindowCache):
                     kr, vr = self._rows_kv(layer, rows.clamp(max=plan["c"] - 1), k_all, v_all, cols)
                 if vis["masked"][j]:
                     bias = vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
-            if _FLASH is not None:  # two calls merged by log-sum-exp: no copy of the resident slab
-                tb = time.perf_counter()
-                out.append(_attend_row_two_part(qj, kr, vr, bias, k_all, v_all, self._resident_bias(plan, layout, w, q.dtype)[j],
-                                                scale).view(hkv * g, 1, d))
-                fetch += tb - ta
-                attend += time.perf_counter() - tb
-                continue
-            rc = row_cols[j]
-            if isinstance(rc, list):
-                kc, vc = [k_all[:, a:b] for a, b in rc], [v_all[:, a:b] for a, b in rc]
-            else:
-                kc, vc = [k_all.index_select(1, rc)], [v_all.index_select(1, rc)]
-            kk = torch.cat(kc if kr is None else [kr, *kc], 1)
-            vv = torch.cat(vc if vr is None else [vr, *vc], 1)
-            if bias is not None:
-                bias = F.pad(bias, (0, kk.shape[1] - bias.shape[3]), value=0.0)  # (1, Hkv or 1, 1, E + n)
-            tb = time.perf_counter()
-            o = F.scaled_dot_product_attention(qj, kk[None], vv[None], attn_mask=bias, scale=scale)
-            out.append(o.view(hkv * g, 1, d))
+            tb = time.perf_counter()  # two calls merged by log-sum-exp: no copy of the resident slab
+            out.append(attend_row_two_part(qj, kr, vr, bias, k_all, v_all, self._resident_bias(plan, layout, w, q.dtype)[j],
+                                           scale).view(hkv * g, 1, d))
             fetch += tb - ta
             attend += time.perf_counter() - tb
         self._time(t0, t1, t1 + fetch, t1 + fetch + attend)
@@ -433,52 +393,3 @@ def _rows_per_head(need: torch.Tensor):
     order = torch.sort((~need).to(torch.int8), dim=1, stable=True).indices[:, :e]  # chosen first, in order
     valid = torch.arange(e, device=need.device)[None] < counts[:, None]
     return torch.where(valid, order, 0), valid
-
-
-# torch's CPU flash kernel, which also returns each row's log-sum-exp: two attention parts can
-# then be merged exactly. Private API; without it, steps attend through one call with a per-head
-# mask (correct, several times slower for long prefill chunks).
-_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
-
-
-def _flash(q, k, v, mask, scale):
-    """q (1, H, T, D), k/v (1, H, N, D), mask (T, N) bool -> out (1, H, T, D), lse (1, H, T); rows with
-    no visible key get lse = -inf (the kernel reports 0)."""
-    ninf = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=ninf, scale=scale)
-    return out, lse.masked_fill(~mask.any(-1), float("-inf"))
-
-
-def _attend_row_two_part(qj, kr, vr, bias_r, k_all, v_all, bias_w, scale):
-    """One query row, qj (1, Hkv, G, D) (a KV head's query heads as its rows): attention over its
-    recalled rows kr, vr (Hkv, E, D) (bias_r: None or (1, Hkv or 1, 1, E)) and over the resident slab
-    k_all, v_all (Hkv, N, D) under bias_w (N,), merged by log-sum-exp; kr None: the slab alone (the
-    row always sees its own key, so the resident part is never empty, and a row with recalled rows
-    sees at least one of them)."""
-    ow, lw = _FLASH(qj, k_all[None], v_all[None], 0.0, False, attn_mask=bias_w[None], scale=scale)
-    if kr is None:
-        return ow
-    orr, lr = _FLASH(qj, kr[None], vr[None], 0.0, False, attn_mask=bias_r, scale=scale)
-    lse = torch.logaddexp(lw, lr)
-    return ow * (lw - lse).exp_()[..., None] + orr * (lr - lse).exp_()[..., None]
-
-
-def _attend_merged(q, k_all, v_all, mask_w, kr, vr, mask_r, scale):
-    """softmax attention of q (H, T, D) over [resident keys (mask_w (T, N), shared by every head) +
-    recalled keys kr, vr (Hkv, E, D) (mask_r (Hkv, T, E), per KV head)], as the log-sum-exp merge of
-    one resident call and one recalled call per KV head; each call has a 2-D mask."""
-    h, t, d = q.shape
-    hkv = k_all.shape[0]
-    g = h // hkv
-    ow, lw = _flash(q[None], k_all.repeat_interleave(g, 0)[None], v_all.repeat_interleave(g, 0)[None], mask_w, scale)
-    outs, lses = [], []
-    for j in range(hkv):
-        kj = kr[j:j + 1].expand(g, -1, -1)[None]
-        vj = vr[j:j + 1].expand(g, -1, -1)[None]
-        o, lse = _flash(q[j * g:(j + 1) * g][None], kj.contiguous(), vj.contiguous(), mask_r[j], scale)
-        outs.append(o)
-        lses.append(lse)
-    orr, lr = torch.cat(outs, 1), torch.cat(lses, 1)  # (1, H, T, D), (1, H, T)
-    lse = torch.logaddexp(lw, lr)
-    wr = torch.exp(lr - lse).nan_to_num(0.0)  # no recalled key: weight 0
-    return (ow * (1 - wr)[..., None] + orr * wr[..., None])[0]

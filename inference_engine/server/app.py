@@ -54,7 +54,12 @@ def _load_model(cfg: ServeConfig):
 
     weights = cfg.weights if cfg.weights != "auto" else ("int4" if cfg.device == "cpu" else "fp32")
     try:
-        return TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device, weights=weights)
+        model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device, weights=weights)
+        if model.use_step_graphs(cfg.compile):
+            t = model.graphs.prepare((1,))  # the batch-1 decode step now; other row counts on first use
+            log.info("--compile %s: the step's dense work runs as CUDA graphs (buckets of %s rows, captured on first "
+                     "use; batch 1 captured at start in %.2f s)", cfg.compile, "/".join(map(str, model.graphs.buckets)), t)
+        return model
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

@@ -40,6 +40,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--http-port", type=int, default=d.http_port, help="deprecated OpenAI-style HTTP shim port (0 = off)")
     p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="require 'authorization: Bearer KEY' (env KAKEYA_API_KEY)")
     p.add_argument("--device", default=d.device, help="torch device: cpu or cuda")
+    p.add_argument("--compile", default=d.compile, choices=("off", "auto", "on"),
+                   help="the step's dense work (everything but attention) as captured CUDA graphs, attention eager: "
+                        "auto = on with --device cuda (measured faster: scripts/gpu_check.py), off on the CPU; on = CUDA only")
     p.add_argument("--backend", default=d.backend, choices=("torch", "mlx"),
                    help="model backend: torch, or mlx (Apple's framework: Metal on Apple Silicon, CPU elsewhere; needs "
                         "pip install 'kakeya-runtime[mlx]'; strategies full, sink_window and paged (identity pages); see docs/mlx.md)")
@@ -115,6 +118,7 @@ def serve_config(args) -> ServeConfig:
         http_port=args.http_port,
         api_key=args.api_key or None,
         device=args.device,
+        compile=args.compile,
         backend=args.backend,
         threads=args.threads,
         weights=args.weights,

@@ -1,6 +1,5 @@
 """paged: sink + window resident, evicted positions archived exactly in pages, recalled per query."""
 import dataclasses
-import inspect
 
 import pytest
 import torch
@@ -14,11 +13,6 @@ from inference_engine.kv.factory import make_cache
 from inference_engine.kv.paged_store import RowQuant, RowTable, make_row_codec
 from inference_engine.kv.strategy import KVStrategy
 
-
-# Row-exact steps (decode, verify: one attention call per query row) arrive with the engine's
-# row_exact forward; before that, those tests have nothing to run against.
-ROW_EXACT = "row_exact" in inspect.signature(forward).parameters
-needs_row_exact = pytest.mark.skipif(not ROW_EXACT, reason="engine.steps.forward has no row_exact steps in this build")
 
 
 def model(arch="llama", **kw):
@@ -62,7 +56,7 @@ def test_recalling_every_page_equals_full(arch):
     m = model(arch)
     history = ids(120)
     full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
-    for chunk, row_exact in ((16, False), (1, False)) + (((1, True), (5, True)) if ROW_EXACT else ()):
+    for chunk, row_exact in ((16, False), (1, False)) + ((1, True), (5, True)):
         cache = new_cache(m, paged(window=12, page=8, pages=100))
         got = feed(m, cache, history, chunk, row_exact=row_exact)
         torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
@@ -88,7 +82,6 @@ def test_paged_result_does_not_depend_on_chunking(arch):
         torch.testing.assert_close(feed(m, new_cache(m, paged()), history, chunk), ref, rtol=1e-4, atol=1e-4)
 
 
-@needs_row_exact
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_row_exact_steps_equal_batched_steps(arch):
     m = model(arch)
@@ -216,7 +209,7 @@ def test_speculative_rollback_is_exact():
     history, extra = ids(60), ids(6, seed=1)
     a = new_cache(m, s)
     feed(m, a, history, 16)
-    forward(m, torch.tensor(extra), range(a.next_position, a.next_position + 6), a, **({"row_exact": True} if ROW_EXACT else {}))
+    forward(m, torch.tensor(extra), range(a.next_position, a.next_position + 6), a, row_exact=True)
     a.commit(2)
     b = new_cache(m, s)
     feed(m, b, history + extra[:2], 16)
@@ -270,29 +263,28 @@ def test_kakeya_serve_builds_a_paged_engine():
     assert type(engine.new_session_kv().cache).__name__ == "PagedCache"
 
 
-def test_merged_two_part_attention_equals_one_call(monkeypatch):
-    """Long steps attend resident and recalled keys in separate calls merged by log-sum-exp; the
-    one-call path (per-head mask) gives the same logits."""
-    from inference_engine.kv import paged as paged_module
+def test_merged_two_part_attention_portable_path_equals_the_cpu_kernel(monkeypatch):
+    """Long steps attend resident and recalled keys in separate calls merged by log-sum-exp: through
+    torch's CPU flash kernel here, through the portable fp32 path on other devices (CUDA). Same logits."""
+    from inference_engine.backends.torch import attention as attention_module
 
     m = model()
     history = ids(120)
     merged = feed(m, new_cache(m, paged()), history, 32)
-    monkeypatch.setattr(paged_module, "_FLASH", None)
+    monkeypatch.setattr(attention_module, "_FLASH_CPU", None)
     one_call = feed(m, new_cache(m, paged()), history, 32)
     torch.testing.assert_close(merged, one_call, rtol=1e-5, atol=1e-5)
 
 
-@needs_row_exact
 @pytest.mark.parametrize("pages", [2, 100])  # some pages chosen (gathered rows) / every page (the table's views)
-def test_row_exact_two_part_attention_equals_the_concatenated_call(monkeypatch, pages):
-    """Row-exact steps attend the recalled rows and the resident slab in two flash calls merged by
-    log-sum-exp; without torch's flash kernel they concatenate the rows into one call. Same logits."""
-    from inference_engine.kv import paged as paged_module
+def test_row_exact_two_part_attention_portable_path_equals_the_cpu_kernel(monkeypatch, pages):
+    """Row-exact steps attend the recalled rows and the resident slab in two calls merged by
+    log-sum-exp; the portable path (CUDA's) gives the CPU flash kernel's logits."""
+    from inference_engine.backends.torch import attention as attention_module
 
     m = model()
     history = ids(110)
     two_part = feed(m, new_cache(m, paged(pages=pages)), history, 3, row_exact=True)
-    monkeypatch.setattr(paged_module, "_FLASH", None)
+    monkeypatch.setattr(attention_module, "_FLASH_CPU", None)
     one_call = feed(m, new_cache(m, paged(pages=pages)), history, 3, row_exact=True)
     torch.testing.assert_close(two_part, one_call, rtol=1e-5, atol=1e-5)

@@ -216,6 +216,10 @@ class MlxCausalLM:
             step = self._steps[key] = StepLayout(layout)
         return attend_layout(self, layer, q, q_normed, k_all, v_all, step, restored, sink_rope)
 
+    def step_runner(self, rows: int):
+        """No captured graphs on MLX (its lazy graph already batches the launches): the engine runs the pieces."""
+        return None
+
     def finish(self, layer: int, x: mx.array, o: mx.array) -> mx.array:
         """Attention output o (H, T, D) -> residual stream after the output projection and MLP."""
         L = self.layers[layer]

@@ -131,3 +131,65 @@ def _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, posit
         shifted = torch.cat([pad, shifted], 1)
     scores = torch.where(shifted, sink_scores, scores).masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), -1).to(v_all.dtype) @ vx
+
+
+# -- attention in parts, merged by log-sum-exp (paged recall: kv/paged.py) ----------------------
+# torch's CPU flash kernel also returns each row's log-sum-exp, so two attention parts (recalled
+# rows, resident slab) merge exactly without concatenating them. It is CPU-only (and private API);
+# on other devices, or without it, `attention_lse` computes the same in fp32 (tests compare the two).
+_FLASH_CPU = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
+
+
+def attention_lse(q, k, v, bias, scale):
+    """q (1, H, T, D), k/v (1, H or 1, N, D), bias None or additive (0 / -inf) broadcastable to (1, H, T, N)
+    -> out (1, H, T, D), lse (1, H, T). A row that sees no key has out 0 and an lse the caller masks."""
+    if q.device.type == "cpu" and _FLASH_CPU is not None:
+        return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.float()
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return torch.matmul(p, v.float()).to(q.dtype), lse
+
+
+def attend_masked_lse(q, k, v, mask, scale):
+    """attention_lse under a (T, N) bool mask; rows with no visible key get lse = -inf."""
+    ninf = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = attention_lse(q, k, v, ninf, scale)
+    return out, lse.masked_fill(~mask.any(-1), float("-inf"))
+
+
+def attend_row_two_part(qj, kr, vr, bias_r, k_all, v_all, bias_w, scale):
+    """One query row, qj (1, Hkv, G, D) (a KV head's query heads as its rows): attention over its
+    recalled rows kr, vr (Hkv, E, D) (bias_r: None or (1, Hkv or 1, 1, E)) and over the resident slab
+    k_all, v_all (Hkv, N, D) under bias_w (N,), merged by log-sum-exp; kr None: the slab alone (the
+    row always sees its own key, so the resident part is never empty, and a row with recalled rows
+    sees at least one of them)."""
+    ow, lw = attention_lse(qj, k_all[None], v_all[None], bias_w[None], scale)
+    if kr is None:
+        return ow
+    orr, lr = attention_lse(qj, kr[None], vr[None], bias_r, scale)
+    lse = torch.logaddexp(lw, lr)
+    return ow * (lw - lse).exp_()[..., None] + orr * (lr - lse).exp_()[..., None]
+
+
+def attend_merged(q, k_all, v_all, mask_w, kr, vr, mask_r, scale):
+    """softmax attention of q (H, T, D) over [resident keys (mask_w (T, N), shared by every head) +
+    recalled keys kr, vr (Hkv, E, D) (mask_r (Hkv, T, E), per KV head)], as the log-sum-exp merge of
+    one resident call and one recalled call per KV head; each call has a 2-D mask."""
+    h, t, d = q.shape
+    hkv = k_all.shape[0]
+    g = h // hkv
+    ow, lw = attend_masked_lse(q[None], k_all.repeat_interleave(g, 0)[None], v_all.repeat_interleave(g, 0)[None], mask_w, scale)
+    outs, lses = [], []
+    for j in range(hkv):
+        kj = kr[j:j + 1].expand(g, -1, -1)[None]
+        vj = vr[j:j + 1].expand(g, -1, -1)[None]
+        o, lse = attend_masked_lse(q[j * g:(j + 1) * g][None], kj.contiguous(), vj.contiguous(), mask_r[j], scale)
+        outs.append(o)
+        lses.append(lse)
+    orr, lr = torch.cat(outs, 1), torch.cat(lses, 1)  # (1, H, T, D), (1, H, T)
+    lse = torch.logaddexp(lw, lr)
+    wr = torch.exp(lr - lse).nan_to_num(0.0)  # no recalled key: weight 0
+    return (ow * (1 - wr)[..., None] + orr * wr[..., None])[0]

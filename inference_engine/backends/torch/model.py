@@ -84,6 +84,26 @@ class TorchCausalLM:
             L.k_norm = self._norm_weight(a.k_norm.weight) if spec.qk_norm else None
             self.layers.append(L)
         self._verifier_source = None
+        self.graphs = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
+
+    def use_step_graphs(self, mode: str) -> bool:
+        """--compile: "off" = every piece launched eagerly; "on" = the dense work between attentions
+        captured as CUDA graphs (graphs.py; CUDA only); "auto" = on where it measures faster, which is
+        CUDA (scripts/gpu_check.py). Returns whether graphs are used."""
+        if mode not in ("off", "auto", "on"):
+            raise ValueError(f"--compile must be off, auto or on, got {mode!r}")
+        on_cuda = self.device.type == "cuda"
+        if mode == "on" and not on_cuda:
+            raise ValueError(f"--compile on captures CUDA graphs and needs --device cuda (this model is on {self.device}); "
+                             "on the CPU use --compile off or auto")
+        from inference_engine.backends.torch.graphs import StepGraphs
+
+        self.graphs = StepGraphs(self, capture=True) if on_cuda and mode != "off" else None
+        return self.graphs is not None
+
+    def step_runner(self, rows: int):
+        """The runner of a step of `rows` rows through captured graphs, or None (run the pieces one by one)."""
+        return self.graphs.runner(rows) if self.graphs is not None else None
 
     def _linear(self, fmt: str, blocks: dict, names: list, weights: list, bias=None):
         """One (possibly fused) linear layer: rows of `weights` stacked, in format `fmt` (quantized on
