@@ -58,6 +58,11 @@ class Backend(Protocol):
         """Attention over what the cache returned for a layout; `restored` = (raw k, raw v, rope,
         logit_bias or None) of a dlm_restore step's evicted positions, prepended as extra keys."""
 
+    batches_decode_attention: bool  # attend_decode_batch is used for several sessions' decode rows
+
+    def attend_decode_batch(self, layer: int, q, kvs, layouts, scratch: dict) -> Any:
+        """Several sessions' one-token decode rows (q (H, B, D)) over their own (k_all, v_all) in one call."""
+
     def step_runner(self, rows: int) -> Any:
         """A runner of a step's dense pieces (everything but attention) for `rows` rows as captured
         graphs (backends/torch/graphs.py: start(ids, rope), advance(layer, o)), or None: the engine

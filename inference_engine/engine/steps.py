@@ -113,6 +113,7 @@ def _forward_items(backend, items: list) -> list:
         q, q_normed, k, v = runner.start(ids, rope)
     else:
         x = backend.embed_ids(ids)
+    batched, scratch = bounds is not None and _batched_decode(backend, items), {}
     n = backend.spec.num_layers
     for i in range(n):
         if runner is None:
@@ -121,6 +122,9 @@ def _forward_items(backend, items: list) -> list:
             k = backend.position_k(i, k, rope)
         if bounds is None:
             o = items[0].attend(backend, i, q, q_normed, k, v)
+        elif batched:  # one attention call for every session's decode row
+            kvs = [it.cache.update_and_fetch(i, k[:, a:b], v[:, a:b]) for it, (a, b) in zip(items, bounds)]
+            o = backend.attend_decode_batch(i, q, kvs, [it.layout for it in items], scratch)
         else:
             o = backend.cat([it.attend(backend, i, q[:, a:b], q_normed[:, a:b], k[:, a:b], v[:, a:b])
                              for it, (a, b) in zip(items, bounds)], 1)
@@ -143,6 +147,16 @@ def _forward_items(backend, items: list) -> list:
     if bounds is None:
         return [_logits(backend, items[0].inp, hidden)]
     return [_logits(backend, it.inp, hidden[a:b]) for it, (a, b) in zip(items, bounds)]
+
+
+def _batched_decode(backend, items: list) -> bool:
+    """Whether these sessions' attention runs as one batched call: every item a one-token decode row
+    over a plain slab (no recalled pages, restored keys, sink re-anchoring or encoded rows), on a
+    backend that batches it (CUDA: one call instead of one per session; on the CPU the per-session
+    calls keep a session's output bit-identical to running alone)."""
+    return backend.batches_decode_attention and all(
+        it.t == 1 and it.step is None and it.sink_rope is None and it.paged is None and it.layout.key_slots is None
+        and not it.layout.whole_rows for it in items)
 
 
 def _logits(backend, inp: StepInput, hidden):

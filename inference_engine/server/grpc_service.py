@@ -60,7 +60,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     @_typed_errors
     def AppendTokens(self, request, context):
         s = self.rt.append(request.session_id, list(request.token_ids))
-        return pb.AppendTokensResponse(history_length=len(s.history), pending_tokens=len(s.pending_tokens))
+        return pb.AppendTokensResponse(history_length=len(s.history), pending_tokens=len(s.pending_tokens),
+                                       durable_length=s.durable_length, save_error=s.save_error)
 
     def Generate(self, request, context):
         sp = request.sampling
@@ -84,6 +85,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                             time_to_first_token_seconds=ev.time_to_first_token_seconds,
                             drafted_tokens=ev.drafted_tokens,
                             accepted_tokens=ev.accepted_tokens,
+                            durable_length=getattr(ev, "durable_length", 0),
+                            save_error=getattr(ev, "save_error", ""),
                         )
                     )
         except KakeyaError as e:
@@ -119,6 +122,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             kv_resident_bytes=i.kv_resident_bytes,
             kv_selection_bytes=i.kv_selection_bytes,
             kv_stored_bytes=i.kv_stored_bytes,
+            durable_length=i.durable_length,
+            save_error=i.save_error,
         )
 
     @_typed_errors

@@ -42,6 +42,17 @@ class SessionInfo:
     kv_resident_bytes: int = 0  # the hot set (kv/byte_counts.py)
     kv_selection_bytes: int = 0  # what queries score to choose pages
     kv_stored_bytes: int = 0  # exact K/V kept outside the hot set
+    durable_length: int = 0  # history tokens on disk (what a crash keeps); 0 without persistence
+    save_error: str = ""  # why this session's saves fail ("" while they do not)
+
+
+@dataclass(frozen=True)
+class TurnDone(GenerationDone):
+    """The engine's Done plus the turn's save, made before Done goes out: the client learns
+    whether the turn it was just answered is on disk."""
+
+    durable_length: int = 0
+    save_error: str = ""
 
 
 @dataclass(frozen=True)
@@ -159,12 +170,15 @@ class Runtime:
                         m.history_truncated_tokens_total.inc(ev.dropped_tokens)
                     elif isinstance(ev, GenerationDone):
                         self._observe_done(ev)
+                        # The tokens have streamed; the turn is saved before Done, so Done says what is durable
+                        # (the call ends after the save either way).
+                        self.store.persist(s)
+                        ev = TurnDone(**vars(ev), durable_length=s.durable_length, save_error=s.save_error)
                     yield ev
             except GeneratorExit:  # the client went away: what was committed is still this turn's
-                self.store.persist(s)
+                if s.unsaved:
+                    self.store.persist(s)
                 raise
-            # After Done went out: the client has its answer while the turn is written.
-            self.store.persist(s)
 
     def _observe_done(self, done: GenerationDone) -> None:
         m = self.metrics
@@ -198,6 +212,8 @@ class Runtime:
             kv_resident_bytes=tiers.resident,
             kv_selection_bytes=tiers.selection,
             kv_stored_bytes=tiers.stored,
+            durable_length=s.durable_length,
+            save_error=s.save_error,
         )
 
     def server_info(self) -> ServerInfo:

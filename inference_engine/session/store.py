@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 
 SHOWN_ID_CHARS = 64
+# A session whose save failed is not tried again by the flusher or by eviction for 1 s, then 2, 4, ...
+# up to a minute (a turn's end still tries at once); failures are logged at most once a minute.
+SAVE_RETRY_FIRST_S = 1.0
+SAVE_RETRY_MAX_S = 60.0
+SAVE_LOG_EVERY_S = 60.0
 
 
 def _shown(session_id: str) -> str:
@@ -73,6 +78,9 @@ class Session:
     saved_history_length: int = -1  # history length at the last save (-1: never saved)
     spilled: bool = False  # evicted to disk: a call that waited on it loads it again
     ephemeral: bool = False  # never persisted (the HTTP shim's one-request sessions)
+    save_error: str = ""  # why the last save failed ("" once one succeeds)
+    save_failures: int = 0  # consecutive failed saves
+    retry_save_at: float = 0.0  # store clock before which the flusher and eviction do not try again
 
     @property
     def pending_tokens(self) -> list:
@@ -85,6 +93,11 @@ class Session:
     @property
     def unsaved(self) -> bool:
         return self.saved_history_length != len(self.history)
+
+    @property
+    def durable_length(self) -> int:
+        """History tokens on disk: what this session resumes with after a crash (0: nothing saved)."""
+        return max(self.saved_history_length, 0)
 
 
 @dataclass
@@ -111,6 +124,42 @@ class SessionPersister(Protocol):
     def delete(self, session_id: str) -> None: ...
 
     def set_aside(self, session_id: str, reason: str) -> None: ...
+
+
+class SaveFailureReport:
+    """The operator's view of failing saves: the first failure logged at once, then at most one line
+    per `every_s` that counts what the quiet time hid, and one line per session when it saves again."""
+
+    def __init__(self, clock: Callable[[], float], every_s: float = SAVE_LOG_EVERY_S):
+        self.clock, self.every_s = clock, every_s
+        self._next_at = float("-inf")
+        self._hidden, self._hidden_sessions = 0, set()
+
+    def failed(self, s: Session, error: BaseException) -> None:
+        now = self.clock()
+        if now < self._next_at:
+            self._hidden += 1
+            self._hidden_sessions.add(s.id)
+            return
+        hidden = (f"; {self._hidden} more failed saves of {len(self._hidden_sessions)} sessions since the last report"
+                  if self._hidden else "")
+        # A full or read-only disk needs no traceback; anything else is a bug and gets one.
+        log.error("session %s not saved (%s): durable through %d of %d tokens%s; retrying with backoff (up to every "
+                  "%g s), reported again in %g s at most", _shown(s.id), s.save_error, s.durable_length, len(s.history),
+                  hidden, SAVE_RETRY_MAX_S, self.every_s, exc_info=None if isinstance(error, OSError) else error)
+        self._next_at = now + self.every_s
+        self._hidden, self._hidden_sessions = 0, set()
+
+    def recovered(self, s: Session, failures: int) -> None:
+        log.warning("session %s saved again after %d failed saves: durable through %d tokens", _shown(s.id), failures,
+                    s.durable_length)
+
+
+def save_error_text(error: BaseException) -> str:
+    """What a client is told about a failed save: the OS's reason (no server paths), else the error."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {error}"
 
 
 class SessionStore:
@@ -141,6 +190,7 @@ class SessionStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
         self._lock = threading.RLock()
         self._loading: dict[str, threading.Lock] = {}  # one load per session id at a time
+        self.save_report = SaveFailureReport(clock)
 
     # -- validation -------------------------------------------------------------------
     def _check_tokens(self, ids: Sequence[int], what: str) -> list:
@@ -318,20 +368,31 @@ class SessionStore:
 
     # -- persistence ------------------------------------------------------------------
     def persist(self, s: Session) -> bool:
-        """Save what changed in `s` (the caller holds s.lock). A failed save is logged and counted;
-        the session stays live and the next save writes the change again."""
+        """Save what changed in `s` (the caller holds s.lock). A failed save is counted, reported
+        (SaveFailureReport) and recorded on the session (`save_error`, which clients see; its durable
+        length stays where it was); the session stays live, and the next save writes the change again:
+        at the end of its next turn, or from the flusher or an eviction after a backoff."""
         if self.persister is None or s.closed or s.kv is None or s.ephemeral:
             return False
         t0 = time.perf_counter()
         try:
             self.persister.save(s)
-        except Exception:  # noqa: BLE001 - a full disk must not fail the RPC that triggered the save
-            log.exception("saving session %s failed", _shown(s.id))
+        except Exception as e:  # noqa: BLE001 - a full disk must not fail the RPC that triggered the save
+            s.save_failures += 1
+            s.save_error = save_error_text(e)
+            s.retry_save_at = self.clock() + min(SAVE_RETRY_MAX_S, SAVE_RETRY_FIRST_S * 2 ** (s.save_failures - 1))
             self.events.on_save_failed()
+            self.save_report.failed(s, e)
             return False
         s.saved_history_length = len(s.history)
+        failures, s.save_error, s.save_failures, s.retry_save_at = s.save_failures, "", 0, 0.0
+        if failures:
+            self.save_report.recovered(s, failures)
         self.events.on_saved(time.perf_counter() - t0)
         return True
+
+    def _save_backing_off(self, s: Session) -> bool:
+        return s.save_failures > 0 and self.clock() < s.retry_save_at
 
     def flush(self, *, idle_s: float = 0.0, wait_s: float = 0.0) -> int:
         """Save sessions with unsaved changes that have been idle for `idle_s`; a session inside a
@@ -340,7 +401,7 @@ class SessionStore:
             return 0
         now, n = self.clock(), 0
         for s in self.sessions():
-            if not s.unsaved or now - s.last_access < idle_s:
+            if not s.unsaved or now - s.last_access < idle_s or (wait_s <= 0 and self._save_backing_off(s)):
                 continue
             got = s.lock.acquire(timeout=wait_s) if wait_s > 0 else s.lock.acquire(blocking=False)
             if not got:
@@ -357,21 +418,28 @@ class SessionStore:
             raise SessionNotFound(f"session {_shown(s.id)} was closed or evicted while this call waited")
 
     # -- eviction ---------------------------------------------------------------------
-    def _remove(self, session_id: str, reason: str) -> None:
+    def _remove(self, session_id: str, reason: str) -> bool:
         """Evict an idle session: spilled to disk with a persister (it comes back on its next call),
-        dropped without one."""
-        s = self._sessions.pop(session_id)
-        spilled = False
-        if self.persister is not None and not s.ephemeral and s.lock.acquire(blocking=False):
+        dropped without one. A session that cannot be saved (a full disk) is not evicted: dropping it
+        would silently roll it back to its durable length; it stays live and False is returned."""
+        s = self._sessions[session_id]
+        spill = self.persister is not None and not s.ephemeral
+        if spill:
+            if s.unsaved and self._save_backing_off(s):
+                return False
+            if not s.lock.acquire(blocking=False):  # a call took it meanwhile: not idle after all
+                return False
             try:
-                spilled = not s.unsaved or self.persist(s)
+                if s.unsaved and not self.persist(s):
+                    return False
+                s.spilled = s.closed = True
             finally:
-                s.spilled = spilled
-                s.closed = True
                 s.lock.release()
+        del self._sessions[session_id]
         s.closed = True
         self.events.on_evicted(reason)
-        self.events.on_ended("spilled" if spilled else "evicted")
+        self.events.on_ended("spilled" if spill else "evicted")
+        return True
 
     def _evict_lru(self) -> None:
         """Make room for one more live session (admission). With a persister the least recently
@@ -381,10 +449,15 @@ class SessionStore:
         session while its request runs) is never evicted."""
         from inference_engine.errors import CapacityExhausted
 
-        for sid, s in self._sessions.items():  # oldest first; an idle one-request session is never coming back
-            if not s.lock.locked() and (self.persister is not None or s.ephemeral):
-                self._remove(sid, "lru")
+        for sid, s in list(self._sessions.items()):  # oldest first; an idle one-request session is never coming back
+            if not s.lock.locked() and (self.persister is not None or s.ephemeral) and self._remove(sid, "lru"):
                 return
+        unsaveable = [s for s in self._sessions.values() if s.save_error and not s.lock.locked()]
+        if unsaveable:
+            raise CapacityExhausted(
+                f"all {self.capacity} session slots are taken and the {len(unsaveable)} idle session(s) cannot be saved to "
+                f"disk to make room ({unsaveable[0].save_error}); free space under the state directory, close sessions "
+                f"or raise --capacity")
         if self.persister is None:
             raise CapacityExhausted(
                 f"all {self.capacity} session slots are taken and sessions are not persisted (--persist off), so none "
@@ -398,9 +471,7 @@ class SessionStore:
         now = self.clock()
         with self._lock:
             expired = [sid for sid, s in self._sessions.items() if now - s.last_access > self.idle_ttl_s and not s.lock.locked()]
-            for sid in expired:
-                self._remove(sid, "ttl")
-        return len(expired)
+            return sum(self._remove(sid, "ttl") for sid in expired)
 
     # -- introspection ----------------------------------------------------------------
     def __len__(self) -> int:

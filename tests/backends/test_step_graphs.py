@@ -85,3 +85,33 @@ def test_compile_modes():
         m.use_step_graphs("on")
     with pytest.raises(ValueError, match="off, auto or on"):
         m.use_step_graphs("fast")
+
+
+@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 12)], ids=lambda s: s.name)
+def test_batched_decode_attention_equals_per_session(strategy, monkeypatch):
+    """Off the CPU, several sessions' decode rows attend in one call (slabs stacked, unequal widths
+    padded and masked): the logits are those of each session attending alone."""
+    results = {}
+    for batched in (False, True):
+        m = _model(True)
+        monkeypatch.setattr(type(m), "batches_decode_attention", property(lambda self, b=batched: b))
+        calls = []
+        real = m.attend_decode_batch
+        m.attend_decode_batch = lambda *a: calls.append(1) or real(*a)
+        caches = []
+        for i, n in enumerate((9, 14, 30)):  # full: three widths
+            kv = Engine(m, strategy, prefill_chunk=32).new_session_kv()
+            steps.prefill_chunk(m, kv, _prompt(n, seed=i))
+            caches.append(kv.cache)
+        outs = []
+        for step in range(3):
+            inputs = [steps.StepInput(m.tensor([5 + step + j]), range(c.next_position, c.next_position + 1), c, row_exact=True)
+                      for j, c in enumerate(caches)]
+            outs.append([o[0] for o in steps.forward_batch(m, inputs)])
+            for c in caches:
+                c.commit()
+        results[batched] = outs
+        assert len(calls) == (3 * m.spec.num_layers if batched else 0)
+    for a, b in zip(results[False], results[True]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)

@@ -216,6 +216,11 @@ class MlxCausalLM:
             step = self._steps[key] = StepLayout(layout)
         return attend_layout(self, layer, q, q_normed, k_all, v_all, step, restored, sink_rope)
 
+    batches_decode_attention = False  # each session attends alone
+
+    def attend_decode_batch(self, layer: int, q, kvs, layouts, scratch: dict):
+        raise NotImplementedError("the MLX backend attends per session (batches_decode_attention is False)")
+
     def step_runner(self, rows: int):
         """No captured graphs on MLX (its lazy graph already batches the launches): the engine runs the pieces."""
         return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -193,3 +194,29 @@ def attend_merged(q, k_all, v_all, mask_w, kr, vr, mask_r, scale):
     lse = torch.logaddexp(lw, lr)
     wr = torch.exp(lr - lse).nan_to_num(0.0)  # no recalled key: weight 0
     return (ow * (1 - wr)[..., None] + orr * wr[..., None])[0]
+
+
+def attend_decode_batch(model, layer: int, q, kvs, layouts, scratch: dict) -> torch.Tensor:
+    """Several sessions' one-token decode rows in one attention call: q (H, B, D), kvs[b] = session
+    b's (k_all, v_all) (Hkv, N_b, D) as its cache returned them, layouts[b] its step layout (mask
+    (1, N_b)). Slabs of unequal width are padded to the widest, the padding masked. The (B, 1, 1, N)
+    mask is built once a step per window from the host masks (`scratch`: per-forward memo)."""
+    s = model.spec
+    w = s.layer_windows[layer]
+    widths = [k.shape[1] for k, _ in kvs]
+    n = max(widths)
+    key = ("decode_batch_bias", w)
+    if key not in scratch:
+        visible = np.zeros((len(kvs), n), dtype=bool)
+        for b, lay in enumerate(layouts):
+            visible[b, : widths[b]] = lay.host_masks[w][0]
+        bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
+        scratch[key] = torch.from_numpy(bias).to(device=q.device, dtype=q.dtype).view(len(kvs), 1, 1, n)
+    if min(widths) == n:
+        k, v = torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
+    else:
+        k = torch.stack([F.pad(k, (0, 0, 0, n - k.shape[1])) for k, _ in kvs])
+        v = torch.stack([F.pad(v, (0, 0, 0, n - v.shape[1])) for _, v in kvs])
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], k, v, attn_mask=scratch[key], scale=s.attn_scale,
+                                       enable_gqa=True)  # (B, H, 1, D)
+    return o[:, :, 0].transpose(0, 1)

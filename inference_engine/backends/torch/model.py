@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_engine.backends.spec import ModelSpec, spec_from_config
-from inference_engine.backends.torch.attention import attend_layout
+from inference_engine.backends.torch.attention import attend_decode_batch, attend_layout
 from inference_engine.backends.torch.linear import DequantizedLinear, WEIGHT_FORMATS, DenseLinear, Int4Linear, RefinedHead, make_linear
 from inference_engine.kv.layout import CacheGeometry
 
@@ -100,6 +100,15 @@ class TorchCausalLM:
 
         self.graphs = StepGraphs(self, capture=True) if on_cuda and mode != "off" else None
         return self.graphs is not None
+
+    @property
+    def batches_decode_attention(self) -> bool:
+        """Several sessions' decode rows attend in one call (attention.attend_decode_batch) off the CPU;
+        on the CPU each session attends alone, so its output stays bit-identical to running alone."""
+        return self.device.type != "cpu"
+
+    def attend_decode_batch(self, layer: int, q, kvs, layouts, scratch: dict):
+        return attend_decode_batch(self, layer, q, kvs, layouts, scratch)
 
     def step_runner(self, rows: int):
         """The runner of a step of `rows` rows through captured graphs, or None (run the pieces one by one)."""
