@@ -91,7 +91,7 @@ class RowQuant:
             halves = [((codes & 15).view(torch.int8).sub_(8), slice(0, None, 2)),
                       ((codes >> 4).view(torch.int8).sub_(8), slice(1, None, 2))]  # (B, C, D / 2) each
         c = codes.shape[1]
-        if m > _INT_QUERIES:
+        if m > _INT_QUERIES or q.device.type != "cpu":  # torch._int_mm off the CPU wants > 16 rows, multiples of 8
             qq = q.reshape(b, g * m, d)
             (ints, dims), *rest = halves
             raw = torch.bmm(qq[..., dims], ints.float().transpose(1, 2))
