@@ -40,8 +40,7 @@ class StepGraphs:
         self.capture = capture
         self.buckets = buckets
         self._runners: dict[int, _Runner] = {}
-        self.capture_s = 0.0  # total time spent capturing, for the log and GetServerInfo-like reports
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_s = 0.0  # total time spent capturing (logged)
 
     @property
     def max_rows(self) -> int:
@@ -54,7 +53,7 @@ class StepGraphs:
         r = self._runners.get(bucket)
         if r is None:
             t0 = time.perf_counter()
-            r = self._runners[bucket] = _Runner(self.model, bucket, self.capture, self.pool)
+            r = self._runners[bucket] = _Runner(self.model, bucket, self.capture)
             dt = time.perf_counter() - t0
             self.capture_s += dt
             if self.capture:
@@ -71,7 +70,7 @@ class StepGraphs:
 
 
 class _Runner:
-    def __init__(self, model, rows: int, capture: bool, pool):
+    def __init__(self, model, rows: int, capture: bool):
         self.model, self.rows = model, rows
         s = model.spec
         dev, dt = model.device, model.dtype
@@ -84,7 +83,7 @@ class _Runner:
             self.outs: list = [None] * (s.num_layers + 1)
             self.graphs: list = []
             if capture:
-                self._capture(pool)
+                self._capture()
             else:
                 for i in range(s.num_layers + 1):  # shapes and dtypes, as a capture would leave them
                     self.outs[i] = self._segment(i)
@@ -103,11 +102,15 @@ class _Runner:
         k = m.position_k(i, k, self.rope)
         return x, q, q_normed, k, v
 
-    def _capture(self, pool) -> None:
+    def _capture(self) -> None:
+        """Warm up on a side stream (cuBLAS handles and workspaces exist before capture), then capture
+        the segments in order into one memory pool: they replay in that order, and each one's outputs
+        (the next one's inputs) stay referenced, so the pool never hands them out again."""
         n = self.model.spec.num_layers
+        pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: cuBLAS handles and workspaces exist before capture
+        with torch.cuda.stream(side):
             for _ in range(2):
                 for i in range(n + 1):
                     self.outs[i] = self._segment(i)
