@@ -12,7 +12,9 @@ With a `SessionPersister` (engine-side, e.g. inference_engine/persistence) sessi
 process: `persist(s)` saves what changed, eviction spills to disk instead of dropping, the first
 call naming a session that is only on disk loads it, and `close` deletes its files. Without one,
 a full store refuses new sessions (RESOURCE_EXHAUSTED) rather than drop one in use, and only
-the idle TTL removes sessions (gone like a closed one).
+the idle TTL removes sessions (gone like a closed one). A session records how much of it is on
+disk (`durable_length`) and why its saves fail (`save_error`); one that cannot be saved is never
+evicted (that would roll it back), and failed saves are retried with backoff and logged sparingly.
 """
 from __future__ import annotations
 

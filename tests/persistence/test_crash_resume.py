@@ -127,3 +127,34 @@ def test_kill_9_the_daemon_and_every_session_continues(tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=30)
+
+
+def test_after_kill_9_mid_generate_a_session_comes_back_with_its_durable_length(tmp_path):
+    """Only saved turns are durable (issue 30, item 3): an append acknowledged right before a Generate
+    that the crash cut short is not, and `durable_length` told the client so."""
+    model_dir = str(tiny_model_dir("llama"))
+    prompt = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    p, port = _serve(model_dir, tmp_path)
+    try:
+        with kakeya.Client(f"127.0.0.1:{port}") as c:
+            s = c.create_session(prompt, ignore_eos=True)
+            turn = list(s.generate_all(4).tokens)
+            assert s.durable_length == 24
+            assert s.append([11, 12, 13, 14, 15]) == 29 and s.durable_length in (24, 29)  # 29 only if saved while idle
+            gen = s.generate(max_tokens=100_000)
+            streamed = [next(gen) for _ in range(3)]
+            durable = s.info().durable_length  # the Generate holds the session: nothing is saved until it ends
+            assert durable in (24, 29)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert streamed
+    p, port = _serve(model_dir, tmp_path)
+    try:
+        with kakeya.Client(f"127.0.0.1:{port}") as c:
+            again = c.session(s.id)
+            assert again.history() == (prompt + turn + [11, 12, 13, 14, 15])[:durable]
+            assert again.info().durable_length == durable
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from inference_engine.errors import CacheInvariantError, SessionNotFound, SessionStateUnusable
-from inference_engine.session.store import PersistedSession, SessionStore, StoreEvents
+from inference_engine.errors import CacheInvariantError, CapacityExhausted, SessionNotFound, SessionStateUnusable
+from inference_engine.session.store import SAVE_RETRY_MAX_S, PersistedSession, SessionStore, StoreEvents
 
 
 class FakeKV:
@@ -198,3 +198,64 @@ def test_ephemeral_sessions_are_never_written():
     assert p.saves == 0 and ended == ["evicted"]
     with pytest.raises(SessionNotFound):
         st.get(a.id)
+
+
+class FullDisk:
+    """Wraps a DictPersister: while `full`, every save fails as a full disk does."""
+
+    def __init__(self, p):
+        self.p, self.full, self.tries = p, True, 0
+        self.real_save, p.save = p.save, self.save
+
+    def save(self, s):
+        self.tries += 1
+        if self.full:
+            raise OSError(28, "No space left on device", "/state/sessions/x/.tmp-00000002-rows.safetensors")
+        self.real_save(s)
+
+
+def test_a_full_disk_is_reported_on_the_session_backed_off_and_logged_once_a_minute(caplog):
+    st, p, _ = store(capacity=4)
+    a = st.create([1, 2])
+    with st.generation(a.id) as s:
+        assert st.persist(s)
+    assert (a.durable_length, a.save_error) == (2, "")
+    disk = FullDisk(p)
+    st.append(a.id, [3, 4, 5])
+    with caplog.at_level("INFO", logger="inference_engine.session.store"):
+        for _ in range(12):  # 12 turns on a full disk: each one's end tries to save
+            with st.generation(a.id) as s:
+                s.history.append(9)
+                assert st.persist(s) is False
+        assert (a.durable_length, a.save_error, len(a.history)) == (2, "No space left on device", 17)
+        tries = disk.tries
+        for step in range(3 * 60 * 4):  # three idle minutes of the flusher's 0.25 s ticks
+            st.clock.t += 0.25
+            st.flush(idle_s=1.0)
+        # backed off: 1, 2, 4, ... 60 s apart, not 4 tries a second
+        assert disk.tries - tries <= 9
+        lines = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(lines) <= 4 and "durable through 2 of 6 tokens" in lines[0].getMessage()
+        assert all(r.exc_info is None for r in lines)  # a full disk needs no traceback
+        assert "11 more failed saves of 1 sessions" in lines[1].getMessage()  # the 12 turns: one line
+        disk.full = False  # room again: the next try saves, and says so once
+        st.clock.t += 60
+        assert st.flush(idle_s=1.0) == 1
+    assert (a.durable_length, a.save_error, p.saved[a.id][0]) == (17, "", a.history)
+    assert any("saved again after" in r.getMessage() for r in caplog.records)
+
+
+def test_a_session_that_cannot_be_saved_is_not_evicted():
+    st, p, ended = store(capacity=2, idle_ttl_s=10)
+    a = st.create([1])
+    disk = FullDisk(p)
+    st.clock.t = 11  # a is past its idle TTL, but dropping it would lose what is unsaved
+    assert st.evict_idle() == 0 and st.get(a.id) is a and ended == []
+    b = st.create([2])
+    with pytest.raises(CapacityExhausted, match="cannot be saved to disk to make room .No space left on device"):
+        st.create([3])  # both slots hold sessions that cannot be spilled
+    disk.full = False
+    st.idle_ttl_s = 0  # (the clock jumps past the TTL now)
+    st.clock.t += SAVE_RETRY_MAX_S
+    st.create([3])  # the disk has room again: a spills
+    assert ended == ["spilled"] and p.saved[a.id][0] == [1] and b.id in st._sessions

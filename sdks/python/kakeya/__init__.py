@@ -19,6 +19,7 @@ from kakeya.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     SessionNotFoundError,
+    SessionNotSavedWarning,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -28,6 +29,6 @@ __all__ = [
     "AsyncClient", "AsyncSession", "Client", "Session", "GenerationResult", "PersistenceInfo", "ServerInfo", "SessionInfo",
     "KakeyaError", "InvalidArgumentError", "SessionNotFoundError", "UnauthenticatedError", "PermissionDeniedError",
     "FailedPreconditionError", "OutOfRangeError", "ResourceExhaustedError", "CancelledError", "DeadlineExceededError",
-    "UnavailableError", "InternalError",
+    "UnavailableError", "InternalError", "SessionNotSavedWarning",
 ]
 __version__ = "0.3.0"

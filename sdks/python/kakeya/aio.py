@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kakeya.errors import KakeyaError, from_rpc_error
-from kakeya.types import GenerateStream, GenerationResult, ServerInfo, SessionInfo, generate_request
+from kakeya.types import GenerateStream, GenerationResult, ServerInfo, SessionInfo, generate_request, note_durability
 from kakeya_wire.v1 import runtime_pb2 as pb
 from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -17,9 +17,14 @@ class AsyncSession:
         self.id = session_id
         self.last_result: GenerationResult | None = None
         self.closed = False
+        # What the daemon last reported (append, generate, info): history tokens on disk, i.e. what
+        # the session resumes with after a crash (0 with persistence off), and why saves fail ("").
+        self.durable_length = 0
+        self.save_error = ""
 
     async def append(self, token_ids: Sequence[int]) -> int:
         r = await self._client._call(self._client._stub.AppendTokens, pb.AppendTokensRequest(session_id=self.id, token_ids=list(token_ids)))
+        note_durability(self, r.durable_length, r.save_error, r.history_length)
         return r.history_length
 
     async def generate(self, max_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -34,6 +39,8 @@ class AsyncSession:
                 if tok is not None:
                     yield tok
             self.last_result = stream.result
+            if stream.result is not None:
+                note_durability(self, stream.result.durable_length, stream.result.save_error)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:
@@ -45,7 +52,9 @@ class AsyncSession:
         return self.last_result
 
     async def info(self) -> SessionInfo:
-        return SessionInfo.from_pb(await self._client._call(self._client._stub.GetSessionInfo, pb.GetSessionInfoRequest(session_id=self.id)))
+        info = SessionInfo.from_pb(await self._client._call(self._client._stub.GetSessionInfo, pb.GetSessionInfoRequest(session_id=self.id)))
+        note_durability(self, info.durable_length, info.save_error, info.history_length)
+        return info
 
     async def history(self, start: int = 0) -> list[int]:
         """Token ids from `start`; waits for an in-flight Generate (exact after a cancel)."""

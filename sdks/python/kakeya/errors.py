@@ -64,6 +64,19 @@ class InternalError(KakeyaError):
     code = grpc.StatusCode.INTERNAL
 
 
+class SessionNotSavedWarning(UserWarning):
+    """The daemon could not save a session (e.g. its disk is full): what was appended or generated
+    since `durable_length` would be lost in a crash. Issued once each time a session's saves start
+    failing; `warnings.simplefilter("error", SessionNotSavedWarning)` turns it into an exception."""
+
+    def __init__(self, session_id: str, durable_length: int, history_length: int | None, reason: str):
+        of = f" of {history_length}" if history_length is not None else ""
+        super().__init__(f"session {session_id} is not being saved ({reason}): only {durable_length}{of} tokens are "
+                         f"durable; the daemon retries, and durable_length grows again once a save succeeds")
+        self.session_id, self.durable_length, self.history_length, self.reason = (session_id, durable_length,
+                                                                                  history_length, reason)
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (

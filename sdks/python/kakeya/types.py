@@ -1,9 +1,11 @@
 """Plain result objects the SDK returns (no protobuf types leak to callers)."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kakeya.errors import SessionNotSavedWarning
 from kakeya_wire.v1 import runtime_pb2 as pb
 
 STOP_REASONS = {
@@ -27,6 +29,10 @@ class GenerationResult:
     accepted_tokens: int
     tokens: tuple = ()
     history_truncated: tuple = ()  # (dropped_tokens, total_dropped_tokens) per event
+    # History tokens on disk once this turn was saved (the daemon saves it before Done): what the
+    # session resumes with after a crash; 0 when the daemon does not persist sessions.
+    durable_length: int = 0
+    save_error: str = ""  # why the save failed (e.g. "No space left on device"); "" when it did not
 
     @classmethod
     def from_pb(cls, done, tokens, truncated) -> "GenerationResult":
@@ -41,6 +47,8 @@ class GenerationResult:
             accepted_tokens=done.accepted_tokens,
             tokens=tuple(tokens),
             history_truncated=tuple(truncated),
+            durable_length=done.durable_length,
+            save_error=done.save_error,
         )
 
 
@@ -63,13 +71,18 @@ class SessionInfo:
     kv_resident_bytes: int = 0
     kv_selection_bytes: int = 0
     kv_stored_bytes: int = 0
+    # History tokens on disk: what the session resumes with after a crash or restart (only saved
+    # turns are durable); 0 when the daemon does not persist sessions. save_error: why its saves
+    # fail ("" while they do not).
+    durable_length: int = 0
+    save_error: str = ""
 
     @classmethod
     def from_pb(cls, r) -> "SessionInfo":
         return cls(
             r.session_id, r.history_length, r.resident_positions, r.pending_tokens, r.kv_live_bytes,
             r.inv1_violations, r.inv2_violations, r.idle_seconds, r.dropped_tokens, tuple(r.eos_token_ids),
-            r.kv_resident_bytes, r.kv_selection_bytes, r.kv_stored_bytes,
+            r.kv_resident_bytes, r.kv_selection_bytes, r.kv_stored_bytes, r.durable_length, r.save_error,
         )
 
 
@@ -142,6 +155,14 @@ class GenerateStream:
         elif kind == "done":
             self.result = GenerationResult.from_pb(ev.done, self.tokens, self.truncated)
         return None
+
+
+def note_durability(session, durable_length: int, save_error: str, history_length: int | None = None) -> None:
+    """Record on a session handle what the daemon reported durable; warn (SessionNotSavedWarning)
+    when its saves start failing."""
+    if save_error and not session.save_error:
+        warnings.warn(SessionNotSavedWarning(session.id, durable_length, history_length, save_error), stacklevel=4)
+    session.durable_length, session.save_error = durable_length, save_error
 
 
 def generate_request(session_id: str, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int):

@@ -37,6 +37,23 @@ export class KakeyaError extends Error {
   }
 }
 
+/**
+ * Not thrown: emitted once (`process.emitWarning`) each time a session's saves start failing on the
+ * daemon (e.g. its disk is full). What lies past `durableLength` would be lost in a crash; the
+ * daemon retries, and `session.durableLength` grows again once a save succeeds. Mirrors Python's
+ * `kakeya.SessionNotSavedWarning`.
+ */
+export class SessionNotSavedWarning extends Error {
+  constructor(
+    readonly sessionId: string,
+    readonly durableLength: number,
+    readonly reason: string,
+  ) {
+    super(`session ${sessionId} is not being saved (${reason}): only ${durableLength} tokens are durable; the daemon retries`);
+    this.name = "SessionNotSavedWarning";
+  }
+}
+
 /** A token id outside the vocabulary, an empty append, bad sampling parameters... Nothing was changed. */
 export class InvalidArgumentError extends KakeyaError {
   static override readonly code = Status.INVALID_ARGUMENT;

@@ -27,6 +27,7 @@ export {
   PermissionDeniedError,
   ResourceExhaustedError,
   SessionNotFoundError,
+  SessionNotSavedWarning,
   Status,
   UnauthenticatedError,
   UnavailableError,

@@ -2,7 +2,7 @@
  * A server-side session: an append-only history of raw token ids plus the attention state
  * the daemon keeps between turns (ADR 0008 §2.2). Mirrors `kakeya.Session` in Python.
  */
-import { aborted, KakeyaError, toKakeyaError } from "./errors.js";
+import { aborted, KakeyaError, SessionNotSavedWarning, toKakeyaError } from "./errors.js";
 import type {
   AppendTokensResponse,
   CloseSessionResponse,
@@ -49,6 +49,13 @@ export class Session {
   lastResult: GenerationResult | undefined = undefined;
   /** Set once `close()` was called on this handle. */
   closed = false;
+  /**
+   * What the daemon last reported (append, generate, info): history tokens on disk, i.e. what the
+   * session resumes with after a crash (0 when the daemon does not persist sessions).
+   */
+  durableLength = 0;
+  /** Why the daemon cannot save this session ("" while it can); see `SessionNotSavedWarning`. */
+  saveError = "";
 
   readonly #rpc: Rpc;
 
@@ -62,7 +69,14 @@ export class Session {
   async append(ids: Iterable<number>, options?: RequestOptions): Promise<number> {
     const request = { sessionId: this.id, tokenIds: tokenIds(ids, "ids") };
     const r = await this.#rpc.unary<AppendTokensResponse>((md, o, cb) => this.#rpc.stub.appendTokens(request, md, o, cb), options);
+    this.#noteDurability(r.durableLength, r.saveError);
     return r.historyLength;
+  }
+
+  #noteDurability(durableLength: number, saveError: string): void {
+    if (saveError && !this.saveError) process.emitWarning(new SessionNotSavedWarning(this.id, durableLength, saveError));
+    this.durableLength = durableLength;
+    this.saveError = saveError;
   }
 
   /**
@@ -99,6 +113,7 @@ export class Session {
           truncated.push({ droppedTokens: ev.historyTruncated.droppedTokens, totalDroppedTokens: ev.historyTruncated.totalDroppedTokens });
         } else if (ev.done) {
           this.lastResult = generationResult(ev.done, tokens, truncated);
+          this.#noteDurability(ev.done.durableLength, ev.done.saveError);
         }
       }
     } catch (err) {
@@ -120,9 +135,11 @@ export class Session {
   /** History length, resident KV, pending tokens and invariant counters. */
   async info(options?: RequestOptions): Promise<SessionInfo> {
     const request = { sessionId: this.id };
-    return sessionInfo(
+    const info = sessionInfo(
       await this.#rpc.unary<GetSessionInfoResponse>((md, o, cb) => this.#rpc.stub.getSessionInfo(request, md, o, cb), options),
     );
+    this.#noteDurability(info.durableLength, info.saveError);
+    return info;
   }
 
   /**

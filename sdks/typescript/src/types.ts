@@ -39,6 +39,13 @@ export interface GenerationResult {
   readonly acceptedTokens: number;
   readonly tokens: readonly number[];
   readonly historyTruncated: readonly HistoryTruncation[];
+  /**
+   * History tokens on disk once this turn was saved (the daemon saves it before Done): what the
+   * session resumes with after a crash; 0 when the daemon does not persist sessions.
+   */
+  readonly durableLength: number;
+  /** Why the turn's save failed (e.g. "No space left on device"); "" when it did not. */
+  readonly saveError: string;
 }
 
 export interface SessionInfo {
@@ -62,6 +69,10 @@ export interface SessionInfo {
   /** Positions dropped from attention over the session's lifetime. */
   readonly droppedTokens: number;
   readonly eosTokenIds: readonly number[];
+  /** History tokens on disk: what the session resumes with after a crash (only saved turns are durable). */
+  readonly durableLength: number;
+  /** Why this session's saves fail ("" while they do not). */
+  readonly saveError: string;
 }
 
 /** Session persistence: where and when sessions are saved to disk. */
@@ -115,6 +126,8 @@ export function generationResult(done: DoneEvent, tokens: readonly number[], tru
     acceptedTokens: done.acceptedTokens,
     tokens: [...tokens],
     historyTruncated: [...truncated],
+    durableLength: done.durableLength,
+    saveError: done.saveError,
   };
 }
 
@@ -133,6 +146,8 @@ export function sessionInfo(r: GetSessionInfoResponse): SessionInfo {
     idleSeconds: r.idleSeconds,
     droppedTokens: r.droppedTokens,
     eosTokenIds: [...r.eosTokenIds],
+    durableLength: r.durableLength,
+    saveError: r.saveError,
   };
 }
 

@@ -33,6 +33,10 @@ describe("session lifecycle", () => {
 
     info = await session.info();
     expect(info.historyLength).toBe(PROMPT.length + 6);
+    // The turn was saved before Done: all of it is durable, and the handle knows.
+    expect(result).toMatchObject({ durableLength: PROMPT.length + 6, saveError: "" });
+    expect(info).toMatchObject({ durableLength: PROMPT.length + 6, saveError: "" });
+    expect(session.durableLength).toBe(PROMPT.length + 6);
     expect(info.kvLiveBytes).toBeGreaterThan(0);
     // sink_window keeps everything in the hot set: no page selection data, no page store.
     expect(info).toMatchObject({ kvResidentBytes: info.kvLiveBytes, kvSelectionBytes: 0, kvStoredBytes: 0 });
