@@ -81,10 +81,20 @@ def test_compile_modes():
     m = TorchCausalLM.load(tiny_model_dir("llama"))
     assert m.use_step_graphs("auto") is False and m.step_runner(1) is None  # the CPU: eager pieces
     assert m.use_step_graphs("off") is False
-    with pytest.raises(ValueError, match="needs --device cuda"):
-        m.use_step_graphs("on")
+    assert m.use_step_graphs("on") is True and m.graphs.fns.compiled and not m.graphs.capture  # inductor, no capture
     with pytest.raises(ValueError, match="off, auto or on"):
         m.use_step_graphs("fast")
+
+
+@pytest.mark.slow  # three inductor compiles (~30 s on 2 cores)
+def test_inductor_segments_generate_what_eager_pieces_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    eager = _model(False)
+    compiled = _model(False)
+    compiled.graphs = StepGraphs(compiled, capture=False, compiled=True, buckets=(1, 8))
+    history = _prompt(40)
+    strategy = KVStrategy("sink_window", 4, 12)
+    assert _tokens(Engine(compiled, strategy, prefill_chunk=8), history) == _tokens(Engine(eager, strategy, prefill_chunk=8), history)
 
 
 @pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 12)], ids=lambda s: s.name)

@@ -35,9 +35,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class StepGraphs:
     """Runners by bucket, made (and captured) on first use."""
 
-    def __init__(self, model, *, capture: bool, buckets: tuple = BUCKETS):
+    def __init__(self, model, *, capture: bool, compiled: bool = False, buckets: tuple = BUCKETS):
         self.model = model
         self.capture = capture
+        self.fns = Segments(compiled)
         self.buckets = buckets
         self._runners: dict[int, _Runner] = {}
         self.capture_s = 0.0  # total time spent capturing (logged)
@@ -53,7 +54,7 @@ class StepGraphs:
         r = self._runners.get(bucket)
         if r is None:
             t0 = time.perf_counter()
-            r = self._runners[bucket] = _Runner(self.model, bucket, self.capture)
+            r = self._runners[bucket] = _Runner(self.model, bucket, self.capture, self.fns)
             dt = time.perf_counter() - t0
             self.capture_s += dt
             if self.capture:
@@ -70,8 +71,8 @@ class StepGraphs:
 
 
 class _Runner:
-    def __init__(self, model, rows: int, capture: bool):
-        self.model, self.rows = model, rows
+    def __init__(self, model, rows: int, capture: bool, fns: "Segments"):
+        self.model, self.rows, self.fns = model, rows, fns
         s = model.spec
         dev, dt = model.device, model.dtype
         with torch.inference_mode():
@@ -90,17 +91,15 @@ class _Runner:
 
     # -- segments ------------------------------------------------------------------------
     def _segment(self, i: int):
-        m, n = self.model, self.model.spec.num_layers
+        m, n, fns = self.model, self.model.spec.num_layers, self.fns
         if i == 0:
-            x = m.embed_ids(self.ids)
-        else:
-            x = m.finish(i - 1, self.outs[i - 1][0], self.o)
+            return fns.first(m, m.layers[0], self.ids, *self._rope(0))
         if i == n:
-            return x, m.final_norm(x)
-        q, k, v = m.project(i, x)
-        q, q_normed = m.position_q(i, q, self.rope)
-        k = m.position_k(i, k, self.rope)
-        return x, q, q_normed, k, v
+            return fns.last(m, m.layers[n - 1], self.outs[i - 1][0], self.o)
+        return fns.middle(m, m.layers[i - 1], m.layers[i], self.outs[i - 1][0], self.o, *self._rope(i))
+
+    def _rope(self, i: int):
+        return self.rope.for_layer(self.model.spec, i)
 
     def _capture(self) -> None:
         """Warm up on a side stream (cuBLAS handles and workspaces exist before capture), then capture
@@ -155,3 +154,35 @@ class _Runner:
         _, q, q_normed, k, v = self.outs[i]
         t = self.t
         return q[:, :t], q_normed[:, :t], k[:, :t], v[:, :t]
+
+
+def _first(m, L, ids, cos, sin):
+    """ids -> x = embed(ids) and layer 0's q, q_normed, k, v."""
+    return _qkv(m, L, m.embed_ids(ids), cos, sin)
+
+
+def _middle(m, L_prev, L, x, o, cos, sin):
+    """x and the previous layer's attention output o -> that layer's residual stream, and this layer's q, q_normed, k, v."""
+    return _qkv(m, L, m.finish_layer(L_prev, x, o), cos, sin)
+
+
+def _last(m, L_prev, x, o):
+    """The last layer's residual stream and the final-normed hidden states."""
+    x = m.finish_layer(L_prev, x, o)
+    return x, m.final_norm(x)
+
+
+def _qkv(m, L, x, cos, sin):
+    q, k, v = m.project_layer(L, x)
+    q, q_normed = m.position_q_layer(L, q, cos, sin)
+    return x, q, q_normed, m.position_k_layer(L, k, cos, sin), v
+
+
+class Segments:
+    """The three segment functions, eager or through torch.compile (inductor). A layer's weights are
+    arguments, not constants, so each function compiles once for every layer, per bucket of rows."""
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
+        self.first, self.middle, self.last = wrap(_first), wrap(_middle), wrap(_last)

@@ -87,18 +87,26 @@ class TorchCausalLM:
         self.graphs = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
 
     def use_step_graphs(self, mode: str) -> bool:
-        """--compile: "off" = every piece launched eagerly; "on" = the dense work between attentions
-        captured as CUDA graphs (graphs.py; CUDA only); "auto" = on where it measures faster, which is
-        CUDA (scripts/gpu_check.py). Returns whether graphs are used."""
+        """--compile: the step's dense work (everything but attention) as graphs.py segments.
+        off: every piece launched eagerly. on: CUDA captures the segments as CUDA graphs; the CPU runs
+        them compiled by inductor (C++), cached under $KAKEYA_HOME/inductor. auto: on where it measures
+        faster, which is CUDA (scripts/gpu_check.py); on the CPU inductor's segments measured no faster
+        than eager ones (results/research/compile_cpu.json), so auto is eager there. Returns whether
+        segments are used."""
         if mode not in ("off", "auto", "on"):
             raise ValueError(f"--compile must be off, auto or on, got {mode!r}")
-        on_cuda = self.device.type == "cuda"
-        if mode == "on" and not on_cuda:
-            raise ValueError(f"--compile on captures CUDA graphs and needs --device cuda (this model is on {self.device}); "
-                             "on the CPU use --compile off or auto")
         from inference_engine.backends.torch.graphs import StepGraphs
 
-        self.graphs = StepGraphs(self, capture=True) if on_cuda and mode != "off" else None
+        on_cuda = self.device.type == "cuda"
+        if mode == "off" or (mode == "auto" and not on_cuda):
+            self.graphs = None
+        elif on_cuda:
+            self.graphs = StepGraphs(self, capture=True)
+        else:
+            from inference_engine.model_store.store import kakeya_home
+
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kakeya_home() / "inductor"))
+            self.graphs = StepGraphs(self, capture=False, compiled=True)
         return self.graphs is not None
 
     @property
@@ -192,7 +200,18 @@ class TorchCausalLM:
 
     def project(self, layer: int, x: torch.Tensor):
         """x (T, hidden) -> raw q (H, T, D), k, v (Hkv, T, D): input norm + projections, pre-norm, pre-RoPE."""
-        s, L, t = self.spec, self.layers[layer], x.shape[0]
+        return self.project_layer(self.layers[layer], x)
+
+    def position_q(self, layer: int, q: torch.Tensor, rope: Rope):
+        return self.position_q_layer(self.layers[layer], q, *rope.for_layer(self.spec, layer))
+
+    def position_k(self, layer: int, k: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self.position_k_layer(self.layers[layer], k, *rope.for_layer(self.spec, layer))
+
+    # The pieces by layer object rather than index: graphs.py compiles each of its segments once for
+    # every layer (the layer's weights are inputs of one graph, not constants of thirty).
+    def project_layer(self, L: _Layer, x: torch.Tensor):
+        s, t = self.spec, x.shape[0]
         nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         qkv = L.wqkv(self.rms(x, L.ln_in))
         q = qkv[:, :nq].view(t, s.num_heads, s.head_dim).transpose(0, 1)
@@ -200,14 +219,14 @@ class TorchCausalLM:
         v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, s.head_dim).transpose(0, 1)
         return q, k, v
 
-    def position_q(self, layer: int, q: torch.Tensor, rope: Rope):
-        q_normed = self.rms(q, self.layers[layer].q_norm) if self.spec.qk_norm else q
-        return self.rotate(q_normed, *rope.for_layer(self.spec, layer)), q_normed
+    def position_q_layer(self, L: _Layer, q: torch.Tensor, cos, sin):
+        q_normed = self.rms(q, L.q_norm) if self.spec.qk_norm else q
+        return self.rotate(q_normed, cos, sin), q_normed
 
-    def position_k(self, layer: int, k: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def position_k_layer(self, L: _Layer, k: torch.Tensor, cos, sin) -> torch.Tensor:
         if self.spec.qk_norm:
-            k = self.rms(k, self.layers[layer].k_norm)
-        return self.rotate(k, *rope.for_layer(self.spec, layer))
+            k = self.rms(k, L.k_norm)
+        return self.rotate(k, cos, sin)
 
     def attend(self, layer: int, q, k, v, mask) -> torch.Tensor:
         s = self.spec
@@ -219,7 +238,10 @@ class TorchCausalLM:
 
     def finish(self, layer: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output o (H, T, D) -> residual stream after the output projection and MLP."""
-        s, L = self.spec, self.layers[layer]
+        return self.finish_layer(self.layers[layer], x, o)
+
+    def finish_layer(self, L: _Layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        s = self.spec
         o = L.wo(o.transpose(0, 1).reshape(x.shape[0], -1))
         if s.gemma_norms:
             x = x + self.rms(o, L.ln_post_attn)
