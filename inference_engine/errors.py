@@ -34,6 +34,12 @@ class CapacityExhausted(KakeyaError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class TooManyPendingTokens(KakeyaError):
+    """A session would hold more appended-but-not-prefilled tokens than the daemon allows (--max-pending-tokens)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class CacheInvariantError(KakeyaError):
     """INV-1 / INV-2 violated inside a cache mutation: a bug; the session is failed and freed."""
 

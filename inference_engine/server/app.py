@@ -185,7 +185,8 @@ def build_runtime(cfg: ServeConfig, model=None) -> Runtime:
     engine.batcher.model_thread = mt
     persister = mt.call(lambda: build_persister(cfg, engine))
     mt.call(lambda: warm(engine, persister))
-    return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl, persister=persister)
+    return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl, persister=persister,
+                   max_append_tokens=cfg.max_append_tokens, max_pending_tokens=cfg.max_pending_tokens)
 
 
 def warm(engine, persister) -> None:
@@ -271,6 +272,9 @@ def check_before_loading(cfg: ServeConfig) -> None:
     check_backend_flags(cfg, cfg.backend)
     if cfg.persist not in ("off", "turn"):
         raise ConfigError(f"--persist must be 'off' or 'turn', got {cfg.persist!r}")
+    for flag, n in (("--max-append-tokens", cfg.max_append_tokens), ("--max-pending-tokens", cfg.max_pending_tokens)):
+        if n < 0:
+            raise ConfigError(f"{flag} takes a token count >= 0 (0 = no limit), got {n}")
     for flag, port in (("--http-port", cfg.http_port), ("--metrics-port", cfg.metrics_port)):
         if port:
             check_port_free(flag, host or "127.0.0.1", port)

@@ -63,6 +63,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--persist", default=d.persist, choices=("off", "turn"),
                    help="turn: save each session after every turn, spill evicted sessions to disk and resume them after a "
                         "restart or crash; off: sessions live in memory only")
+    p.add_argument("--max-append-tokens", type=_limit, default=d.max_append_tokens, metavar="N",
+                   help="most tokens one AppendTokens (or CreateSession) may carry; more answers INVALID_ARGUMENT (0 = no limit)")
+    p.add_argument("--max-pending-tokens", type=_limit, default=d.max_pending_tokens, metavar="N",
+                   help="most tokens a session may hold appended but not yet prefilled (Generate prefills them); an append "
+                        "past it answers RESOURCE_EXHAUSTED (0 = no limit)")
     _add_research(p, d.research)
     p.set_defaults(func=_run_serve)
 
@@ -97,6 +102,16 @@ def _threads(value: str):
     return n
 
 
+def _limit(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a token count >= 0 (0 = no limit), got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"takes a token count >= 0 (0 = no limit), got {n}")
+    return n
+
+
 def serve_config(args) -> ServeConfig:
     """The ServeConfig that `kakeya serve` arguments describe."""
     return ServeConfig(
@@ -127,6 +142,8 @@ def serve_config(args) -> ServeConfig:
         spec_k=args.spec_k,
         state_dir=args.state_dir,
         persist=args.persist,
+        max_append_tokens=args.max_append_tokens,
+        max_pending_tokens=args.max_pending_tokens,
         research=ResearchOptions(
             restore_from=args.research_restore_from,
             restore_refresh=args.research_restore_refresh,

@@ -55,6 +55,11 @@ class ServeConfig:
     spec_k: int = 4
     state_dir: str | None = None  # persisted sessions; None = $KAKEYA_STATE_DIR, else $KAKEYA_HOME/state
     persist: str = "turn"  # turn: save each session after every turn (spill, resume) | off: memory only
+    # One client's paste must not queue minutes of prefill in a daemon others use interactively: at most
+    # this many tokens per AppendTokens / CreateSession (2x SmolLM2's 8k context), and per session appended
+    # but not yet prefilled (0 = no limit). At ~450 prefill tok/s on 2 cores, 32k pending is ~70 s of work.
+    max_append_tokens: int = 16384
+    max_pending_tokens: int = 32768
     research: ResearchOptions = field(default_factory=ResearchOptions)
 
 

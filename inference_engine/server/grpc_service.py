@@ -143,6 +143,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             drafter=i.drafter,
             spec_k=i.spec_k,
             persistence=self._persistence(),
+            max_append_tokens=i.max_append_tokens,
+            max_pending_tokens=i.max_pending_tokens,
         )
 
     def _persistence(self) -> pb.PersistenceInfo:

@@ -70,13 +70,16 @@ class ServerInfo:
     drafter: str
     spec_k: int
     kv_params: Mapping[str, str] = field(default_factory=dict)  # the strategy's parameters (StrategyInfo.as_dict())
+    max_append_tokens: int = 0  # per AppendTokens / CreateSession (0 = no limit)
+    max_pending_tokens: int = 0  # appended but not yet prefilled, per session (0 = no limit)
 
 
 class Runtime:
     def __init__(self, engine: Engine, *, capacity: int = 16, idle_ttl_s: float = 1800.0, metrics: RuntimeMetrics | None = None,
-                 persister: SessionPersister | None = None):
+                 persister: SessionPersister | None = None, max_append_tokens: int = 0, max_pending_tokens: int = 0):
         """persister: where sessions are saved after each turn, spilled on eviction and loaded from
-        on first use (None = sessions live in memory only)."""
+        on first use (None = sessions live in memory only). max_append_tokens / max_pending_tokens:
+        the store's per-call and per-session token limits (0 = none; `kakeya serve` sets both)."""
         self.engine = engine
         self.persister = persister
         self.model_info: ModelInfo = engine.model_info
@@ -100,6 +103,8 @@ class Runtime:
                                                     m.session_load_duration_seconds.observe(seconds)),
             ),
             persister=persister,
+            max_append_tokens=max_append_tokens,
+            max_pending_tokens=max_pending_tokens,
         )
         m.session_active.set_function(lambda: len(self.store))
         m.session_kv_live_bytes.set_function(self.store.kv_live_bytes)
@@ -233,4 +238,6 @@ class Runtime:
             drafter=e.drafter_name,
             spec_k=e.spec_k,
             kv_params=strategy.as_dict(),
+            max_append_tokens=self.store.max_append_tokens,
+            max_pending_tokens=self.store.max_pending_tokens,
         )

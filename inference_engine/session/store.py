@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from inference_engine.errors import (CacheInvariantError, ContextExhausted, InvalidArgument, SessionNotFound,
-                                     SessionStateUnusable)
+                                     SessionStateUnusable, TooManyPendingTokens)
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +177,18 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
         events: StoreEvents | None = None,
         persister: SessionPersister | None = None,
+        max_append_tokens: int = 0,
+        max_pending_tokens: int = 0,
     ):
+        """max_append_tokens: most tokens one AppendTokens (or CreateSession) may carry; max_pending_tokens:
+        most tokens a session may hold appended but not yet prefilled (0 = no limit): one client's paste
+        cannot queue unbounded prefill work in a daemon that others use interactively."""
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if max_append_tokens < 0 or max_pending_tokens < 0:
+            raise ValueError(f"token limits must be >= 0 (0 = none), got max_append_tokens={max_append_tokens} "
+                             f"max_pending_tokens={max_pending_tokens}")
+        self.max_append_tokens, self.max_pending_tokens = max_append_tokens, max_pending_tokens
         self.vocab_size = vocab_size
         self.kv_factory = kv_factory
         self.capacity = capacity
@@ -206,6 +215,21 @@ class SessionStore:
             )
         return ids
 
+    def _check_append_size(self, n: int, what: str) -> None:
+        if self.max_append_tokens and n > self.max_append_tokens:
+            raise InvalidArgument(
+                f"{what} has {n} tokens, more than one call may carry (--max-append-tokens {self.max_append_tokens}); "
+                f"nothing was appended. Send it in pieces of at most {self.max_append_tokens} tokens"
+            )
+
+    def _check_pending(self, pending: int, extra: int) -> None:
+        if self.max_pending_tokens and pending + extra > self.max_pending_tokens:
+            raise TooManyPendingTokens(
+                f"the session would hold {pending + extra} tokens not yet prefilled ({pending} already pending), more "
+                f"than --max-pending-tokens {self.max_pending_tokens}; nothing was appended. Run Generate (it prefills "
+                f"what is pending) before appending more"
+            )
+
     def _check_length(self, session_len: int, extra: int) -> None:
         if self.history_limit is not None and session_len + extra > self.history_limit:
             raise ContextExhausted(
@@ -217,6 +241,8 @@ class SessionStore:
     # -- lifecycle --------------------------------------------------------------------
     def create(self, initial_tokens: Sequence[int] = (), eos_token_ids: Iterable[int] | None = None, *,
                ephemeral: bool = False) -> Session:
+        self._check_append_size(len(initial_tokens), "initial_tokens")
+        self._check_pending(0, len(initial_tokens))
         initial = self._check_tokens(initial_tokens, "initial_tokens")
         self._check_length(0, len(initial))
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos_token_ids
@@ -306,8 +332,10 @@ class SessionStore:
     def append(self, session_id: str, token_ids: Sequence[int]) -> Session:
         if len(token_ids) == 0:
             raise InvalidArgument("token_ids is empty; append at least one token")
+        self._check_append_size(len(token_ids), "token_ids")
         ids = self._check_tokens(token_ids, "token_ids")
         with self._held(session_id) as s:  # appends wait for an in-flight Generate, keeping history append-only
+            self._check_pending(len(s.history) - s.kv.next_position, len(ids))
             self._check_length(len(s.history), len(ids))
             s.history.extend(ids)
             s.last_access = self.clock()

@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from inference_engine.errors import CacheInvariantError, CapacityExhausted, ContextExhausted, InvalidArgument, SessionNotFound
+from inference_engine.errors import (CacheInvariantError, CapacityExhausted, ContextExhausted, InvalidArgument, SessionNotFound,
+                                     TooManyPendingTokens)
 from inference_engine.session.store import SessionStore, StoreEvents
 
 
@@ -135,3 +136,25 @@ def test_one_generation_per_session_at_a_time():
         order.append("first-done")
     t.join()
     assert order == ["first-done", "second"]
+
+
+def test_appends_are_capped_per_call_and_pending_tokens_per_session():
+    st, _ = store(max_append_tokens=8, max_pending_tokens=12)
+    with pytest.raises(InvalidArgument, match=r"token_ids has 1000000 tokens, more than one call may carry \(--max-append-tokens 8\)"):
+        st.append(st.create().id, [1] * 1_000_000)
+    with pytest.raises(InvalidArgument, match=r"initial_tokens has 9 tokens.*--max-append-tokens 8"):
+        st.create([1] * 9)
+    s = st.create([1] * 8)
+    st.append(s.id, [2] * 4)  # 12 pending: at the limit
+    with pytest.raises(TooManyPendingTokens, match=r"would hold 13 tokens not yet prefilled \(12 already pending\), more than "
+                                                  r"--max-pending-tokens 12.*Run Generate") as e:
+        st.append(s.id, [3])
+    assert e.value.code == "RESOURCE_EXHAUSTED" and len(s.history) == 12  # nothing was appended
+    s.kv = FakeKV()
+    s.kv.next_position = 12  # a Generate prefilled them
+    st.append(s.id, [3] * 8)
+    assert len(s.history) == 20
+    unlimited, _ = store()
+    assert len(unlimited.create([1] * 100_000).history) == 100_000  # 0 = no limit (the store's default)
+    with pytest.raises(ValueError, match="token limits must be >= 0"):
+        store(max_pending_tokens=-1)

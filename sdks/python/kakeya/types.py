@@ -112,6 +112,10 @@ class ServerInfo:
     # "sink" / "window" for bounded strategies, research keys for research strategies.
     kv_params: Mapping[str, str] = field(default_factory=dict)
     persistence: PersistenceInfo = field(default_factory=PersistenceInfo)
+    # Most tokens one append (or create_session's initial tokens) may carry, and most a session may
+    # hold appended but not yet prefilled (generate prefills them); 0 = no limit.
+    max_append_tokens: int = 0
+    max_pending_tokens: int = 0
 
     @property
     def sink(self) -> int:
@@ -135,6 +139,7 @@ class ServerInfo:
             r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name,
             r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
             dict(sorted(k.params.items())), PersistenceInfo(r.persistence.mode, r.persistence.state_dir),
+            r.max_append_tokens, r.max_pending_tokens,
         )
 
 

@@ -112,6 +112,10 @@ export interface ServerInfo {
   readonly drafter: string;
   readonly specK: number;
   readonly persistence: PersistenceInfo;
+  /** Most tokens one append (or createSession's initialTokens) may carry; 0 = no limit. */
+  readonly maxAppendTokens: number;
+  /** Most tokens a session may hold appended but not yet prefilled (generate prefills them); 0 = no limit. */
+  readonly maxPendingTokens: number;
 }
 
 export function generationResult(done: DoneEvent, tokens: readonly number[], truncated: readonly HistoryTruncation[]): GenerationResult {
@@ -172,5 +176,7 @@ export function serverInfo(r: GetServerInfoResponse): ServerInfo {
     drafter: r.drafter,
     specK: r.specK,
     persistence: { mode: r.persistence?.mode ?? "", stateDir: r.persistence?.stateDir ?? "" },
+    maxAppendTokens: r.maxAppendTokens,
+    maxPendingTokens: r.maxPendingTokens,
   };
 }

@@ -32,6 +32,7 @@ describe("server info", () => {
     expect(info.sessionCapacity).toBeGreaterThan(0);
     // The suite's open daemon saves every turn under a state directory of its own (daemon.ts).
     expect(info.persistence.mode).toBe("turn");
+    expect(info).toMatchObject({ maxAppendTokens: 16384, maxPendingTokens: 32768 }); // kakeya serve's defaults
     expect(path.basename(info.persistence.stateDir)).toMatch(/^kakeya-ts-state-/);
     // Research knobs are no part of the product surface: they are not typed fields.
     expect(Object.keys(info).filter((key) => key.startsWith("restore"))).toEqual([]);
