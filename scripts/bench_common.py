@@ -31,6 +31,26 @@ def command_line() -> str:
     return shlex.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
 
 
+def cpu_info() -> dict:
+    """The CPU's model name and vector ISA: torch's dispatch level (DEFAULT / AVX2 / AVX512 / ...) and the
+    flags that decide the quantized kernels' speed (bf16 is emulated without avx512_bf16 or AMX)."""
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    return {"model": model, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "flags": [f for f in wanted if f in flags]}
+
+
 def run_metadata(config: dict) -> dict:
     """Provenance every results JSON carries: command, commit, dirty flag, date, machine (and its accelerator), config."""
     commit, dirty = git_state()
@@ -44,6 +64,7 @@ def run_metadata(config: dict) -> dict:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_info(),
             "cpu_count": os.cpu_count(),
             "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__,
