@@ -1,0 +1,77 @@
+"""scripts/gpu_check.py's CPU smoke run (`--device cpu --quick`) on a tiny random-weight model: every
+section runs, the JSON has the shape a GPU run's will have, the engine's greedy tokens equal
+transformers' (fp32, `full`), and the run is labelled so it is never taken for GPU figures.
+Nothing here reads a timing."""
+import json
+import pathlib
+import subprocess
+import sys
+
+from factories import tiny_model_dir
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+STRATEGIES = ("full", "sink_window", "paged", "dlm_restore")
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    r = run("--model-dir", str(tiny_model_dir("llama")), "--device", "cpu", "--quick", "--threads", "1", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+
+    assert doc["label"].startswith("cpu-smoke") and doc["device"]["kind"] == "cpu-smoke"
+    assert doc["command"].startswith("scripts/gpu_check.py ") and doc["commit"] and doc["complete"]
+    assert doc["cpu"]["model"] and doc["versions"]["torch"] and doc["versions"]["transformers"]
+    sections = doc["sections"]
+    assert set(sections) == {"correctness", "runs", "decode_batch1", "aggregate", "ngram", "transformers_eager",
+                             "transformers_static_compiled"}
+    assert all("wall_s" in s for s in sections.values())
+    assert {k for k, s in sections.items() if s["status"] != "ok"} == {"transformers_static_compiled"}
+    assert "cpu" in sections["transformers_static_compiled"]["reason"]  # skipped on the CPU by default, with its reason
+
+    # engine (full, fp32) == transformers generate, token for token, with the step's compile off and auto
+    corr = sections["correctness"]
+    modes = ("off", "auto") if doc["compile_supported"] else ("off",)
+    assert set(corr["by_compile"]) == set(modes) and corr["all_identical"] is True
+    for mode in modes:
+        rows = corr["by_compile"][mode]["per_prompt"]
+        assert len(rows) == 2 and all(row["identical"] and row["tokens"] == corr["tokens"] for row in rows)
+
+    runs = sections["runs"]
+    assert all(runs["strategies"][s]["status"] == "ok" for s in STRATEGIES), runs["strategies"]
+    paged = runs["strategies"]["paged"]
+    assert paged["stored_bytes"] > 0 and paged["page_recalls"] > 0 and paged["dropped_tokens"] == 0
+    assert runs["strategies"]["sink_window"]["dropped_tokens"] > 0  # the history really outgrew sink + window
+    ngram = runs["drafters"]["ngram"]
+    assert ngram["status"] == "ok" and ngram["identical_to_plain_full"] is True
+    for name in ("smollm2-135m-dflash", "smollm2-135m-dlm"):  # made for SmolLM2's vocabulary, not the tiny model's
+        assert runs["drafters"][name]["status"] == "skipped" and runs["drafters"][name]["reason"]
+
+    arms = sections["decode_batch1"]["arms"]
+    assert set(arms) == {f"{s}/compile={m}" for s in STRATEGIES for m in modes}
+    assert all(a["status"] == "ok" and a["decode_tok_s"] > 0 for a in arms.values())
+    levels = sections["aggregate"]["levels"]
+    assert set(levels) == {"1", "4", "16"} and sections["aggregate"]["arm"]["batching"] is True
+    for n, level in levels.items():
+        assert level["status"] == "ok" and level["tokens"] == int(n) * sections["aggregate"]["tokens_per_session"]
+    assert sections["ngram"]["identical_to_plain"] is True and sections["ngram"]["k"] == 4
+    assert sections["transformers_eager"]["generated"] == sections["transformers_eager"]["tokens"]
+
+    assert doc["targets"]["applies"] is False
+    assert doc["targets"]["correctness_full_identical_to_transformers"]["met"] is True
+    assert doc["targets"]["paged_runs_and_recalls"]["met"] is True
+    assert doc["targets"]["every_strategy_and_drafter_runs"]["met"] is True
+    assert doc["targets"]["batch1_ge_3x_transformers_static_compiled"]["met"] is None  # no compiled control on the CPU
+
+
+def test_a_cpu_run_never_writes_the_gpu_results_file():
+    before = (REPO / "results" / "gpu_check.json").stat().st_mtime if (REPO / "results" / "gpu_check.json").exists() else None
+    r = run("--model-dir", str(tiny_model_dir("llama")), "--device", "cpu", "--quick", timeout=60)
+    assert r.returncode == 2 and "writes no GPU figures" in r.stderr
+    after = (REPO / "results" / "gpu_check.json").stat().st_mtime if (REPO / "results" / "gpu_check.json").exists() else None
+    assert after == before
