@@ -6,14 +6,8 @@ import signal
 import threading
 from concurrent import futures
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from inference_engine.server.config import ConfigError, ResearchOptions, ServeConfig, check_exposure, split_bind
-from inference_engine.server.grpc_service import ApiKeyInterceptor, RuntimeServicer, add_runtime_service
 from inference_engine.server.runtime import Runtime
-from kakeya_wire.v1 import runtime_pb2 as pb
 
 # Config names stay importable from here (scripts and tests build servers through this module).
 __all__ = ["ConfigError", "ResearchOptions", "RunningServer", "ServeConfig", "build_engine", "build_runtime", "check_exposure",
@@ -290,7 +284,15 @@ def check_before_loading(cfg: ServeConfig) -> None:
 
 def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     """Serve `runtime` (built from `cfg` when not given: then every check that needs no model, and
-    the port's bind, come before the model loads)."""
+    the port's bind, come before the model loads). gRPC and the wire stubs are imported here, not at
+    the top: building an engine or a runtime in-process (benches, scripts/gpu_check.py) needs neither."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from inference_engine.server.grpc_service import ApiKeyInterceptor, RuntimeServicer, add_runtime_service
+    from kakeya_wire.v1 import runtime_pb2 as pb
+
     check_exposure(cfg)
     if runtime is None:
         check_before_loading(cfg)
