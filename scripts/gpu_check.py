@@ -382,11 +382,7 @@ class Models:
 
 def step_kind(model) -> dict:
     """How the model runs a step's dense work: eager pieces, CUDA graphs, or inductor-compiled segments."""
-    g = getattr(model, "graphs", None)
-    if g is None:
-        return {"step": "eager"}
-    return {"step": "cuda graphs" if g.capture else "compiled segments", "graph_buckets_made": sorted(getattr(g, "_runners", {})),
-            "graph_capture_s": round(getattr(g, "capture_s", 0.0), 3)}
+    return model.describe_step()
 
 
 class Arm:

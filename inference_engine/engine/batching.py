@@ -18,7 +18,9 @@ forward fails is retried one step at a time, so a session's bad step fails only 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -47,7 +49,7 @@ class BatchStats:
 
 class StepBatcher:
     def __init__(self, prefill_budget: int, *, row_budget: int = 64, small_step: int = 16, batching: bool = True,
-                 model_thread=None):
+                 model_thread=None, gather_s: float = 0.002):
         """prefill_budget: prefill tokens per forward; row_budget: decode/verify rows per forward
         (a step of at most `small_step` tokens counts as one of those). model_thread: a ModelThread
         that runs every forward (the daemon's; see model_thread.py), or None to run them on the
@@ -59,6 +61,23 @@ class StepBatcher:
         self._cond = threading.Condition()
         self._queue: deque[_Pending] = deque()
         self._busy = False
+        self._active = 0  # sessions inside a generate/prefill loop (engaged): a leader waits for their steps
+        self.gather_s = gather_s
+
+    @contextlib.contextmanager
+    def engaged(self):
+        """A session's generate (or prefill) loop: while engaged it submits step after step, so a leader
+        holds the forward until every engaged session's next step is queued, or `gather_s` has passed
+        (a session busy elsewhere, e.g. drafting, delays the others by at most that). Without it,
+        whichever session returns first leads with a batch of one while the others are still sampling."""
+        with self._cond:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
 
     def run(self, backend, inputs: list) -> list:
         """steps.forward_batch's signature for one session's step: blocks until it has run."""
@@ -67,10 +86,17 @@ class StepBatcher:
         with self._cond:
             self._queue.append(me)
             self.stats.queue_depth = len(self._queue)
+            self._cond.notify_all()  # a leader gathering steps counts this one
             while not me.done:
                 if self._busy:
                     self._cond.wait()
                     continue
+                if self.batching and len(self._queue) < self._active:
+                    deadline = time.monotonic() + self.gather_s
+                    while len(self._queue) < self._active and not self._busy and (left := deadline - time.monotonic()) > 0:
+                        self._cond.wait(left)
+                    if self._busy or me.done:  # another thread led meanwhile
+                        continue
                 batch = self._take()
                 self._busy = True
                 self._cond.release()

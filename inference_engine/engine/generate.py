@@ -151,6 +151,10 @@ class Engine:
         """Prefill what `history` holds past the cache, then decode. Yields TokenGenerated /
         HistoryTruncated events, then one GenerationDone. `history` is read, never written.
         Times count from `arrived_at` (a perf_counter reading; default: now)."""
+        with self.batcher.engaged():  # its steps come one after another: forwards wait briefly to batch them
+            yield from self._generate(kv, history, params, should_stop, arrived_at)
+
+    def _generate(self, kv, history, params, should_stop, arrived_at) -> Iterator:
         t0 = time.perf_counter() if arrived_at is None else arrived_at
         pending = history[kv.next_position :]
         if not pending and kv.last_logits is None:

@@ -62,6 +62,12 @@ class StepGraphs:
                          self.model.spec.num_layers + 1)
         return r
 
+    def describe(self) -> dict:
+        """How the step's dense work runs, for logs and reports: the mode, the buckets made so far and
+        the seconds spent making them (capture, or inductor compiles on first use)."""
+        return {"step": "cuda graphs" if self.capture else ("inductor segments" if self.fns.compiled else "segments"),
+                "buckets": list(self.buckets), "buckets_made": sorted(self._runners), "make_s": round(self.capture_s, 3)}
+
     def prepare(self, rows: tuple = BUCKETS) -> float:
         """Capture the runners for these buckets now (at startup); returns the seconds it took."""
         t0 = time.perf_counter()

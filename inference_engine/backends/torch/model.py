@@ -118,6 +118,10 @@ class TorchCausalLM:
     def attend_decode_batch(self, layer: int, q, kvs, layouts, scratch: dict):
         return attend_decode_batch(self, layer, q, kvs, layouts, scratch)
 
+    def describe_step(self) -> dict:
+        """How a step's dense work runs (--compile): eager pieces, or graphs.StepGraphs.describe()."""
+        return {"step": "eager"} if self.graphs is None else self.graphs.describe()
+
     def step_runner(self, rows: int):
         """The runner of a step of `rows` rows through captured graphs, or None (run the pieces one by one)."""
         return self.graphs.runner(rows) if self.graphs is not None else None
