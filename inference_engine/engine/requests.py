@@ -2,6 +2,7 @@
 the session layer and the servers build and read these without loading a framework."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from inference_engine.errors import InvalidArgument
@@ -19,8 +20,8 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
-        if self.temperature < 0 or self.temperature != self.temperature:
-            raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:  # inf would divide every logit to 0: uniform noise
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:

@@ -27,11 +27,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sessions", help="list, remove and clean up persisted sessions")
     p.add_argument("--state-dir", default=None, help="the daemon's --state-dir (default: $KAKEYA_HOME/state)")
     sub = p.add_subparsers(dest="sessions_command", metavar="{list,rm,gc}")
-    sub.add_parser("list", help="persisted sessions: id, history length, bytes on disk, last save, model, strategy")
+    ls = sub.add_parser("list", help="persisted sessions: id, history length, bytes on disk, last save, model, strategy")
     rm = sub.add_parser("rm", help="delete persisted sessions (a running daemon still holding one in memory saves it "
                                    "again on its next turn: close it with CloseSession instead)")
     rm.add_argument("ids", nargs="+", metavar="ID")
     gc = sub.add_parser("gc", help="remove leftovers of interrupted saves; optionally old sessions and set-aside files")
+    for command in (ls, rm, gc):  # `sessions list --state-dir DIR` as well as `sessions --state-dir DIR list`
+        command.add_argument("--state-dir", default=argparse.SUPPRESS, help="the daemon's --state-dir")
     gc.add_argument("--older-than", type=_age, default=None, metavar="AGE",
                     help="also remove sessions not saved for AGE (e.g. 7d, 12h)")
     gc.add_argument("--quarantine", action="store_true", help="also empty quarantine/ (sessions that could not be resumed)")

@@ -50,6 +50,7 @@ from inference_engine.server.http_text import ModelText, StopMatcher, TokenizerU
 from inference_engine.server.runtime import MAX_TOKENS_PER_CALL, Runtime
 
 log = logging.getLogger(__name__)
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # what the OpenAI API accepts
 
 _CREATED, _END = object(), object()
 
@@ -200,6 +201,11 @@ class HttpShim:
             raise ShimError(400, f"model {self.model_id!r} ships no chat template, so the shim cannot render messages; "
                                  f"use /v1/completions with a raw prompt, or the gRPC API with your own token ids",
                             param="messages", code="chat_template_missing")
+        for i, m in enumerate(body.messages):  # a template would render any role name as text: refuse it, as OpenAI does
+            role = m.get("role")
+            if isinstance(role, str) and role not in OPENAI_ROLES:
+                raise ShimError(400, f"messages[{i}].role {role[:40]!r} is not a chat role; use one of "
+                                     f"{', '.join(OPENAI_ROLES)}", param=f"messages[{i}].role")
         try:
             prompt = self.text.render_chat(body.messages)
         except (ValueError, TypeError, KeyError) as e:

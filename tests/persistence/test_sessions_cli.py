@@ -32,6 +32,9 @@ def test_list_rm_gc(tmp_path, capsys):
     out = capsys.readouterr().out
     assert all(i in out for i in (a, b, c)) and "12 tokens" in out and "tiny-llama" in out and "full" in out
 
+    assert main(["sessions", "list", "--state-dir", str(tmp_path)]) == 0  # the flag after the subcommand works too
+    assert capsys.readouterr().out == out
+
     assert main(["sessions", "--state-dir", str(tmp_path), "rm", a, "nosuchsession"]) == 1
     assert not StateDir(tmp_path).has(a) and StateDir(tmp_path).has(b)
     assert "nosuchsession" in capsys.readouterr().err

@@ -64,6 +64,8 @@ def test_scripted_chat_streams_appends_deltas_and_resets(daemon, tokenizer):
         (sid1, hist1, kv1), (sid2, hist2, _kv2) = infos
         assert sid1 == first_session and int(hist1) == p1 + g1 + (p2 - 1) + g2 and int(kv1) > 0
         assert new_session != first_session and (sid2, hist2) == (new_session, "0")
+        # the window is preallocated: /info says the bytes are allocated and how many positions are used
+        assert "bytes allocated" in text and re.search(r"\d+ of 1024 resident positions", text)
         for closed in (first_session, new_session):  # /reset closed the first one, /quit the second
             with pytest.raises(kakeya.SessionNotFoundError):
                 client.session(closed).info()
@@ -96,3 +98,72 @@ def test_cli_registers_chat():
 def test_no_daemon_says_how_to_start_one(capsys):
     assert main(["--address", "127.0.0.1:1"]) == 1
     assert "make run" in capsys.readouterr().err
+
+
+def test_a_wrong_or_missing_api_key_is_one_line(capsys):
+    from factories import make_engine, start_server
+
+    running = start_server(make_engine("llama", "full"), api_key="right")
+    capsys.readouterr()  # (building the tiny model reports progress)
+    try:
+        for extra, said in ((["--api-key", "wrong"], "the API key given was refused"), ([], "the daemon requires an API key")):
+            assert main(["--address", f"127.0.0.1:{running.port}", *extra]) == 2
+            err = capsys.readouterr().err
+            assert said in err and "--api-key" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    finally:
+        running.stop()
+
+
+def test_the_address_comes_from_kakeya_address(monkeypatch, capsys):
+    monkeypatch.setenv("KAKEYA_ADDRESS", "127.0.0.1:1")
+    assert main([]) == 1 and "no daemon at 127.0.0.1:1" in capsys.readouterr().err
+    assert kakeya.Client().target == "127.0.0.1:1"
+
+
+class StopsTheDaemon(io.StringIO):
+    """Scripted input that stops the daemon when the chat asks for line `at` (the daemon dies mid-chat)."""
+
+    def __init__(self, text, at, stop):
+        super().__init__(text)
+        self.at, self.stop, self.read = at, stop, 0
+
+    def readline(self, *a):
+        self.read += 1
+        if self.read == self.at:
+            self.stop()
+        return super().readline(*a)
+
+
+@pytest.mark.model
+def test_chat_prints_its_session_and_reattaches_after_the_daemon_went_away(tmp_path, tokenizer, monkeypatch, capsys):
+    from inference_engine.server.app import ServeConfig, start
+
+    cfg = ServeConfig(bind="127.0.0.1:0", model=str(require_smollm2()), capacity=4, state_dir=str(tmp_path))
+    first = start(cfg)
+    monkeypatch.setattr("sys.stdin", StopsTheDaemon("Say hello in French.\nNow in German.\n", at=2, stop=first.stop))
+    assert main(["--address", f"127.0.0.1:{first.port}", "--max-tokens", "8"]) == 1
+    out, err = capsys.readouterr()
+    sid = re.search(r"kakeya chat --session (\S+)\)", out).group(1)  # printed when the chat started
+    assert f"lost the daemon at 127.0.0.1:{first.port}" in err and f"`kakeya chat --session {sid}`" in err
+    first_turn = int(re.search(r"\[(\d+) tokens", out).group(1))
+
+    second = start(cfg)  # the daemon is back: the session was saved after its turn
+    try:
+        with kakeya.Client(f"127.0.0.1:{second.port}") as c:
+            held = c.session(sid).history()
+        monkeypatch.setattr("sys.stdin", io.StringIO("Now in German.\n/quit\n"))
+        assert main(["--address", f"127.0.0.1:{second.port}", "--max-tokens", "8", "--session", sid]) == 0
+        out = capsys.readouterr().out
+        assert f"reattached to session {sid} ({len(held)} tokens)" in out and first_turn >= 1
+        generated, prefilled = map(int, re.search(r"\[(\d+) tokens.*?prefilled (\d+) new tokens", out).groups())
+        # Only the new turn went in: the closing of the last reply, the user message and the assistant prompt.
+        mirror = ChatHistory(tokenizer)  # the same conversation never interrupted
+        first_prompt = mirror.user("Say hello in French.")
+        mirror.assistant(held[len(first_prompt):])
+        assert prefilled == 1 + len(mirror.user("Now in German.")) and generated >= 1  # + the reply's last token, pending
+        with pytest.raises(kakeya.SessionNotFoundError):  # /quit closed it
+            kakeya.Client(f"127.0.0.1:{second.port}").session(sid).info()
+        assert main(["--address", f"127.0.0.1:{second.port}", "--session", sid]) == 2
+        assert "does not exist" in capsys.readouterr().err
+    finally:
+        second.stop()

@@ -233,13 +233,18 @@ def test_unknown_session_ids_are_not_found(daemon, sid, op):
 
 
 def generate_problem(max_tokens: int, temperature: float, top_k: int, top_p: float) -> str | None:
-    """The field the server must name (None: valid). top_p 0 on the wire means 'off'."""
-    if not 1 <= max_tokens <= MAX_TOKENS_PER_CALL:
-        return "max_tokens"
-    if math.isnan(temperature) or temperature < 0:
+    """The field the answer must name (None: valid). The SDK refuses what the wire cannot carry first
+    (non-finite floats, a negative top_k), then the server checks ranges. top_p 0 on the wire means 'off'."""
+    if not math.isfinite(temperature):
         return "temperature"
     if top_k < 0:
         return "top_k"
+    if not math.isfinite(top_p):
+        return "top_p"
+    if not 1 <= max_tokens <= MAX_TOKENS_PER_CALL:
+        return "max_tokens"
+    if temperature < 0:
+        return "temperature"
     if not 0 <= (top_p or 1.0) <= 1:
         return "top_p"
     return None
@@ -513,7 +518,8 @@ class SessionsMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3), max_tokens=st.sampled_from([0, 2**32 - 1]), top_p=st.sampled_from([1.5, -0.5, float("nan")]))
     def generate_bad_params(self, i, max_tokens, top_p):
         s, _ = self.pick(i)
-        expect(call(self.PROP, "Generate", lambda: list(s.generate(max_tokens, temperature=1.0, top_p=top_p))), "INVALID_ARGUMENT", "max_tokens")
+        named = "top_p" if math.isnan(top_p) else "max_tokens"  # the SDK refuses a NaN before the server sees max_tokens
+        expect(call(self.PROP, "Generate", lambda: list(s.generate(max_tokens, temperature=1.0, top_p=top_p))), "INVALID_ARGUMENT", named)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 3))

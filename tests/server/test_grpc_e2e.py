@@ -103,6 +103,21 @@ def test_bad_generate_params(client):
             list(empty.generate(max_tokens=2))
 
 
+def test_the_server_refuses_an_infinite_temperature(client, server):
+    """Decided once, in the server: a raw-wire client (no SDK check) gets INVALID_ARGUMENT too."""
+    from kakeya_wire.v1 import runtime_pb2 as pb
+    from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
+
+    with client.create_session([5, 6]) as s, grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        stub = pb_grpc.RuntimeServiceStub(ch)
+        for t in (float("inf"), float("nan")):
+            req = pb.GenerateRequest(session_id=s.id, max_tokens=2, sampling=pb.SamplingParams(temperature=t))
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature must be a finite number" in e.value.details()
+        assert s.history() == [5, 6]
+
+
 def test_client_cancel_mid_stream_keeps_session_usable(client, server):
     with client.create_session(history(20, 3), ignore_eos=True) as s:
         gen = s.generate(max_tokens=10_000)

@@ -246,6 +246,7 @@ def test_malformed_bodies_are_400_in_openai_shape(shim):
         (json.dumps({"messages": MESSAGES, "n": 2}).encode(), "n"),
         (json.dumps({"messages": MESSAGES, "stop": [""]}).encode(), "stop"),
         (json.dumps({"messages": [{"content": "no role"}]}).encode(), "messages"),
+        (json.dumps({"messages": [*MESSAGES, {"role": "wizard", "content": "x"}]}).encode(), "messages[2].role"),
     ]:
         r = httpx.post(f"{shim.url}/chat/completions", content=body, headers=auth)
         assert r.status_code == 400, (body, r.text)

@@ -5,8 +5,10 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from kakeya.client import default_address
 from kakeya.errors import KakeyaError, from_rpc_error
-from kakeya.types import GenerateStream, GenerationResult, ServerInfo, SessionInfo, generate_request, note_durability
+from kakeya.requests import append_request, create_request, generate_request, history_request
+from kakeya.types import GenerateStream, GenerationResult, ServerInfo, SessionInfo, note_durability
 from kakeya_wire.v1 import runtime_pb2 as pb
 from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -23,7 +25,7 @@ class AsyncSession:
         self.save_error = ""
 
     async def append(self, token_ids: Sequence[int]) -> int:
-        r = await self._client._call(self._client._stub.AppendTokens, pb.AppendTokensRequest(session_id=self.id, token_ids=list(token_ids)))
+        r = await self._client._call(self._client._stub.AppendTokens, append_request(self.id, token_ids))
         note_durability(self, r.durable_length, r.save_error, r.history_length)
         return r.history_length
 
@@ -58,7 +60,7 @@ class AsyncSession:
 
     async def history(self, start: int = 0) -> list[int]:
         """Token ids from `start`; waits for an in-flight Generate (exact after a cancel)."""
-        return list((await self._client._call(self._client._stub.GetHistory, pb.GetHistoryRequest(session_id=self.id, start=start))).token_ids)
+        return list((await self._client._call(self._client._stub.GetHistory, history_request(self.id, start))).token_ids)
 
     async def close(self) -> None:
         if not self.closed:
@@ -76,8 +78,10 @@ class AsyncSession:
 
 
 class AsyncClient:
-    def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, options: Sequence | None = None):
-        self._channel = grpc.aio.insecure_channel(target, options=list(options or ()))
+    def __init__(self, target: str | None = None, *, api_key: str | None = None, options: Sequence | None = None):
+        """`target`: HOST:PORT (default: $KAKEYA_ADDRESS, else 127.0.0.1:50051)."""
+        self.target = target or default_address()
+        self._channel = grpc.aio.insecure_channel(self.target, options=list(options or ()))
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
         self._md = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
@@ -88,8 +92,12 @@ class AsyncClient:
             raise from_rpc_error(e) from None
 
     async def create_session(self, initial_tokens: Sequence[int] = (), *, eos_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> AsyncSession:
-        req = pb.CreateSessionRequest(initial_tokens=list(initial_tokens), eos_token_ids=list(eos_token_ids), ignore_eos=ignore_eos)
+        req = create_request(initial_tokens, eos_token_ids, ignore_eos)
         return AsyncSession(self, (await self._call(self._stub.CreateSession, req)).session_id)
+
+    def session(self, session_id: str) -> AsyncSession:
+        """A handle on an existing session id (no RPC)."""
+        return AsyncSession(self, session_id)
 
     async def server_info(self) -> ServerInfo:
         return ServerInfo.from_pb(await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest()))

@@ -2,8 +2,10 @@
 
 One conversation is one daemon session: each turn appends only the tokens the chat template
 adds for the new user message (rendered here, on the client), and the reply streams to the
-terminal as it is generated. Commands: /info, /reset, /quit. `run_chat` is the whole loop
-over plain text streams, so tests drive it with scripted input.
+terminal as it is generated. Commands: /info, /reset, /quit. The session id is printed at the
+start; `--session ID` reattaches to a session the daemon still holds or saved (after the daemon
+or the chat went away). `run_chat` is the whole loop over plain text streams, so tests drive it
+with scripted input.
 """
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from kakeya import Client, GenerationResult, KakeyaError, ServerInfo, SessionNotFoundError, UnavailableError
+from kakeya import (Client, GenerationResult, KakeyaError, ServerInfo, SessionNotFoundError, UnauthenticatedError,
+                    UnavailableError)
+from kakeya.client import default_address
 from kakeya.local_models import LocalModelNotFoundError
 from kakeya.tokenization import ChatHistory, IncrementalDecoder, load_tokenizer
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+ADDRESS_ENV = "KAKEYA_ADDRESS"  # the one variable every client and example reads (kakeya.client.default_address)
 HELP = "commands: /info (session + server), /reset (new session), /quit (or Ctrl-D)"
 
 
@@ -31,10 +35,18 @@ class ChatOptions:
 class Conversation:
     """One chat: its messages (rendered client side) and the daemon session holding their tokens."""
 
-    def __init__(self, client: Client, tokenizer, options: ChatOptions):
+    def __init__(self, client: Client, tokenizer, options: ChatOptions, session_id: str | None = None):
+        """session_id: reattach to that session (it holds the conversation so far) instead of starting one."""
         self.client, self.tokenizer, self.options = client, tokenizer, options
         self.session = None
-        self.reset()
+        if session_id is None:
+            self.reset()
+            return
+        session = client.session(session_id)
+        held = session.history()  # NOT_FOUND for an id the daemon neither holds nor saved
+        self.history = ChatHistory(self.tokenizer, system=None if held else self.options.system)
+        self.history.resume(held)
+        self.session, self.resumed_tokens = session, len(held)
 
     def reset(self) -> None:
         """Close the current session (if any) and start an empty one."""
@@ -79,8 +91,12 @@ def describe_turn(r: GenerationResult | None) -> str:
 def describe_info(conv: Conversation, server: ServerInfo) -> str:
     s = conv.session.info()
     params = " ".join(f"{k}={v}" for k, v in sorted(server.kv_params.items()))
+    # A bounded strategy allocates its whole window up front: the bytes are allocated, not used.
+    room = server.sink + server.window
+    of = f" of {room}" if room else ""
     return (f"session {s.session_id}: history {s.history_length} tokens ({len(conv.history.messages)} messages), "
-            f"{s.resident_positions} resident positions, resident KV {s.kv_resident_bytes} bytes "
+            f"{s.durable_length} saved to disk{f' (not saving: {s.save_error})' if s.save_error else ''}, "
+            f"{s.resident_positions}{of} resident positions, resident KV {s.kv_resident_bytes} bytes allocated "
             f"({s.kv_resident_bytes / 2**20:.1f} MiB), page selection {s.kv_selection_bytes / 2**20:.1f} MiB, "
             f"page store {s.kv_stored_bytes / 2**20:.1f} MiB, {s.pending_tokens} pending\n"
             f"server {server.server_version}: model {server.model_id}, kv {server.kv_strategy} ({params}), "
@@ -108,11 +124,16 @@ def _read_line(stdin: TextIO, stdout: TextIO, prompt: str) -> str | None:
 
 
 def run_chat(client: Client, tokenizer, stdin: TextIO, stdout: TextIO, options: ChatOptions = ChatOptions(),
-             server: ServerInfo | None = None) -> int:
-    """The chat loop: read lines from `stdin`, write replies and reports to `stdout`."""
+             server: ServerInfo | None = None, session_id: str | None = None) -> int:
+    """The chat loop: read lines from `stdin`, write replies and reports to `stdout`. With
+    `session_id`, the conversation continues in that session. If the daemon goes away the session
+    is left as it is (UnavailableError propagates; the caller says how to reattach)."""
     server = server or client.server_info()
-    conv = Conversation(client, tokenizer, options)
-    stdout.write(f"kakeya chat with {server.model_id} ({server.kv_strategy}), session {conv.session.id}\n{HELP}\n")
+    conv = Conversation(client, tokenizer, options, session_id)
+    how = f"reattached to session {conv.session.id} ({conv.resumed_tokens} tokens)" if session_id else f"session {conv.session.id}"
+    stdout.write(f"kakeya chat with {server.model_id} ({server.kv_strategy}), {how}\n"
+                 f"(to come back to it later: kakeya chat --session {conv.session.id})\n{HELP}\n")
+    gone = False
     try:
         while True:
             try:
@@ -141,20 +162,26 @@ def run_chat(client: Client, tokenizer, stdin: TextIO, stdout: TextIO, options: 
                 conv.session = None
                 conv.reset()
                 stdout.write(f"[the session is gone on the daemon ({e}); new session {conv.session.id}]\n")
-            except UnavailableError:
+            except UnavailableError as e:
+                gone = True  # the daemon went away: the session stays (saved), for --session to come back to
+                e.session_id = conv.session.id if conv.session is not None else None
                 raise
             except KakeyaError as e:  # e.g. the context is full: the session stays as it was
                 stdout.write(f"[error: {e}; /reset starts over]\n")
     finally:
         try:
-            conv.close()
+            if not gone:
+                conv.close()
         except KakeyaError:
             pass
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the daemon's gRPC HOST:PORT")
+    p.add_argument("--address", default=default_address(),
+                   help=f"the daemon's gRPC HOST:PORT (env {ADDRESS_ENV})")
+    p.add_argument("--session", default=None, metavar="ID",
+                   help="reattach to this session (its id is printed when a chat starts) instead of starting a new one")
     p.add_argument("--model", default=None,
                    help="pulled model name or model directory for the tokenizer (default: the model the daemon serves)")
     p.add_argument("--max-tokens", type=int, default=ChatOptions.max_tokens, help="most tokens per reply")
@@ -179,8 +206,16 @@ def run(args: argparse.Namespace) -> int:
             server = client.server_info()
         except UnavailableError:
             print(f"kakeya chat: no daemon at {args.address}; start one with `make run` or `kakeya serve` "
-                  f"(or pass --address)", file=sys.stderr)
+                  f"(or pass --address, or set {ADDRESS_ENV})", file=sys.stderr)
             return 1
+        except UnauthenticatedError:
+            given = "the API key given was refused" if args.api_key else "the daemon requires an API key"
+            print(f"kakeya chat: {given} by the daemon at {args.address}; pass --api-key KEY or set KAKEYA_API_KEY",
+                  file=sys.stderr)
+            return 2
+        except KakeyaError as e:
+            print(f"kakeya chat: error: the daemon at {args.address} answered {e.code.name}: {e}", file=sys.stderr)
+            return 2
         try:
             tokenizer = load_tokenizer(args.model or server.model_id)
         except LocalModelNotFoundError as e:
@@ -188,7 +223,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"kakeya chat: error: {e}{hint}", file=sys.stderr)
             return 2
         try:
-            return run_chat(client, tokenizer, sys.stdin, sys.stdout, options, server)
+            return run_chat(client, tokenizer, sys.stdin, sys.stdout, options, server, args.session)
+        except SessionNotFoundError as e:
+            print(f"kakeya chat: error: {e}", file=sys.stderr)
+            return 2
+        except UnavailableError as e:
+            sid = getattr(e, "session_id", None)
+            if sid is None:
+                after = ""
+            elif server.persistence.mode == "turn":
+                after = (f"; session {sid} keeps its saved turns: start the daemon again and run "
+                         f"`kakeya chat --session {sid}`")
+            else:
+                after = f"; session {sid} is gone (the daemon does not persist sessions: --persist off)"
+            print(f"kakeya chat: lost the daemon at {args.address} ({e.details}){after}", file=sys.stderr)
+            return 1
         except (ImportError, ValueError, KakeyaError) as e:
             print(f"kakeya chat: error: {e}", file=sys.stderr)
             return 2

@@ -1,12 +1,14 @@
 """Synchronous client: `Client(target).create_session()` -> Session with append/generate/info/close."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 import grpc
 
 from kakeya.errors import KakeyaError, from_rpc_error
-from kakeya.types import GenerateStream, GenerationResult, ServerInfo, SessionInfo, generate_request, note_durability
+from kakeya.requests import append_request, create_request, generate_request, history_request
+from kakeya.types import GenerateStream, GenerationResult, ServerInfo, SessionInfo, note_durability
 from kakeya_wire.v1 import runtime_pb2 as pb
 from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
 
@@ -30,7 +32,7 @@ class Session:
 
     def append(self, token_ids: Sequence[int]) -> int:
         """Append raw token ids; returns the history length. No model work happens here."""
-        r = self._client._call(self._client._stub.AppendTokens, pb.AppendTokensRequest(session_id=self.id, token_ids=list(token_ids)))
+        r = self._client._call(self._client._stub.AppendTokens, append_request(self.id, token_ids))
         note_durability(self, r.durable_length, r.save_error, r.history_length)
         return r.history_length
 
@@ -71,7 +73,7 @@ class Session:
 
     def history(self, start: int = 0) -> list[int]:
         """Token ids from `start`; waits for an in-flight Generate (exact after a cancel)."""
-        return list((self._client._call(self._client._stub.GetHistory, pb.GetHistoryRequest(session_id=self.id, start=start))).token_ids)
+        return list((self._client._call(self._client._stub.GetHistory, history_request(self.id, start))).token_ids)
 
     def close(self) -> None:
         if not self.closed:
@@ -88,11 +90,17 @@ class Session:
             pass  # already gone server-side (evicted / failed); nothing left to free
 
 
-class Client:
-    """Connection to a Kakeya daemon. `target` is HOST:PORT (default daemon: 127.0.0.1:50051)."""
+def default_address() -> str:
+    """$KAKEYA_ADDRESS (the one variable every client and example reads), else the daemon's default."""
+    return os.environ.get("KAKEYA_ADDRESS") or "127.0.0.1:50051"
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, options: Sequence | None = None):
-        self._channel = grpc.insecure_channel(target, options=list(options or ()))
+
+class Client:
+    """Connection to a Kakeya daemon. `target` is HOST:PORT (default: $KAKEYA_ADDRESS, else 127.0.0.1:50051)."""
+
+    def __init__(self, target: str | None = None, *, api_key: str | None = None, options: Sequence | None = None):
+        self.target = target or default_address()
+        self._channel = grpc.insecure_channel(self.target, options=list(options or ()))
         self._stub = pb_grpc.RuntimeServiceStub(self._channel)
         self._md = _metadata(api_key)
 
@@ -103,7 +111,7 @@ class Client:
             raise from_rpc_error(e) from None
 
     def create_session(self, initial_tokens: Sequence[int] = (), *, eos_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Session:
-        req = pb.CreateSessionRequest(initial_tokens=list(initial_tokens), eos_token_ids=list(eos_token_ids), ignore_eos=ignore_eos)
+        req = create_request(initial_tokens, eos_token_ids, ignore_eos)
         return Session(self, self._call(self._stub.CreateSession, req).session_id)
 
     def session(self, session_id: str) -> Session:

@@ -82,6 +82,16 @@ def assistant_turn_end(reply_ids: Sequence[int], tokenizer, **template_kwargs) -
     return [int(t) for t in tokenizer.encode(end[done:], add_special_tokens=False)] if end[done:] else []
 
 
+def _generation_prompt_ids(tokenizer, **template_kwargs) -> list[int]:
+    """The token ids the template adds to open an assistant turn (e.g. `<|im_start|>assistant\n`)."""
+    probe = [{"role": "user", "content": "x"}]
+    bare = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False, **template_kwargs)
+    opened = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    if not opened.startswith(bare) or opened == bare:
+        return []
+    return [int(t) for t in tokenizer.encode(opened[len(bare):], add_special_tokens=False)]
+
+
 class ChatHistory:
     """One conversation's messages, rendered with the model's chat template on the client:
     `user(text)` gives the token ids to append for a new user message (closing the previous
@@ -103,6 +113,20 @@ class ChatHistory:
         ids = self._turn_end + chat_delta(before, self.messages, self.tokenizer, **self._kw)
         self._turn_end = []
         return ids
+
+    def resume(self, history_ids: Sequence[int]) -> None:
+        """Continue a conversation that a session already holds as `history_ids` (e.g. after
+        reattaching to it): later `user(...)` calls need only know that earlier turns exist, and
+        the last reply is closed the way the template closes one. Earlier messages' text is not
+        recovered (they stand as placeholders in `messages`)."""
+        if not history_ids:
+            return
+        self.messages += [{"role": "user", "content": "…"}, {"role": "assistant", "content": "…"}]
+        prompt = _generation_prompt_ids(self.tokenizer, **self._kw)
+        starts = [i + len(prompt) for i in range(len(history_ids) - len(prompt), -1, -1)
+                  if prompt and list(history_ids[i:i + len(prompt)]) == prompt]
+        reply = list(history_ids[starts[0]:]) if starts else []
+        self._turn_end = assistant_turn_end(reply, self.tokenizer, **self._kw) if reply else []
 
     def assistant(self, reply_ids: Sequence[int]) -> str:
         """Record the generated reply (as the session holds it); returns its text."""

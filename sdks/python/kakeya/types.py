@@ -169,10 +169,3 @@ def note_durability(session, durable_length: int, save_error: str, history_lengt
         warnings.warn(SessionNotSavedWarning(session.id, durable_length, history_length, save_error), stacklevel=4)
     session.durable_length, session.save_error = durable_length, save_error
 
-
-def generate_request(session_id: str, max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int):
-    return pb.GenerateRequest(
-        session_id=session_id,
-        max_tokens=max_tokens,
-        sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-    )

@@ -8,7 +8,7 @@
  *   node examples/chat.mjs                                  # interactive (a TTY), or a scripted demo
  *   node examples/chat.mjs "Hi!" "What did I just say?"     # these turns, then exit
  *
- * Options: --target HOST:PORT (env KAKEYA_TARGET, default 127.0.0.1:50051), --model-dir DIR
+ * Options: --address HOST:PORT (env KAKEYA_ADDRESS, default 127.0.0.1:50051), --model-dir DIR
  * (default $KAKEYA_HOME/models/smollm2-135m-instruct, KAKEYA_HOME defaulting to ~/.cache/kakeya), --api-key KEY (env KAKEYA_API_KEY),
  * --max-tokens N (default 128). Needs @huggingface/tokenizers and @huggingface/jinja installed.
  *
@@ -26,7 +26,7 @@ import { chatContinuation, loadTokenizer, renderChat, tokensForChat } from "@kak
 const { values: opts, positionals: scripted } = parseArgs({
   allowPositionals: true,
   options: {
-    target: { type: "string", default: process.env.KAKEYA_TARGET ?? "127.0.0.1:50051" },
+    address: { type: "string", default: process.env.KAKEYA_ADDRESS || "127.0.0.1:50051" },
     "model-dir": {
       type: "string",
       default: path.join(process.env.KAKEYA_HOME ?? path.join(homedir(), ".cache/kakeya"), "models/smollm2-135m-instruct"),
@@ -38,9 +38,9 @@ const { values: opts, positionals: scripted } = parseArgs({
 const DEMO_TURNS = ["Hi! My name is Ada. Please remember it.", "Name three colors of the rainbow.", "What is my name?"];
 
 const tokenizer = await loadTokenizer(opts["model-dir"]);
-const client = new Client(opts.target, { apiKey: opts["api-key"] });
+const client = new Client(opts.address, { apiKey: opts["api-key"] });
 const info = await client.serverInfo();
-console.error(`connected to ${opts.target}: ${info.modelId} (kv ${info.kvStrategy}, context ${info.maxContext})`);
+console.error(`connected to ${opts.address}: ${info.modelId} (kv ${info.kvStrategy}, context ${info.maxContext})`);
 
 let session; // one long-lived session; replaced only when the history can no longer be extended
 let heldText = ""; // what the session's token history decodes to

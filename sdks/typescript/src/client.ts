@@ -31,8 +31,11 @@ export class Client {
   readonly target: string;
   readonly #rpc: Rpc;
 
-  /** `target` is HOST:PORT; the daemon's default is 127.0.0.1:50051. No connection is made until the first call. */
-  constructor(target = "127.0.0.1:50051", options: ClientOptions = {}) {
+  /**
+   * `target` is HOST:PORT (default: $KAKEYA_ADDRESS, the one variable every client and example reads, else
+   * the daemon's default 127.0.0.1:50051). No connection is made until the first call.
+   */
+  constructor(target: string = process.env.KAKEYA_ADDRESS || "127.0.0.1:50051", options: ClientOptions = {}) {
     this.target = target;
     this.#rpc = new Rpc(target, options);
   }

@@ -67,12 +67,13 @@ describe("package", () => {
     const script = `
       import { Client } from "@kakeya/runtime";
       import { tokensForChat } from "@kakeya/runtime/tokenization";
-      const client = new Client(process.argv[1]);
+      const client = new Client(); // the address comes from KAKEYA_ADDRESS, as for every client
       const info = await client.serverInfo();
       client.close();
-      console.log(JSON.stringify({ model: info.modelId, helper: typeof tokensForChat }));
+      console.log(JSON.stringify({ model: info.modelId, helper: typeof tokensForChat, target: client.target }));
     `;
-    const { stdout } = await promisify(execFile)(process.execPath, ["--input-type=module", "-e", script, target], { cwd: pkgDir });
-    expect(JSON.parse(stdout)).toEqual({ model: "tiny-llama", helper: "function" });
+    const env = { ...process.env, KAKEYA_ADDRESS: target };
+    const { stdout } = await promisify(execFile)(process.execPath, ["--input-type=module", "-e", script], { cwd: pkgDir, env });
+    expect(JSON.parse(stdout)).toEqual({ model: "tiny-llama", helper: "function", target });
   });
 });
