@@ -69,6 +69,16 @@ def start_server(engine, *, api_key: str | None = None, capacity: int = 8, idle_
     return start(cfg, Runtime(engine, capacity=capacity, idle_ttl_s=idle_ttl))
 
 
+def invariant_violations(runtime) -> dict:
+    """The daemon's cache invariant violations by kind, as /metrics reports them. A violating session
+    is failed and removed at once, so this counter (not a live session's info) is where one shows."""
+    registry = runtime.metrics.registry
+    return {kind: registry.get_sample_value("cache_invariant_violations_total", {"kind": kind}) for kind in ("inv1", "inv2")}
+
+
+NO_VIOLATIONS = {"inv1": 0.0, "inv2": 0.0}
+
+
 def smollm2_dir() -> pathlib.Path | None:
     home = pathlib.Path(os.environ.get("KAKEYA_HOME", pathlib.Path.home() / ".cache" / "kakeya"))
     p = home / "models" / "smollm2-135m-instruct"

@@ -114,8 +114,6 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             resident_positions=i.resident_positions,
             pending_tokens=i.pending_tokens,
             kv_live_bytes=i.kv_live_bytes,
-            inv1_violations=i.inv1_violations,
-            inv2_violations=i.inv2_violations,
             idle_seconds=i.idle_seconds,
             dropped_tokens=i.dropped_tokens,
             eos_token_ids=list(i.eos_token_ids),

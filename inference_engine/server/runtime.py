@@ -34,8 +34,6 @@ class SessionInfo:
     resident_positions: int
     pending_tokens: int
     kv_live_bytes: int
-    inv1_violations: int
-    inv2_violations: int
     idle_seconds: float
     dropped_tokens: int
     eos_token_ids: tuple
@@ -209,8 +207,6 @@ class Runtime:
             resident_positions=kv.resident_positions,
             pending_tokens=len(s.history) - kv.next_position,
             kv_live_bytes=kv.nbytes,
-            inv1_violations=s.inv1_violations,
-            inv2_violations=s.inv2_violations,
             idle_seconds=0.0 if s.lock.locked() else max(0.0, self.store.clock() - s.last_access),
             dropped_tokens=kv.dropped_total,
             eos_token_ids=tuple(sorted(s.eos_token_ids)),

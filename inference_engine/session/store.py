@@ -72,8 +72,6 @@ class Session:
     history: list = field(default_factory=list)
     created_at: float = 0.0
     last_access: float = 0.0
-    inv1_violations: int = 0
-    inv2_violations: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     closed: bool = False
     saved: object = None  # the persister's record of what is on disk (None: nothing yet)
@@ -382,10 +380,8 @@ class SessionStore:
                 s.last_access = self.clock()
 
     def fail(self, s: Session, kind: str) -> None:
-        if kind == "inv1":
-            s.inv1_violations += 1
-        else:
-            s.inv2_violations += 1
+        """Count the violation (`events.on_violation`: the metrics, the only place it can be seen) and
+        remove the session: no live session ever carries a violation."""
         self.events.on_violation(kind)
         with self._lock:
             removed = self._sessions.pop(s.id, None)

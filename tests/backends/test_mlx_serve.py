@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kakeya
-from factories import require_backend, tiny_model_dir
+from factories import NO_VIOLATIONS, invariant_violations, require_backend, tiny_model_dir
 from inference_engine.server.app import ConfigError, build_runtime, load_model, start
 from inference_engine.server.cli import build_parser, serve_config
 
@@ -35,7 +35,7 @@ def test_backend_mlx_over_grpc_equals_torch(tmp_path):
                     toks = list(s.generate(max_tokens=12))
                     s.append(history(5, 1))
                     toks += list(s.generate(max_tokens=12, temperature=0.8, top_p=0.9, seed=5))
-                    assert s.info().inv1_violations == 0
+                assert invariant_violations(running.runtime) == NO_VIOLATIONS
                 out[backend] = toks
         finally:
             running.stop()

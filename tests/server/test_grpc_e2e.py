@@ -8,7 +8,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kakeya
-from factories import make_engine, start_server
+from factories import NO_VIOLATIONS, invariant_violations, make_engine, start_server
 
 VOCAB = 256
 
@@ -39,7 +39,7 @@ def test_server_info(client):
     assert (info.backend, info.device) == ("torch", "cpu")
 
 
-def test_session_lifecycle(client):
+def test_session_lifecycle(server, client):
     with client.create_session(history(10, 0), ignore_eos=True) as s:
         assert s.append(history(5, 1)) == 15
         toks = list(s.generate(max_tokens=8))
@@ -48,7 +48,7 @@ def test_session_lifecycle(client):
         assert r.stop_reason == "max_tokens" and r.prefill_tokens == 15 and r.generated_tokens == 8
         info = s.info()
         assert info.history_length == 23 and info.pending_tokens == 1 and info.kv_live_bytes > 0
-        assert info.inv1_violations == info.inv2_violations == 0 and info.eos_token_ids == ()
+        assert info.eos_token_ids == () and invariant_violations(server.runtime) == NO_VIOLATIONS
         # next turn prefills only the delta: last generated token + appended tokens
         s.append(history(4, 2))
         s.generate_all(max_tokens=2)

@@ -59,8 +59,6 @@ class SessionInfo:
     resident_positions: int
     pending_tokens: int
     kv_live_bytes: int
-    inv1_violations: int
-    inv2_violations: int
     idle_seconds: float
     dropped_tokens: int
     eos_token_ids: tuple = field(default=())
@@ -81,7 +79,7 @@ class SessionInfo:
     def from_pb(cls, r) -> "SessionInfo":
         return cls(
             r.session_id, r.history_length, r.resident_positions, r.pending_tokens, r.kv_live_bytes,
-            r.inv1_violations, r.inv2_violations, r.idle_seconds, r.dropped_tokens, tuple(r.eos_token_ids),
+            r.idle_seconds, r.dropped_tokens, tuple(r.eos_token_ids),
             r.kv_resident_bytes, r.kv_selection_bytes, r.kv_stored_bytes, r.durable_length, r.save_error,
         )
 

@@ -63,8 +63,6 @@ export interface SessionInfo {
   readonly kvSelectionBytes: number;
   /** Exact K/V of evicted positions kept outside the hot set (paged: the page store); 0 otherwise. */
   readonly kvStoredBytes: number;
-  readonly inv1Violations: number;
-  readonly inv2Violations: number;
   readonly idleSeconds: number;
   /** Positions dropped from attention over the session's lifetime. */
   readonly droppedTokens: number;
@@ -145,8 +143,6 @@ export function sessionInfo(r: GetSessionInfoResponse): SessionInfo {
     kvResidentBytes: r.kvResidentBytes,
     kvSelectionBytes: r.kvSelectionBytes,
     kvStoredBytes: r.kvStoredBytes,
-    inv1Violations: r.inv1Violations,
-    inv2Violations: r.inv2Violations,
     idleSeconds: r.idleSeconds,
     droppedTokens: r.droppedTokens,
     eosTokenIds: [...r.eosTokenIds],

@@ -40,7 +40,6 @@ describe("session lifecycle", () => {
     expect(info.kvLiveBytes).toBeGreaterThan(0);
     // sink_window keeps everything in the hot set: no page selection data, no page store.
     expect(info).toMatchObject({ kvResidentBytes: info.kvLiveBytes, kvSelectionBytes: 0, kvStoredBytes: 0 });
-    expect(info.inv1Violations + info.inv2Violations).toBe(0);
 
     // The next call prefills only what the previous one left pending plus the new tokens.
     await session.append([5, 6, 7]);
