@@ -20,6 +20,12 @@ class SessionNotFound(KakeyaError):
     code = "NOT_FOUND"
 
 
+class SessionExists(KakeyaError):
+    """CreateSession named an id already in use (live, or saved in the state directory)."""
+
+    code = "ALREADY_EXISTS"
+
+
 class ContextExhausted(KakeyaError):
     """The history would exceed what the KV strategy can attend to (`full` past max context)."""
 

@@ -23,19 +23,18 @@ import hashlib
 import json
 import mmap
 import os
-import re
 import shutil
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from inference_engine.session.store import is_session_id
 from kakeya.local_models import kakeya_home
 
 SESSION_FORMAT = "kakeya-session/1"
 MANIFEST_NAME = "session.json"
 TMP_PREFIX = ".tmp-"
-_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
 
 
 class StateFileError(Exception):
@@ -47,11 +46,6 @@ def default_state_dir() -> Path:
     directory), else $KAKEYA_HOME/state."""
     env = os.environ.get("KAKEYA_STATE_DIR")
     return Path(env).expanduser() if env else kakeya_home() / "state"
-
-
-def is_session_id(session_id: str) -> bool:
-    """Ids the server issues (token_urlsafe); anything else never names a directory."""
-    return bool(_ID.fullmatch(session_id))
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -54,7 +54,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
 
     @_typed_errors
     def CreateSession(self, request, context):
-        s = self.rt.create_session(list(request.initial_tokens), list(request.eos_token_ids), request.ignore_eos)
+        s = self.rt.create_session(list(request.initial_tokens), list(request.eos_token_ids), request.ignore_eos,
+                                   session_id=request.session_id)
         return pb.CreateSessionResponse(session_id=s.id, history_length=len(s.history))
 
     @_typed_errors

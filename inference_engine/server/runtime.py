@@ -141,10 +141,11 @@ class Runtime:
 
     # -- RPCs ----------------------------------------------------------------------------
     def create_session(self, initial_tokens: Sequence[int] = (), eos_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                       *, ephemeral: bool = False):
-        """ephemeral: a one-request session (the HTTP shim's) that is never written to disk."""
+                       *, ephemeral: bool = False, session_id: str = ""):
+        """ephemeral: a one-request session (the HTTP shim's) that is never written to disk; session_id: the
+        client's choice ("" = a server-issued id)."""
         eos = () if ignore_eos else (eos_token_ids or None)
-        return self.store.create(initial_tokens, eos, ephemeral=ephemeral)
+        return self.store.create(initial_tokens, eos, ephemeral=ephemeral, session_id=session_id)
 
     def append(self, session_id: str, token_ids: Sequence[int]):
         return self.store.append(session_id, token_ids)

@@ -19,6 +19,7 @@ evicted (that would roll it back), and failed saves are retried with backoff and
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import threading
 import time
@@ -28,18 +29,34 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inference_engine.errors import (CacheInvariantError, ContextExhausted, InvalidArgument, SessionNotFound,
+from inference_engine.errors import (CacheInvariantError, ContextExhausted, InvalidArgument, SessionExists, SessionNotFound,
                                      SessionStateUnusable, TooManyPendingTokens)
 
 log = logging.getLogger(__name__)
 
 
 SHOWN_ID_CHARS = 64
+# What a session id may be: what the server issues (token_urlsafe(24): 32 characters) and what a client may
+# choose (CreateSessionRequest.session_id); it names a directory in the state dir, so nothing else is allowed.
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
 # A session whose save failed is not tried again by the flusher or by eviction for 1 s, then 2, 4, ...
 # up to a minute (a turn's end still tries at once); failures are logged at most once a minute.
 SAVE_RETRY_FIRST_S = 1.0
 SAVE_RETRY_MAX_S = 60.0
 SAVE_LOG_EVERY_S = 60.0
+
+
+def is_session_id(session_id: str) -> bool:
+    return isinstance(session_id, str) and bool(SESSION_ID.fullmatch(session_id))
+
+
+def check_session_id(session_id: str) -> str:
+    """A client-chosen id, checked (InvalidArgument names the rule)."""
+    if not is_session_id(session_id):
+        raise InvalidArgument(f"session_id {_shown(session_id)} is not a valid session id: use 8 to 128 characters of "
+                              f"[A-Za-z0-9_-] (e.g. 32 url-safe base64 characters of 24 random bytes), or leave it empty "
+                              f"for a server-issued id")
+    return session_id
 
 
 def _shown(session_id: str) -> str:
@@ -238,7 +255,10 @@ class SessionStore:
 
     # -- lifecycle --------------------------------------------------------------------
     def create(self, initial_tokens: Sequence[int] = (), eos_token_ids: Iterable[int] | None = None, *,
-               ephemeral: bool = False) -> Session:
+               ephemeral: bool = False, session_id: str = "") -> Session:
+        """session_id: the client's choice (checked; ALREADY_EXISTS when in use), "" = a server-issued id."""
+        if session_id:
+            check_session_id(session_id)
         self._check_append_size(len(initial_tokens), "initial_tokens")
         self._check_pending(0, len(initial_tokens))
         initial = self._check_tokens(initial_tokens, "initial_tokens")
@@ -246,12 +266,16 @@ class SessionStore:
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos_token_ids
         self._check_tokens(sorted(eos), "eos_token_ids")
         with self._lock:
+            if session_id and (session_id in self._sessions or session_id in self._loading
+                               or (self.persister is not None and self.persister.has(session_id))):
+                raise SessionExists(f"session {_shown(session_id)} already exists; choose another id, or call the "
+                                    f"existing session (AppendTokens, Generate) instead of creating it")
             self.evict_idle()
             while len(self._sessions) >= self.capacity:
                 self._evict_lru()
             now = self.clock()
             session = Session(
-                id=secrets.token_urlsafe(24),  # 192 random bits
+                id=session_id or secrets.token_urlsafe(24),  # 192 random bits
                 kv=self.kv_factory(),
                 eos_token_ids=eos,
                 history=initial,

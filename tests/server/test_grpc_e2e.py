@@ -92,6 +92,29 @@ def test_unknown_session_is_not_found(client):
             call(client.session("no-such-session"))
 
 
+def test_a_client_chosen_session_id(client):
+    chosen = "agent-7_" + "x" * 24
+    with client.create_session([5, 6], session_id=chosen, ignore_eos=True) as s:
+        assert s.id == chosen and s.info().history_length == 2
+        with pytest.raises(kakeya.AlreadyExistsError, match="already exists"):
+            client.create_session(session_id=chosen)
+        assert s.info().history_length == 2  # the live session is untouched
+    with client.create_session(session_id=chosen) as again:  # a closed id may be chosen again
+        assert again.info().history_length == 0
+    for bad in ("short", "has space in it", "x" * 129, "sl/ash" * 3):
+        with pytest.raises(kakeya.InvalidArgumentError, match="not a valid session id"):
+            client.create_session(session_id=bad)
+    # a raw-wire client that leaves the id empty gets a server-issued one; the same rule is checked there
+    stub = client._stub
+    from kakeya_wire.v1 import runtime_pb2 as pb
+    issued = stub.CreateSession(pb.CreateSessionRequest()).session_id
+    assert len(issued) == 32
+    with pytest.raises(grpc.RpcError) as e:
+        stub.CreateSession(pb.CreateSessionRequest(session_id="../etc"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid session id" in e.value.details()
+    stub.CloseSession(pb.CloseSessionRequest(session_id=issued))
+
+
 def test_bad_generate_params(client):
     with client.create_session([5]) as s:
         with pytest.raises(kakeya.InvalidArgumentError, match="max_tokens"):

@@ -3,8 +3,8 @@ import threading
 
 import pytest
 
-from inference_engine.errors import (CacheInvariantError, CapacityExhausted, ContextExhausted, InvalidArgument, SessionNotFound,
-                                     TooManyPendingTokens)
+from inference_engine.errors import (CacheInvariantError, CapacityExhausted, ContextExhausted, InvalidArgument, SessionExists,
+                                     SessionNotFound, TooManyPendingTokens)
 from inference_engine.session.store import SessionStore, StoreEvents
 
 
@@ -38,6 +38,19 @@ def test_ids_are_unique_and_unguessable():
     ids = {s.create().id for _ in range(200)}
     assert len(ids) == 200
     assert all(len(i) >= 32 for i in ids)  # token_urlsafe(24): 192 random bits
+
+
+def test_a_client_may_choose_the_id_once_it_is_free():
+    s, _ = store()
+    chosen = "Abc_-123" * 4
+    assert s.create([1], session_id=chosen).id == chosen
+    with pytest.raises(SessionExists, match="already exists"):
+        s.create(session_id=chosen)
+    for bad in ("short", "x" * 129, "a/b/c/d/e", "dot.dot.dot", "naïve-id-here"):
+        with pytest.raises(InvalidArgument, match="not a valid session id"):
+            s.create(session_id=bad)
+    s.close(chosen)
+    assert s.create(session_id=chosen).history == []
 
 
 def test_append_validates_against_vocab_and_leaves_history_unchanged():

@@ -9,6 +9,7 @@
 from kakeya.aio import AsyncClient, AsyncSession
 from kakeya.client import Client, Session
 from kakeya.errors import (
+    AlreadyExistsError,
     CancelledError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -20,15 +21,18 @@ from kakeya.errors import (
     ResourceExhaustedError,
     SessionNotFoundError,
     SessionNotSavedWarning,
+    SessionOwnedElsewhereError,
     UnauthenticatedError,
     UnavailableError,
 )
+from kakeya.routing import SESSION_HEADER
 from kakeya.types import GenerationResult, PersistenceInfo, ServerInfo, SessionInfo
 
 __all__ = [
     "AsyncClient", "AsyncSession", "Client", "Session", "GenerationResult", "PersistenceInfo", "ServerInfo", "SessionInfo",
     "KakeyaError", "InvalidArgumentError", "SessionNotFoundError", "UnauthenticatedError", "PermissionDeniedError",
     "FailedPreconditionError", "OutOfRangeError", "ResourceExhaustedError", "CancelledError", "DeadlineExceededError",
-    "UnavailableError", "InternalError", "SessionNotSavedWarning",
+    "UnavailableError", "InternalError", "SessionNotSavedWarning", "AlreadyExistsError", "SessionOwnedElsewhereError",
+    "SESSION_HEADER",
 ]
 __version__ = "0.3.0"

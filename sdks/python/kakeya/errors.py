@@ -60,6 +60,25 @@ class UnavailableError(KakeyaError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class SessionOwnedElsewhereError(UnavailableError):
+    """Another live daemon sharing the state directory holds the session (a proxy sent the call to a
+    replica that does not hold it, e.g. while a replica comes back). Nothing was done; the daemon
+    asked the holder to let the session go. The SDK retries such calls for `owner_wait_s` (a Client
+    option) before raising this. `owner` names the holder."""
+
+    OWNER_KEY = "kakeya-session-owner"
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None, owner: str = ""):
+        super().__init__(details, code)
+        self.owner = owner
+
+
+class AlreadyExistsError(KakeyaError):
+    """create_session(session_id=...) named an id already in use (live or saved)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class InternalError(KakeyaError):
     code = grpc.StatusCode.INTERNAL
 
@@ -82,6 +101,7 @@ _BY_CODE = {
     for cls in (
         InvalidArgumentError,
         SessionNotFoundError,
+        AlreadyExistsError,
         UnauthenticatedError,
         PermissionDeniedError,
         FailedPreconditionError,
@@ -97,4 +117,10 @@ _BY_CODE = {
 
 def from_rpc_error(err: grpc.RpcError) -> KakeyaError:
     code = err.code()
-    return _BY_CODE.get(code, KakeyaError)(err.details() or str(code), code)
+    details = err.details() or str(code)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+        owner = next((v for k, v in trailers or () if k == SessionOwnedElsewhereError.OWNER_KEY), None)
+        if owner is not None:
+            return SessionOwnedElsewhereError(details, code, owner=owner)
+    return _BY_CODE.get(code, KakeyaError)(details, code)

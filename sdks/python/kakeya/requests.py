@@ -51,9 +51,10 @@ def number_option(name: str, value) -> float:
     return float(value)
 
 
-def create_request(initial_tokens, eos_token_ids, ignore_eos: bool):
+def create_request(initial_tokens, eos_token_ids, ignore_eos: bool, session_id: str = ""):
     return pb.CreateSessionRequest(initial_tokens=token_ids(initial_tokens, "initial_tokens"),
-                                   eos_token_ids=token_ids(eos_token_ids, "eos_token_ids"), ignore_eos=bool(ignore_eos))
+                                   eos_token_ids=token_ids(eos_token_ids, "eos_token_ids"), ignore_eos=bool(ignore_eos),
+                                   session_id=session_id)
 
 
 def append_request(session_id: str, ids):

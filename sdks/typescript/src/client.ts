@@ -2,9 +2,12 @@
  * Connection to a Kakeya daemon over gRPC (HTTP/2 via @grpc/grpc-js). Mirrors
  * `kakeya.Client` in the Python SDK: create sessions, read server info, close.
  */
+import { randomBytes } from "node:crypto";
+
 import type { ChannelCredentials, ClientOptions as GrpcChannelOptions } from "@grpc/grpc-js";
 
 import type { CreateSessionResponse, GetServerInfoResponse } from "./gen/kakeya/v1/runtime.js";
+import { InvalidArgumentError } from "./errors.js";
 import { Rpc, tokenIds, type RequestOptions } from "./rpc.js";
 import { Session } from "./session.js";
 import { serverInfo, type ServerInfo } from "./types.js";
@@ -16,6 +19,12 @@ export interface ClientOptions {
   credentials?: ChannelCredentials;
   /** Extra grpc-js channel options, e.g. `{ "grpc.max_receive_message_length": ... }`. */
   channelOptions?: Partial<GrpcChannelOptions>;
+  /**
+   * How long a session call keeps retrying while another daemon still holds the session
+   * (`SessionOwnedElsewhereError`, e.g. a replica behind a proxy died and its lease has not expired)
+   * before throwing it. Default 60 000 ms.
+   */
+  ownerWaitMs?: number;
 }
 
 export interface CreateSessionOptions extends RequestOptions {
@@ -25,7 +34,15 @@ export interface CreateSessionOptions extends RequestOptions {
   eosTokenIds?: Iterable<number>;
   /** Never stop on eos (eosTokenIds is ignored). */
   ignoreEos?: boolean;
+  /**
+   * The session's id: 8 to 128 characters of [A-Za-z0-9_-]; an id in use throws `AlreadyExistsError`.
+   * Default: 24 random bytes chosen here (url-safe base64), so that a proxy routes the create call like
+   * every later call of the session (they all carry the id as `x-kakeya-session` metadata).
+   */
+  sessionId?: string;
 }
+
+const SESSION_ID = /^[A-Za-z0-9_-]{8,128}$/;
 
 export class Client {
   readonly target: string;
@@ -41,12 +58,23 @@ export class Client {
   }
 
   async createSession(options: CreateSessionOptions = {}): Promise<Session> {
+    const sessionId = options.sessionId ?? randomBytes(24).toString("base64url");
+    if (typeof sessionId !== "string" || !SESSION_ID.test(sessionId)) {
+      throw new InvalidArgumentError(
+        `sessionId ${JSON.stringify(sessionId)} is not a valid session id: use 8 to 128 characters of [A-Za-z0-9_-], or leave it out for a random one`,
+      );
+    }
     const request = {
       initialTokens: tokenIds(options.initialTokens ?? [], "initialTokens"),
       eosTokenIds: tokenIds(options.eosTokenIds ?? [], "eosTokenIds"),
       ignoreEos: options.ignoreEos ?? false,
+      sessionId,
     };
-    const r = await this.#rpc.unary<CreateSessionResponse>((md, o, cb) => this.#rpc.stub.createSession(request, md, o, cb), options);
+    const r = await this.#rpc.unary<CreateSessionResponse>(
+      (md, o, cb) => this.#rpc.stub.createSession(request, md, o, cb),
+      options,
+      sessionId,
+    );
     return new Session(this.#rpc, r.sessionId);
   }
 

@@ -102,6 +102,27 @@ export class UnavailableError extends KakeyaError {
   static override readonly code = Status.UNAVAILABLE;
 }
 
+/** Trailing metadata key with which a daemon says another daemon holds the session. */
+export const OWNER_KEY = "kakeya-session-owner";
+
+/**
+ * Another live daemon sharing the state directory holds the session (a proxy sent the call to a replica
+ * that does not hold it, e.g. while a replica comes back). Nothing was done, and the daemon asked the
+ * holder to let the session go. The SDK retries such calls for `ownerWaitMs` (a Client option) before
+ * throwing this. `owner` names the holder. Mirrors Python's `kakeya.SessionOwnedElsewhereError`.
+ */
+export class SessionOwnedElsewhereError extends UnavailableError {
+  get owner(): string {
+    const v = this.metadata?.get(OWNER_KEY)[0];
+    return v === undefined ? "" : String(v);
+  }
+}
+
+/** `createSession({ sessionId })` named an id already in use (live or saved). */
+export class AlreadyExistsError extends KakeyaError {
+  static override readonly code = Status.ALREADY_EXISTS;
+}
+
 export class InternalError extends KakeyaError {
   static override readonly code = Status.INTERNAL;
 }
@@ -110,6 +131,7 @@ const BY_CODE = new Map<Status, typeof KakeyaError>(
   [
     InvalidArgumentError,
     SessionNotFoundError,
+    AlreadyExistsError,
     UnauthenticatedError,
     PermissionDeniedError,
     FailedPreconditionError,
@@ -134,7 +156,8 @@ function isStatusLike(err: unknown): err is StatusLike {
 
 /** The typed error for a gRPC status (a grpc-js `ServiceError` or a `{ code, details }` object). */
 export function fromStatus(status: StatusLike, cause?: unknown): KakeyaError {
-  const cls = BY_CODE.get(status.code) ?? KakeyaError;
+  const owned = status.code === Status.UNAVAILABLE && (status.metadata?.get(OWNER_KEY).length ?? 0) > 0;
+  const cls = owned ? SessionOwnedElsewhereError : (BY_CODE.get(status.code) ?? KakeyaError);
   const details = status.details || Status[status.code] || `status ${status.code}`;
   return new cls(details, { code: status.code, metadata: status.metadata, cause });
 }

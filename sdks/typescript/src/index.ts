@@ -16,7 +16,9 @@ export { Client, type ClientOptions, type CreateSessionOptions } from "./client.
 export { Session, type GenerateOptions } from "./session.js";
 export type { RequestOptions } from "./rpc.js";
 export type { GenerationResult, HistoryTruncation, PersistenceInfo, ServerInfo, SessionInfo, StopReason } from "./types.js";
+export { SESSION_HEADER } from "./rpc.js";
 export {
+  AlreadyExistsError,
   CancelledError,
   DeadlineExceededError,
   FailedPreconditionError,
@@ -28,6 +30,7 @@ export {
   ResourceExhaustedError,
   SessionNotFoundError,
   SessionNotSavedWarning,
+  SessionOwnedElsewhereError,
   Status,
   UnauthenticatedError,
   UnavailableError,

@@ -14,7 +14,7 @@ import {
   type ServiceError,
 } from "@grpc/grpc-js";
 
-import { aborted, CancelledError, InvalidArgumentError, toKakeyaError } from "./errors.js";
+import { aborted, CancelledError, InvalidArgumentError, SessionOwnedElsewhereError, toKakeyaError } from "./errors.js";
 import { RuntimeServiceClient, type GenerateRequest, type GenerateResponse } from "./gen/kakeya/v1/runtime.js";
 
 /** Per-call settings accepted by every SDK method that makes an RPC. */
@@ -29,12 +29,56 @@ export interface TransportOptions {
   apiKey?: string | undefined;
   credentials?: ChannelCredentials | undefined;
   channelOptions?: Partial<ClientOptions> | undefined;
+  ownerWaitMs?: number | undefined;
+}
+
+/** Request metadata carrying the session id on every session call, so a proxy can hash it. */
+export const SESSION_HEADER = "x-kakeya-session";
+export const DEFAULT_OWNER_WAIT_MS = 60_000;
+const RETRY_FIRST_MS = 50;
+const RETRY_MAX_MS = 500;
+
+/**
+ * Backoff for calls answered `SessionOwnedElsewhereError`: `delay(err)` is how long to wait before
+ * the next try; it rethrows `err` once `waitMs` have passed since the first call.
+ */
+export class OwnerWait {
+  readonly #deadline: number;
+  #next = RETRY_FIRST_MS;
+
+  constructor(waitMs: number) {
+    this.#deadline = Date.now() + Math.max(0, waitMs);
+  }
+
+  delay(err: SessionOwnedElsewhereError): number {
+    const left = this.#deadline - Date.now();
+    if (left <= 0) throw err;
+    const d = Math.min(this.#next, left);
+    this.#next = Math.min(RETRY_MAX_MS, this.#next * 2);
+    return d;
+  }
+}
+
+export function pause(ms: number, signal?: AbortSignal): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(aborted(signal));
+    const onAbort = () => {
+      clearTimeout(timer);
+      reject(aborted(signal!));
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, ms);
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
 }
 
 type Callback<Res> = (err: ServiceError | null, res?: Res) => void;
 
 export class Rpc {
   readonly stub: RuntimeServiceClient;
+  readonly ownerWaitMs: number;
   private readonly metadata: Metadata;
   private closed = false;
 
@@ -42,15 +86,46 @@ export class Rpc {
     this.stub = new RuntimeServiceClient(target, options.credentials ?? grpcCredentials.createInsecure(), options.channelOptions);
     this.metadata = new Metadata();
     if (options.apiKey) this.metadata.set("authorization", `Bearer ${options.apiKey}`);
+    this.ownerWaitMs = options.ownerWaitMs ?? DEFAULT_OWNER_WAIT_MS;
   }
 
-  /** Run one unary call: `start(metadata, callOptions, callback)` issues it on the stub. */
-  unary<Res>(start: (md: Metadata, opts: CallOptions, cb: Callback<Res>) => ClientUnaryCall, options: RequestOptions = {}): Promise<Res> {
+  /** The metadata of a call: the API key, and for a session call the routing header. */
+  callMetadata(sessionId?: string): Metadata {
+    const md = this.metadata.clone();
+    if (sessionId !== undefined) md.set(SESSION_HEADER, sessionId);
+    return md;
+  }
+
+  /**
+   * Run one unary call: `start(metadata, callOptions, callback)` issues it on the stub. With `sessionId`
+   * the call carries the routing header and is retried while another daemon holds the session.
+   */
+  async unary<Res>(
+    start: (md: Metadata, opts: CallOptions, cb: Callback<Res>) => ClientUnaryCall,
+    options: RequestOptions = {},
+    sessionId?: string,
+  ): Promise<Res> {
+    const wait = new OwnerWait(this.ownerWaitMs);
+    for (;;) {
+      try {
+        return await this.#unaryOnce(start, options, sessionId);
+      } catch (err) {
+        if (sessionId === undefined || !(err instanceof SessionOwnedElsewhereError)) throw err;
+        await pause(wait.delay(err), options.signal);
+      }
+    }
+  }
+
+  #unaryOnce<Res>(
+    start: (md: Metadata, opts: CallOptions, cb: Callback<Res>) => ClientUnaryCall,
+    options: RequestOptions,
+    sessionId?: string,
+  ): Promise<Res> {
     const { signal } = options;
     if (signal?.aborted) return Promise.reject(aborted(signal));
     if (this.closed) return Promise.reject(closedError());
     return new Promise<Res>((resolve, reject) => {
-      const call = start(this.metadata.clone(), callOptions(options), (err, res) => {
+      const call = start(this.callMetadata(sessionId), callOptions(options), (err, res) => {
         signal?.removeEventListener("abort", onAbort);
         if (err) reject(toKakeyaError(err, signal));
         else resolve(res as Res);
@@ -60,10 +135,10 @@ export class Rpc {
     });
   }
 
-  /** Start a Generate stream; the caller owns cancelling it. */
+  /** Start a Generate stream (routed by its session id); the caller owns cancelling it. */
   generate(request: GenerateRequest, options: RequestOptions = {}): ClientReadableStream<GenerateResponse> {
     if (this.closed) throw closedError();
-    const call = this.stub.generate(request, this.metadata.clone(), callOptions(options));
+    const call = this.stub.generate(request, this.callMetadata(request.sessionId), callOptions(options));
     // A cancelled stream emits 'error' even when nobody reads it any more; never let that
     // become an uncaught exception. Readers still see errors through their own listeners.
     call.on("error", () => {});

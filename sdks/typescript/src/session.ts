@@ -2,7 +2,7 @@
  * A server-side session: an append-only history of raw token ids plus the attention state
  * the daemon keeps between turns (ADR 0008 §2.2). Mirrors `kakeya.Session` in Python.
  */
-import { aborted, KakeyaError, SessionNotSavedWarning, toKakeyaError } from "./errors.js";
+import { aborted, KakeyaError, SessionNotSavedWarning, SessionOwnedElsewhereError, toKakeyaError } from "./errors.js";
 import type {
   AppendTokensResponse,
   CloseSessionResponse,
@@ -10,7 +10,7 @@ import type {
   GetHistoryResponse,
   GetSessionInfoResponse,
 } from "./gen/kakeya/v1/runtime.js";
-import { integerOption, numberOption, tokenIds, type RequestOptions, type Rpc } from "./rpc.js";
+import { integerOption, numberOption, OwnerWait, pause, tokenIds, type RequestOptions, type Rpc } from "./rpc.js";
 import { generationResult, sessionInfo, type GenerationResult, type HistoryTruncation, type SessionInfo } from "./types.js";
 
 const UINT32_MAX = 2 ** 32 - 1;
@@ -68,7 +68,7 @@ export class Session {
   /** Append raw token ids; resolves to the history length. No model work happens here. */
   async append(ids: Iterable<number>, options?: RequestOptions): Promise<number> {
     const request = { sessionId: this.id, tokenIds: tokenIds(ids, "ids") };
-    const r = await this.#rpc.unary<AppendTokensResponse>((md, o, cb) => this.#rpc.stub.appendTokens(request, md, o, cb), options);
+    const r = await this.#rpc.unary<AppendTokensResponse>((md, o, cb) => this.#rpc.stub.appendTokens(request, md, o, cb), options, this.id);
     this.#noteDurability(r.durableLength, r.saveError);
     return r.historyLength;
   }
@@ -98,6 +98,26 @@ export class Session {
       },
     };
     if (signal?.aborted) throw aborted(signal);
+    const wait = new OwnerWait(this.#rpc.ownerWaitMs);
+    for (;;) {
+      const started = { value: false };
+      try {
+        yield* this.#generateOnce(request, started, signal, timeoutMs);
+        return;
+      } catch (err) {
+        // refused before its first event because another daemon holds the session: nothing ran, retry
+        if (started.value || !(err instanceof SessionOwnedElsewhereError)) throw err;
+        await pause(wait.delay(err), signal);
+      }
+    }
+  }
+
+  async *#generateOnce(
+    request: Parameters<Rpc["generate"]>[0],
+    started: { value: boolean },
+    signal: AbortSignal | undefined,
+    timeoutMs: number | undefined,
+  ): AsyncGenerator<number, void, undefined> {
     const call = this.#rpc.generate(request, timeoutMs === undefined ? {} : { timeoutMs });
     const onAbort = () => call.cancel();
     signal?.addEventListener("abort", onAbort, { once: true });
@@ -105,6 +125,7 @@ export class Session {
     const truncated: HistoryTruncation[] = [];
     try {
       for await (const ev of call as AsyncIterable<GenerateResponse>) {
+        started.value = true;
         if (ev.token) {
           tokens.push(ev.token.tokenId);
           yield ev.token.tokenId;
@@ -136,7 +157,7 @@ export class Session {
   async info(options?: RequestOptions): Promise<SessionInfo> {
     const request = { sessionId: this.id };
     const info = sessionInfo(
-      await this.#rpc.unary<GetSessionInfoResponse>((md, o, cb) => this.#rpc.stub.getSessionInfo(request, md, o, cb), options),
+      await this.#rpc.unary<GetSessionInfoResponse>((md, o, cb) => this.#rpc.stub.getSessionInfo(request, md, o, cb), options, this.id),
     );
     this.#noteDurability(info.durableLength, info.saveError);
     return info;
@@ -148,7 +169,7 @@ export class Session {
    */
   async history(start = 0, options?: RequestOptions): Promise<number[]> {
     const request = { sessionId: this.id, start: integerOption("start", start, 0, Number.MAX_SAFE_INTEGER) };
-    const r = await this.#rpc.unary<GetHistoryResponse>((md, o, cb) => this.#rpc.stub.getHistory(request, md, o, cb), options);
+    const r = await this.#rpc.unary<GetHistoryResponse>((md, o, cb) => this.#rpc.stub.getHistory(request, md, o, cb), options, this.id);
     return r.tokenIds;
   }
 
@@ -157,7 +178,7 @@ export class Session {
     if (this.closed) return;
     this.closed = true;
     const request = { sessionId: this.id };
-    await this.#rpc.unary<CloseSessionResponse>((md, o, cb) => this.#rpc.stub.closeSession(request, md, o, cb), options);
+    await this.#rpc.unary<CloseSessionResponse>((md, o, cb) => this.#rpc.stub.closeSession(request, md, o, cb), options, this.id);
   }
 
   /** `await using session = await client.createSession()` closes it at scope exit. */

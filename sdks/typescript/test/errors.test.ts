@@ -9,6 +9,7 @@ const { Status } = sdk;
 const CLASSES: Array<[number, typeof sdk.KakeyaError]> = [
   [Status.INVALID_ARGUMENT, sdk.InvalidArgumentError],
   [Status.NOT_FOUND, sdk.SessionNotFoundError],
+  [Status.ALREADY_EXISTS, sdk.AlreadyExistsError],
   [Status.UNAUTHENTICATED, sdk.UnauthenticatedError],
   [Status.PERMISSION_DENIED, sdk.PermissionDeniedError],
   [Status.FAILED_PRECONDITION, sdk.FailedPreconditionError],

@@ -1,6 +1,6 @@
 import { afterAll, describe, expect, inject, it } from "vitest";
 
-import { CancelledError, Client, SessionNotFoundError, type Session } from "../src/index.js";
+import { AlreadyExistsError, CancelledError, Client, SessionNotFoundError, type Session } from "../src/index.js";
 
 const client = new Client(inject("openTarget"));
 afterAll(() => client.close());
@@ -53,6 +53,18 @@ describe("session lifecycle", () => {
     expect(session.closed).toBe(true);
     await session.close(); // idempotent on the handle
     await expect(session.info()).rejects.toBeInstanceOf(SessionNotFoundError);
+  });
+
+  it("takes a client-chosen id once it is free", async () => {
+    const sessionId = `ts-chosen-${Date.now()}-abcdefgh`;
+    const session = await client.createSession({ sessionId, initialTokens: [1, 2] });
+    expect(session.id).toBe(sessionId);
+    await expect(client.createSession({ sessionId })).rejects.toBeInstanceOf(AlreadyExistsError);
+    expect((await session.info()).historyLength).toBe(2);
+    await session.close();
+    const again = await client.createSession({ sessionId });
+    expect((await again.info()).historyLength).toBe(0);
+    await again.close();
   });
 
   it("takes initial tokens, typed arrays and custom eos ids", async () => {
