@@ -49,7 +49,7 @@ class BatchStats:
 
 class StepBatcher:
     def __init__(self, prefill_budget: int, *, row_budget: int = 64, small_step: int = 16, batching: bool = True,
-                 model_thread=None, gather_s: float = 0.002):
+                 model_thread=None, gather_s: float = 0.002, shared_prefill: int = 0):
         """prefill_budget: prefill tokens per forward; row_budget: decode/verify rows per forward
         (a step of at most `small_step` tokens counts as one of those). model_thread: a ModelThread
         that runs every forward (the daemon's; see model_thread.py), or None to run them on the
@@ -63,6 +63,15 @@ class StepBatcher:
         self._busy = False
         self._active = 0  # sessions inside a generate/prefill loop (engaged): a leader waits for their steps
         self.gather_s = gather_s
+        self.shared_prefill = shared_prefill
+
+    def prefill_tokens(self, full: int) -> int:
+        """Tokens a session's next prefill chunk may take: `full`, or `shared_prefill` while another session
+        is engaged (its decode rows ride in the same forwards, so a long append costs them one short chunk's
+        forward per token, not a full chunk's)."""
+        if self.batching and self.shared_prefill and self._active > 1:
+            return min(full, self.shared_prefill)
+        return full
 
     @contextlib.contextmanager
     def engaged(self):

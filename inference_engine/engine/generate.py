@@ -29,10 +29,12 @@ class Engine:
     session's steps run in order, different sessions' steps may share a forward (batching)."""
 
     def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
-                 drafter=None, spec_k: int = 0, drafter_name: str = "", restore_source=None, batching: str = "auto"):
+                 drafter=None, spec_k: int = 0, drafter_name: str = "", restore_source=None, batching: str = "auto",
+                 prefill_chunk_shared: int = 32):
         """batching: "on" = concurrent sessions' steps share forwards (engine/batching.py), "off" = one
         session's step per forward, "auto" = on where it is exact (row-independent int8/int4 kernels
-        of the torch backend), off otherwise."""
+        of the torch backend), off otherwise. prefill_chunk_shared: with batching on, the prefill chunk
+        while other sessions generate (0 = prefill_chunk)."""
         if spec_k and drafter is None:
             raise ValueError("spec_k > 0 needs a drafter")
         if spec_k < 0 or spec_k >= prefill_chunk:
@@ -55,7 +57,12 @@ class Engine:
             raise ValueError(f"the {getattr(model, 'backend_name', '?')} backend cannot batch sessions' steps; use batching off")
         # A forward takes up to one prefill chunk plus 64 rows of decode/verify steps, so sessions
         # that are decoding ride along a long append (one chunk per forward) instead of waiting behind it.
-        self.batcher = StepBatcher(prefill_chunk, row_budget=64, small_step=max(16, spec_k + 1), batching=on)
+        # While other sessions generate, a prefill takes chunks of prefill_chunk_shared tokens (0 = prefill_chunk):
+        # their inter-token latency is then one short chunk's forward.
+        if prefill_chunk_shared < 0:
+            raise ValueError(f"prefill_chunk_shared must be >= 0, got {prefill_chunk_shared}")
+        self.batcher = StepBatcher(prefill_chunk, row_budget=64, small_step=max(16, spec_k + 1), batching=on,
+                                   shared_prefill=prefill_chunk_shared)
         if max_threads:
             torch.set_num_threads(max_threads)
         self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)
@@ -102,11 +109,13 @@ class Engine:
 
     def prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
         """Run pending tokens in chunks; returns (positions dropped from attention, completed)."""
-        dropped = 0
-        for i in range(0, len(pending), self.prefill_chunk):
+        dropped, i = 0, 0
+        while i < len(pending):
             if should_stop():
                 return dropped, False
-            dropped += steps.prefill_chunk(self.model, kv, pending[i : i + self.prefill_chunk], run=self.batcher.run).dropped
+            n = self.batcher.prefill_tokens(self.prefill_chunk)  # shorter while other sessions generate
+            dropped += steps.prefill_chunk(self.model, kv, pending[i : i + n], run=self.batcher.run).dropped
+            i += n
         return dropped, True
 
     def _draft(self, kv: SessionKV, context: list, k: int) -> list:

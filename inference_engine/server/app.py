@@ -152,7 +152,7 @@ def build_engine(cfg: ServeConfig, model):
     try:
         return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=threads,
                       drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",
-                      restore_source=restore_source, batching=cfg.batching)
+                      restore_source=restore_source, batching=cfg.batching, prefill_chunk_shared=cfg.prefill_chunk_shared)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

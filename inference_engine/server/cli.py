@@ -54,6 +54,9 @@ def _add_serve(sub) -> None:
                         "quality gate), int8 = per-row int8 (misses the gate), auto = int4 on cpu, fp32 on other devices; "
                         "--backend mlx: fp32, fp16 or int4 (the same Q4_1 blocks), auto = int4")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="tokens per prefill forward (bounds peak memory)")
+    p.add_argument("--prefill-chunk-shared", type=int, default=d.prefill_chunk_shared,
+                   help="with batching on, tokens per prefill forward while other sessions are generating: their next "
+                        "tokens wait one such forward, not a whole --prefill-chunk (0 = --prefill-chunk)")
     p.add_argument("--drafter", default=None,
                    help="speculative decoding: ngram (draft-free prompt lookup in the session's history) or a dLM drafter "
                         "(shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir)")
@@ -138,6 +141,7 @@ def serve_config(args) -> ServeConfig:
         threads=args.threads,
         weights=args.weights,
         prefill_chunk=args.prefill_chunk,
+        prefill_chunk_shared=args.prefill_chunk_shared,
         drafter=args.drafter,
         spec_k=args.spec_k,
         state_dir=args.state_dir,

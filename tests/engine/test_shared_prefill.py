@@ -1,0 +1,50 @@
+"""While another session generates, a prefill takes short chunks (--prefill-chunk-shared), so the
+other session's decode rows wait one short chunk's forward; with row-independent int4 kernels the
+prefilled session's tokens are bit for bit those of a full-chunk prefill."""
+import torch
+
+from factories import tiny_model_dir
+from inference_engine.backends.torch.model import TorchCausalLM
+from inference_engine.engine import steps
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.generate import Engine
+from inference_engine.engine.requests import GenerateParams
+from inference_engine.kv.strategy import KVStrategy
+
+
+def _prompt(n, seed=0):
+    return torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefill_takes_short_chunks_while_another_session_is_engaged(monkeypatch):
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
+    history = _prompt(70)
+    chunks = []
+    real = steps.prefill_chunk
+    monkeypatch.setattr(steps, "prefill_chunk", lambda model, kv, ids, **kw: chunks.append(len(ids)) or real(model, kv, ids, **kw))
+
+    def tokens(engine):
+        kv = engine.new_session_kv()
+        toks = [e.token_id for e in engine.generate(kv, history, GenerateParams(max_tokens=8)) if isinstance(e, TokenGenerated)]
+        return toks, kv.last_logits
+
+    strategy = KVStrategy("sink_window", 4, 24)
+    alone = Engine(m, strategy, prefill_chunk=32, prefill_chunk_shared=8, batching="on")
+    want = tokens(alone)
+    assert chunks == [32, 32, 6]  # no other session engaged: whole chunks
+    chunks.clear()
+    shared = Engine(m, strategy, prefill_chunk=32, prefill_chunk_shared=8, batching="on")
+    with shared.batcher.engaged():  # another session generating (its steps would ride along)
+        got = tokens(shared)
+    assert chunks == [8] * 8 + [6]
+    assert got[0] == want[0] and torch.equal(got[1], want[1])  # int4 kernels are row-independent: bit for bit
+
+
+def test_shared_chunks_only_with_batching_on():
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
+    off = Engine(m, KVStrategy("full"), prefill_chunk=32, prefill_chunk_shared=8, batching="off")
+    with off.batcher.engaged(), off.batcher.engaged():
+        assert off.batcher.prefill_tokens(32) == 32
+    on = Engine(m, KVStrategy("full"), prefill_chunk=32, prefill_chunk_shared=0, batching="on")
+    with on.batcher.engaged(), on.batcher.engaged():
+        assert on.batcher.prefill_tokens(32) == 32  # 0 = always the full chunk
