@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import ROOT, command_line, run_metadata, write_json  # noqa: E402
 
 CHECKPOINT = "checkpoint.json"
+RESUMED_LINE = "every agent resumed after the SIGKILL; checkpoint written"  # printed once per run
 
 
 def free_port() -> int:
@@ -135,8 +136,8 @@ COUNTERS = ("cache_invariant_violations_total", "session_total", "session_save_d
 
 class RunClock:
     """Seconds of driving since the run began, summed over its legs: a run whose processes die with the
-    machine (a session's end) goes on with `--resume DIR`, and the time the machine was stopped is not
-    counted. Within a leg it is wall time."""
+    machine (a session's end) goes on with `--resume DIR`, and neither the time the machine was stopped nor a
+    leg's daemon start-up is counted. Within a leg it is wall time."""
 
     def __init__(self, offset: float):
         self.offset, self.wall0 = offset, time.time()
@@ -231,8 +232,7 @@ class Agent(threading.Thread):
                 except (SessionNotFoundError, FailedPreconditionError) as e:
                     return self.gone(e)
                 self.warmup_s = time.perf_counter() - t0
-                down_since = None
-                continue
+                continue  # an outage during the warm-up is checked like any other, by the first turn
             large = self.rng.random() < self.args.large_append_p
             n_app = self.rng.randint(1000, 1500) if large else self.rng.randint(30, 120)
             n_gen = self.rng.randint(16, 32)
@@ -261,6 +261,8 @@ class Agent(threading.Thread):
             self.turns.append({"t_end": self.clock.now(), "latency_s": dt, "ttft_s": res.time_to_first_token_seconds,
                                "appended": n_app, "generated": res.generated_tokens, "large": large,
                                "prefill_s": res.prefill_seconds, "history": self.history_seen})
+        if down_since is not None and self.check_resumed(s, "sigkill"):  # the run ended during an outage: check anyway
+            self.resumed_after_kill = time.perf_counter() - down_since
         client.close()
 
 
@@ -310,11 +312,11 @@ def long_run(args, ids, work: str, ckpt: dict) -> dict:
     os.makedirs(state, exist_ok=True)
     duration = args.hours * 3600 if args.hours else args.minutes * 60
     bucket_s = args.bucket_seconds or (600.0 if duration >= 3600 else duration / args.short_buckets)
-    clock = RunClock(ckpt.get("run_s", 0.0))
-    leg = {"command": command_line(), "wall_start": time.time(), "run_start": clock.now(),
-           "load_average_at_start": os.getloadavg()}
+    leg = {"command": command_line(), "wall_start": time.time(), "load_average_at_start": os.getloadavg()}
     daemon = Daemon(args, state, "--kv-strategy", args.kv_strategy)
     leg["daemon_startup_s"] = daemon.start()
+    clock = RunClock(ckpt.get("run_s", 0.0))  # from here: a leg's daemon start-up is not run time (a loaded box's
+    leg["run_start"] = clock.now()            # slow start would otherwise eat the run before the agents began)
     legs = ckpt.get("legs", []) + [leg]
     samples = ckpt.get("samples", [])
     counters = ckpt.get("counters", []) + [{}]  # per daemon process, its last sample of COUNTERS
@@ -335,7 +337,8 @@ def long_run(args, ids, work: str, ckpt: dict) -> dict:
 
     last_ckpt = time.time()
     while clock.now() < duration or any(a.is_alive() for a in agents):
-        if kill is None and clock.now() >= duration * args.kill_at:
+        # the kill comes once every agent holds its session (creating one is not retried: a kill then would lose the agent)
+        if kill is None and clock.now() >= duration * args.kill_at and all(a.session_id or not a.is_alive() for a in agents):
             counters[-1] = keep(daemon.metrics()) or counters[-1]
             daemon.kill9()
             kill = {"killed_at_s": clock.now()}
@@ -351,6 +354,14 @@ def long_run(args, ids, work: str, ckpt: dict) -> dict:
                             "kv_page_store_bytes": m.get("session_kv_stored_bytes", 0.0),
                             "stored_bytes": dir_bytes(state), "active": m.get("session_active", 0.0),
                             "load_1m": os.getloadavg()[0]})
+        if kill is not None and "all_resumed_at_s" not in kill and all(
+                a.lost or any(r["after"] == "sigkill" for r in a.resume_checks) for a in agents):
+            # every agent has checked its session after the SIGKILL (or lost it): checkpointed, then said on
+            # stdout, so a driver (tests/persistence/test_bench_long_run.py) can stop the machine from here on
+            kill["all_resumed_at_s"] = clock.now()
+            checkpoint()
+            last_ckpt = time.time()
+            print(f"{RESUMED_LINE} at {kill['all_resumed_at_s']:.1f} s of run time", flush=True)
         if time.time() - last_ckpt >= args.checkpoint_seconds:
             checkpoint()
             last_ckpt = time.time()
