@@ -16,8 +16,9 @@ PYTEST_ARGS ?=
 setup: $(STAMP) $(STUBS)
 
 # torch is pinned to the CPU build on local disk; any other spec can pull a multi-GB CUDA build.
-# Three distributions, installed editable: the wire stubs (kakeya-wire), the SDK (kakeya) and
-# the daemon (kakeya-runtime), which depends on both. MLX (the `mlx` extra, --backend mlx) is installed
+# Three distributions, installed editable: the wire stubs and shared rules (kakeya-wire), the SDK
+# (kakeya, with the kakeya-chat script) and the daemon (kakeya-runtime), which needs only kakeya-wire
+# (its dev and chat extras add the SDK). MLX (the `mlx` extra, --backend mlx) is installed
 # when the platform has wheels for it; a failure there only warns. The stubs are generated after the install
 # (the generator, grpcio-tools, is a dev dependency); the editable wire package picks them up.
 $(STAMP): $(PACKAGES)

@@ -1,7 +1,8 @@
 """The package import graph: no cycles, and the layer rules of ARCHITECTURE.md.
 
 The graph is read from the source with `ast`: every `import` / `from ... import` of every module
-of inference_engine, kv_cache_proposer, kakeya (the SDK) and kakeya_wire (the stubs), at module
+of inference_engine, kv_cache_proposer, kakeya (the SDK) and kakeya_wire (the stubs and the rules
+the daemon and the SDK share; the daemon never imports the SDK), at module
 level and inside functions alike (a local import hides a cycle, it does not remove it). Imports
 under `if TYPE_CHECKING:` never run and are left out. Whether a layer loads a framework at import
 time is checked for real, in a fresh interpreter.
@@ -214,6 +215,23 @@ def test_sdk_and_stubs_import_no_engine():
             assert "torch" not in EXTERNAL[m], f"{m} imports torch"
     for m in (m for m in MODULES if _in(m, "kakeya_wire")):
         assert not {t for t in EDGES[m] if not _in(t, "kakeya_wire")}, f"{m} imports our code: stubs import only protobuf/grpc"
+
+
+def test_the_daemon_imports_no_sdk():
+    """The daemon and the SDK share only kakeya_wire (stubs, model paths, text rules). `kakeya chat` is
+    the SDK's kakeya-chat script, run by exec (inference_engine/server/chat_command.py), not imported."""
+    for pkg in ("inference_engine", "kv_cache_proposer"):
+        for m in (m for m in MODULES if _in(m, pkg)):
+            bad = sorted(t for t in EDGES[m] if _in(t, "kakeya"))
+            assert not bad, f"{m} imports {bad}: the daemon does not import its client; shared rules go in kakeya_wire"
+
+
+def test_the_shared_rules_are_standard_library_only():
+    """kakeya_wire's hand-written modules load nothing beyond the standard library (both sides can afford them)."""
+    hand_written = [m for m in MODULES if _in(m, "kakeya_wire") and not _in(m, "kakeya_wire.v1")]
+    assert "kakeya_wire.local_models" in hand_written and "kakeya_wire.text" in hand_written
+    for m in hand_written:
+        assert not EXTERNAL[m] - set(sys.stdlib_module_names) - {"__future__"}, f"{m} imports {sorted(EXTERNAL[m])}"
 
 
 def _loaded_after_import(*modules: str) -> set[str]:

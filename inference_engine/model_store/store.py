@@ -15,7 +15,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kakeya.local_models import kakeya_home, looks_like_path, models_dir  # the one path rule, shared with the SDK
+from kakeya_wire.local_models import kakeya_home, looks_like_path, models_dir  # the one path rule, shared with the SDK
 
 from .catalog import CATALOG, DEFAULT_MODEL, ModelSpec
 from .errors import ModelNotFoundError, PullError

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inference_engine.session.store import is_session_id
-from kakeya.local_models import kakeya_home
+from kakeya_wire.local_models import kakeya_home
 
 SESSION_FORMAT = "kakeya-session/1"
 MANIFEST_NAME = "session.json"

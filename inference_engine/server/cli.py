@@ -1,4 +1,4 @@
-"""`kakeya` command line: serve the daemon, manage models."""
+"""`kakeya` command line: serve the daemon, manage models and saved sessions; `kakeya chat` runs the SDK's chat."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from inference_engine.server import chat_command
 from inference_engine.server.app import serve_forever
 from inference_engine.server.config import ConfigError, ResearchOptions, ServeConfig
 
@@ -164,7 +165,6 @@ def _run_serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from inference_engine.model_store import cli as models_cli
     from inference_engine.persistence import cli as sessions_cli
-    from kakeya import chat as kakeya_chat
 
     ap = argparse.ArgumentParser(prog="kakeya", description="Kakeya session runtime")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -172,12 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     models_cli.register(sub)
     sessions_cli.register(sub)
-    kakeya_chat.register(sub)
+    chat_command.register(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "chat":  # the SDK's kakeya-chat parses its own arguments
+        return chat_command.run(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:

@@ -10,7 +10,7 @@ import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kakeya.tokenization import IncrementalDecoder
+from kakeya_wire.text import IncrementalDecoder, tokens_for_chat
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
 
@@ -30,15 +30,13 @@ class ModelText:
 
     def render_chat(self, messages: Sequence[Mapping]) -> list[int]:
         """Token ids of `messages` under the model's own chat template, ending in the assistant cue."""
-        from kakeya.tokenization import tokens_for_chat
-
         return tokens_for_chat(messages, self.tokenizer)
 
     def encode(self, prompt: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(prompt)]
 
     def detokenizer(self) -> IncrementalDecoder:
-        """Generated ids -> text deltas that never split a multi-byte character (the SDK's decoder)."""
+        """Generated ids -> text deltas that never split a multi-byte character (the one the SDK uses)."""
         return IncrementalDecoder(self.tokenizer)
 
 

@@ -1,5 +1,6 @@
 """`kakeya chat` against a real daemon serving the pulled model, driven with scripted input."""
 import io
+import pathlib
 import re
 
 import pytest
@@ -87,12 +88,12 @@ def test_conversation_history_is_exactly_what_was_appended_and_generated(daemon,
         conv.close()
 
 
-def test_cli_registers_chat():
-    from inference_engine.server.cli import build_parser
-    from kakeya import chat
+def test_the_chat_is_the_sdks_own_console_script():
+    """`kakeya-chat` ships with the SDK distribution; the daemon's `kakeya chat` runs it (tests/server/test_chat_command.py)."""
+    import tomllib
 
-    args = build_parser().parse_args(["chat", "--address", "h:1", "--max-tokens", "8", "--system", "be brief"])
-    assert args.func is chat.run and (args.address, args.max_tokens, args.system, args.model) == ("h:1", 8, "be brief", None)
+    project = tomllib.loads((pathlib.Path(__file__).resolve().parents[2] / "sdks" / "python" / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["kakeya-chat"] == "kakeya.chat:main"
 
 
 def test_no_daemon_says_how_to_start_one(capsys):

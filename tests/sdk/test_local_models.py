@@ -36,7 +36,11 @@ def test_find_local_model_by_name_or_path(monkeypatch, tmp_path):
 
 
 def test_the_server_store_imports_the_same_rule():
+    """One copy, in kakeya_wire (the daemon and the SDK both depend on it; neither imports the other)."""
+    import kakeya_wire.local_models as shared
     from inference_engine.model_store import store
+    from inference_engine.persistence import state_dir
 
-    assert store.kakeya_home is local_models.kakeya_home and store.models_dir is local_models.models_dir
+    assert store.kakeya_home is shared.kakeya_home is local_models.kakeya_home is state_dir.kakeya_home
+    assert store.models_dir is shared.models_dir is local_models.models_dir
     assert Path(store.__file__).read_text().count('os.environ.get("KAKEYA_HOME")') == 0

@@ -1,6 +1,7 @@
 """`kakeya chat`: an interactive multi-turn chat with a running daemon over the public SDK.
 
-One conversation is one daemon session: each turn appends only the tokens the chat template
+This distribution's `kakeya-chat` console script; the daemon's `kakeya chat` runs it with the same
+arguments. One conversation is one daemon session: each turn appends only the tokens the chat template
 adds for the new user message (rendered here, on the client), and the reply streams to the
 terminal as it is generated. Commands: /info, /reset, /quit. The session id is printed at the
 start; `--session ID` reattaches to a session the daemon still holds or saved (after the daemon
@@ -190,14 +191,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="daemon API key (env KAKEYA_API_KEY)")
 
 
-def register(subparsers) -> None:
-    """Add `chat` to a CLI's subcommands (the `kakeya` command calls this)."""
-    p = subparsers.add_parser("chat", help="interactive multi-turn chat with a running daemon",
-                              description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tokenizers load from local directories only
     options = ChatOptions(max_tokens=args.max_tokens, temperature=args.temperature, system=args.system)
@@ -244,7 +237,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kakeya chat", description=__doc__.split("\n\n")[0])
+    """The `kakeya-chat` console script; the daemon's `kakeya chat` runs it with the same arguments."""
+    p = argparse.ArgumentParser(prog="kakeya chat", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -1,44 +1,17 @@
 """Opt-in tokenization helpers. The runtime takes raw token ids only (ADR 0008 §2.4);
-chat templates are the application's choice, applied here on the client side."""
+chat templates are the application's choice, applied here on the client side. The rules the
+daemon's HTTP shim applies too (`from_openai_messages`, `tokens_for_chat`, `IncrementalDecoder`)
+live in `kakeya_wire.text` and are re-exported here."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from kakeya.local_models import find_local_model
+from kakeya_wire.text import IncrementalDecoder, from_openai_messages, tokens_for_chat
 
-
-def from_openai_messages(messages: Iterable[Mapping]) -> list[dict]:
-    """Normalize OpenAI-style messages (content as str or a list of text parts) to
-    [{"role": ..., "content": str}] for `apply_chat_template`."""
-    out = []
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str):
-            raise ValueError(f"messages[{i}] has no string 'role'")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ValueError(f"messages[{i}].content has a non-text part {part!r}; only text parts are supported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def tokens_for_chat(messages: Sequence[Mapping], tokenizer, *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
-    """Render `messages` with the tokenizer's own chat template and return token ids."""
-    ids = tokenizer.apply_chat_template(
-        from_openai_messages(messages), tokenize=True, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
-    if hasattr(ids, "get") and "input_ids" in ids:  # BatchEncoding in transformers 5
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+__all__ = ["ChatHistory", "IncrementalDecoder", "assistant_turn_end", "chat_delta", "from_openai_messages", "load_tokenizer",
+           "tokens_for_chat"]
 
 
 def load_tokenizer(model: str | os.PathLike, *, home: str | os.PathLike | None = None):
@@ -134,36 +107,3 @@ class ChatHistory:
         self.messages.append({"role": "assistant", "content": text})
         self._turn_end = assistant_turn_end(reply_ids, self.tokenizer, **self._kw)
         return text
-
-
-class IncrementalDecoder:
-    """Token ids in, printable text out, one token at a time: a character whose bytes span
-    several tokens is held back until complete, so streamed text never shows a broken
-    character (the offsets method of vLLM's detokenizer)."""
-
-    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self.ids: list[int] = []
-        self._prefix = 0  # decode from here, so the new token sees its left context
-        self._read = 0  # text of ids[_prefix:_read] has been returned already
-
-    def _decode(self, ids) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
-
-    def push(self, token_id: int) -> str:
-        """The new printable text `token_id` completes ("" while a character is unfinished)."""
-        self.ids.append(int(token_id))
-        seen = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
-        if len(text) > len(seen) and not text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return text[len(seen):]
-        return ""
-
-    def flush(self) -> str:
-        """Text still held back at the end of the stream (an unfinished character shows as U+FFFD)."""
-        seen = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
-        self._prefix = self._read = len(self.ids)
-        return text[len(seen):]
