@@ -11,7 +11,7 @@ MODEL   ?= smollm2-135m-instruct
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model run test test-python test-ts lint-proto bench bench-deps clean
+.PHONY: setup proto model run test test-python lint-python test-ts lint-proto bench bench-deps clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -41,10 +41,14 @@ model: setup
 run: setup model
 	$(BIN)/kakeya serve --model $(MODEL) $(ARGS)
 
-test: setup model test-python test-ts lint-proto
+test: setup model lint-python test-python test-ts lint-proto
 
 test-python: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Lint only ([tool.ruff] in pyproject.toml); the tree is not reformatted.
+lint-python: setup
+	$(BIN)/ruff check .
 
 TS_DEPS := sdks/typescript/node_modules/.package-lock.json
 

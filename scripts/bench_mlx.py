@@ -135,7 +135,7 @@ def measure_speed(fmt: str, models: dict, args) -> dict:
     warm = argparse.Namespace(prefill=16, decode=4)
     arms = {"torch": (models["torch"], args.threads), "mlx": (models["mlx"], args.threads)}
     best: dict = {}
-    for name, (model, threads) in arms.items():
+    for model, threads in arms.values():
         torch.set_num_threads(threads)
         decode_and_prefill(model, warm)
     for _ in range(2):
@@ -299,7 +299,8 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     meta = run_metadata(vars(args)) | {
         "mlx": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device())},
-        "speed_measured_on": "Linux x86 CPU (this machine, shared by other jobs: see load_average_at_start): MLX's CPU backend, one thread; "
+        "speed_measured_on": "Linux x86 CPU (this machine, shared by other jobs: see load_average_at_start): "
+                             "MLX's CPU backend, one thread; "
                              "torch at --threads. "
                              "Apple Silicon: not measured here.",
     }
@@ -310,9 +311,11 @@ def main(argv=None) -> int:
             print(fmt, {k: v for k, v in row[fmt].items() if k != "per_point_worst_over_prompts"})
         return 0
     if args.control:
-        row = run_control(path, prompts, args, checkpoint=lambda r: write_json(out, meta | {"controls": {"int4_torch_vs_torch_ulp_rms": r}}))
+        row = run_control(path, prompts, args,
+                          checkpoint=lambda r: write_json(out, meta | {"controls": {"int4_torch_vs_torch_ulp_rms": r}}))
         write_json(out, meta | {"controls": {"int4_torch_vs_torch_ulp_rms": row}})
-        print(f"control: agreement {row['teacher_forced_argmax_agreement']:.4f}, greedy identical {row['greedy_identical']}/{row['prompts']}")
+        print(f"control: agreement {row['teacher_forced_argmax_agreement']:.4f}, "
+              f"greedy identical {row['greedy_identical']}/{row['prompts']}")
         return 0
     rows: dict = {}
     for fmt in args.formats.split(","):
@@ -338,8 +341,8 @@ def merge(args) -> int:
         rows |= doc.get("formats", {})
         controls |= doc.get("controls", {})
         probes |= doc.get("probes", {})
-        parts.append({"part": os.path.relpath(part, ROOT), "formats": list(doc.get("formats", {})), "controls": list(doc.get("controls", {})),
-                      "probes": list(doc.get("probes", {})),
+        parts.append({"part": os.path.relpath(part, ROOT), "formats": list(doc.get("formats", {})),
+                      "controls": list(doc.get("controls", {})), "probes": list(doc.get("probes", {})),
                       **{k: doc[k] for k in ("command", "commit", "dirty_worktree", "date_utc", "machine", "mlx")}})
     payload = run_metadata(vars(args)) | {"mlx": parts[0]["mlx"], "speed_measured_on": doc["speed_measured_on"],
                                           "parts": parts, "formats": rows} | ({"controls": controls} if controls else {}) \

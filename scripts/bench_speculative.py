@@ -4,7 +4,8 @@ For each held-out prompt and each drafter in --drafters and k in --ks, greedy-ge
 tokens with speculation and once without; record the acceptance rate alpha = accepted / drafted,
 tokens emitted per verifier forward, decode tok/s, the drafter's share of decode time, and check
 the outputs are token-identical; per slot j, alpha_j = P(draft j accepted | drafts < j accepted) and the
-histogram of accepted drafts per verify step (recorded by wrapping the engine's acceptance rule). Styles (the dLM drafter's held-out split, never trained on):
+histogram of accepted drafts per verify step (recorded by wrapping the engine's acceptance rule). Styles (the dLM
+drafter's held-out split, never trained on):
   chat  a question about a command (man pages), raw
   code  a Python function's opening, to be continued (code completion)
   edit  the same held-out function inside a chat-templated editing request ("add type hints,
@@ -76,7 +77,8 @@ def run(engine, ids, n):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--drafters", default="ngram,smollm2-135m-dlm,smollm2-135m-dflash", help="comma list: ngram (prompt lookup) and/or dLM drafter names/dirs")
+    ap.add_argument("--drafters", default="ngram,smollm2-135m-dlm,smollm2-135m-dflash",
+                    help="comma list: ngram (prompt lookup) and/or dLM drafter names/dirs")
     ap.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
     ap.add_argument("--styles", default="chat,code,edit")
     ap.add_argument("--heldout-from", default="smollm2-135m-dlm",

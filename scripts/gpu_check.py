@@ -113,7 +113,8 @@ class Check:
 
     def need(self, seconds: float) -> None:
         if self.left() < seconds * self.scale.reserve:
-            raise Budget(f"budget: {self.left():.1f} s of --budget-s {self.args.budget_s:g} left, this needs {seconds * self.scale.reserve:g}")
+            raise Budget(f"budget: {self.left():.1f} s of --budget-s {self.args.budget_s:g} left, "
+                         f"this needs {seconds * self.scale.reserve:g}")
 
     def reserved_after(self, name: str) -> float:
         """Seconds the sections after `name` (those selected) need to start."""
@@ -219,7 +220,8 @@ def cpu_info() -> dict:
                 flags = value.split()
     except OSError:
         pass
-    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "asimd", "sve") if f in flags]
+    isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "asimd", "sve")
+           if f in flags]
     return {"model": model, "isa_flags": isa, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cores": os.cpu_count(), "load_average_at_start": os.getloadavg()}
 
@@ -527,7 +529,8 @@ def section_runs(check, models, prompts):
             plain[arm.cfg.kv_strategy] = r["tokens"]
             return {k: v for k, v in r.items() if k != "tokens"} | {"generated": len(r["tokens"])}
 
-        out["strategies"][name] = check.arm(lambda run=run, name=name: with_arm(args, models, run, kv_strategy=name, compile=mode, **RUN_KV))
+        out["strategies"][name] = check.arm(
+            lambda run=run, name=name: with_arm(args, models, run, kv_strategy=name, compile=mode, **RUN_KV))
     # With every page recalled, paged attends to the whole history: its tokens should be full's (up to the
     # float order of a two-part softmax; recorded, not required).
     out["paged_all_pages_vs_full"] = check.arm(lambda: with_arm(
@@ -537,7 +540,8 @@ def section_runs(check, models, prompts):
         def run(arm):
             r = arm.turn(ids, sc.run_tokens)
             return {"generated": len(r["tokens"]), "drafted": r["drafted"], "accepted": r["accepted"],
-                    "decode_tok_s": r["decode_tok_s"], **({"identical_to_plain_full": r["tokens"] == plain["full"]} if "full" in plain else {})}
+                    "decode_tok_s": r["decode_tok_s"],
+                    **({"identical_to_plain_full": r["tokens"] == plain["full"]} if "full" in plain else {})}
 
         reason = drafter_skip_reason(name, models.any())
         out["drafters"][name] = ({"status": "skipped", "reason": reason} if reason else
@@ -741,7 +745,8 @@ def section_transformers_compiled(check, prompts):
                      "skipped on cpu (--hf-compile auto): a CPU compile costs minutes and measures nothing about GPUs; "
                      "--hf-compile on forces it")
     ids = prompts.of_length(sc.speed_prompt)
-    timeout = max(1.0, min(args.hf_compile_timeout_s, check.left() - check.reserved_after("transformers_static_compiled") - 10 * sc.reserve))
+    left = check.left() - check.reserved_after("transformers_static_compiled") - 10 * sc.reserve
+    timeout = max(1.0, min(args.hf_compile_timeout_s, left))
     with tempfile.TemporaryDirectory(prefix="gpu-check-hf-") as tmp:
         job, res = pathlib.Path(tmp) / "job.json", pathlib.Path(tmp) / "result.json"
         job.write_text(json.dumps({"model_dir": args.model_dir, "device": args.device, "ids": ids, "tokens": sc.speed_tokens,
@@ -753,7 +758,7 @@ def section_transformers_compiled(check, prompts):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the compile's worker processes with it
             proc.communicate()
-            raise Budget(f"timeout: transformers static cache + torch.compile did not finish in {timeout:.0f} s")
+            raise Budget(f"timeout: transformers static cache + torch.compile did not finish in {timeout:.0f} s") from None
         if proc.returncode != 0 or not res.exists():
             raise RuntimeError(f"the transformers worker exited {proc.returncode}: {log[-2000:]}")
         r = json.loads(res.read_text())
@@ -827,11 +832,13 @@ def ratios_and_targets(doc: dict) -> None:
     every = [a for group in ("strategies", "drafters") for a in runs.get(group, {}).values()]
     doc["targets"] = {
         "applies": doc["device"]["kind"] == "gpu",  # the issue's targets are GPU targets: a cpu-smoke run only exercises them
-        "correctness_full_identical_to_transformers": gate(corr.get("all_identical"), corr.get("all_identical"), "every prompt, compile off and auto"),
+        "correctness_full_identical_to_transformers": gate(corr.get("all_identical"), corr.get("all_identical"),
+                                                           "every prompt, compile off and auto"),
         "batch1_ge_3x_transformers_static_compiled": gate(r["batch1_vs_transformers_static_compiled"],
                                                           (r["batch1_vs_transformers_static_compiled"] or 0) >= 3, ">= 3"),
         "aggregate16_ge_8x_batch1": gate(x16, (x16 or 0) >= 8, ">= 8"),
-        "paged_runs_and_recalls": gate(paged.get("status"), paged.get("status") == "ok" and (paged.get("page_recalls") or paged.get("stored_bytes") or 0) > 0,
+        "paged_runs_and_recalls": gate(paged.get("status"),
+                                       paged.get("status") == "ok" and (paged.get("page_recalls") or paged.get("stored_bytes") or 0) > 0,
                                        "status ok with pages stored and recalled"),
         "every_strategy_and_drafter_runs": gate(
             [a["status"] for a in every] or None, every and all(a["status"] in ("ok", "skipped") for a in every),

@@ -16,7 +16,8 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if os.environ.get("CI") and rep.skipped and item.get_closest_marker("model") is not None and not hasattr(rep, "wasxfail"):
         rep.outcome = "failed"
-        rep.longrepr = f"CI is set: the real-model test {item.nodeid} was skipped ({rep.longrepr[-1] if isinstance(rep.longrepr, tuple) else rep.longrepr})"
+        why = rep.longrepr[-1] if isinstance(rep.longrepr, tuple) else rep.longrepr
+        rep.longrepr = f"CI is set: the real-model test {item.nodeid} was skipped ({why})"
 
 
 # Daemons the suite starts (in-process and as subprocesses) persist sessions under a directory of

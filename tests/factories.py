@@ -59,13 +59,15 @@ def make_engine(arch: str = "llama", strategy: str = "full", sink: int = 4, wind
     return Engine(load_model(path, backend), KVStrategy(strategy, sink, window), prefill_chunk=prefill_chunk)
 
 
-def start_server(engine, *, api_key: str | None = None, capacity: int = 8, idle_ttl: float = 1800.0, metrics_port: int = 0, http_port: int = 0):
+def start_server(engine, *, api_key: str | None = None, capacity: int = 8, idle_ttl: float = 1800.0, metrics_port: int = 0,
+                 http_port: int = 0):
     """A real server on a free loopback port around `engine` (its model dir is cfg.model)."""
     from inference_engine.server.app import ServeConfig, start
     from inference_engine.server.runtime import Runtime
 
     model_dir = str(getattr(engine.model, "path", None) or "")
-    cfg = ServeConfig(bind="127.0.0.1:0", model=model_dir, capacity=capacity, idle_ttl=idle_ttl, api_key=api_key, metrics_port=metrics_port, http_port=http_port)
+    cfg = ServeConfig(bind="127.0.0.1:0", model=model_dir, capacity=capacity, idle_ttl=idle_ttl, api_key=api_key,
+                      metrics_port=metrics_port, http_port=http_port)
     return start(cfg, Runtime(engine, capacity=capacity, idle_ttl_s=idle_ttl))
 
 

@@ -167,7 +167,8 @@ class SlotKVCache:
         resident = self.resident_positions
         bad = [i for i, r in enumerate(self._layer_rows) if r != resident]
         if bad:
-            raise CacheInvariantError("inv1", f"layers {bad} hold {[self._layer_rows[i] for i in bad]} rows for {resident} resident positions")
+            rows = [self._layer_rows[i] for i in bad]
+            raise CacheInvariantError("inv1", f"layers {bad} hold {rows} rows for {resident} resident positions")
 
     @property
     def resident_positions(self) -> int:

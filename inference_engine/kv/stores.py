@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from inference_engine.kv.compressor_names import COMPRESSOR_NAMES
+from inference_engine.kv.compressors import CompressorInputError, make_codec
 
 INT8_RESIDENT = "int8_resident"  # the store name make_store takes for KVStrategy(kv_dtype="int8")
-from inference_engine.kv.compressors import CompressorInputError, make_codec
 
 _deferred = threading.local()
 

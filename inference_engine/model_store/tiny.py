@@ -60,7 +60,7 @@ def make_tiny_model(arch: str, out: str | pathlib.Path, *, seed: int = 0, **conf
     # Random init in transformers is small; widen it so logits are not near-uniform and
     # greedy decoding is decisive (ties would make exactness tests meaningless).
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(out)

@@ -25,7 +25,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=("fp32", "int8"),
-                   help="resident K/V rows of full / sink_window: fp32, or int8 with a scale per position, read by attention without decoding")
+                   help="resident K/V rows of full / sink_window: fp32, or int8 with a scale per position, read by attention "
+                        "without decoding")
     p.add_argument("--batching", default=d.batching, choices=("auto", "on", "off"),
                    help="continuous batching: concurrent sessions' decode/verify/prefill steps share forwards; auto = on where "
                         "each session's output stays bit-identical to running alone (int8/int4 weights), off otherwise")
@@ -35,8 +36,12 @@ def _add_serve(sub) -> None:
                    help="paged: pages each query attends to (per layer and KV head) besides sink and window")
     p.add_argument("--page-compressor", default=d.page_compressor, choices=("identity", "int8", "kakeya_d4", "kakeya_e8"),
                    help="paged: how evicted pages are stored (decoded only when recalled)")
-    p.add_argument("--capacity", type=int, default=d.capacity, help="max live sessions; beyond it the least recently used idle session is spilled to disk (--persist turn) or, with --persist off, CreateSession is refused with RESOURCE_EXHAUSTED")
-    p.add_argument("--idle-ttl", type=float, default=d.idle_ttl, help="seconds before an idle session leaves memory: spilled to disk with --persist turn (it resumes on its next call), dropped with --persist off (0 = never)")
+    p.add_argument("--capacity", type=int, default=d.capacity,
+                   help="max live sessions; beyond it the least recently used idle session is spilled to disk (--persist turn) "
+                        "or, with --persist off, CreateSession is refused with RESOURCE_EXHAUSTED")
+    p.add_argument("--idle-ttl", type=float, default=d.idle_ttl,
+                   help="seconds before an idle session leaves memory: spilled to disk with --persist turn (it resumes on its "
+                        "next call), dropped with --persist off (0 = never)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0 = off)")
     p.add_argument("--http-port", type=int, default=d.http_port, help="deprecated OpenAI-style HTTP shim port (0 = off)")
     p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="require 'authorization: Bearer KEY' (env KAKEYA_API_KEY)")
@@ -61,7 +66,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--drafter", default=None,
                    help="speculative decoding: ngram (draft-free prompt lookup in the session's history) or a dLM drafter "
                         "(shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir)")
-    p.add_argument("--spec-k", type=int, default=d.spec_k, help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used only by --research-restore-from drafter)")
+    p.add_argument("--spec-k", type=int, default=d.spec_k,
+                   help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used "
+                        "only by --research-restore-from drafter)")
     p.add_argument("--state-dir", default=None,
                    help="where sessions are persisted (default: $KAKEYA_STATE_DIR, else $KAKEYA_HOME/state); see docs/persistence.md")
     p.add_argument("--persist", default=d.persist, choices=("off", "turn"),

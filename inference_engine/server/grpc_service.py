@@ -73,7 +73,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                     yield pb.GenerateResponse(token=pb.TokenEvent(token_id=ev.token_id, position=ev.position))
                 elif isinstance(ev, HistoryTruncated):
                     yield pb.GenerateResponse(
-                        history_truncated=pb.HistoryTruncatedEvent(dropped_tokens=ev.dropped_tokens, total_dropped_tokens=ev.total_dropped_tokens)
+                        history_truncated=pb.HistoryTruncatedEvent(dropped_tokens=ev.dropped_tokens,
+                                                                   total_dropped_tokens=ev.total_dropped_tokens)
                     )
                 elif isinstance(ev, GenerationDone):
                     yield pb.GenerateResponse(

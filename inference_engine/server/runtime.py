@@ -156,7 +156,8 @@ class Runtime:
     def close(self, session_id: str) -> None:
         self.store.close(session_id)
 
-    def generate(self, session_id: str, max_tokens: int, sampling: SamplingParams, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+    def generate(self, session_id: str, max_tokens: int, sampling: SamplingParams,
+                 should_stop: Callable[[], bool] = lambda: False) -> Iterator:
         if max_tokens < 1 or max_tokens > MAX_TOKENS_PER_CALL:
             raise InvalidArgument(f"max_tokens must be in [1, {MAX_TOKENS_PER_CALL}], got {max_tokens}")
         sampling.validate()

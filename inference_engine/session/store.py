@@ -294,7 +294,8 @@ class SessionStore:
             self.evict_idle()
             s = self._sessions.get(session_id)
             if s is None and self.persister is None:
-                raise SessionNotFound(f"session {_shown(session_id)} does not exist (never created, closed, evicted or failed); create a new session")
+                raise SessionNotFound(f"session {_shown(session_id)} does not exist (never created, closed, evicted or failed); "
+                                      "create a new session")
             if s is not None:
                 if touch:
                     s.last_access = self.clock()

@@ -19,7 +19,7 @@ import torch
 
 from kv_cache_proposer.training import corpus as corpus_mod
 from kv_cache_proposer.training.dataset import chat_ids, code_ids
-from kv_cache_proposer.training.teacher import greedy_generate, left_padded
+from kv_cache_proposer.training.teacher import left_padded
 
 STYLES = {"chat": 0, "code": 1, "edit": 2, "synthetic": 3}
 CHUNK = 32
@@ -100,7 +100,7 @@ def teacher_features(model, seqs: list[list[int]], layers: tuple[int, ...], max_
             att[r, : len(seqs[i])] = 1
         out = model.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
         hs = out.hidden_states
-        feats = torch.cat([hs[l + 1] for l in layers], dim=-1)
+        feats = torch.cat([hs[layer + 1] for layer in layers], dim=-1)
         final = out.last_hidden_state
         am = model.lm_head(final).argmax(-1)
         for r, i in enumerate(idx):
@@ -128,7 +128,7 @@ def generate_with_features(model, prompts: list[list[int]], layers: tuple[int, .
                              pad_token_id=pad, temperature=None, top_p=None, top_k=None, output_hidden_states=True,
                              return_dict_in_generate=True)
         steps = out.hidden_states  # per step: (embeddings, layer 0 out, ..., final normed), each (B, t, H)
-        feats = torch.cat([torch.cat([st[l + 1] for l in layers], -1) for st in steps], 1)  # (B, L + n - 1, L*H)
+        feats = torch.cat([torch.cat([st[layer + 1] for layer in layers], -1) for st in steps], 1)  # (B, L + n - 1, L*H)
         final = torch.cat([st[-1] for st in steps], 1)
         am = model.lm_head(final).argmax(-1)
         for r, i in enumerate(idx):

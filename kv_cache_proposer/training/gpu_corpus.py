@@ -244,7 +244,8 @@ def build(*, seed: int = 0, max_files: int = 3000, deadline: float | None = None
 
     # the stdlib: module keys as training/corpus.py makes them
     std_root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    share = {"stdlib": int(max_files * 0.45), "package": int(max_files * 0.40), "doc": max_files - int(max_files * 0.45) - int(max_files * 0.40)}
+    stdlib, package = int(max_files * 0.45), int(max_files * 0.40)
+    share = {"stdlib": stdlib, "package": package, "doc": max_files - stdlib - package}
     walk_deadline = t0 + 0.3 * (deadline - t0)
     std_files = _walk(std_root, (".py",), walk_deadline, 100_000)
     rng.shuffle(std_files)
@@ -321,7 +322,8 @@ def build(*, seed: int = 0, max_files: int = 3000, deadline: float | None = None
         "package_roots": [str(r) for r in roots],
         "packages_read": dict(sorted(pkgs.items(), key=lambda kv: -kv[1])[:40]),
         "packages_read_count": len(pkgs),
-        "prompts_file": {"path": str(prompts_file.relative_to(prompts_file.parents[2])) if len(prompts_file.parents) > 2 else str(prompts_file),
+        "prompts_file": {"path": str(prompts_file.relative_to(prompts_file.parents[2]) if len(prompts_file.parents) > 2
+                                     else prompts_file),
                          "sha256": prompts_sha, "prompts": len(rows)},
         "items": {"train": _by_style(train), "heldout": _by_style(held)},
         "dropped_as_copies_of_heldout_first_lines": n0 - len(train),

@@ -15,7 +15,6 @@ import dataclasses
 import random
 
 import torch
-import torch.nn.functional as F
 
 TRAIN_SEED = 7_000_001
 TRAIN_INTROS = [

@@ -54,7 +54,8 @@ def workload(session: int, turns: int, seed: int, vocab: int = 40000):
 class Daemon:
     def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None):
         # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
-        cmd = [os.path.join(os.path.dirname(sys.executable), "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model, "--weights", weights,
+        cmd = [os.path.join(os.path.dirname(sys.executable), "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
+               "--weights", weights,
                "--batching", batching, "--threads", str(threads), "--state-dir", state_dir]
         if prefill_chunk:
             cmd += ["--prefill-chunk", str(prefill_chunk)]
@@ -246,7 +247,7 @@ def run_level_llama(gguf, n, args):
     import psutil
 
     out = summarize(results, run_sessions(session_thread, n), psutil.Process().memory_info().rss)
-    del llms
+    llms.clear()  # frees the models (a `del` would unbind the name session_thread reads)
     return out
 
 
@@ -335,7 +336,9 @@ def run_level_llama_batched(gguf, n, args):
         batch.n_tokens = k
         if lc.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
-        toks[i] = int(np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx, k - 1), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).argmax())
+        logits = np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx, k - 1), ctypes.POINTER(ctypes.c_float)),
+                                       shape=(n_vocab,))
+        toks[i] = int(logits.argmax())
         k = 0
     t0 = time.perf_counter()
     for step in range(args.decode_tokens):
@@ -345,7 +348,9 @@ def run_level_llama_batched(gguf, n, args):
         if lc.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
         for i in range(n):
-            toks[i] = int(np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).argmax())
+            logits = np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float)),
+                                           shape=(n_vocab,))
+            toks[i] = int(logits.argmax())
     dwall = time.perf_counter() - t0
     out["decode"] = {"sessions": n, "tokens": n * args.decode_tokens, "wall_s": round(dwall, 3),
                      "aggregate_decode_tok_s": round(n * args.decode_tokens / dwall, 2), "errors": 0}

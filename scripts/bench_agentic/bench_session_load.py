@@ -150,7 +150,8 @@ class LlamaRestore:
         self.path = root.parent / f"llama-{args.history}.state"  # one per history: the token ids do not depend on the strategy
         self.info = {"llama_cpp_version": llama_cpp.__version__, "threads": args.threads}
         if not self.path.exists():
-            llm = llama_cpp.Llama(model_path=gguf, n_ctx=self.n_ctx, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512, verbose=False)
+            llm = llama_cpp.Llama(model_path=gguf, n_ctx=self.n_ctx, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
+                                  verbose=False)
             t0 = time.perf_counter()
             llm.eval(self.hist)
             arr = (llama_cpp.llama_token * len(self.hist))(*self.hist)
@@ -158,7 +159,8 @@ class LlamaRestore:
             print(f"llama.cpp: prefilled and saved {args.history} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
             del llm
         self.info["state_file_bytes"] = self.path.stat().st_size
-        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=self.n_ctx, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512, verbose=False)
+        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=self.n_ctx, n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
+                                   verbose=False)
         self.times, self.tokens = [], set()
 
     def sample(self) -> float:

@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     faster = all("error" not in r and r["flex_with_mask_over_sdpa"] < 1.0 for r in out.values())
     write_json(pathlib.Path(args.out), {**meta, "keys": out,
                                         "decision": "FlexAttention faster for a decode row: worth adopting" if faster
-                                        else "SDPA kept: FlexAttention (with its per-step block mask) is not faster here, or does not compile"})
+                                        else "SDPA kept: FlexAttention (with its per-step block mask) is not faster here, "
+                                             "or does not compile"})
     return 0
 
 

@@ -49,7 +49,7 @@ def run_arm(arm: str, context: int, tokens: int, reps: int, threads: int) -> dic
 
     def decode(engine) -> list:
         rates = []
-        for rep in range(reps):
+        for _ in range(reps):
             kv = engine.new_session_kv()
             history = [100 + (i * 37) % 20000 for i in range(context)]
             n, t1 = 0, None

@@ -114,7 +114,8 @@ def main() -> int:
     write_json(pathlib.Path(args.out), run_metadata(vars(args)) | out)
     for rung, r in out["rungs"].items():
         for arm, t in r["arms"].items():
-            print(rung, arm, "same number as full", t["same_number_as_full"], "resident", t["asked_resident"], "evicted", t["asked_evicted"],
+            print(rung, arm, "same number as full", t["same_number_as_full"], "resident", t["asked_resident"],
+                  "evicted", t["asked_evicted"],
                   "misses where full hit:", [(m["sample"], m["asked_resident"], m["answered_the_needle_nearest_the_question"])
                                              for m in t["misses_where_full_hit"]])
     return 0

@@ -87,7 +87,8 @@ def main() -> int:
     arms = args.arms.split(",")
     engines = {a: Engine(model, KVStrategy(**ARMS[a]), prefill_chunk=args.prefill_chunk) for a in arms}
     meta = run_metadata(vars(args) | {"eval_seed": EVAL_SEED, "arms_config": {a: ARMS[a] for a in arms},
-                                      "samples_from": "scripts/research/niah_ladder.py make_sample (same seeds: sample i = ladder sample i)",
+                                      "samples_from": "scripts/research/niah_ladder.py make_sample "
+                                                      "(same seeds: sample i = ladder sample i)",
                                       "cap_bytes": CAP_BYTES})
     results = {a: {"config": ARMS[a], "rungs": {}} for a in arms}
     out = pathlib.Path(args.out)
@@ -167,7 +168,8 @@ def speed(args, engines: dict, tok, rungs: list, meta: dict, out: pathlib.Path) 
         for a in engines:
             c = kvs[a].cache
             cell[a] = {"prompt_tokens": len(ids), "step_s_median": statistics.median(times[a]), "step_s": [round(x, 4) for x in times[a]],
-                       "resident_bytes": getattr(c, "resident_nbytes", c.store.nbytes), "selection_bytes": getattr(c, "selection_nbytes", 0),
+                       "resident_bytes": getattr(c, "resident_nbytes", c.store.nbytes),
+                       "selection_bytes": getattr(c, "selection_nbytes", 0),
                        "stored_bytes": getattr(c, "stored_nbytes", 0)}
             if hasattr(c, "timings"):
                 cell[a]["paged_split_s_per_step"] = {k: c.timings[k] / args.speed_steps for k in ("score_s", "fetch_s", "attend_s")}

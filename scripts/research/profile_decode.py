@@ -154,7 +154,8 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     prof = [profile(model, engine, c, args.steps) for c in contexts]
     for p in prof:
-        print(f"ctx {p['context']}: step {p['step_ms_median']} ms, ops {p['op_self_ms_per_step']} ms, {p['aten_calls_per_step']} aten calls")
+        print(f"ctx {p['context']}: step {p['step_ms_median']} ms, ops {p['op_self_ms_per_step']} ms, "
+              f"{p['aten_calls_per_step']} aten calls")
 
     pieces = CompiledLayerPieces(model)
     prompt, probe = list(range(200, 330)), [5, 17, 99, 1234, 42]
@@ -182,11 +183,13 @@ def main() -> int:
         timing[str(c)] = {"eager_step_ms": round(e * 1e3, 2), "compiled_step_ms": round(cpl * 1e3, 2), "speedup": round(e / cpl, 3)}
         print(f"ctx {c}: eager {e * 1e3:.1f} ms, compiled {cpl * 1e3:.1f} ms ({e / cpl:.2f}x)")
     out = run_metadata(vars(args))
-    out |= {"profile": prof, "compiled": {"pieces": "input norm + fused qkv (pre-RoPE) and o_proj + residual + norm + MLP, one graph for all layers",
+    out |= {"profile": prof, "compiled": {"pieces": "input norm + fused qkv (pre-RoPE) and o_proj + residual + norm + MLP, "
+                                                    "one graph for all layers",
                                           "compile_seconds": round(compile_s, 1), "logits_bit_equal_to_eager": exact,
                                           "decode": timing,
                                           "kept": False,
-                                          "rule": "kept only where faster at every context AND bit-equal (the engine's steps are row-exact)"}}
+                                          "rule": "kept only where faster at every context AND bit-equal "
+                                                  "(the engine's steps are row-exact)"}}
     out["compiled"]["kept"] = exact and all(t["speedup"] > 1.0 for t in timing.values())
     write_json(pathlib.Path(args.out), out)
     print({"exact": exact, "compile_s": round(compile_s, 1), "timing": timing})

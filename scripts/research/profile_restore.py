@@ -207,10 +207,11 @@ def main() -> int:
             m = mean
             print(f"H={n_hist} {arm:28s} step {m['total_s'] * 1e3:8.1f} ms = proposer {m['proposer_s'] * 1e3:8.1f}"
                   f" (open {m['proposer_open_s'] * 1e3:7.1f}, layers {m['proposer_layers_s'] * 1e3:7.1f}, f_θ trunk "
-                  f"{m['ftheta_trunk_s'] * 1e3:6.1f}, its attention {m['proposer_attention_s'] * 1e3:6.1f}) + attention {m['attention_s'] * 1e3:6.1f}"
+                  f"{m['ftheta_trunk_s'] * 1e3:6.1f}, its attention {m['proposer_attention_s'] * 1e3:6.1f})"
+                  f" + attention {m['attention_s'] * 1e3:6.1f}"
                   f" + decompress {m['decompress_s'] * 1e3:6.1f} + other {m['other_s'] * 1e3:6.1f};"
                   f" resident {cache.nbytes / 1e6:.2f} MB; prefill {prefill_s:.1f}s", flush=True)
-    for h, arms in results.items():
+    for arms in results.values():
         if "full" in arms:
             for cell in arms.values():
                 cell["tokens_per_s_ratio_to_full"] = cell["decode_tokens_per_s"] / arms["full"]["decode_tokens_per_s"]

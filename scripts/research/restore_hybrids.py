@@ -199,7 +199,8 @@ def main() -> int:
                 row[name] = hit
             rows.append(row)
             print(f"{n} sample {i}: " + " ".join(f"{int(row[c])}" for c in cfgs) + f"  needle in top16/top64 "
-                  f"{row['needle_tokens_in_top16']}/{row['needle_tokens_in_top64']} of {row['needle_tokens']}  ({time.time() - t0:.0f}s)", flush=True)
+                  f"{row['needle_tokens_in_top16']}/{row['needle_tokens_in_top64']} of {row['needle_tokens']}  "
+                  f"({time.time() - t0:.0f}s)", flush=True)
         for name, g in agg.items():
             g["answer_exact"] = f"{g['answer_exact']}/{args.samples}"
             g["first_digit_exact"] = f"{g['first_digit_exact']}/{args.samples}"

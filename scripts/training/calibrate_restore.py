@@ -197,7 +197,8 @@ def main(argv=None) -> int:
           f"read the needle most, |needle share - true-key share| {e['restored']} -> {e['restored_calibrated']}", flush=True)
     if args.dry_run:
         return 0
-    out = save_calibration(bias, resolve_checkpoint(args.drafter), report | {"created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    out = save_calibration(bias, resolve_checkpoint(args.drafter), report | {"created_utc": created})
     print(f"wrote {out}")
     return 0
 

@@ -312,7 +312,8 @@ def bench_heldout(ptok: gpu_corpus.PromptTokenizer, n: int) -> tuple[dict, str]:
         return {}, "the verifier has no tokenizer"
     held = json.loads(BENCH_HELDOUT.read_text())
     c0, k0 = held["chat"][0], held["code"][0]
-    if ptok.chat(c0["text"]) != c0["ids"] or ptok.encode(k0["text"])[-192:] != k0["ids"] or max(max(p["ids"]) for p in held["code"]) >= ptok.V:
+    if (ptok.chat(c0["text"]) != c0["ids"] or ptok.encode(k0["text"])[-192:] != k0["ids"]
+            or max(max(p["ids"]) for p in held["code"]) >= ptok.V):
         return {}, "the verifier's tokenizer does not reproduce the benchmark's held-out prompt ids"
     out = {"chat": [(p["key"], p["ids"]) for p in held["chat"][:n]], "code": [(p["key"], p["ids"]) for p in held["code"][:n]]}
     edit = []
@@ -392,7 +393,8 @@ class Generator:
             self.capture.reset()
             torch.cuda.empty_cache()
             self.args.gen_batch_tokens = max(1024, self.args.gen_batch_tokens // 2)
-            self.run.log(f"!! {tag}: out of memory with {len(prompts)} prompts; halving (--gen-batch-tokens now {self.args.gen_batch_tokens})")
+            self.run.log(f"!! {tag}: out of memory with {len(prompts)} prompts; "
+                         f"halving (--gen-batch-tokens now {self.args.gen_batch_tokens})")
             h = len(prompts) // 2
             r1 = self.one(items[:h], prompts[:h], max_new, tag, buf)
             r2 = self.one(items[h:], prompts[h:], max_new, tag, buf)
@@ -500,8 +502,9 @@ def _main(args, run: Run) -> int:
     gen_frac = args.gen_frac or (0.6 if args.schedule == "overlap" else 0.5)
     run.log(f"gpu_drafter_run: {args.minutes} min budget, device {dev}, schedule {args.schedule}; "
             f"plan: train/data until {eval_at:.1f}s, eval until {work_end:.1f}s, watchdog at {run.hard - run.start:.1f}s")
-    cmd = shlex.join([os.path.relpath(sys.argv[0], ROOT) if sys.argv and sys.argv[0].endswith(".py") else "scripts/training/gpu_drafter_run.py",
-                      *(sys.argv[1:] if sys.argv and sys.argv[0].endswith(".py") else [])])
+    as_script = bool(sys.argv) and sys.argv[0].endswith(".py")
+    cmd = shlex.join([os.path.relpath(sys.argv[0], ROOT) if as_script else "scripts/training/gpu_drafter_run.py",
+                      *(sys.argv[1:] if as_script else [])])
     import transformers
 
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
@@ -626,7 +629,8 @@ def _main(args, run: Run) -> int:
             done += len(items)
         rec.update(sequences=len(ebuf.seqs), tokens=ebuf.n)
     run.eval = {"status": "pending", "k": 4, "sets": {n: {s: len(v) for s, v in st.items()} for n, st in eval_sets.items()},
-                "bench_heldout": ("scripts/bench_speculative.py's held-out prompts (" + str(BENCH_HELDOUT.relative_to(ROOT)) + "): chat, code, "
+                "bench_heldout": ("scripts/bench_speculative.py's held-out prompts (" + str(BENCH_HELDOUT.relative_to(ROOT))
+                                  + "): chat, code, "
                                   "and edit (the code wrapped in its editing request)") if bench else f"not used: {bench_why}",
                 "corpus_heldout": f"this run's corpus, held-out keys ({corpus.stats['heldout_rule']})",
                 "max_new_tokens": args.eval_max_new, "features_from": feat_src,
@@ -715,7 +719,8 @@ def _main(args, run: Run) -> int:
                   "generated_tokens_per_s": round(dstats["generated_tokens"] / max(gen.seconds, 1e-6), 1),
                   "anchors": {"train": dstats["anchors_train"], "validation": dstats["anchors_val"]},
                   "validation_rule": f"every {args.val_every_seq}th generated sequence (best validated weights exported)",
-                  "targets": "the verifier's own greedy continuations; features captured during generate() (prefill rows, then one row per step)"}
+                  "targets": "the verifier's own greedy continuations; features captured during generate() "
+                             "(prefill rows, then one row per step)"}
     run.manifest["data"]["generation"] = gen_record
     if gen.stop_reason.startswith("deadline") or gen.stop_reason == "buffer full (--max-data-gb)":
         run.manifest["data"]["generation"]["note"] = f"{len(jobs) - gen.prompts_done} planned prompts not generated ({gen.stop_reason})"

@@ -145,8 +145,9 @@ def main(argv=None) -> int:
             "name": args.name,
             "verifier": {"name": dcfg.verifier, "path_at_training": str(pathlib.Path(args.verifier).expanduser()),
                          "shares": "token embedding + LM head (frozen, passed in at load time, not stored)"},
-            "data": {**spec["description"], "plan": spec["plan"], "used": used, "teacher_cache": {"dir": str(work), "chunks": len(paths), "tokens": data.n_tokens,
-                                                               "sha256": data.sha256, "topk": plan.topk},
+            "data": {**spec["description"], "plan": spec["plan"], "used": used,
+                     "teacher_cache": {"dir": str(work), "chunks": len(paths), "tokens": data.n_tokens, "sha256": data.sha256,
+                                       "topk": plan.topk},
                      "draft_vocab_coverage_of_teacher_argmax": round(covered, 4)},
             "training": {
                 "command": " ".join(["torchrun" if world > 1 else "python"] + sys.argv),

@@ -144,7 +144,8 @@ def probe(S: Setup, args, rng, general, retrieval_held) -> dict:
             a, b = Xtr[:, c], Xte[:, c]
             mu, sd = a.mean(0), a.std(0).clamp_min(1e-6)
             a, b = (a - mu) / sd, (b - mu) / sd
-            a1, b1 = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1), torch.cat([b, torch.ones(b.shape[0], 1, dtype=b.dtype)], 1)
+            a1 = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)
+            b1 = torch.cat([b, torch.ones(b.shape[0], 1, dtype=b.dtype)], 1)
             W = torch.linalg.solve(a1.T @ a1 + 1.0 * torch.eye(a1.shape[1], dtype=a.dtype), a1.T @ Ytr)
             pred = (b1 @ W).reshape(-1, L, 2 * S.kv_dim).permute(1, 0, 2)
             rk, rv = rd.rel_mse(pred.float(), Yte.reshape(-1, L, 2 * S.kv_dim).permute(1, 0, 2).float(), S.kv_dim)
@@ -307,7 +308,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     S = Setup(args)
     rng, general, general_held, retrieval_held, sources = build_data(S, args)
-    log(f"data: {len(general)} general chunks of {args.chunk} tokens; held-out {len(general_held)} general, {len(retrieval_held)} retrieval")
+    log(f"data: {len(general)} general chunks of {args.chunk} tokens; "
+        f"held-out {len(general_held)} general, {len(retrieval_held)} retrieval")
     run_probe = args.features == "auto" and not args.init  # a warm start keeps its representation
     report = {"probe": probe(S, args, rng, general, retrieval_held)} if run_probe else {}
     features = args.features
@@ -347,7 +349,8 @@ def main(argv=None) -> int:
         "data": {
             "general_text": {"sources": sources, "chunk_tokens": args.chunk, "split": "training keys only (sha1(key) % 20 != 0)"},
             "retrieval": {"generator_seed": rd.TRAIN_SEED + args.seed, "heldout_seed": rd.TRAIN_SEED + 1000 + args.seed,
-                          "templates_sha256": hashlib.sha256(repr((rd.TRAIN_INTROS, rd.TRAIN_FILLERS, rd.TRAIN_NEEDLES)).encode()).hexdigest(),
+                          "templates_sha256": hashlib.sha256(
+                              repr((rd.TRAIN_INTROS, rd.TRAIN_FILLERS, rd.TRAIN_NEEDLES)).encode()).hexdigest(),
                           "doc_tokens": [args.doc_min, args.doc_max],
                           "disjoint_from": "scripts/research/niah_ladder.py EVAL_SEED/EVAL_* templates (no 'pass key' phrase)"},
         },

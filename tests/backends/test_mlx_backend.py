@@ -100,7 +100,7 @@ def test_mlx_cache_keeps_inv1_and_the_torch_caches_bytes(strategy, window):
     """INV-1 after every step; the MLX store holds the same rows and bytes as torch's (bounded for sink_window)."""
     require_backend("mlx")
     kvs = {b: (make_engine("llama", strategy, 4, window, prefill_chunk=8, backend=b), []) for b in BACKENDS}
-    for b, (engine, sizes) in kvs.items():
+    for engine, sizes in kvs.values():
         kv = engine.new_session_kv()
         for chunk in range(6):
             engine.prefill(kv, ids(8, 10 + chunk))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from drafters import HashDrafter
-from factories import load_model, require_smollm2, tiny_model_dir
+from factories import require_smollm2, tiny_model_dir
 from inference_engine.backends.torch.linear import GROUP, DenseLinear, Int4Linear, Int8Linear, RefinedHead
 from inference_engine.backends.torch.model import TorchCausalLM
 from inference_engine.engine.events import TokenGenerated

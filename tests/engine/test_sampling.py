@@ -25,7 +25,9 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.0)
-    draw = lambda seed: [sample(logits, params, g) for g in [torch.Generator().manual_seed(seed)] for _ in range(20)]
+    def draw(seed):
+        return [sample(logits, params, g) for g in [torch.Generator().manual_seed(seed)] for _ in range(20)]
+
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
 

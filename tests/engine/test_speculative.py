@@ -51,7 +51,8 @@ def test_multi_turn_speculative_session_equals_autoregressive():
     model = load_model(str(tiny_model_dir("qwen3")))
     strategy = KVStrategy("sink_window", 4, 16)
     results = []
-    for engine in (Engine(model, strategy, prefill_chunk=16), Engine(model, strategy, prefill_chunk=16, drafter=SelfDrafter(model, corrupt_every=4), spec_k=4)):
+    for engine in (Engine(model, strategy, prefill_chunk=16),
+                   Engine(model, strategy, prefill_chunk=16, drafter=SelfDrafter(model, corrupt_every=4), spec_k=4)):
         kv, history = engine.new_session_kv(), []
         for turn in range(4):
             history += prompt(9, seed=turn)
@@ -77,7 +78,9 @@ def test_eos_inside_an_accepted_block_stops_there():
 def test_speculative_sampling_is_deterministic_per_seed():
     model = load_model(str(tiny_model_dir("llama")))
     spec = Engine(model, KVStrategy("sink_window", 4, 16), drafter=SelfDrafter(model), spec_k=4)
-    s = lambda seed: tokens(spec, prompt(30), 20, SamplingParams(temperature=1.0, seed=seed))[0]
+    def s(seed):
+        return tokens(spec, prompt(30), 20, SamplingParams(temperature=1.0, seed=seed))[0]
+
     assert s(5) == s(5)
     assert s(5) != s(6)
 

@@ -118,7 +118,7 @@ def test_the_needle_page_is_recalled():
     k = cache.pages.read(layer)[0][:, needle - 4]  # (Hkv, D)
     g = m.spec.num_heads // m.spec.num_kv_heads
     q = (k * 50).repeat_interleave(g, 0)[:, None]  # (H, 1, D): a query that aligns with the needle key
-    layout = cache.prepare(range(80, 81))
+    cache.prepare(range(80, 81))
     sel = cache._choose(layer, q, cache.store.k[layer])
     cache.abort()
     chosen = sorted(set((sel[0, 0].nonzero().flatten() + 4).tolist()))

@@ -217,7 +217,8 @@ def test_smollm2_passkey_beyond_the_window_equals_full():
     m = load_model(str(path))
     tok = AutoTokenizer.from_pretrained(path)
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 16
-    text = f"<|im_start|>user\nThe pass key is 48213. Remember it. {filler}\nWhat is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is"
+    text = (f"<|im_start|>user\nThe pass key is 48213. Remember it. {filler}\nWhat is the pass key?<|im_end|>\n"
+            "<|im_start|>assistant\nThe pass key is")
     history = tok(text, add_special_tokens=False)["input_ids"]
     assert 380 <= len(history) <= 440
     ref, _ = greedy(Engine(m, KVStrategy("full"), prefill_chunk=128), history, 8)

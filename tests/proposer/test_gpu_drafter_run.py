@@ -91,7 +91,7 @@ def test_batched_evaluation_drafts_what_the_drafter_drafts():
     drafts, complete = gpu_train.draft_every_position(dm, buf, buf.seqs, cols, span=5, windows=3)
     assert complete and set(drafts) == {0, 1, 2}
     checked = 0
-    for si, (pos, d, tg, avail) in drafts.items():
+    for si, (pos, d, _, _) in drafts.items():
         s = buf.seqs[si]["start"]
         for r in range(len(pos)):
             p = int(pos[r])

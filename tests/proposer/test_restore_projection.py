@@ -293,7 +293,8 @@ def test_calibration_measures_no_shift_for_exact_keys_and_the_shift_of_wrong_one
     measure_cls = _calibrate_module().Measure
     m = verifier()
     history = ids(60, seed=3).tolist()
-    exact = measure_cls(m, m.verifier_restore_source(), 4, 16)(history, needle=(20, 24), bias=torch.zeros(m.spec.num_layers, m.spec.num_heads))
+    no_bias = torch.zeros(m.spec.num_layers, m.spec.num_heads)
+    exact = measure_cls(m, m.verifier_restore_source(), 4, 16)(history, needle=(20, 24), bias=no_bias)
     assert float(exact["shift"].abs().max()) < 1e-4  # restored keys == true keys: nothing to calibrate
     share = exact["needle_share"]  # true / restored / restored + zero bias: all the same here
     torch.testing.assert_close(share[..., 1], share[..., 0], rtol=1e-4, atol=1e-5)

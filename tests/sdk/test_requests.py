@@ -31,7 +31,7 @@ def test_generate_options_the_wire_cannot_carry_are_invalid_argument(kw, name):
     with kakeya.Client(DEAD) as c:
         with pytest.raises(kakeya.InvalidArgumentError, match=rf"^{name} must be"):
             list(c.session("x" * 32).generate(**kw))
-    with pytest.raises(kakeya.InvalidArgumentError, match=rf"^start must be"):
+    with pytest.raises(kakeya.InvalidArgumentError, match=r"^start must be"):
         kakeya.Client(DEAD).session("x" * 32).history(-1)
 
 

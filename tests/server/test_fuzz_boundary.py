@@ -147,11 +147,14 @@ def daemon():
 valid_token = st.integers(0, VOCAB - 1)
 bad_token = st.one_of(st.integers(INT32_MIN, -1), st.integers(VOCAB, INT32_MAX), st.sampled_from([INT32_MIN, -1, VOCAB, INT32_MAX]))
 good_lists = st.lists(valid_token, min_size=1, max_size=40)
-token_lists = st.one_of(good_lists, good_lists, st.just([]), st.lists(st.one_of(valid_token, valid_token, valid_token, bad_token), max_size=40))
+token_lists = st.one_of(good_lists, good_lists, st.just([]),
+                        st.lists(st.one_of(valid_token, valid_token, valid_token, bad_token), max_size=40))
 session_ids = st.one_of(
     st.just(""), st.text(max_size=40), st.text(min_size=1000, max_size=4000),
-    st.text(alphabet=st.characters(min_codepoint=0x80, exclude_categories=["Cs"]), min_size=1, max_size=64),  # non-ASCII only (no lone surrogates: not encodable, the SDK refuses them)
-    st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_", min_size=32, max_size=32),  # id-shaped, never issued
+    # non-ASCII only (no lone surrogates: not encodable, the SDK refuses them)
+    st.text(alphabet=st.characters(min_codepoint=0x80, exclude_categories=["Cs"]), min_size=1, max_size=64),
+    # id-shaped, never issued
+    st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_", min_size=32, max_size=32),
 )
 
 
@@ -166,7 +169,8 @@ def session_rpc(s, method: str):
 
 # -- properties -------------------------------------------------------------------------------
 @budget(150)
-@given(initial=token_lists, ids=token_lists, eos=st.just([]) | st.lists(valid_token, max_size=3) | st.lists(st.one_of(valid_token, bad_token), max_size=3))
+@given(initial=token_lists, ids=token_lists,
+       eos=st.just([]) | st.lists(valid_token, max_size=3) | st.lists(st.one_of(valid_token, bad_token), max_size=3))
 def test_create_and_append_validate_every_token(daemon, initial, ids, eos):
     EXAMPLES["create_append_tokens"] += 1
     prop = "create_append_tokens"
@@ -260,7 +264,8 @@ temperatures = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0]), float32).filter(
 
 @budget(150)
 @given(max_tokens=st.sampled_from([0, 1, 2, 5, 5, 5, MAX_TOKENS_PER_CALL + 1, 2**32 - 1]), temperature=temperatures,
-       top_k=st.integers(INT32_MIN, INT32_MAX) | st.integers(-2, VOCAB + 2), top_p=st.floats(0, 1, width=32) | float32, seed=st.integers(0, 2**64 - 1))
+       top_k=st.integers(INT32_MIN, INT32_MAX) | st.integers(-2, VOCAB + 2), top_p=st.floats(0, 1, width=32) | float32,
+       seed=st.integers(0, 2**64 - 1))
 @example(max_tokens=3, temperature=float("inf"), top_k=0, top_p=1.0, seed=0)
 @example(max_tokens=3, temperature=1.0, top_k=INT32_MAX, top_p=1e-30, seed=2**64 - 1)
 def test_generate_params_are_validated(daemon, max_tokens, temperature, top_k, top_p, seed):

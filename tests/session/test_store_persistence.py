@@ -229,7 +229,7 @@ def test_a_full_disk_is_reported_on_the_session_backed_off_and_logged_once_a_min
                 assert st.persist(s) is False
         assert (a.durable_length, a.save_error, len(a.history)) == (2, "No space left on device", 17)
         tries = disk.tries
-        for step in range(3 * 60 * 4):  # three idle minutes of the flusher's 0.25 s ticks
+        for _ in range(3 * 60 * 4):  # three idle minutes of the flusher's 0.25 s ticks
             st.clock.t += 0.25
             st.flush(idle_s=1.0)
         # backed off: 1, 2, 4, ... 60 s apart, not 4 tries a second

@@ -84,7 +84,8 @@ def _attend_rows(model, layer, q, q_normed, k_all, v_all, layout, w, sink_rope):
         # as the one-token step at this row's position: shifted sink scores only from shift.from_position on
         shift = sink_rope is not None and w is None and layout.first_position + j >= layout.sink_shift.from_position
         k, v = _columns(k_all, keys), _columns(v_all, keys)
-        m, kp = (mask[j:j + 1, :keys], layout.key_positions[:keys]) if isinstance(keys, int) else (mask[j:j + 1, keys], layout.key_positions[keys])
+        cols = slice(None, keys) if isinstance(keys, int) else keys
+        m, kp = mask[j:j + 1, cols], layout.key_positions[cols]
         qj = q[:, j:j + 1]  # (H, 1, D)
         if shift:
             out.append(_attend_with_sink_shift(model, layer, qj, q_normed[:, j:j + 1], k, v, m, layout.positions[j:j + 1], kp,

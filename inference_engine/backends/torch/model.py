@@ -161,7 +161,9 @@ class TorchCausalLM:
 
     @property
     def weights_format(self) -> str:
-        return self.weights if self.weights != "fp32" else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
+        if self.weights != "fp32":
+            return self.weights
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
 
     @property
     def embed(self) -> torch.Tensor:

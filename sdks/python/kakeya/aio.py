@@ -64,7 +64,8 @@ class AsyncSession:
         return self.last_result
 
     async def info(self) -> SessionInfo:
-        info = SessionInfo.from_pb(await self._client._call(self._client._stub.GetSessionInfo, pb.GetSessionInfoRequest(session_id=self.id), self.id))
+        request = pb.GetSessionInfoRequest(session_id=self.id)
+        info = SessionInfo.from_pb(await self._client._call(self._client._stub.GetSessionInfo, request, self.id))
         note_durability(self, info.durable_length, info.save_error, info.history_length)
         return info
 
