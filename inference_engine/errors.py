@@ -26,6 +26,27 @@ class SessionExists(KakeyaError):
     code = "ALREADY_EXISTS"
 
 
+class SessionOwnedElsewhere(KakeyaError):
+    """Another live daemon sharing the state directory holds the session's lease. Nothing was done;
+    the holder was asked to let it go, so the call succeeds when retried (the SDKs retry it). The
+    holder travels to the client as `kakeya-session-owner` trailing metadata."""
+
+    code = "UNAVAILABLE"
+    OWNER_KEY = "kakeya-session-owner"
+
+    def __init__(self, message: str, owner: str = ""):
+        super().__init__(message)
+        self.owner = owner
+
+    def trailers(self) -> tuple:
+        return ((self.OWNER_KEY, self.owner or "unknown"),)
+
+
+class LeaseLost(SessionOwnedElsewhere):
+    """This daemon's lease on a session was fenced by another daemon (e.g. while this one was paused
+    past the lease): its writes are refused, and it drops the session from memory."""
+
+
 class ContextExhausted(KakeyaError):
     """The history would exceed what the KV strategy can attend to (`full` past max context)."""
 

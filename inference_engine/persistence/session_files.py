@@ -33,12 +33,13 @@ import torch
 from safetensors.torch import save as st_save
 
 from inference_engine.engine.session_kv import SessionKV
-from inference_engine.errors import SessionStateUnusable
+from inference_engine.errors import SessionOwnedElsewhere, SessionStateUnusable
 from inference_engine.kv.slot_cache import CacheState
 from inference_engine.kv.stores import CompressedStore, SlabStore
 from inference_engine.kv.strategy import KVStrategy
+from inference_engine.persistence.leases import DEFAULT_TTL_S, Lease, Leases
 from inference_engine.persistence.model_identity import identity_mismatch, model_identity
-from inference_engine.persistence.state_dir import (MANIFEST_NAME, StateDir, StateFileError, check_segment, fsync_dir,
+from inference_engine.persistence.state_dir import (MANIFEST_NAME, RELEASED_NAME, StateDir, StateFileError, check_segment, fsync_dir,
                                                     manifest_bytes, read_manifest, read_segment, segment_checksum,
                                                     write_atomic)
 from inference_engine.session.store import PersistedSession
@@ -136,11 +137,16 @@ def read_rows(store, slots: np.ndarray) -> dict:
 class SessionFiles:
     """Sessions of one engine (model + strategy) under `state_dir`."""
 
-    def __init__(self, state_dir: StateDir, engine, *, exclusive: bool = False):
+    def __init__(self, state_dir: StateDir, engine, *, exclusive: bool = False, shared: bool = False,
+                 lease_ttl_s: float = DEFAULT_TTL_S, daemon_id: str | None = None):
         """exclusive: hold the directory's lock (what a daemon does; tests that play two daemons in
-        one process leave it off)."""
+        one process leave it off). shared: other live daemons use the directory too (`kakeya serve
+        --shared-state-dir`): their session leases are honoured until they expire (`lease_ttl_s`)."""
+        if exclusive and shared:
+            raise ValueError("a shared state directory is not held exclusively")
         self.dir = state_dir.create()
         self._lock_file = state_dir.lock() if exclusive else None
+        self.leases = Leases(state_dir, shared=shared, ttl_s=lease_ttl_s, daemon_id=daemon_id)
         self.engine = engine
         info = engine.model_info
         self.identity = model_identity(info.model_id, info.path, info.weights, info.backend)
@@ -152,14 +158,35 @@ class SessionFiles:
         """Stop saving and release the directory's lock, so that another daemon (in this process
         too) can take the directory; a save after close fails (counted, logged) instead of writing."""
         self.closed = True
+        self.leases.stop()
         if self._lock_file is not None:
             self._lock_file.close()  # closing the file drops its flock (closing it again is a no-op)
 
     # -- SessionPersister ---------------------------------------------------------------
     def has(self, session_id: str) -> bool:
-        return self.dir.has(session_id)
+        """Saved here, or held by a daemon (maybe another one, not saved yet)."""
+        return self.dir.has(session_id) or self.leases.known(session_id)
 
-    def delete(self, session_id: str) -> None:
+    def claim(self, session_id: str) -> Lease:
+        return self.leases.claim_new(session_id)
+
+    def check(self, session) -> None:
+        if session.lease is not None:
+            self.leases.check(session.lease)
+
+    def release(self, session) -> None:
+        if session.lease is not None:
+            self.leases.release(session.lease)
+
+    def delete(self, session_id: str, session=None) -> None:
+        """Remove the session's files. `session`: the live session this daemon holds; without it (the
+        session is only on disk here) a session another live daemon holds is not deleted."""
+        if session is None or session.lease is None:
+            holder = self.leases.holder_of(session_id)
+            d = self.dir.data_dir(session_id)
+            if holder and self.leases.alive(holder) and not (d / RELEASED_NAME).exists():
+                raise SessionOwnedElsewhere(f"session {session_id!r} is held by daemon {holder}; close it through it "
+                                            f"(retry: the SDKs do)", holder)
         self.dir.delete(session_id)
 
     def set_aside(self, session_id: str, reason: str) -> str | None:
@@ -170,13 +197,24 @@ class SessionFiles:
         return str(dest) if dest is not None else None
 
     def save(self, session) -> None:
+        """Write what changed. The files go to the directory of the session's lease generation: once
+        another daemon fenced it, every write fails and LeaseLost is raised (nothing of this save counts)."""
         if self.closed:
             raise RuntimeError(f"session {session.id!r} not saved: the state directory {self.dir.root} was released "
                                "(its daemon stopped)")
+        lease = session.lease
+        if lease is None:
+            raise RuntimeError(f"session {session.id!r} holds no lease in {self.dir.root}")
+        self.leases.check(lease)
+        try:
+            self._save(session, lease.path)
+        except OSError:
+            self.leases.check(lease)  # a write refused because the generation was fenced meanwhile: LeaseLost
+            raise
+
+    def _save(self, session, d) -> None:
         kv, history = session.kv, session.history
         prev = session.saved
-        d = self.dir.session_dir(session.id)
-        d.mkdir(parents=True, exist_ok=True)
         seq = prev["seq"] + 1 if prev else 1
         segments = list(prev["segments"]) if prev else []
         written = 0
@@ -266,7 +304,17 @@ class SessionFiles:
         session.saved = body
 
     def load(self, session_id: str) -> PersistedSession:
-        d = self.dir.session_dir(session_id)
+        """Take the session's lease over (SessionOwnedElsewhere while a live daemon holds it) and rebuild
+        it from the files of the newest saved generation."""
+        lease = self.leases.acquire(session_id)
+        try:
+            return self._load(session_id, lease)
+        except BaseException:
+            self.leases.release(lease)  # e.g. another strategy: kept in place for a daemon that serves it
+            raise
+
+    def _load(self, session_id: str, lease: Lease) -> PersistedSession:
+        d = lease.path
         try:
             body = read_manifest(d)
         except StateFileError as e:
@@ -288,7 +336,8 @@ class SessionFiles:
             kv, history = self._rebuild(d, body)
         except Exception as e:  # noqa: BLE001 - whatever is wrong with the files, this session only
             self._unusable(session_id, f"{type(e).__name__}: {e}")
-        return PersistedSession(kv=kv, history=history, eos_token_ids=frozenset(body["eos_token_ids"]), saved=body)
+        return PersistedSession(kv=kv, history=history, eos_token_ids=frozenset(body["eos_token_ids"]), saved=body,
+                                lease=lease)
 
     # -- loading ----------------------------------------------------------------------------
     def _rebuild(self, d, body: dict):

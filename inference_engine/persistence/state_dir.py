@@ -1,8 +1,12 @@
 """The state directory: where persisted sessions live, and how a file gets there safely.
 
-    <state-dir>/sessions/<id>/session.json            the manifest: written last, names every segment
-    <state-dir>/sessions/<id>/<seq>-<kind>.safetensors segments (history, rows, tail), never rewritten
-    <state-dir>/quarantine/<id>-<utc time>/             sessions whose files could not be resumed
+    <state-dir>/sessions/<id>/g<gen>/session.json            the manifest: written last, names every segment
+    <state-dir>/sessions/<id>/g<gen>/<seq>-<kind>.safetensors segments (history, rows, tail), never rewritten
+    <state-dir>/sessions/<id>/g<gen>/owner.json, released     the lease of generation <gen> (leases.py)
+    <state-dir>/quarantine/<id>-<utc time>/                    sessions whose files could not be resumed
+
+(`data_dir(id)` is the newest generation's directory; a session saved before leases existed keeps its
+files in sessions/<id>/ itself until a daemon takes it over.)
 
 Every file is written to a temporary name, fsynced, renamed into place, and the directory
 fsynced, so a crash leaves either the old file or the new one. A save's segments are renamed in
@@ -35,6 +39,17 @@ from kakeya_wire.local_models import kakeya_home
 SESSION_FORMAT = "kakeya-session/1"
 MANIFEST_NAME = "session.json"
 TMP_PREFIX = ".tmp-"
+# A session's files live in the directory of its lease's generation (leases.py): sessions/<id>/g<gen>/,
+# beside the lease's own files. Sessions saved before leases have their files in sessions/<id>/ itself.
+OWNER_NAME, RELEASED_NAME = "owner.json", "released"
+LEASE_FILES = frozenset({OWNER_NAME, RELEASED_NAME})
+
+
+def generation_of(name: str) -> int | None:
+    """The generation a directory name `g<8 digits>` stands for, else None."""
+    if len(name) == 9 and name[0] == "g" and name[1:].isdigit():
+        return int(name[1:])
+    return None
 
 
 class StateFileError(Exception):
@@ -184,8 +199,18 @@ class StateDir:
             raise ValueError(f"{session_id[:64]!r} is not a session id")
         return self.sessions / session_id
 
+    def data_dir(self, session_id: str) -> Path:
+        """Where the session's files are: its newest lease generation's directory (sessions/<id>/ for a
+        session saved before leases)."""
+        d = self.session_dir(session_id)
+        try:
+            gens = [g for g in (generation_of(p.name) for p in d.iterdir()) if g is not None]
+        except (FileNotFoundError, NotADirectoryError):
+            return d
+        return d / f"g{max(gens):08d}" if gens else d
+
     def has(self, session_id: str) -> bool:
-        return is_session_id(session_id) and (self.sessions / session_id / MANIFEST_NAME).is_file()
+        return is_session_id(session_id) and (self.data_dir(session_id) / MANIFEST_NAME).is_file()
 
     def delete(self, session_id: str) -> bool:
         d = self.session_dir(session_id)
@@ -210,16 +235,19 @@ class StateDir:
         if not self.sessions.is_dir():
             return []
         out = []
-        for d in sorted(self.sessions.iterdir()):
-            if not d.is_dir() or not is_session_id(d.name):
+        for top in sorted(self.sessions.iterdir()):
+            if not top.is_dir() or not is_session_id(top.name):
                 continue
+            d = self.data_dir(top.name)
             size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
             try:
                 body = read_manifest(d)
-                out.append(SessionEntry(d.name, d, size, int(body["history_length"]), float(body["saved_at"]),
+                out.append(SessionEntry(top.name, d, size, int(body["history_length"]), float(body["saved_at"]),
                                         body["model"]["model_id"], body["strategy"]["name"]))
             except (StateFileError, KeyError, TypeError, ValueError) as e:
-                out.append(SessionEntry(d.name, d, size, 0, 0.0, "", "", problem=str(e)))
+                if d != top and not (d / MANIFEST_NAME).exists():
+                    continue  # created and not saved yet (or never: its daemon died first): nothing to list
+                out.append(SessionEntry(top.name, d, size, 0, 0.0, "", "", problem=str(e)))
         return out
 
     def collect_leftovers(self, session_dir: Path, keep: set[str], *, min_age_s: float = 0.0) -> int:
@@ -227,7 +255,7 @@ class StateDir:
         a save that never finished) older than `min_age_s`; returns how many."""
         now, n = time.time(), 0
         for p in session_dir.iterdir():
-            if p.name == MANIFEST_NAME or p.name in keep or not p.is_file():
+            if p.name == MANIFEST_NAME or p.name in keep or p.name in LEASE_FILES or not p.is_file():
                 continue
             try:
                 if now - p.stat().st_mtime >= min_age_s:
@@ -249,7 +277,7 @@ class StateDir:
                 keep = {s["file"] for s in body["segments"]}
                 report["leftover_files"] += self.collect_leftovers(e.path, keep, min_age_s=min_age_s)
             if older_than_s is not None and e.problem is None and now - e.saved_at > older_than_s:
-                shutil.rmtree(e.path)
+                shutil.rmtree(self.sessions / e.session_id)
                 report["sessions_removed"].append(e.session_id)
         if quarantine and self.quarantine.is_dir():
             for d in sorted(self.quarantine.iterdir()):

@@ -204,7 +204,8 @@ def build_persister(cfg: ServeConfig, engine):
     from inference_engine.persistence.state_dir import StateDir
 
     try:
-        return SessionFiles(StateDir(cfg.state_dir), engine, exclusive=True)
+        return SessionFiles(StateDir(cfg.state_dir), engine, exclusive=not cfg.shared_state_dir, shared=cfg.shared_state_dir,
+                            lease_ttl_s=cfg.lease_ttl)
     except OSError as e:
         raise ConfigError(f"--state-dir {cfg.state_dir or StateDir().root}: {e}") from e
 
@@ -272,12 +273,18 @@ def check_before_loading(cfg: ServeConfig) -> None:
     for flag, port in (("--http-port", cfg.http_port), ("--metrics-port", cfg.metrics_port)):
         if port:
             check_port_free(flag, host or "127.0.0.1", port)
+    if cfg.shared_state_dir and cfg.persist != "turn":
+        raise ConfigError("--shared-state-dir shares sessions through the state directory: it needs --persist turn")
+    if not cfg.lease_ttl > 0:
+        raise ConfigError(f"--lease-ttl takes a number of seconds > 0, got {cfg.lease_ttl}")
     if cfg.persist == "turn":
         from inference_engine.persistence.state_dir import StateDir
 
         state_dir = StateDir(cfg.state_dir)
         try:
-            state_dir.create().lock().close()
+            state_dir.create()
+            if not cfg.shared_state_dir:  # a shared directory is not held by one daemon: its sessions' leases are
+                state_dir.lock().close()
         except OSError as e:
             raise ConfigError(f"--state-dir {state_dir.root}: {e}") from e
 
@@ -342,6 +349,7 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     threading.Thread(target=sweep, daemon=True, name="kakeya-ttl-sweep").start()
     stoppers.append(stop_sweep.set)
     stoppers.append(runtime.start_flusher())  # appended-but-idle sessions saved; the rest saved at stop
+    stoppers.append(runtime.start_lease_keeper())  # shared state dir: heartbeat, and sessions other daemons ask for
     return RunningServer(server, port, runtime, stoppers)
 
 

@@ -74,6 +74,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--persist", default=d.persist, choices=("off", "turn"),
                    help="turn: save each session after every turn, spill evicted sessions to disk and resume them after a "
                         "restart or crash; off: sessions live in memory only")
+    p.add_argument("--shared-state-dir", action="store_true",
+                   help="several daemons share --state-dir (replicas behind a proxy, see deploy/): each session is held "
+                        "by one daemon through a lease in the directory, renewed by that daemon's heartbeat; a call for a "
+                        "session another live daemon holds answers UNAVAILABLE (the SDKs retry), and a daemon's sessions "
+                        "are taken over once it has been silent for --lease-ttl")
+    p.add_argument("--lease-ttl", type=_seconds, default=d.lease_ttl, metavar="S",
+                   help="--shared-state-dir: seconds without a heartbeat after which a daemon's sessions may be taken over")
     p.add_argument("--max-append-tokens", type=_limit, default=d.max_append_tokens, metavar="N",
                    help="most tokens one AppendTokens (or CreateSession) may carry; more answers INVALID_ARGUMENT (0 = no limit)")
     p.add_argument("--max-pending-tokens", type=_limit, default=d.max_pending_tokens, metavar="N",
@@ -111,6 +118,16 @@ def _threads(value: str):
     if n < 1:
         raise argparse.ArgumentTypeError(f"--threads takes a positive int or 'auto', got {n}")
     return n
+
+
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of seconds > 0, got {value!r}") from None
+    if not s > 0 or s == float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a number of seconds > 0, got {value!r}")
+    return s
 
 
 def _limit(value: str) -> int:
@@ -154,6 +171,8 @@ def serve_config(args) -> ServeConfig:
         spec_k=args.spec_k,
         state_dir=args.state_dir,
         persist=args.persist,
+        shared_state_dir=args.shared_state_dir,
+        lease_ttl=args.lease_ttl,
         max_append_tokens=args.max_append_tokens,
         max_pending_tokens=args.max_pending_tokens,
         research=ResearchOptions(
@@ -172,6 +191,7 @@ def _run_serve(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from inference_engine.model_store import cli as models_cli
     from inference_engine.persistence import cli as sessions_cli
+    from inference_engine.server import cluster
 
     ap = argparse.ArgumentParser(prog="kakeya", description="Kakeya session runtime")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -179,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     models_cli.register(sub)
     sessions_cli.register(sub)
+    cluster.register(sub)
     chat_command.register(sub)
     return ap
 

@@ -56,6 +56,10 @@ class ServeConfig:
     spec_k: int = 4
     state_dir: str | None = None  # persisted sessions; None = $KAKEYA_STATE_DIR, else $KAKEYA_HOME/state
     persist: str = "turn"  # turn: save each session after every turn (spill, resume) | off: memory only
+    # Several daemons on one state directory (behind a proxy, deploy/): each session is held through a lease
+    # renewed by its daemon's heartbeat; a silent daemon's sessions are taken over after lease_ttl seconds.
+    shared_state_dir: bool = False
+    lease_ttl: float = 10.0
     # One client's paste must not queue minutes of prefill in a daemon others use interactively: at most
     # this many tokens per AppendTokens / CreateSession (2x SmolLM2's 8k context), and per session appended
     # but not yet prefilled (0 = no limit). At ~450 prefill tok/s on 2 cores, 32k pending is ~70 s of work.

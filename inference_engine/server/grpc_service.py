@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.requests import SamplingParams
-from inference_engine.errors import KakeyaError
+from inference_engine.errors import KakeyaError, SessionOwnedElsewhere
 from inference_engine.server.runtime import Runtime
 from kakeya_wire.v1 import runtime_pb2 as pb
 from kakeya_wire.v1 import runtime_pb2_grpc as pb_grpc
@@ -32,6 +32,16 @@ def _status(err: KakeyaError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
 
 
+def _abort(context, err: KakeyaError, metrics=None):
+    """Abort with the error's status; a session another daemon holds also names it in trailing metadata
+    (`kakeya-session-owner`), which is how the SDKs tell it apart and retry."""
+    if isinstance(err, SessionOwnedElsewhere):
+        context.set_trailing_metadata(err.trailers())
+        if metrics is not None:
+            metrics.session_owned_elsewhere_total.inc()
+    context.abort(_status(err), str(err))
+
+
 def _typed_errors(method):
     """Map KakeyaError to its status; anything else is INTERNAL and logged (the daemon lives on)."""
 
@@ -40,7 +50,7 @@ def _typed_errors(method):
         try:
             return method(self, request, context)
         except KakeyaError as e:
-            context.abort(_status(e), str(e))
+            _abort(context, e, self.rt.metrics)
         except Exception as e:  # noqa: BLE001 - a bug must not take the daemon down
             log.exception("internal error in %s", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
@@ -92,7 +102,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                         )
                     )
         except KakeyaError as e:
-            context.abort(_status(e), str(e))
+            _abort(context, e, self.rt.metrics)
         except Exception as e:  # noqa: BLE001
             log.exception("internal error in Generate")
             context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
@@ -153,7 +163,11 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         if persister is None:
             return pb.PersistenceInfo(mode="off")
         state_dir = getattr(getattr(persister, "dir", None), "root", "")  # SessionFiles: its StateDir
-        return pb.PersistenceInfo(mode="turn", state_dir=str(state_dir))
+        leases = getattr(persister, "leases", None)
+        if leases is None or not leases.shared:
+            return pb.PersistenceInfo(mode="turn", state_dir=str(state_dir))
+        return pb.PersistenceInfo(mode="turn", state_dir=str(state_dir), shared=True, daemon_id=leases.daemon_id,
+                                  lease_ttl_seconds=leases.ttl_s)
 
 
 class ApiKeyInterceptor(grpc.ServerInterceptor):

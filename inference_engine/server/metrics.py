@@ -61,6 +61,14 @@ class RuntimeMetrics:
             "session_save_duration_seconds", "Wall time of one session save (segments + manifest).", buckets=SECONDS_BUCKETS, registry=r
         )
         self.session_loads_total = Counter("session_loads_total", "Sessions loaded from disk, by outcome.", ["outcome"], registry=r)
+        self.session_lease_lost_total = Counter(
+            "session_lease_lost_total", "Sessions another daemon took over while this one held them (their writes refused).",
+            registry=r)
+        self.session_writes_refused_total = Counter(
+            "session_writes_refused_total", "Saves refused because another daemon had fenced this one's lease.", registry=r)
+        self.session_owned_elsewhere_total = Counter(
+            "session_owned_elsewhere_total", "Calls answered UNAVAILABLE because another live daemon holds the session.",
+            registry=r)
         self.session_load_duration_seconds = Histogram(
             "session_load_duration_seconds", "Wall time of loading one session from disk.", buckets=SECONDS_BUCKETS, registry=r
         )

@@ -7,6 +7,7 @@ servers load torch only when an engine is built.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -15,13 +16,15 @@ from typing import TYPE_CHECKING
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.requests import GenerateParams, ModelInfo, SamplingParams
-from inference_engine.errors import InvalidArgument
+from inference_engine.errors import InvalidArgument, LeaseLost
 from inference_engine.kv.byte_counts import kv_bytes
 from inference_engine.server.metrics import RuntimeMetrics
 from inference_engine.session.store import SessionPersister, SessionStore, StoreEvents
 
 if TYPE_CHECKING:
     from inference_engine.engine.generate import Engine
+
+log = logging.getLogger(__name__)
 
 SERVER_VERSION = "0.3.0"
 MAX_TOKENS_PER_CALL = 1 << 20
@@ -99,6 +102,8 @@ class Runtime:
                 on_save_failed=m.session_save_failures_total.inc,
                 on_loaded=lambda outcome, seconds: (m.session_loads_total.labels(outcome=outcome).inc(),
                                                     m.session_load_duration_seconds.observe(seconds)),
+                on_lease_lost=m.session_lease_lost_total.inc,
+                on_write_refused=m.session_writes_refused_total.inc,
             ),
             persister=persister,
             max_append_tokens=max_append_tokens,
@@ -136,6 +141,36 @@ class Runtime:
             stop.set()
             thread.join(timeout=5.0)
             self.store.flush(wait_s=5.0)
+
+        return stopper
+
+    def start_lease_keeper(self) -> Callable[[], None]:
+        """With a shared state directory: beat every ttl/4 (renewing every lease this daemon holds) and let go
+        of the sessions other daemons ask for (a proxy routes them there now; a busy one is asked about again at
+        the next beat). Returns a stop function that lets go of every session first (the daemon stops)."""
+        leases = getattr(self.persister, "leases", None)
+        if leases is None or not leases.shared:
+            return lambda: None
+        stop, pending = threading.Event(), set()
+
+        def loop():
+            while not stop.wait(leases.ttl_s / 4):
+                try:
+                    leases.heartbeat()
+                    pending.update(leases.release_requests())
+                    for sid in list(pending):
+                        if self.store.hand_off(sid):
+                            pending.discard(sid)
+                except Exception:  # noqa: BLE001 - a failed beat is retried at the next one (the lease lasts 4 of them)
+                    log.exception("lease keeper")
+
+        thread = threading.Thread(target=loop, daemon=True, name="kakeya-lease-keeper")
+        thread.start()
+
+        def stopper():
+            stop.set()
+            thread.join(timeout=5.0)
+            self.store.release_all()
 
         return stopper
 
@@ -182,7 +217,10 @@ class Runtime:
                     yield ev
             except GeneratorExit:  # the client went away: what was committed is still this turn's
                 if s.unsaved:
-                    self.store.persist(s)
+                    try:
+                        self.store.persist(s)
+                    except LeaseLost:
+                        pass  # another daemon took the session over: this turn is refused, and nobody is listening
                 raise
 
     def _observe_done(self, done: GenerationDone) -> None:

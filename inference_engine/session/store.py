@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from inference_engine.errors import (CacheInvariantError, ContextExhausted, InvalidArgument, SessionExists, SessionNotFound,
-                                     SessionStateUnusable, TooManyPendingTokens)
+from inference_engine.errors import (CacheInvariantError, ContextExhausted, InvalidArgument, LeaseLost, SessionExists,
+                                     SessionNotFound, SessionStateUnusable, TooManyPendingTokens)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class StoreEvents:
     on_saved: Callable[[float], None] = lambda seconds: None
     on_save_failed: Callable[[], None] = lambda: None
     on_loaded: Callable[[str, float], None] = lambda outcome, seconds: None  # ok | unusable
+    on_lease_lost: Callable[[], None] = lambda: None  # another daemon took a session this one held
+    on_write_refused: Callable[[], None] = lambda: None  # a save refused: this daemon's lease was fenced
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Session:
     save_error: str = ""  # why the last save failed ("" once one succeeds)
     save_failures: int = 0  # consecutive failed saves
     retry_save_at: float = 0.0  # store clock before which the flusher and eviction do not try again
+    lease: object = None  # the persister's lease on the session (None: not persisted)
 
     @property
     def pending_tokens(self) -> list:
@@ -125,12 +128,26 @@ class PersistedSession:
     history: list
     eos_token_ids: frozenset
     saved: object
+    lease: object = None
 
 
 class SessionPersister(Protocol):
-    """Where sessions go when they leave memory; the engine side implements it (no framework here)."""
+    """Where sessions go when they leave memory; the engine side implements it (no framework here).
 
-    def has(self, session_id: str) -> bool: ...
+    A persisted session is held through a lease (possibly shared with other daemons): `claim` at
+    creation, `load` takes it over, `release` when it leaves memory. While another live daemon holds
+    it, `claim` raises SessionExists and `load` / `delete` SessionOwnedElsewhere; once another daemon
+    took it over, `check` and `save` raise LeaseLost (its writes are refused)."""
+
+    def has(self, session_id: str) -> bool:
+        """Whether the id is known to the state (saved, or held by some daemon)."""
+
+    def claim(self, session_id: str) -> object:
+        """The lease of a session being created (SessionExists when the id is in use)."""
+
+    def check(self, session: Session) -> None: ...
+
+    def release(self, session: Session) -> None: ...
 
     def save(self, session: Session) -> None:
         """Write what changed since the last save; the caller holds `session.lock`. Sets `session.saved`."""
@@ -138,7 +155,8 @@ class SessionPersister(Protocol):
     def load(self, session_id: str) -> PersistedSession:
         """Raises SessionStateUnusable (files set aside, or kept when only this daemon's config differs)."""
 
-    def delete(self, session_id: str) -> None: ...
+    def delete(self, session_id: str, session: Session | None = None) -> None:
+        """`session`: the live session this daemon holds (None: only on disk here)."""
 
     def set_aside(self, session_id: str, reason: str) -> None: ...
 
@@ -265,27 +283,36 @@ class SessionStore:
         self._check_length(0, len(initial))
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos_token_ids
         self._check_tokens(sorted(eos), "eos_token_ids")
+        sid = session_id or secrets.token_urlsafe(24)  # 192 random bits
         with self._lock:
-            if session_id and (session_id in self._sessions or session_id in self._loading
-                               or (self.persister is not None and self.persister.has(session_id))):
-                raise SessionExists(f"session {_shown(session_id)} already exists; choose another id, or call the "
-                                    f"existing session (AppendTokens, Generate) instead of creating it")
-            self.evict_idle()
-            while len(self._sessions) >= self.capacity:
-                self._evict_lru()
-            now = self.clock()
-            session = Session(
-                id=session_id or secrets.token_urlsafe(24),  # 192 random bits
-                kv=self.kv_factory(),
-                eos_token_ids=eos,
-                history=initial,
-                created_at=now,
-                last_access=now,
-                ephemeral=ephemeral,
-            )
-            self._sessions[session.id] = session
+            if session_id and (session_id in self._sessions or session_id in self._loading):
+                raise self._exists(session_id)
+        persisted = self.persister is not None and not ephemeral
+        try:
+            lease = self.persister.claim(sid) if persisted else None  # SessionExists when in use here or elsewhere
+        except SessionExists:
+            raise self._exists(sid) from None
+        now = self.clock()
+        session = Session(id=sid, kv=None, eos_token_ids=eos, history=initial, created_at=now, last_access=now,
+                          ephemeral=ephemeral, lease=lease)
+        try:
+            with self._lock:
+                self.evict_idle()
+                while len(self._sessions) >= self.capacity:
+                    self._evict_lru()
+                session.kv = self.kv_factory()
+                self._sessions[sid] = session
+        except BaseException:
+            if persisted:
+                self.persister.delete(sid, session)
+            raise
         self.events.on_created()
         return session
+
+    @staticmethod
+    def _exists(session_id: str) -> SessionExists:
+        return SessionExists(f"session {_shown(session_id)} already exists; choose another id, or call the existing "
+                             f"session (AppendTokens, Generate) instead of creating it")
 
     def get(self, session_id: str, *, touch: bool = True) -> Session:
         """Look a session up (loading it when it is only on disk); `touch` marks it used (LRU order
@@ -297,11 +324,33 @@ class SessionStore:
                 raise SessionNotFound(f"session {_shown(session_id)} does not exist (never created, closed, evicted or failed); "
                                       "create a new session")
             if s is not None:
+                self._check_lease(s)
                 if touch:
                     s.last_access = self.clock()
                     self._sessions.move_to_end(session_id)
                 return s
         return self._resume(session_id)
+
+    def _check_lease(self, s: Session) -> None:
+        """LeaseLost (the session leaves memory unsaved) once another daemon took the session over."""
+        if self.persister is None or s.lease is None:
+            return
+        try:
+            self.persister.check(s)
+        except LeaseLost:
+            self._drop_moved(s)
+            raise
+
+    def _drop_moved(self, s: Session) -> None:
+        with self._lock:
+            if self._sessions.get(s.id) is s:
+                del self._sessions[s.id]
+                self.events.on_ended("moved")
+        if not s.closed:
+            s.closed = True
+            self.events.on_lease_lost()
+            log.warning("session %s was taken over by another daemon: dropped here, its unsaved changes refused",
+                        _shown(s.id))
 
     def _resume(self, session_id: str) -> Session:
         with self._lock:
@@ -328,7 +377,8 @@ class SessionStore:
             self.events.on_loaded("ok", time.perf_counter() - t0)
             now = self.clock()
             s = Session(id=session_id, kv=loaded.kv, eos_token_ids=loaded.eos_token_ids, history=loaded.history,
-                        created_at=now, last_access=now, saved=loaded.saved, saved_history_length=len(loaded.history))
+                        created_at=now, last_access=now, saved=loaded.saved, saved_history_length=len(loaded.history),
+                        lease=loaded.lease)
             with self._lock:
                 try:
                     while len(self._sessions) >= self.capacity:
@@ -348,6 +398,7 @@ class SessionStore:
                 if s.spilled:
                     continue
                 self._ensure_live(s)
+                self._check_lease(s)  # taken over while this call waited (or while the daemon was paused)
                 yield s
                 return
         raise SessionNotFound(f"session {_shown(session_id)} kept being evicted while this call waited; retry")
@@ -372,19 +423,23 @@ class SessionStore:
             return s.history[start:]
 
     def close(self, session_id: str) -> None:
-        """End a session for good: out of memory and, with a persister, its files deleted."""
+        """End a session for good: out of memory and, with a persister, its files deleted (refused with
+        SessionOwnedElsewhere while another live daemon holds it)."""
         with self._lock:
-            s = self._sessions.pop(session_id, None)
+            s = self._sessions.get(session_id)
         on_disk = self.persister is not None and self.persister.has(session_id)
         if s is None and not on_disk:
             raise SessionNotFound(f"session {_shown(session_id)} does not exist (already closed)")
-        if s is not None and self.persister is None:
-            s.closed = True
-        elif s is not None:
+        if s is None:
+            self.persister.delete(session_id)  # only on disk here: not while another daemon holds it
+        else:
             with s.lock:  # an in-flight Generate finishes (and saves) before the files go
+                with self._lock:
+                    if self._sessions.get(session_id) is s:
+                        del self._sessions[session_id]
                 s.closed = True
-        if self.persister is not None:
-            self.persister.delete(session_id)
+            if self.persister is not None:
+                self.persister.delete(session_id, s)
         self.events.on_evicted("close")
         self.events.on_ended("closed")
 
@@ -422,12 +477,17 @@ class SessionStore:
         """Save what changed in `s` (the caller holds s.lock). A failed save is counted, reported
         (SaveFailureReport) and recorded on the session (`save_error`, which clients see; its durable
         length stays where it was); the session stays live, and the next save writes the change again:
-        at the end of its next turn, or from the flusher or an eviction after a backoff."""
+        at the end of its next turn, or from the flusher or an eviction after a backoff. LeaseLost (another
+        daemon took the session over) drops the session from memory and is raised."""
         if self.persister is None or s.closed or s.kv is None or s.ephemeral:
             return False
         t0 = time.perf_counter()
         try:
             self.persister.save(s)
+        except LeaseLost:  # another daemon holds the session now: nothing of it is written here again
+            self.events.on_write_refused()
+            self._drop_moved(s)
+            raise
         except Exception as e:  # noqa: BLE001 - a full disk must not fail the RPC that triggered the save
             s.save_failures += 1
             s.save_error = save_error_text(e)
@@ -460,6 +520,8 @@ class SessionStore:
             try:
                 if not s.closed and s.unsaved:
                     n += self.persist(s)
+            except LeaseLost:
+                pass  # dropped: its new holder has it
             finally:
                 s.lock.release()
         return n
@@ -484,6 +546,10 @@ class SessionStore:
                 if s.unsaved and not self.persist(s):
                     return False
                 s.spilled = s.closed = True
+                if s.lease is not None:
+                    self.persister.release(s)  # on disk and let go: any daemon may take it now
+            except LeaseLost:
+                return True  # another daemon holds it: dropped already
             finally:
                 s.lock.release()
         del self._sessions[session_id]
@@ -515,6 +581,34 @@ class SessionStore:
                 f"is evicted to make room: close sessions, let idle ones expire (--idle-ttl {self.idle_ttl_s:g} s), raise "
                 f"--capacity, or run with --persist turn (idle sessions then spill to disk)")
         raise CapacityExhausted(f"all {self.capacity} sessions are generating; retry later or raise --capacity")
+
+    def hand_off(self, session_id: str) -> bool:
+        """Another daemon asked for this session (a proxy now routes it there): spill it if it is idle.
+        False while a call holds it (ask again later)."""
+        with self._lock:
+            if session_id not in self._sessions:
+                return True
+            return self._remove(session_id, "handoff")
+
+    def release_all(self, *, wait_s: float = 5.0) -> int:
+        """Save and let go of every session (the daemon stops): another daemon may take each over at once."""
+        n = 0
+        for s in self.sessions():
+            if not s.lock.acquire(timeout=wait_s):
+                continue
+            try:
+                if s.closed or s.ephemeral or self.persister is None:
+                    continue
+                if s.unsaved:
+                    self.persist(s)
+                if s.lease is not None:
+                    self.persister.release(s)
+                    n += 1
+            except LeaseLost:
+                pass
+            finally:
+                s.lock.release()
+        return n
 
     def evict_idle(self) -> int:
         if self.idle_ttl_s <= 0:

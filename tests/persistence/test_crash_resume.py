@@ -103,7 +103,7 @@ def test_kill_9_the_daemon_and_every_session_continues(tmp_path):
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
-    rows = sorted((StateDir(tmp_path).sessions / victim.id).glob("*-rows.safetensors"))[-1]
+    rows = sorted(StateDir(tmp_path).data_dir(victim.id).glob("*-rows.safetensors"))[-1]
     data = bytearray(rows.read_bytes())
     data[-5] ^= 0x10
     rows.write_bytes(bytes(data))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ from inference_engine.errors import SessionNotFound, SessionStateUnusable
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence import session_files, state_dir
 from inference_engine.persistence.session_files import SessionFiles
-from inference_engine.persistence.state_dir import MANIFEST_NAME, StateDir
+from inference_engine.persistence.state_dir import MANIFEST_NAME, OWNER_NAME, StateDir
 from inference_engine.server.runtime import Runtime
 
 SINK, WINDOW = 4, 24
@@ -57,12 +58,20 @@ def runtime(root, st: KVStrategy, model_dir=None, **kw) -> Runtime:
     return Runtime(e, persister=SessionFiles(StateDir(root), e), **kw)
 
 
+def restarted(root, st: KVStrategy, model_dir=None, **kw) -> Runtime:
+    """A runtime started on a copy of `root`: a restart, while the runtime that wrote `root` keeps going as
+    the never-stopped reference (on one directory the restarted one would fence it: one holder per session)."""
+    copy = root.parent / f"{root.name}-restart-{len(list(root.parent.glob(root.name + '-restart-*')))}"
+    shutil.copytree(root, copy, symlinks=True)
+    return runtime(copy, st, model_dir, **kw)
+
+
 def turn(rt, sid, n, sampling=SamplingParams()):
     return [e.token_id for e in rt.generate(sid, n, sampling) if isinstance(e, TokenGenerated)]
 
 
 def manifest(root, sid) -> dict:
-    return json.loads((StateDir(root).sessions / sid / MANIFEST_NAME).read_text())["body"]
+    return json.loads((StateDir(root).data_dir(sid) / MANIFEST_NAME).read_text())["body"]
 
 
 @pytest.mark.parametrize("compressor", ["identity", "kakeya_d4", "kakeya_e8"])
@@ -132,7 +141,7 @@ def test_int8_resident_store_resumes_identical(name, tmp_path):
     turn(kept, s.id, 5)
     kept.append(s.id, ids(20, seed=1))
     turn(kept, s.id, 4)
-    resumed = runtime(tmp_path, st)
+    resumed = restarted(tmp_path, st)
     assert turn(resumed, s.id, 8) == turn(kept, s.id, 8)
     assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
 
@@ -144,7 +153,7 @@ def test_sink_window_past_the_trained_context_resumes_identical(tmp_path):
     kept = runtime(tmp_path, st, model_dir)
     s = kept.create_session(ids(50))
     turn(kept, s.id, 30)  # position 80 > 64
-    resumed = runtime(tmp_path, st, model_dir)
+    resumed = restarted(tmp_path, st, model_dir)
     out = turn(resumed, s.id, 20)
     assert out == turn(kept, s.id, 20)
 
@@ -165,12 +174,12 @@ def test_a_turn_writes_only_what_it_added(tmp_path):
         assert hist["end"] - hist["start"] == 9 + 4  # the appended tokens and the generated ones
         rows = next(g for g in new if g["kind"] == "rows")
         assert rows["rows"] == s.kv.next_position - next_before == 9 + 4
-        seg = load_file(str(StateDir(tmp_path).sessions / s.id / rows["file"]))
+        seg = load_file(str(StateDir(tmp_path).data_dir(s.id) / rows["file"]))
         assert seg["positions"].tolist() == list(range(next_before, s.kv.next_position))
         # Earlier segments are kept as they were (append-only); only the tail is replaced.
         assert before - {g["file"] for g in body["segments"]} == {g["file"] for g in manifest_tail(before)}
-    files = {p.name for p in (StateDir(tmp_path).sessions / s.id).iterdir()}
-    assert files == {g["file"] for g in manifest(tmp_path, s.id)["segments"]} | {MANIFEST_NAME}
+    files = {p.name for p in StateDir(tmp_path).data_dir(s.id).iterdir()}
+    assert files == {g["file"] for g in manifest(tmp_path, s.id)["segments"]} | {MANIFEST_NAME, OWNER_NAME}
 
 
 def manifest_tail(files):
@@ -187,7 +196,7 @@ def test_bounded_rows_on_disk_are_compacted(tmp_path, monkeypatch):
         turn(rt, s.id, 3)
         rows_on_disk = sum(g["rows"] for g in manifest(tmp_path, s.id)["segments"] if g["kind"] == "rows")
         assert rows_on_disk <= 2 * s.kv.resident_positions + 10
-    resumed = runtime(tmp_path, st)
+    resumed = restarted(tmp_path, st)
     rt.append(s.id, [5, 6])
     resumed.append(s.id, [5, 6])
     assert turn(resumed, s.id, 6) == turn(rt, s.id, 6)
@@ -291,7 +300,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_state_is_refused_set_aside_and_others_keep_working(case, tmp_path):
     sid, good, good_history = _saved_session(tmp_path)
-    d = StateDir(tmp_path).sessions / sid
+    d = StateDir(tmp_path).data_dir(sid)
     damage, words = BAD[case]
     damage(d, json.loads((d / MANIFEST_NAME).read_text())["body"])
     rt = runtime(tmp_path, KVStrategy("full"))
@@ -321,10 +330,10 @@ def test_manifests_with_sha256_segment_checksums_still_load_and_are_checked(tmp_
     kept = runtime(tmp_path / "kept", KVStrategy("full"))
     k = kept.create_session(runtime(tmp_path, KVStrategy("full")).history(sid))
     for session in (sid, good):
-        _as_sha256_manifest(StateDir(tmp_path).sessions / session)
+        _as_sha256_manifest(StateDir(tmp_path).data_dir(session))
     rt = runtime(tmp_path, KVStrategy("full"))
     assert turn(rt, sid, 5) == turn(kept, k.id, 5)
-    d = StateDir(tmp_path).sessions / good
+    d = StateDir(tmp_path).data_dir(good)
     _flip_a_byte(d, json.loads((d / MANIFEST_NAME).read_text())["body"])
     with pytest.raises(SessionStateUnusable, match="sha256: corrupted"):
         runtime(tmp_path, KVStrategy("full")).history(good)
@@ -371,8 +380,8 @@ def test_a_save_that_dies_before_its_manifest_leaves_the_previous_turn(tmp_path,
     r = ref.create_session(saved)
     assert turn(resumed, s.id, 5) == turn(ref, r.id, 5)
     # and the leftover segments of the failed save were collected by the next one
-    d = StateDir(tmp_path).sessions / s.id
-    assert {p.name for p in d.iterdir()} == {g["file"] for g in manifest(tmp_path, s.id)["segments"]} | {MANIFEST_NAME}
+    d = StateDir(tmp_path).data_dir(s.id)
+    assert {p.name for p in d.iterdir()} == {g["file"] for g in manifest(tmp_path, s.id)["segments"]} | {MANIFEST_NAME, OWNER_NAME}
 
 
 def test_resume_after_a_restart_matches_prefilling_the_history(tmp_path):
@@ -381,7 +390,7 @@ def test_resume_after_a_restart_matches_prefilling_the_history(tmp_path):
     rt = runtime(tmp_path, st)
     s = rt.create_session(ids(64))
     turn(rt, s.id, 10)
-    resumed = runtime(tmp_path, st)
+    resumed = restarted(tmp_path, st)
     fresh = runtime(tmp_path / "fresh", st)
     f = fresh.create_session(resumed.history(s.id))
     assert turn(resumed, s.id, 12) == turn(fresh, f.id, 12)
@@ -397,7 +406,7 @@ def test_a_store_without_row_access_is_saved_whole_and_resumes(tmp_path, monkeyp
     turn(kept, s.id, 5)
     body = manifest(tmp_path, s.id)
     assert not [g for g in body["segments"] if g["kind"] == "rows"]
-    resumed = runtime(tmp_path, st)
+    resumed = restarted(tmp_path, st)
     assert turn(resumed, s.id, 8) == turn(kept, s.id, 8)
 
 
@@ -425,8 +434,8 @@ def test_paged_archived_pages_are_append_segments(tmp_path, monkeypatch):
         assert (last["start"], last["end"]) == (archived, s.kv.cache.pages.rows)
         archived = s.kv.cache.pages.rows
         tail = next(g for g in body["segments"] if g["kind"] == "tail")
-        assert not [k for k in load_file(str(StateDir(tmp_path).sessions / s.id / tail["file"])) if k.startswith("pages.")]
-    resumed = runtime(tmp_path, st)
+        assert not [k for k in load_file(str(StateDir(tmp_path).data_dir(s.id) / tail["file"])) if k.startswith("pages.")]
+    resumed = restarted(tmp_path, st)
     kept.append(s.id, [9, 8])
     resumed.append(s.id, [9, 8])
     assert turn(resumed, s.id, 6) == turn(kept, s.id, 6)

@@ -40,9 +40,9 @@ def test_list_rm_gc(tmp_path, capsys):
     assert "nosuchsession" in capsys.readouterr().err
 
     d = StateDir(tmp_path)
-    leftover = d.sessions / b / "00000099-rows.safetensors"  # a save that died before its manifest
+    leftover = d.data_dir(b) / "00000099-rows.safetensors"  # a save that died before its manifest
     leftover.write_bytes(b"x" * 10)
-    fresh_tmp = d.sessions / b / ".tmp-session.json.123"  # a save in flight right now: left alone
+    fresh_tmp = d.data_dir(b) / ".tmp-session.json.123"  # a save in flight right now: left alone
     fresh_tmp.write_bytes(b"{")
     old = time.time() - 3600
     os.utime(leftover, (old, old))
@@ -50,7 +50,7 @@ def test_list_rm_gc(tmp_path, capsys):
     assert main(["sessions", "--state-dir", str(tmp_path), "gc", "--quarantine"]) == 0
     assert "removed 1 leftover file(s), 0 session(s), 1 set-aside entry" in capsys.readouterr().out
     assert not leftover.exists() and fresh_tmp.exists() and not list(d.quarantine.iterdir())
-    os.utime(d.sessions / b / "session.json", (old, old))
+    os.utime(d.data_dir(b) / "session.json", (old, old))
     assert main(["sessions", "--state-dir", str(tmp_path), "gc", "--older-than", "10d"]) == 0
     assert StateDir(tmp_path).has(b)  # saved_at is inside the manifest: an hour ago is not 10 days
     assert main(["sessions", "--state-dir", str(tmp_path), "gc", "--older-than", "0s"]) == 0

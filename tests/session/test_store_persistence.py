@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from inference_engine.errors import CacheInvariantError, CapacityExhausted, SessionNotFound, SessionStateUnusable
+from inference_engine.errors import (CacheInvariantError, CapacityExhausted, LeaseLost, SessionExists, SessionNotFound,
+                                     SessionOwnedElsewhere, SessionStateUnusable)
 from inference_engine.session.store import SAVE_RETRY_MAX_S, PersistedSession, SessionStore, StoreEvents
 
 
@@ -16,29 +17,55 @@ class FakeKV:
 
 
 class DictPersister:
+    """Leases as a dict: `held[sid]` is this daemon's lease; `elsewhere` holds sessions another live
+    daemon has; moving a held id there plays a takeover (this daemon's lease is fenced)."""
+
     def __init__(self):
         self.saved, self.aside, self.saves, self.broken = {}, {}, 0, set()
+        self.held, self.elsewhere, self.released = {}, set(), []
 
     def has(self, sid):
-        return sid in self.saved
+        return sid in self.saved or sid in self.held or sid in self.elsewhere
+
+    def claim(self, sid):
+        if self.has(sid):
+            raise SessionExists(f"{sid} in use")
+        self.held[sid] = lease = object()
+        return lease
+
+    def check(self, s):
+        if s.id in self.elsewhere:
+            raise LeaseLost(f"{s.id} taken over", "daemon-b")
+
+    def release(self, s):
+        self.released.append(s.id)
+        self.held.pop(s.id, None)
 
     def save(self, s):
         assert s.lock.locked(), "saves happen under the session lock"
+        self.check(s)
         self.saves += 1
         self.saved[s.id] = (list(s.history), s.kv.next_position, s.eos_token_ids)
         s.saved = len(s.history)
 
     def load(self, sid):
+        if sid in self.elsewhere:
+            raise SessionOwnedElsewhere(f"{sid} held by daemon-b", "daemon-b")
         if sid in self.broken:
             self.aside[sid] = self.saved.pop(sid)
             raise SessionStateUnusable(f"session {sid} cannot be resumed: corrupted; moved aside")
         history, n, eos = self.saved[sid]
-        return PersistedSession(FakeKV(n), list(history), eos, len(history))
+        self.held[sid] = lease = object()
+        return PersistedSession(FakeKV(n), list(history), eos, len(history), lease)
 
-    def delete(self, sid):
+    def delete(self, sid, session=None):
+        if session is None and sid in self.elsewhere:
+            raise SessionOwnedElsewhere(f"{sid} held by daemon-b", "daemon-b")
         self.saved.pop(sid, None)
+        self.held.pop(sid, None)
 
     def set_aside(self, sid, reason):
+        self.held.pop(sid, None)
         if sid in self.saved:
             self.aside[sid] = self.saved.pop(sid)
 
@@ -259,3 +286,58 @@ def test_a_session_that_cannot_be_saved_is_not_evicted():
     st.clock.t += SAVE_RETRY_MAX_S
     st.create([3])  # the disk has room again: a spills
     assert ended == ["spilled"] and p.saved[a.id][0] == [1] and b.id in st._sessions
+
+
+def test_spill_releases_the_lease_and_a_chosen_id_in_use_anywhere_is_refused():
+    st, p, ended = store(capacity=1)
+    a = st.create([1], session_id="chosen-a-000")
+    st.create([2])  # a spills to make room: saved, then let go
+    assert ended == ["spilled"] and p.released == ["chosen-a-000"]
+    with pytest.raises(SessionExists):  # saved on disk: in use, though not in memory
+        st.create(session_id=a.id)
+    p.elsewhere.add("held-by-b-000")
+    with pytest.raises(SessionExists):  # live on another daemon
+        st.create(session_id="held-by-b-000")
+    assert st.get(a.id).history == [1]
+
+
+def test_a_session_another_daemon_holds_is_owned_elsewhere_and_not_deleted():
+    st, p, _ = store()
+    p.saved["held-by-b-000"] = ([1, 2], 2, frozenset())
+    p.elsewhere.add("held-by-b-000")
+    for call in (lambda: st.get("held-by-b-000"), lambda: st.append("held-by-b-000", [3]), lambda: st.close("held-by-b-000")):
+        with pytest.raises(SessionOwnedElsewhere):
+            call()
+    assert "held-by-b-000" in p.saved and len(st) == 0
+
+
+def test_a_session_taken_over_while_live_is_dropped_and_its_writes_refused():
+    st, p, ended = store()
+    lost = []
+    st.events.on_lease_lost = lambda: lost.append(1)
+    a = st.create([1, 2])
+    st.append(a.id, [3])
+    p.elsewhere.add(a.id)  # another daemon fenced this one's lease (it was paused past the lease)
+    with pytest.raises(LeaseLost):
+        st.append(a.id, [4])
+    assert len(st) == 0 and a.closed and lost == [1] and ended == ["moved"]
+    assert a.id not in p.saved and p.saves == 0  # nothing of it was written after the takeover
+    b = st.create([5])
+    with st.generation(b.id) as s:
+        p.elsewhere.add(b.id)  # fenced in the middle of a turn: the turn's save is refused
+        with pytest.raises(LeaseLost):
+            st.persist(s)
+    assert b.id not in p.saved and lost == [1, 1]
+    assert st.flush() == 0
+
+
+def test_hand_off_spills_an_idle_session_and_waits_for_a_busy_one():
+    st, p, ended = store()
+    a = st.create([1])
+    with st.generation(a.id):
+        assert st.hand_off(a.id) is False  # inside a call: asked again later
+    assert st.hand_off(a.id) is True and ended == ["spilled"] and p.released == [a.id]
+    assert st.hand_off("not-here-0000") is True
+    b = st.create([2])
+    st.append(b.id, [3])
+    assert st.release_all() == 1 and p.saved[b.id][0] == [2, 3] and p.released == [a.id, b.id]

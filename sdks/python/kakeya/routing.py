@@ -37,7 +37,11 @@ def check_session_id(session_id) -> str:
 
 
 def session_metadata(base, session_id: str) -> tuple:
-    """The call's metadata: the client's (API key) plus the routing header."""
+    """The call's metadata: the client's (API key) plus the routing header. An id no session can have
+    (not 8-128 characters of [A-Za-z0-9_-]; some are not even legal header values) is not routed: any
+    daemon answers NOT_FOUND for it."""
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+        return tuple(base or ())
     return (*(base or ()), (SESSION_HEADER, session_id))
 
 

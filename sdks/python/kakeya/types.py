@@ -90,6 +90,11 @@ class PersistenceInfo:
     # "" from a server too old to report it.
     mode: str = ""
     state_dir: str = ""  # where they are saved ("" when off)
+    # Several daemons share the state directory (replicas behind a proxy): this one's name in the
+    # sessions' leases, and the seconds after which a silent daemon's sessions are taken over.
+    shared: bool = False
+    daemon_id: str = ""
+    lease_ttl_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,8 @@ class ServerInfo:
         return cls(
             r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name,
             r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
-            dict(sorted(k.params.items())), PersistenceInfo(r.persistence.mode, r.persistence.state_dir),
+            dict(sorted(k.params.items())), PersistenceInfo(r.persistence.mode, r.persistence.state_dir, r.persistence.shared,
+                                                              r.persistence.daemon_id, r.persistence.lease_ttl_seconds),
             r.max_append_tokens, r.max_pending_tokens,
         )
 

@@ -8,7 +8,7 @@ import type { ChannelCredentials, ClientOptions as GrpcChannelOptions } from "@g
 
 import type { CreateSessionResponse, GetServerInfoResponse } from "./gen/kakeya/v1/runtime.js";
 import { InvalidArgumentError } from "./errors.js";
-import { Rpc, tokenIds, type RequestOptions } from "./rpc.js";
+import { Rpc, SESSION_ID, tokenIds, type RequestOptions } from "./rpc.js";
 import { Session } from "./session.js";
 import { serverInfo, type ServerInfo } from "./types.js";
 
@@ -41,8 +41,6 @@ export interface CreateSessionOptions extends RequestOptions {
    */
   sessionId?: string;
 }
-
-const SESSION_ID = /^[A-Za-z0-9_-]{8,128}$/;
 
 export class Client {
   readonly target: string;

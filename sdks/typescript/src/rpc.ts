@@ -35,6 +35,8 @@ export interface TransportOptions {
 /** Request metadata carrying the session id on every session call, so a proxy can hash it. */
 export const SESSION_HEADER = "x-kakeya-session";
 export const DEFAULT_OWNER_WAIT_MS = 60_000;
+/** The daemon's session id rule (inference_engine/session/store.py). */
+export const SESSION_ID = /^[A-Za-z0-9_-]{8,128}$/;
 const RETRY_FIRST_MS = 50;
 const RETRY_MAX_MS = 500;
 
@@ -89,10 +91,14 @@ export class Rpc {
     this.ownerWaitMs = options.ownerWaitMs ?? DEFAULT_OWNER_WAIT_MS;
   }
 
-  /** The metadata of a call: the API key, and for a session call the routing header. */
+  /**
+   * The metadata of a call: the API key, and for a session call the routing header. An id no session can
+   * have (not 8-128 characters of [A-Za-z0-9_-]; some are not even legal header values) is not routed: any
+   * daemon answers NOT_FOUND for it.
+   */
   callMetadata(sessionId?: string): Metadata {
     const md = this.metadata.clone();
-    if (sessionId !== undefined) md.set(SESSION_HEADER, sessionId);
+    if (sessionId !== undefined && SESSION_ID.test(sessionId)) md.set(SESSION_HEADER, sessionId);
     return md;
   }
 

@@ -79,6 +79,12 @@ export interface PersistenceInfo {
   readonly mode: string;
   /** The state directory sessions are saved under ("" when off). */
   readonly stateDir: string;
+  /** Several daemons share the state directory (replicas behind a proxy), each session held by one through a lease. */
+  readonly shared: boolean;
+  /** This daemon's name in the leases (what `SessionOwnedElsewhereError.owner` names); "" unless shared. */
+  readonly daemonId: string;
+  /** Seconds without a heartbeat after which a daemon's sessions may be taken over; 0 unless shared. */
+  readonly leaseTtlSeconds: number;
 }
 
 export interface ServerInfo {
@@ -171,7 +177,13 @@ export function serverInfo(r: GetServerInfoResponse): ServerInfo {
     idleTtlSeconds: r.idleTtlSeconds,
     drafter: r.drafter,
     specK: r.specK,
-    persistence: { mode: r.persistence?.mode ?? "", stateDir: r.persistence?.stateDir ?? "" },
+    persistence: {
+      mode: r.persistence?.mode ?? "",
+      stateDir: r.persistence?.stateDir ?? "",
+      shared: r.persistence?.shared ?? false,
+      daemonId: r.persistence?.daemonId ?? "",
+      leaseTtlSeconds: r.persistence?.leaseTtlSeconds ?? 0,
+    },
     maxAppendTokens: r.maxAppendTokens,
     maxPendingTokens: r.maxPendingTokens,
   };

@@ -46,7 +46,7 @@ describe("API key", () => {
     expect(info.kvStrategy).toBe("full");
     expect(info.kvParams).toEqual({ compressor: "identity" });
     expect([info.sink, info.window]).toEqual([0, 0]);
-    expect(info.persistence).toEqual({ mode: "off", stateDir: "" }); // this daemon runs --persist off
+    expect(info.persistence).toEqual({ mode: "off", stateDir: "", shared: false, daemonId: "", leaseTtlSeconds: 0 }); // this daemon runs --persist off
     const session = await client.createSession({ initialTokens: [1, 2, 3] });
     expect((await session.generateAll({ maxTokens: 3 })).generatedTokens).toBeGreaterThan(0);
     await session.close();
