@@ -92,8 +92,8 @@ def main() -> int:
         print(f"prefilled and saved {args.history} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
     sid = sid_file.read_text().strip()
     if args.segment_checksums != "keep":
-        rewrite_checksums(root / "sessions" / sid, args.segment_checksums)
-    disk = sum(p.stat().st_size for p in (root / "sessions" / sid).iterdir())
+        rewrite_checksums(StateDir(root).data_dir(sid), args.segment_checksums)
+    disk = sum(p.stat().st_size for p in StateDir(root).data_dir(sid).iterdir() if p.is_file())
 
     class LoadOnly(SessionFiles):  # samples must not save their turn over the files the next one loads
         def save(self, session) -> None:
