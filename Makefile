@@ -11,7 +11,7 @@ MODEL   ?= smollm2-135m-instruct
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model run test test-python lint-python test-ts lint-proto bench bench-deps clean
+.PHONY: setup proto model run test test-python lint-python typecheck test-ts lint-proto bench bench-deps clean proxy cluster validate-k8s
 
 setup: $(STAMP) $(STUBS)
 
@@ -41,7 +41,7 @@ model: setup
 run: setup model
 	$(BIN)/kakeya serve --model $(MODEL) $(ARGS)
 
-test: setup model lint-python test-python test-ts lint-proto
+test: setup model proxy lint-python typecheck test-python test-ts lint-proto
 
 test-python: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -49,6 +49,10 @@ test-python: setup
 # Lint only ([tool.ruff] in pyproject.toml); the tree is not reformatted.
 lint-python: setup
 	$(BIN)/ruff check .
+
+# [tool.mypy] in pyproject.toml: which packages, at what level.
+typecheck: setup
+	$(BIN)/mypy
 
 TS_DEPS := sdks/typescript/node_modules/.package-lock.json
 
@@ -60,6 +64,29 @@ test-ts: setup $(TS_DEPS)
 
 lint-proto: $(TS_DEPS)
 	cd sdks/typescript && npm run buf:lint
+
+# HAProxy, the proxy in front of several daemons (deploy/haproxy, `kakeya cluster`, the cluster tests):
+# installed with apt when missing and this is root (CI); elsewhere a message says how, and the cluster
+# tests skip (under CI they fail).
+proxy:
+	@command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null) || { echo "make proxy: apt-get install haproxy failed" >&2; exit 1; }; \
+	  else \
+	    echo "NOTE: HAProxy is not installed; kakeya cluster and the cluster tests need it: apt-get install haproxy (Debian/Ubuntu, as root), dnf install haproxy, or brew install haproxy. The cluster tests skip without it."; \
+	  fi; }
+
+N ?= 3
+
+# N daemons sharing a state directory behind HAProxy on 127.0.0.1:50051 (deploy/haproxy); Ctrl-C stops them.
+cluster: setup model proxy
+	$(BIN)/kakeya cluster up $(N) --model $(MODEL) --serve-args="$(ARGS)"
+
+# The Kubernetes example's manifests against the API schemas (deploy/k8s; not part of setup: ~110 MB).
+validate-k8s: setup
+	$(BIN)/python -m pip install --quiet kubernetes-validate==1.37.0
+	$(BIN)/kubernetes-validate --strict deploy/k8s/kakeya.yaml
+	$(BIN)/kubernetes-validate --strict -k 1.30.0 deploy/k8s/kakeya.yaml
 
 KAKEYA_HOME ?= $(HOME)/.cache/kakeya
 WHEELS := $(KAKEYA_HOME)/wheels

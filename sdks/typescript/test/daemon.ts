@@ -80,3 +80,49 @@ function stopChild(child: ChildProcess): Promise<void> {
     child.kill("SIGTERM");
   });
 }
+
+export interface LocalCluster {
+  readonly target: string;
+  stop(): Promise<void>;
+}
+
+/** Where HAProxy is, or undefined (`kakeya cluster` needs it; `make test` installs it as root). */
+export function haproxyPath(): string | undefined {
+  const r = spawnSync("sh", ["-c", "command -v haproxy || ls /usr/sbin/haproxy"], { encoding: "utf8" });
+  const found = r.stdout.trim().split("\n")[0];
+  return r.status === 0 && found ? found : undefined;
+}
+
+/** `kakeya cluster up N ...args` (N daemons sharing a state directory behind HAProxy) on free ports; resolves
+ * once it prints READY <proxy port>. */
+export function startCluster(n: number, args: string[], serveArgs: string[]): Promise<LocalCluster> {
+  const runDir = mkdtempSync(path.join(os.tmpdir(), "kakeya-ts-cluster-"));
+  const child = spawn(KAKEYA, ["cluster", "up", String(n), "--port", "0", "--first-port", "0", "--run-dir", runDir, ...args, `--serve-args=${serveArgs.join(" ")}`], {
+    cwd: REPO_ROOT,
+    stdio: ["ignore", "pipe", "pipe"],
+    env: { ...process.env, KAKEYA_API_KEY: "", PYTHONUNBUFFERED: "1" },
+  });
+  let stderr = "";
+  child.stderr!.setEncoding("utf8").on("data", (chunk: string) => {
+    stderr = (stderr + chunk).slice(-LOG_TAIL);
+  });
+  return new Promise<LocalCluster>((resolve, reject) => {
+    let stdout = "";
+    const fail = (why: string) => {
+      clearTimeout(timer);
+      child.kill("SIGKILL");
+      reject(new Error(`kakeya cluster up ${n}: ${why} (logs in ${runDir})\n--- stderr tail ---\n${stderr}`));
+    };
+    const timer = setTimeout(() => fail(`no READY line within ${START_TIMEOUT_MS / 1000}s`), START_TIMEOUT_MS);
+    child.once("error", (err) => fail(`could not start ${KAKEYA} (set KAKEYA_BIN): ${err.message}`));
+    child.once("exit", (code, signal) => fail(`exited before READY (code ${code}, signal ${signal})`));
+    child.stdout!.setEncoding("utf8").on("data", (chunk: string) => {
+      stdout += chunk;
+      const m = /^READY (\d+)/m.exec(stdout);
+      if (!m) return;
+      clearTimeout(timer);
+      child.removeAllListeners("exit");
+      resolve({ target: `127.0.0.1:${m[1]}`, stop: () => stopChild(child) });
+    });
+  });
+}
