@@ -122,7 +122,8 @@ class StepBatcher:
 
     def _take(self) -> list:
         """Queued steps in arrival order within the two budgets (the oldest always)."""
-        batch, rows, prefill = [], 0, 0
+        batch: list = []
+        rows = prefill = 0
         for p in list(self._queue):
             small = p.tokens <= self.small_step
             if batch:

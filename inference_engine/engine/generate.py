@@ -124,6 +124,8 @@ class Engine:
         if k <= 0:
             return []
         d = self.drafter
+        if d is None:  # no drafter, no drafts (spec_k 0)
+            return []
         layers = getattr(d, "capture_layers", ())
         if layers:  # v2: the last token + the captured layers' features of the positions before it, and its own cache
             if kv.capture_layers != tuple(layers):  # a session saved under another drafter: features rebuild from here
@@ -153,6 +155,8 @@ class Engine:
             return steps.verify_block(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
                                       eos_token_ids=params.eos_token_ids, run=self.batcher.run, greedy=greedy)
         step = steps.decode_step(self.model, kv, token, run=self.batcher.run, greedy=greedy)
+        if kv.last_logits is None:
+            raise RuntimeError("decode_step left the session without logits to sample")
         return dataclasses.replace(step, emitted=(sample(kv.last_logits, params.sampling, gen),))
 
     def generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False,

@@ -113,7 +113,8 @@ def _forward_items(backend, items: list) -> list:
         q, q_normed, k, v = runner.start(ids, rope)
     else:
         x = backend.embed_ids(ids)
-    batched, scratch = bounds is not None and _batched_decode(backend, items), {}
+    batched = bounds is not None and _batched_decode(backend, items)
+    scratch: dict = {}
     n = backend.spec.num_layers
     for i in range(n):
         if runner is None:

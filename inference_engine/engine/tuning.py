@@ -46,6 +46,8 @@ def fastest_thread_count(model, candidates: list[int] | None = None, timed_steps
     for n in sorted(timings):
         if best is None or timings[n] < 0.95 * timings[best]:
             best = n
+    if best is None:
+        raise ValueError("no thread count was timed")
     return best, timings
 
 

@@ -214,9 +214,9 @@ class _BitPieces:
         self.field = torch.tensor(field, device=device)
         self.low = torch.tensor(low, device=device)
         self.mask = (1 << torch.tensor(width, device=device)) - 1
-        start = torch.tensor(start, device=device)
-        self.shift = start % 8
-        self.byte_index = (start // 8).unsqueeze(-1) + torch.arange(self.SPAN, device=device)  # (P, SPAN)
+        starts = torch.tensor(start, device=device)
+        self.shift = starts % 8
+        self.byte_index = (starts // 8).unsqueeze(-1) + torch.arange(self.SPAN, device=device)  # (P, SPAN)
         self.byte_shift = 8 * torch.arange(self.SPAN, device=device)
         # Reads take each whole field from the little-endian 64-bit word holding its first bit
         # and the next word: two gathers per row instead of SPAN byte gathers per piece.

@@ -93,7 +93,9 @@ class DLMRestoreCache(SinkWindowCache):
         self._cover_upto = self.policy.cover_upto(self)
         return super().prepare(positions, ids)
 
-    def _restore_plan(self, first: int, t: int, ids: torch.Tensor) -> RestorePlan:
+    def _restore_plan(self, first: int, t: int, ids: torch.Tensor | None) -> RestorePlan:
+        if ids is None:
+            raise ValueError("dlm_restore keeps the token history it restores from: prepare() needs the step's token ids")
         end = first + t
         if end > self._tokens.size:
             grown = np.zeros(max(end, 2 * self._tokens.size), dtype=np.int32)

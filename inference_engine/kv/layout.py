@@ -4,7 +4,9 @@ The cache builds these from host-side bookkeeping (numpy / Python ints); the ten
 the only things the device sees per step."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ class CacheGeometry:
     device: str = "cpu"
     # The backend's store constructor (same signature as stores.make_store); None = torch's.
     # The MLX backend passes its own, so every cache strategy runs unchanged over MLX arrays.
-    make_store: object = None
+    make_store: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class AttentionLayout:
         0..c-1, masked columns inside it included; for prefix-addressed stores, whose column of a
         position does not depend on the step) or a (n,) index of exactly its visible columns."""
         if window not in self._row_keys:
+            if self.host_masks is None:
+                raise ValueError("row_keys() needs host_masks (engine.steps.forward sets them for a row-exact step)")
             m = self.host_masks[window]
             if self.whole_rows:
                 keys = [m.shape[1]] * m.shape[0]

@@ -26,6 +26,7 @@ session holds for attention every step; the page store is a cheaper tier.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,15 +47,15 @@ class PagedCache(SinkWindowCache):
         g = geometry
         self.page_size, self.recall_pages = strategy.page_size, strategy.recall_pages
         self.groups = None  # query heads per KV head, known at the first recall
-        dims = dict(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, page=self.page_size,
-                    device=g.device)
+        dims: dict[str, Any] = dict(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                                    page=self.page_size, device=g.device)
         self.pages = RowTable(make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=g.dtype,
                                              q_range=strategy.q_range, device=g.device), stack=2, **dims)
         self.keys = RowTable(make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype),
                              stack=1, **dims)
         self.evicted_total = 0
         self.timings = {"score_s": 0.0, "fetch_s": 0.0, "attend_s": 0.0, "recalls": 0}  # cumulative, for the cost split
-        self._step = None  # per-step host bookkeeping for recall (see prepare)
+        self._step: dict | None = None  # per-step host bookkeeping for recall (see prepare)
 
     # -- bytes ------------------------------------------------------------------------------
     @property
@@ -262,6 +263,8 @@ class PagedCache(SinkWindowCache):
     def _choose(self, layer, q, k_all, w=None) -> torch.Tensor:
         """(Hkv, T, C) bool: candidate c (position sink + c) is recalled by query t for KV head h."""
         plan = self._step
+        if plan is None:
+            raise CacheInvariantError("inv1", "page choice outside a prepared step")
         idx, ok = self._choose_pages(layer, q, k_all, plan, w)
         return self._selection(idx, ok, plan["allowed"][w], plan["c"])
 

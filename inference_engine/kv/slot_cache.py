@@ -23,7 +23,9 @@ INV-2 positions are appended contiguously and never go backwards.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -60,7 +62,9 @@ class SlotKVCache:
         self.strategy = strategy
         self.geometry = geometry
         g = geometry
-        store = g.make_store or make_store  # the backend's own store, if it brings one (CacheGeometry)
+        # The backend's own store, if it brings one (CacheGeometry): torch's stores (stores.py) and MLX's share
+        # write / fetch / read / nbytes by duck typing, hence Any.
+        store = cast(Callable[..., Any], g.make_store or make_store)
         name = INT8_RESIDENT if strategy.kv_dtype == "int8" else strategy.compressor
         self.store = store(name, strategy.q_range, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                            head_dim=g.head_dim, capacity=capacity, dtype=g.dtype, device=g.device)
@@ -126,7 +130,7 @@ class SlotKVCache:
     def commit(self, n_keep: int | None = None) -> int:
         """Keep the first n_keep new tokens (all if None); returns positions dropped from attention."""
         layout, slots = self._layout, self._step_slots
-        if layout is None:
+        if layout is None or slots is None:
             raise CacheInvariantError("inv1", "commit() without a prepared step")
         t = slots.size
         n_keep = t if n_keep is None else n_keep
@@ -149,9 +153,9 @@ class SlotKVCache:
     @torch.inference_mode()
     def abort(self) -> None:
         """Drop an uncommitted step entirely (the forward failed part-way)."""
-        if self._layout is None:
-            return
         slots = self._step_slots
+        if self._layout is None or slots is None:
+            return
         self._layout = self._step_slots = None
         self._on_abort()
         self._release(slots)
