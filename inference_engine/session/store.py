@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from inference_engine.errors import (CacheInvariantError, ContextExhausted, InvalidArgument, LeaseLost, SessionExists,
                                      SessionNotFound, SessionStateUnusable, TooManyPendingTokens)
@@ -86,7 +86,7 @@ class StoreEvents:
 @dataclass
 class Session:
     id: str
-    kv: object  # engine-side handle
+    kv: Any  # engine-side handle (the engine's SessionKV; None once the session failed)
     eos_token_ids: frozenset
     history: list = field(default_factory=list)
     created_at: float = 0.0
@@ -168,7 +168,8 @@ class SaveFailureReport:
     def __init__(self, clock: Callable[[], float], every_s: float = SAVE_LOG_EVERY_S):
         self.clock, self.every_s = clock, every_s
         self._next_at = float("-inf")
-        self._hidden, self._hidden_sessions = 0, set()
+        self._hidden = 0
+        self._hidden_sessions: set[str] = set()
 
     def failed(self, s: Session, error: BaseException) -> None:
         now = self.clock()
@@ -287,9 +288,9 @@ class SessionStore:
         with self._lock:
             if session_id and (session_id in self._sessions or session_id in self._loading):
                 raise self._exists(session_id)
-        persisted = self.persister is not None and not ephemeral
+        persister = None if ephemeral else self.persister
         try:
-            lease = self.persister.claim(sid) if persisted else None  # SessionExists when in use here or elsewhere
+            lease = persister.claim(sid) if persister is not None else None  # SessionExists when in use here or elsewhere
         except SessionExists:
             raise self._exists(sid) from None
         now = self.clock()
@@ -303,8 +304,8 @@ class SessionStore:
                 session.kv = self.kv_factory()
                 self._sessions[sid] = session
         except BaseException:
-            if persisted:
-                self.persister.delete(sid, session)
+            if persister is not None:
+                persister.delete(sid, session)
             raise
         self.events.on_created()
         return session
@@ -353,6 +354,9 @@ class SessionStore:
                         _shown(s.id))
 
     def _resume(self, session_id: str) -> Session:
+        persister = self.persister
+        if persister is None:  # get() resumes only with a persister
+            raise SessionNotFound(f"session {_shown(session_id)} does not exist; create a new session")
         with self._lock:
             loading = self._loading.setdefault(session_id, threading.Lock())
         with loading:  # a second caller waits for the first load, then finds the session live
@@ -360,14 +364,14 @@ class SessionStore:
                 s = self._sessions.get(session_id)
             if s is not None:
                 return s
-            if not self.persister.has(session_id):
+            if not persister.has(session_id):
                 with self._lock:
                     self._loading.pop(session_id, None)
                 raise SessionNotFound(f"session {_shown(session_id)} does not exist (never created, closed or failed); "
                                       f"create a new session")
             t0 = time.perf_counter()
             try:
-                loaded = self.persister.load(session_id)
+                loaded = persister.load(session_id)
             except BaseException as e:
                 if isinstance(e, SessionStateUnusable):
                     self.events.on_loaded("unusable", time.perf_counter() - t0)
@@ -427,11 +431,13 @@ class SessionStore:
         SessionOwnedElsewhere while another live daemon holds it)."""
         with self._lock:
             s = self._sessions.get(session_id)
-        on_disk = self.persister is not None and self.persister.has(session_id)
+        persister = self.persister
+        on_disk = persister is not None and persister.has(session_id)
         if s is None and not on_disk:
             raise SessionNotFound(f"session {_shown(session_id)} does not exist (already closed)")
         if s is None:
-            self.persister.delete(session_id)  # only on disk here: not while another daemon holds it
+            if persister is not None:  # (there is one: the session is on disk)
+                persister.delete(session_id)  # only on disk here: not while another daemon holds it
         else:
             with s.lock:  # an in-flight Generate finishes (and saves) before the files go
                 with self._lock:
@@ -536,8 +542,9 @@ class SessionStore:
         dropped without one. A session that cannot be saved (a full disk) is not evicted: dropping it
         would silently roll it back to its durable length; it stays live and False is returned."""
         s = self._sessions[session_id]
-        spill = self.persister is not None and not s.ephemeral
-        if spill:
+        persister = None if s.ephemeral else self.persister
+        spill = persister is not None
+        if persister is not None:
             if s.unsaved and self._save_backing_off(s):
                 return False
             if not s.lock.acquire(blocking=False):  # a call took it meanwhile: not idle after all
@@ -547,7 +554,7 @@ class SessionStore:
                     return False
                 s.spilled = s.closed = True
                 if s.lease is not None:
-                    self.persister.release(s)  # on disk and let go: any daemon may take it now
+                    persister.release(s)  # on disk and let go: any daemon may take it now
             except LeaseLost:
                 return True  # another daemon holds it: dropped already
             finally:
