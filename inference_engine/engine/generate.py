@@ -172,7 +172,7 @@ class Engine:
         pending = history[kv.next_position :]
         if not pending and kv.last_logits is None:
             raise NothingToGenerateFrom("the session history is empty; append tokens before Generate")
-        params.sampling.validate()
+        params.sampling.validate()  # the one check of the sampling parameters (servers and in-process callers alike)
         t_prefill = time.perf_counter()
         dropped, completed = self.prefill(kv, pending, should_stop)
         prefill_s = time.perf_counter() - t_prefill

@@ -195,7 +195,6 @@ class Runtime:
                  should_stop: Callable[[], bool] = lambda: False) -> Iterator:
         if max_tokens < 1 or max_tokens > MAX_TOKENS_PER_CALL:
             raise InvalidArgument(f"max_tokens must be in [1, {MAX_TOKENS_PER_CALL}], got {max_tokens}")
-        sampling.validate()
         t_arrival = time.perf_counter()
         m = self.metrics
         with self.store.generation(session_id) as s:
