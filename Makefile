@@ -1,6 +1,6 @@
 # Kakeya runtime. Two commands on a fresh machine:
 #   make run    set up everything, pull the default model, start the daemon
-#   make test   set up everything and run the whole suite (Python + TypeScript + buf lint)
+#   make test   set up everything, lint (ruff), type-check (mypy) and run the whole suite (Python + TypeScript + buf lint)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
