@@ -265,6 +265,21 @@ class StateDir:
                 pass
         return n
 
+    def _stale_lease_dirs(self, now: float, min_age_s: float) -> int:
+        """Remove what a claim or a takeover that died half-way left (leases.py): prepared `.claim-*`
+        directories and `fenced-g*` generations older than `min_age_s` (a takeover in progress is younger)."""
+        n = 0
+        for top in self.sessions.iterdir() if self.sessions.is_dir() else ():
+            for p in top.iterdir() if top.is_dir() else ():
+                if p.is_dir() and p.name.startswith((".claim-", "fenced-g")):
+                    try:
+                        if now - p.stat().st_mtime >= min_age_s:
+                            shutil.rmtree(p, ignore_errors=True)
+                            n += 1
+                    except FileNotFoundError:
+                        pass
+        return n
+
     def gc(self, *, older_than_s: float | None = None, quarantine: bool = False, min_age_s: float = 60.0) -> dict:
         """Remove leftovers of unfinished saves (older than `min_age_s`, so a running daemon's save in
         flight is left alone); with `older_than_s`, whole sessions not saved for that long; with
@@ -279,6 +294,7 @@ class StateDir:
             if older_than_s is not None and e.problem is None and now - e.saved_at > older_than_s:
                 shutil.rmtree(self.sessions / e.session_id)
                 report["sessions_removed"].append(e.session_id)
+        report["leftover_files"] += self._stale_lease_dirs(now, min_age_s)
         if quarantine and self.quarantine.is_dir():
             for d in sorted(self.quarantine.iterdir()):
                 shutil.rmtree(d) if d.is_dir() else d.unlink()

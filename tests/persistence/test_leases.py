@@ -4,6 +4,8 @@ own clock), and fencing: the old holder's writes fail once its generation direct
 Plain files and fake clocks; no model, no daemon."""
 from __future__ import annotations
 
+import os
+import time
 
 import pytest
 
@@ -140,3 +142,18 @@ def test_a_stopped_daemon_leaves_no_heartbeat_and_dead_peers_are_forgotten(tmp_p
     assert not (d.root / "daemons" / "daemon-a.json").exists() and not (d.root / "daemons" / "daemon-a.inbox").exists()
     b.stop()
     assert list((d.root / "daemons").iterdir()) == []
+
+
+def test_gc_removes_what_a_claim_or_takeover_that_died_half_way_left(tmp_path):
+    d, a, _, _, _ = daemons(tmp_path)
+    lease = a.claim_new(SID)
+    save(lease, 3)
+    top = d.sessions / SID
+    (top / ".claim-dead00").mkdir()  # a claimer that died before its rename
+    (top / "fenced-g00000000").mkdir()  # a taker that died before removing what it fenced
+    (top / ".claim-young0").mkdir()  # a claim in progress right now: left alone
+    old = time.time() - 3600
+    for name in (".claim-dead00", "fenced-g00000000"):
+        os.utime(top / name, (old, old))
+    assert d.gc()["leftover_files"] == 2
+    assert sorted(p.name for p in top.iterdir()) == [".claim-young0", "g00000001"] and d.has(SID)
