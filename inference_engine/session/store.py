@@ -324,12 +324,12 @@ class SessionStore:
             if s is None and self.persister is None:
                 raise SessionNotFound(f"session {_shown(session_id)} does not exist (never created, closed, evicted or failed); "
                                       "create a new session")
-            if s is not None:
-                self._check_lease(s)
-                if touch:
-                    s.last_access = self.clock()
-                    self._sessions.move_to_end(session_id)
-                return s
+            if s is not None and touch:
+                s.last_access = self.clock()
+                self._sessions.move_to_end(session_id)
+        if s is not None:
+            self._check_lease(s)  # a file-system look outside the store's lock (a shared directory may be remote)
+            return s
         return self._resume(session_id)
 
     def _check_lease(self, s: Session) -> None:
