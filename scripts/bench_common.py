@@ -75,6 +75,14 @@ def run_metadata(config: dict) -> dict:
     }
 
 
+def percentile(xs, q):
+    """The q-quantile (0..1) of xs by nearest rank; None for no samples."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
 def write_json(path: pathlib.Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")

@@ -38,14 +38,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
-
-
-def percentile(xs, q):
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+from bench_common import ROOT, percentile, run_metadata, write_json  # noqa: E402
 
 
 def stats(xs) -> dict:

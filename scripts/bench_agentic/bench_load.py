@@ -34,14 +34,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, git_state, run_metadata, write_json  # noqa: E402
-
-
-def percentile(xs, q):
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+from bench_common import ROOT, git_state, percentile, run_metadata, write_json  # noqa: E402
 
 
 def workload(session: int, turns: int, seed: int, vocab: int = 40000):
