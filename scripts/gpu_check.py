@@ -399,7 +399,7 @@ class Arm:
         self.runtime = build_runtime(self.cfg, model)  # includes the daemon's warm-up
         self.build_s = round(time.perf_counter() - t, 3)
         engine = self.runtime.engine
-        self.describe = {"kv": engine.strategy_info().as_dict(), "batching": engine.batcher.batching, "compile": compile,
+        self.describe = {"kv": engine.strategy_info().as_dict(), "batching": engine.loop.batching, "compile": compile,
                          "build_s": self.build_s, **step_kind(model)}
 
     def turn(self, ids: list, n: int, *, keep=None) -> dict:
@@ -630,7 +630,7 @@ def aggregate_level(arm, prompts, n, sc) -> dict:
         return {"sessions": n, "tokens": toks, "wall_s": round(wall, 4), "aggregate_decode_tok_s": toks / wall}
 
     once(min(8, sc.speed_tokens))  # warm: this batch size's first forwards (and any capture) stay out of the timing
-    stats = arm.runtime.engine.batcher.stats
+    stats = arm.runtime.engine.loop.stats
     forwards0, steps0 = stats.forwards, stats.steps
     r = once(sc.speed_tokens)
     r["mean_steps_per_forward"] = round((stats.steps - steps0) / max(1, stats.forwards - forwards0), 2)

@@ -34,7 +34,7 @@ class Backend(Protocol):
 
     def cat(self, arrays, dim: int) -> Any:
         """Concatenate backend arrays (and layout position tensors) along `dim`; needed only to
-        batch several sessions' steps in one forward (engine/batching.py)."""
+        batch several sessions' steps in one forward (engine/loop.py)."""
 
     def embed_ids(self, ids) -> Any:
         """ids (T,) -> x (T, hidden)."""

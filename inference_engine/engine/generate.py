@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from inference_engine.engine.batching import StepBatcher
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
+from inference_engine.engine.loop import EngineLoop
 from inference_engine.engine.requests import GenerateParams, ModelInfo, StrategyInfo
 from inference_engine.engine.sampling import sample
 from inference_engine.engine.session_kv import SessionKV
@@ -30,11 +30,12 @@ class Engine:
 
     def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
                  drafter=None, spec_k: int = 0, drafter_name: str = "", restore_source=None, batching: str = "auto",
-                 prefill_chunk_shared: int = 32):
-        """batching: "on" = concurrent sessions' steps share forwards (engine/batching.py), "off" = one
+                 prefill_chunk_shared: int = 32, model_thread=None):
+        """batching: "on" = concurrent sessions' steps share forwards (engine/loop.py), "off" = one
         session's step per forward, "auto" = on where it is exact (row-independent int8/int4 kernels
         of the torch backend), off otherwise. prefill_chunk_shared: with batching on, the prefill chunk
-        while other sessions generate (0 = prefill_chunk)."""
+        while other sessions generate (0 = prefill_chunk). model_thread: the ModelThread that runs the
+        engine loop (the daemon's), or None to run it on the callers' threads (in-process use)."""
         if spec_k and drafter is None:
             raise ValueError("spec_k > 0 needs a drafter")
         if spec_k < 0 or spec_k >= prefill_chunk:
@@ -61,8 +62,8 @@ class Engine:
         # their inter-token latency is then one short chunk's forward.
         if prefill_chunk_shared < 0:
             raise ValueError(f"prefill_chunk_shared must be >= 0, got {prefill_chunk_shared}")
-        self.batcher = StepBatcher(prefill_chunk, row_budget=64, small_step=max(16, spec_k + 1), batching=on,
-                                   shared_prefill=prefill_chunk_shared)
+        self.loop = EngineLoop(model, prefill_chunk, row_budget=64, small_step=max(16, spec_k + 1), batching=on,
+                               shared_prefill=prefill_chunk_shared, model_thread=model_thread)
         if max_threads:
             torch.set_num_threads(max_threads)
         self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)
@@ -108,13 +109,17 @@ class Engine:
         return None if self.strategy.forgets else self.max_context
 
     def prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
-        """Run pending tokens in chunks; returns (positions dropped from attention, completed)."""
+        """Run pending tokens in chunks (through the engine loop); returns (positions dropped from attention, completed)."""
+        return self.loop.run(self._prefill(kv, pending, should_stop))
+
+    def _prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool]):
+        """prefill's task: a chunk per forward, shorter while other sessions generate."""
         dropped, i = 0, 0
         while i < len(pending):
             if should_stop():
                 return dropped, False
-            n = self.batcher.prefill_tokens(self.prefill_chunk)  # shorter while other sessions generate
-            dropped += steps.prefill_chunk(self.model, kv, pending[i : i + n], run=self.batcher.run).dropped
+            n = self.loop.prefill_tokens(self.prefill_chunk)
+            dropped += (yield from steps.prefill_chunk_task(self.model, kv, pending[i : i + n])).dropped
             i += n
         return dropped, True
 
@@ -133,8 +138,7 @@ class Engine:
             if kv.drafter_state is None:
                 kv.drafter_state = d.new_state()
             last = torch.tensor(context[-1:], dtype=torch.long)
-            res = self.batcher.on_model(lambda: d.draft(last, k, context_hidden=kv.recent_hidden, state=kv.drafter_state,
-                                                 position=kv.next_position))
+            res = d.draft(last, k, context_hidden=kv.recent_hidden, state=kv.drafter_state, position=kv.next_position)
             return [int(t) for t in res.ids[:k]]
         tail = context[-d.context_window :]
         hidden = None
@@ -143,38 +147,41 @@ class Engine:
             hidden = kv.recent_hidden[kv.recent_hidden.shape[0] - have :] if have > 0 else None
             tail = tail[len(tail) - 1 - have :] if hidden is not None else tail
         ids = torch.tensor(tail, dtype=torch.long)
-        res = self.batcher.on_model(lambda: d.draft(ids, k, context_hidden=hidden))
+        res = d.draft(ids, k, context_hidden=hidden)
         return [int(t) for t in res.ids[:k]]
 
-    def _advance(self, kv: SessionKV, token: int, drafts: list, params: GenerateParams, gen, budget: int) -> steps.StepResult:
-        """Feed `token` (and a drafted block) in one step; the result's `emitted` are the next tokens."""
+    def _advance(self, kv: SessionKV, token: int, drafts: list, params: GenerateParams, gen, budget: int):
+        """Feed `token` (and a drafted block) in one step (a task); the result's `emitted` are the next tokens."""
         # A greedy session reads only the argmax of these logits, and every one is consumed by this call
         # (the last emitted token is fed by the next turn's prefill), so its steps take the cheaper head.
         greedy = params.sampling.greedy
         if drafts:
-            return steps.verify_block(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
-                                      eos_token_ids=params.eos_token_ids, run=self.batcher.run, greedy=greedy)
-        step = steps.decode_step(self.model, kv, token, run=self.batcher.run, greedy=greedy)
+            return (yield from steps.verify_block_task(self.model, kv, token, drafts, params.sampling, gen, budget=budget,
+                                                       eos_token_ids=params.eos_token_ids, greedy=greedy))
+        step = yield from steps.decode_step_task(self.model, kv, token, greedy=greedy)
         if kv.last_logits is None:
             raise RuntimeError("decode_step left the session without logits to sample")
         return dataclasses.replace(step, emitted=(sample(kv.last_logits, params.sampling, gen),))
 
     def generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool] = lambda: False,
-                 arrived_at: float | None = None) -> Iterator:
+                 arrived_at: float | None = None, on_token: Callable[[int], None] | None = None) -> Iterator:
         """Prefill what `history` holds past the cache, then decode. Yields TokenGenerated /
         HistoryTruncated events, then one GenerationDone. `history` is read, never written.
-        Times count from `arrived_at` (a perf_counter reading; default: now)."""
-        with self.batcher.engaged():  # its steps come one after another: forwards wait briefly to batch them
-            yield from self._generate(kv, history, params, should_stop, arrived_at)
+        Times count from `arrived_at` (a perf_counter reading; default: now). The turn runs as a task
+        of the engine loop, which may run ahead of this iterator by a step: `on_token(id)` is called
+        there as each token is emitted, before the next is computed (the runtime records history with
+        it, so history and cache agree even when the caller stops reading). Closing the iterator ends
+        the turn at its next step boundary."""
+        return self.loop.stream(self._generate(kv, history, params, should_stop, arrived_at, on_token))
 
-    def _generate(self, kv, history, params, should_stop, arrived_at) -> Iterator:
+    def _generate(self, kv, history, params, should_stop, arrived_at, on_token):
         t0 = time.perf_counter() if arrived_at is None else arrived_at
         pending = history[kv.next_position :]
         if not pending and kv.last_logits is None:
             raise NothingToGenerateFrom("the session history is empty; append tokens before Generate")
         params.sampling.validate()  # the one check of the sampling parameters (servers and in-process callers alike)
         t_prefill = time.perf_counter()
-        dropped, completed = self.prefill(kv, pending, should_stop)
+        dropped, completed = yield from self._prefill(kv, pending, should_stop)
         prefill_s = time.perf_counter() - t_prefill
         if dropped:
             yield HistoryTruncated(dropped, kv.dropped_total)
@@ -194,6 +201,8 @@ class Engine:
                 n += 1
                 if n == 1:
                     ttft = time.perf_counter() - t0
+                if on_token is not None:
+                    on_token(t)
                 yield TokenGenerated(t, position)
                 position += 1
             token = out[-1]
@@ -215,7 +224,7 @@ class Engine:
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
             drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None and kv.draft_gate.open() else []
-            step = self._advance(kv, token, drafts, params, gen, budget)
+            step = yield from self._advance(kv, token, drafts, params, gen, budget)
             if drafts:
                 kv.draft_gate.record(step.accepted)
             out = list(step.emitted)

@@ -8,13 +8,14 @@ a decode step pays a futex wake-up. On this 2-core box the same int4 decode ran 
 thread that loaded the model and at ~45 tok/s on a second thread; on a ModelThread at ~76.
 
 So the daemon keeps exactly one multi-threaded pool: this thread sets torch's intra-op thread
-count, loads the model and runs the StepBatcher's forwards; `isolate_other_threads()` then sets
+count, loads the model and runs the EngineLoop (every forward); `isolate_other_threads()` then sets
 the process default to one thread, so the gRPC workers (sampling, drafting, saving: small work)
 run their torch ops inline and never create a pool of their own. torch's thread count is per OS
 thread once a thread has run an op, so the model thread keeps its own.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("kakeya")
 
 
 class ModelThread:
@@ -36,6 +38,12 @@ class ModelThread:
             if job is None:
                 return
             fn, fut = job
+            if fut is None:  # posted: nobody waits on it
+                try:
+                    fn()
+                except BaseException:  # noqa: BLE001 - logged; the thread goes on with the next job
+                    log.exception("a job posted to the model thread failed")
+                continue
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -53,6 +61,10 @@ class ModelThread:
         fut: Future = Future()
         self._jobs.put((fn, fut))
         return fut.result()
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Queue fn to run on the model thread and return at once (the EngineLoop's iterations)."""
+        self._jobs.put((fn, None))
 
     @property
     def ident(self) -> int | None:

@@ -1,14 +1,15 @@
 """The engine's steps: free functions over a Backend and a session's cache.
 
 `forward_batch` holds the one layer loop of the project (`forward` is a batch of one);
-`prefill_chunk`, `decode_step` and `verify_block` each run one committed step and can be called
-alone (benches, tests). They take no locks; `Engine` runs their forwards through its
-StepBatcher (engine/batching.py), which batches concurrent sessions' steps.
+`prefill_chunk_task`, `decode_step_task` and `verify_block_task` each run one committed step as a
+task: a generator that yields the StepInput of its forward and gets the forward's result back.
+`Engine` runs them in its EngineLoop (engine/loop.py), which batches concurrent sessions' steps;
+`prefill_chunk`, `decode_step` and `verify_block` run one alone (benches, tests). No locks here.
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,18 +186,31 @@ class StepResult:
     accepted: int = 0  # verify_block: drafts accepted
 
 
-def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False, run: Callable | None = None,
-          greedy: bool = False):
-    """Forward `ids` at the session's next positions, uncommitted; returns (host logits, drafter
-    features): the final hidden states, or the captured layers' outputs when kv.capture_layers.
-    `run` executes the forward (default forward_batch; the engine passes its StepBatcher's).
-    greedy: the logits serve only an argmax (StepInput.greedy). On failure the step is aborted
-    and the cache is as before."""
+def solo(backend, task: Generator):
+    """Run a step task (the `*_task` functions below) alone: each StepInput it yields is one forward."""
+    send, err = None, None
+    while True:
+        try:
+            inp = task.throw(err) if err is not None else task.send(send)
+        except StopIteration as stop:
+            return stop.value
+        send = err = None
+        try:
+            send = forward_batch(backend, [inp])[0]
+        except BaseException as e:  # thrown into the task, which aborts its step and re-raises
+            err = e
+
+
+def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False, greedy: bool = False):
+    """Forward `ids` at the session's next positions, uncommitted (a task: yields the StepInput, gets the
+    forward's result); returns (host logits, drafter features): the final hidden states, or the captured
+    layers' outputs when kv.capture_layers. greedy: the logits serve only an argmax (StepInput.greedy).
+    On failure (or if the task is closed at its yield) the step is aborted and the cache is as before."""
     start = kv.cache.next_position
     inp = StepInput(backend.tensor(list(ids)), range(start, start + len(ids)), kv.cache, logits, row_exact=row_exact,
                     capture=kv.capture_layers, greedy=greedy)
     try:
-        out, hidden = (run or forward_batch)(backend, [inp])[0]
+        out, hidden = yield inp
         return backend.to_host(out), (inp.captured if inp.capture else hidden)
     except BaseException:
         kv.cache.abort()
@@ -212,28 +226,28 @@ def _close(kv: SessionKV, n: int, host, hidden) -> int:
     return dropped
 
 
-def prefill_chunk(backend, kv: SessionKV, ids: Sequence[int], *, run: Callable | None = None) -> StepResult:
+def prefill_chunk_task(backend, kv: SessionKV, ids: Sequence[int]):
     """Run a chunk of pending tokens; kv.last_logits then scores the next position."""
-    host, hidden = _open(backend, kv, ids, "last", run=run)
+    host, hidden = yield from _open(backend, kv, ids, "last")
     return StepResult(len(ids), _close(kv, len(ids), host, hidden))
 
 
-def decode_step(backend, kv: SessionKV, token: int, *, run: Callable | None = None, greedy: bool = False) -> StepResult:
+def decode_step_task(backend, kv: SessionKV, token: int, *, greedy: bool = False):
     """Feed one sampled token; kv.last_logits then scores the next position. greedy: the caller
     takes only their argmax (then logits outside the backend's best candidates may be approximate)."""
-    host, hidden = _open(backend, kv, [token], "last", row_exact=True, run=run, greedy=greedy)
+    host, hidden = yield from _open(backend, kv, [token], "last", row_exact=True, greedy=greedy)
     return StepResult(1, _close(kv, 1, host, hidden))
 
 
-def verify_block(backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams, generator,
-                 *, budget: int, eos_token_ids=frozenset(), run: Callable | None = None, greedy: bool = False) -> StepResult:
+def verify_block_task(backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams, generator,
+                      *, budget: int, eos_token_ids=frozenset(), greedy: bool = False):
     """Feed `token` and a drafted block in one forward; keep the drafts the verifier accepts
     (speculative.accept_drafts) and draw its next token. At most `budget` tokens are emitted,
     and emission stops after an eos. The emitted tokens but the last are committed. greedy: as
     decode_step's (only with greedy `sampling`)."""
     if greedy and not sampling.greedy:
         raise ValueError("verify_block: greedy logits serve greedy sampling only")
-    host, hidden = _open(backend, kv, [token, *drafts], "all", row_exact=True, run=run, greedy=greedy)
+    host, hidden = yield from _open(backend, kv, [token, *drafts], "all", row_exact=True, greedy=greedy)
     try:
         accepted, nxt = accept_drafts(drafts, host, sampling, generator)
     except BaseException:
@@ -242,3 +256,20 @@ def verify_block(backend, kv: SessionKV, token: int, drafts: Sequence[int], samp
     emitted = [*accepted, nxt]
     cut = min(budget, next((i + 1 for i, t in enumerate(emitted) if t in eos_token_ids), len(emitted)))
     return StepResult(cut, _close(kv, cut, host, hidden), tuple(emitted[:cut]), len(accepted))
+
+
+def prefill_chunk(backend, kv: SessionKV, ids: Sequence[int]) -> StepResult:
+    """prefill_chunk_task, run alone."""
+    return solo(backend, prefill_chunk_task(backend, kv, ids))
+
+
+def decode_step(backend, kv: SessionKV, token: int, *, greedy: bool = False) -> StepResult:
+    """decode_step_task, run alone."""
+    return solo(backend, decode_step_task(backend, kv, token, greedy=greedy))
+
+
+def verify_block(backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams, generator,
+                 *, budget: int, eos_token_ids=frozenset(), greedy: bool = False) -> StepResult:
+    """verify_block_task, run alone."""
+    return solo(backend, verify_block_task(backend, kv, token, drafts, sampling, generator, budget=budget,
+                                           eos_token_ids=eos_token_ids, greedy=greedy))

@@ -100,8 +100,9 @@ def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
                           "--drafter ngram")
 
 
-def build_engine(cfg: ServeConfig, model):
-    """Engine for `cfg` around an already loaded model (benchmarks share one model across arms)."""
+def build_engine(cfg: ServeConfig, model, model_thread=None):
+    """Engine for `cfg` around an already loaded model (benchmarks share one model across arms).
+    model_thread: the ModelThread that runs its loop (None: the callers' threads)."""
     from inference_engine.engine.generate import Engine
     from inference_engine.kv.strategy import KVStrategy
 
@@ -152,7 +153,8 @@ def build_engine(cfg: ServeConfig, model):
     try:
         return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=threads,
                       drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",
-                      restore_source=restore_source, batching=cfg.batching, prefill_chunk_shared=cfg.prefill_chunk_shared)
+                      restore_source=restore_source, batching=cfg.batching, prefill_chunk_shared=cfg.prefill_chunk_shared,
+                      model_thread=model_thread)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
@@ -175,8 +177,7 @@ def build_runtime(cfg: ServeConfig, model=None) -> Runtime:
     every forward of this runtime's engine; the persister is built there too, so the calling
     thread runs no torch work of its own (start() then isolates the other threads)."""
     mt = model_thread()
-    engine = mt.call(lambda: build_engine(cfg, model if model is not None else _load_model(cfg)))
-    engine.batcher.model_thread = mt
+    engine = mt.call(lambda: build_engine(cfg, model if model is not None else _load_model(cfg), model_thread=mt))
     persister = mt.call(lambda: build_persister(cfg, engine))
     mt.call(lambda: warm(engine, persister))
     return Runtime(engine, capacity=cfg.capacity, idle_ttl_s=cfg.idle_ttl, persister=persister,
@@ -312,7 +313,7 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     except BaseException:
         server.stop(None)
         raise
-    if runtime.model_info.backend == "torch" and runtime.engine.batcher.model_thread is not None:
+    if runtime.model_info.backend == "torch" and runtime.engine.loop.model_thread is not None:
         from inference_engine.engine.model_thread import isolate_other_threads
 
         isolate_other_threads()  # RPC threads run their small torch ops inline: one OpenMP pool in the process

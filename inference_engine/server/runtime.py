@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
+from inference_engine.engine.events import GenerationDone, HistoryTruncated
 from inference_engine.engine.requests import GenerateParams, ModelInfo, SamplingParams
 from inference_engine.errors import InvalidArgument, LeaseLost
 from inference_engine.kv.byte_counts import kv_bytes
@@ -112,12 +112,11 @@ class Runtime:
         m.session_active.set_function(lambda: len(self.store))
         m.session_kv_live_bytes.set_function(self.store.kv_live_bytes)
         m.track_kv_tiers(self.store.sessions)
-        batcher = getattr(engine, "batcher", None)
-        if batcher is not None:  # engine-side counters, read at scrape time
-            m.batch_size.set_function(lambda: batcher.stats.last_batch_size)
-            m.step_queue_depth.set_function(lambda: batcher.stats.queue_depth)
-            m.forwards_run.set_function(lambda: batcher.stats.forwards)
-            m.steps_run.set_function(lambda: batcher.stats.steps)
+        stats = engine.loop.stats  # the engine loop's counters, read at scrape time
+        m.batch_size.set_function(lambda: stats.last_batch_size)
+        m.step_queue_depth.set_function(lambda: stats.queue_depth)
+        m.forwards_run.set_function(lambda: stats.forwards)
+        m.steps_run.set_function(lambda: stats.steps)
 
     def _observe_save(self, seconds: float) -> None:
         self.metrics.session_saves_total.inc()
@@ -200,12 +199,14 @@ class Runtime:
         with self.store.generation(session_id) as s:
             m.session_history_tokens.observe(len(s.history))
             params = GenerateParams(max_tokens, sampling, s.eos_token_ids)
+
+            def record(token_id: int) -> None:  # on the engine loop, as the token is emitted
+                s.record_generated(token_id)
+                m.generated_tokens_total.inc()
+
             try:
-                for ev in self.engine.generate(s.kv, s.history, params, should_stop, arrived_at=t_arrival):
-                    if isinstance(ev, TokenGenerated):
-                        s.record_generated(ev.token_id)
-                        m.generated_tokens_total.inc()
-                    elif isinstance(ev, HistoryTruncated):
+                for ev in self.engine.generate(s.kv, s.history, params, should_stop, arrived_at=t_arrival, on_token=record):
+                    if isinstance(ev, HistoryTruncated):
                         m.history_truncated_tokens_total.inc(ev.dropped_tokens)
                     elif isinstance(ev, GenerationDone):
                         self._observe_done(ev)

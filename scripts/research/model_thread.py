@@ -43,9 +43,9 @@ def run_arm(arm: str, context: int, tokens: int, reps: int, threads: int) -> dic
 
     torch.set_num_threads(threads)
 
-    def build():
+    def build(model_thread=None):
         model = TorchCausalLM.load(resolve_model("smollm2-135m-instruct"), device="cpu", weights="int4")
-        return Engine(model, KVStrategy("sink_window"), max_threads=threads, batching="on")
+        return Engine(model, KVStrategy("sink_window"), max_threads=threads, batching="on", model_thread=model_thread)
 
     def decode(engine) -> list:
         rates = []
@@ -71,8 +71,7 @@ def run_arm(arm: str, context: int, tokens: int, reps: int, threads: int) -> dic
         th.join()
     elif arm == "model_thread":
         mt = ModelThread()
-        engine = mt.call(build)
-        engine.batcher.model_thread = mt
+        engine = mt.call(lambda: build(mt))
         isolate_other_threads()
         th = threading.Thread(target=lambda: out.update(rates=decode(engine)))
         th.start()

@@ -419,13 +419,13 @@ def test_concurrent_sessions_equal_their_solo_runs(backend, batching):
     engine = Engine(SlowModel(m), strategy, prefill_chunk=16, batching=batching)
     assert run_concurrently(engine, jobs) == want
     if batching == "on":
-        assert max(engine.batcher.stats.batch_sizes) > 1, engine.batcher.stats.batch_sizes  # steps really shared forwards
+        assert max(engine.loop.stats.batch_sizes) > 1, engine.loop.stats.batch_sizes  # steps really shared forwards
 
 
 def test_auto_batching_is_on_only_where_exact(backend):
     """batching auto = on for int4 on the CPU (row-independent linears, checked above), off for fp32."""
-    assert Engine(int4_model(backend), KVStrategy("full")).batcher.batching
-    assert not Engine(model(backend), KVStrategy("full")).batcher.batching
+    assert Engine(int4_model(backend), KVStrategy("full")).loop.batching
+    assert not Engine(model(backend), KVStrategy("full")).loop.batching
 
 
 def test_the_backend_fixture_runs_the_backend_it_names(backend):

@@ -1,16 +1,16 @@
-"""Continuous batching (engine/batching.py, steps.forward_batch): sessions' steps share forwards
-and each session's output is bit for bit what it is alone (int8/int4: row-independent kernels);
-a failing step fails only its own session; cancellation and admission between forwards."""
+"""Continuous batching (engine/loop.py, steps.forward_batch): the engine loop advances every live
+session to its next step and runs them as one forward; each session's output is bit for bit what it
+is alone (int8/int4: row-independent kernels); a failing step fails only its own session;
+cancellation and admission between forwards."""
 import threading
-import time
-
 import pytest
 import torch
 
 from drafters import HashDrafter
 from factories import SlowModel, tiny_model_dir
 from inference_engine.backends.torch.model import TorchCausalLM
-from inference_engine.engine.batching import StepBatcher
+from inference_engine.engine.loop import EngineLoop, _Task
+from inference_engine.engine.model_thread import ModelThread
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import GenerateParams, SamplingParams
@@ -65,6 +65,33 @@ def run_concurrently(engine, jobs):
     return out
 
 
+def all_at_once(make_engine, jobs):
+    """Like run_concurrently, on an engine whose loop runs on a ModelThread held busy until every
+    session's task is submitted: the first iteration then sees them all (no timing involved)."""
+    mt, gate = ModelThread(name="test-batching"), threading.Event()
+    try:
+        engine = make_engine(mt)
+        mt.post(gate.wait)  # the model thread waits here; iterations queue behind it
+        out = [None] * len(jobs)
+
+        def work(i, hist, params):
+            kv = engine.new_session_kv()
+            out[i] = [e.token_id for e in engine.generate(kv, hist, params) if isinstance(e, TokenGenerated)]
+
+        threads = [threading.Thread(target=work, args=(i, *job)) for i, job in enumerate(jobs)]
+        for t in threads:
+            t.start()
+        while len(engine.loop._tasks) < len(jobs):  # every task submitted (none can finish while the gate is shut)
+            threading.Event().wait(0.001)
+        gate.set()
+        for t in threads:
+            t.join()
+        return engine, out
+    finally:
+        gate.set()
+        mt.close()
+
+
 @pytest.mark.parametrize("drafter", [None, "hash"])
 def test_concurrent_sessions_batched_equal_their_solo_runs(drafter):
     model = int4_model()
@@ -73,15 +100,35 @@ def test_concurrent_sessions_batched_equal_their_solo_runs(drafter):
     jobs = [(ids(40 + 9 * i, i), GenerateParams(max_tokens=20, sampling=sampled if i % 2 else SamplingParams())) for i in range(5)]
     solo = Engine(model, KVStrategy("sink_window", 4, 24), prefill_chunk=16, batching="off", **kw)
     want = [run_concurrently(solo, [job])[0] for job in jobs]
-    batched = Engine(SlowModel(model), KVStrategy("sink_window", 4, 24), prefill_chunk=16, batching="on", **kw)
-    assert run_concurrently(batched, jobs) == want
-    sizes = batched.batcher.stats.batch_sizes
-    assert max(sizes) > 1, sizes  # steps really shared forwards
+    batched, got = all_at_once(lambda mt: Engine(model, KVStrategy("sink_window", 4, 24), prefill_chunk=16, batching="on",
+                                                 model_thread=mt, **kw), jobs)
+    assert got == want
+    sizes = batched.loop.stats.batch_sizes
+    assert max(sizes) == 5, sizes  # every live session rode the same forward
+
+
+def test_every_live_session_rides_every_forward():
+    """The loop advances every live session before each forward, so the schedule is exact: 4 sessions
+    with 20-token prompts (prefill budget 32: one chunk per forward) start one forward apart, each
+    rides every forward from its prefill to its last decode step, and nothing waits otherwise."""
+    model = int4_model()
+    jobs = [(ids(20, i), GenerateParams(max_tokens=12)) for i in range(4)]
+    engine, _ = all_at_once(lambda mt: Engine(model, KVStrategy("full"), prefill_chunk=32, batching="on", model_thread=mt), jobs)
+    s = engine.loop.stats
+    # forward k (1..4) prefills session k-1 beside the decode rows of those before it; each session then
+    # decodes 11 steps (12 tokens, the first sampled from its prefill), so forwards 5..12 carry all 4.
+    assert s.batch_sizes == {1: 2, 2: 2, 3: 2, 4: 9}, s.batch_sizes
+    assert s.forwards == 15 and s.steps == 4 + 4 * 11
 
 
 def test_auto_batching_is_on_only_where_exact():
-    assert Engine(int4_model(), KVStrategy("full")).batcher.batching
-    assert not Engine(TorchCausalLM.load(str(tiny_model_dir("llama"))), KVStrategy("full")).batcher.batching
+    assert Engine(int4_model(), KVStrategy("full")).loop.batching
+    assert not Engine(TorchCausalLM.load(str(tiny_model_dir("llama"))), KVStrategy("full")).loop.batching
+
+
+def one_step(inp):
+    """A task of a single forward: returns its result."""
+    return (yield inp)
 
 
 def test_a_failing_step_fails_only_its_session():
@@ -96,34 +143,21 @@ def test_a_failing_step_fails_only_its_session():
         kv.cache.commit()
     good = [StepInput(model.tensor([4]), range(20, 21), kvs[i].cache, row_exact=True) for i in (0, 2)]
     bad = StepInput(model.tensor([4]), range(25, 26), kvs[1].cache, row_exact=True)  # positions skip ahead: INV-2
-    batcher, results = StepBatcher(64), {}
-    batcher._busy = True  # hold the queue until all three are in it
-
-    def submit(name, inp):
-        try:
-            results[name] = batcher.run(model, [inp])[0]
-        except CacheInvariantError as e:
-            results[name] = e
-
-    threads = [threading.Thread(target=submit, args=(n, inp)) for n, inp in (("a", good[0]), ("bad", bad), ("c", good[1]))]
-    for t in threads:
-        t.start()
-    while len(batcher._queue) < 3:
-        time.sleep(0.005)
-    with batcher._cond:
-        batcher._busy = False
-        batcher._cond.notify_all()
-    for t in threads:
-        t.join()
-    assert isinstance(results["bad"], CacheInvariantError)
-    assert batcher.stats.batch_sizes.get(3) == 1  # they did share one (failed) forward, then ran alone
+    loop = EngineLoop(model, 64)
+    tasks = {name: loop.submit(one_step(inp)) for name, inp in (("a", good[0]), ("bad", bad), ("c", good[1]))}
+    loop.iterate()  # all three post their step and share one (failing) forward, then run alone
+    assert loop.stats.batch_sizes == {3: 1} and loop.stats.forwards == 1
+    loop.iterate()  # each task gets its own result or error back, and ends
+    assert all(t.done for t in tasks.values()) and not loop._tasks
+    with pytest.raises(CacheInvariantError):
+        list(loop.follow(tasks["bad"]))
     for name, i in (("a", 0), ("c", 2)):
         ref = engine.new_session_kv()
         hist = ids(20, i)
         forward(model, model.tensor(hist), range(20), ref.cache)
         ref.cache.commit()
         want, _ = forward(model, model.tensor([4]), range(20, 21), ref.cache, row_exact=True)
-        assert torch.equal(results[name][0], want)
+        assert torch.equal(tasks[name].value[0], want)
     assert kvs[1].cache.next_position == 20  # the bad session's cache is as before
 
 
@@ -154,17 +188,45 @@ def test_a_cancelled_session_leaves_the_others_unchanged():
 
 
 def test_take_fills_two_budgets_in_order_and_keeps_the_rest_queued():
-    """The batch takes queued steps in order: prefill chunks within the prefill budget, decode/
+    """The batch takes waiting steps in order: prefill chunks within the prefill budget, decode/
     verify steps within the row budget, the oldest always; a step that does not fit stays queued
     for the next forward (steps hold tensors: the queue must not compare them)."""
-    from inference_engine.engine.batching import _Pending
+    def waiting(loop, sizes):
+        tasks = [_Task(one_step(None), tokens=n) for n in sizes]
+        loop._waiting.extend(tasks)
+        return tasks
 
-    b = StepBatcher(10, row_budget=3, small_step=2)
-    first, big, d1, mid, d2, v3 = (_Pending(torch.zeros(n), n) for n in (4, 9, 1, 3, 1, 2))
-    b._queue.extend([first, big, d1, mid, d2, v3])
+    b = EngineLoop(None, 10, row_budget=3, small_step=2)
+    first, big, d1, mid, d2, v3 = waiting(b, (4, 9, 1, 3, 1, 2))
     assert b._take() == [first, d1, mid, d2]  # prefill 4+3 (9 does not fit), rows 1+1 (2 more would be 4 > 3)
-    assert list(b._queue) == [big, v3]
+    assert list(b._waiting) == [big, v3] and b.stats.queue_depth == 2
     assert b._take() == [big, v3]
-    off = StepBatcher(10, batching=False)
-    off._queue.extend([first, d1])
+    off = EngineLoop(None, 10, batching=False)
+    first, d1 = waiting(off, (4, 1))
     assert off._take() == [first] and off._take() == [d1]  # batching off: one step per forward
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_closing_a_turn_early_keeps_history_and_cache_in_step(threaded):
+    """The caller stops reading after 3 tokens. On a model thread the loop may have run ahead of it;
+    either way on_token recorded every token the turn emitted, the cache holds all of them but the
+    last (sampled, not fed), and the task is gone."""
+    model = int4_model()
+    mt = ModelThread(name="test-close") if threaded else None
+    try:
+        engine = Engine(model, KVStrategy("full"), batching="on", model_thread=mt)
+        kv, prompt = engine.new_session_kv(), ids(20, 0)
+        history = list(prompt)
+        it = engine.generate(kv, history, GenerateParams(max_tokens=50), on_token=history.append)
+        got = [next(it).token_id for _ in range(3)]
+        it.close()
+        assert not engine.loop._tasks
+        assert history[:20] == prompt and history[20:23] == got and len(history) < 20 + 50
+        assert kv.next_position == len(history) - 1
+        # the session goes on from there: the next turn prefills the last emitted token
+        more = [e.token_id for e in engine.generate(kv, history, GenerateParams(max_tokens=2), on_token=history.append)
+                if isinstance(e, TokenGenerated)]
+        assert history[-2:] == more and kv.next_position == len(history) - 1
+    finally:
+        if mt is not None:
+            mt.close()

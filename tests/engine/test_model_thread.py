@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from factories import tiny_model_dir
-from inference_engine.engine import batching
+from inference_engine.engine import loop
 from inference_engine.engine.model_thread import ModelThread
 
 
@@ -29,16 +29,16 @@ def test_daemon_forwards_run_on_the_model_thread(monkeypatch):
     from inference_engine.server.config import ServeConfig
 
     seen = []
-    real = batching.forward_batch
+    real = loop.forward_batch
 
     def recording(backend, inputs):
         seen.append(threading.get_ident())
         return real(backend, inputs)
 
-    monkeypatch.setattr(batching, "forward_batch", recording)
+    monkeypatch.setattr(loop, "forward_batch", recording)
     cfg = ServeConfig(model=str(tiny_model_dir("llama")), persist="off", threads=1)
     runtime = build_runtime(cfg)
-    assert runtime.engine.batcher.model_thread is model_thread()
+    assert runtime.engine.loop.model_thread is model_thread()
     sid = runtime.create_session([5, 6, 7]).id
     from inference_engine.engine.requests import SamplingParams
 

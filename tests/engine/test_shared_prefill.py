@@ -1,6 +1,8 @@
 """While another session generates, a prefill takes short chunks (--prefill-chunk-shared), so the
 other session's decode rows wait one short chunk's forward; with row-independent int4 kernels the
 prefilled session's tokens are bit for bit those of a full-chunk prefill."""
+import contextlib
+
 import torch
 
 from factories import tiny_model_dir
@@ -20,8 +22,8 @@ def test_prefill_takes_short_chunks_while_another_session_is_engaged(monkeypatch
     m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
     history = _prompt(70)
     chunks = []
-    real = steps.prefill_chunk
-    monkeypatch.setattr(steps, "prefill_chunk", lambda model, kv, ids, **kw: chunks.append(len(ids)) or real(model, kv, ids, **kw))
+    real = steps.prefill_chunk_task
+    monkeypatch.setattr(steps, "prefill_chunk_task", lambda model, kv, ids: chunks.append(len(ids)) or real(model, kv, ids))
 
     def tokens(engine):
         kv = engine.new_session_kv()
@@ -34,17 +36,34 @@ def test_prefill_takes_short_chunks_while_another_session_is_engaged(monkeypatch
     assert chunks == [32, 32, 6]  # no other session engaged: whole chunks
     chunks.clear()
     shared = Engine(m, strategy, prefill_chunk=32, prefill_chunk_shared=8, batching="on")
-    with shared.batcher.engaged():  # another session generating (its steps would ride along)
+    with generating(shared):  # another session generating (its decode rows ride along)
+        chunks.clear()
         got = tokens(shared)
     assert chunks == [8] * 8 + [6]
     assert got[0] == want[0] and torch.equal(got[1], want[1])  # int4 kernels are row-independent: bit for bit
 
 
+@contextlib.contextmanager
+def generating(engine):
+    """Another session in the middle of a long generation (in-process, the loop runs on the caller's thread:
+    it advances when someone waits on a task)."""
+    other = engine.generate(engine.new_session_kv(), _prompt(5, seed=1), GenerateParams(max_tokens=500))
+    next(other)  # its prompt prefilled, its first token out: a live task from here on
+    try:
+        yield
+    finally:
+        other.close()
+
+
 def test_shared_chunks_only_with_batching_on():
     m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
     off = Engine(m, KVStrategy("full"), prefill_chunk=32, prefill_chunk_shared=8, batching="off")
-    with off.batcher.engaged(), off.batcher.engaged():
-        assert off.batcher.prefill_tokens(32) == 32
+    with generating(off):
+        assert off.loop.prefill_tokens(32) == 32
     on = Engine(m, KVStrategy("full"), prefill_chunk=32, prefill_chunk_shared=0, batching="on")
-    with on.batcher.engaged(), on.batcher.engaged():
-        assert on.batcher.prefill_tokens(32) == 32  # 0 = always the full chunk
+    with generating(on):
+        assert on.loop.prefill_tokens(32) == 32  # 0 = always the full chunk
+    on8 = Engine(m, KVStrategy("full"), prefill_chunk=32, prefill_chunk_shared=8, batching="on")
+    assert on8.loop.prefill_tokens(32) == 32  # alone
+    with generating(on8):
+        assert on8.loop.prefill_tokens(32) == 32  # the live task is the only one: still alone
