@@ -256,7 +256,7 @@ class MlxCausalLM:
         return out
 
     def cat(self, arrays, dim: int) -> mx.array:
-        """Concatenate MLX arrays (and layout position tensors) along `dim` (engine/batching.py)."""
+        """Concatenate MLX arrays (and layout position tensors) along `dim` (engine/loop.py)."""
         if all(isinstance(a, torch.Tensor) for a in arrays):
             return torch.cat(list(arrays), dim)
         return mx.concatenate([_as_mx(a) for a in arrays], axis=dim)
