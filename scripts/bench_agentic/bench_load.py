@@ -45,10 +45,10 @@ def workload(session: int, turns: int, seed: int, vocab: int = 40000):
 
 
 class Daemon:
-    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None):
+    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off"):
         # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
         cmd = [os.path.join(os.path.dirname(sys.executable), "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
-               "--weights", weights,
+               "--weights", weights, "--compile", compile,
                "--batching", batching, "--threads", str(threads), "--state-dir", state_dir]
         if prefill_chunk:
             cmd += ["--prefill-chunk", str(prefill_chunk)]
@@ -383,7 +383,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="batching-on,batching-off,batching-on-chunk32,llama.cpp-batched,llama.cpp",
-                    help="batching-on|batching-off[-chunkN] (kakeya serve, --prefill-chunk N), llama.cpp-batched (n "
+                    help="batching-on|batching-off[-chunkN][-compile] (kakeya serve, --prefill-chunk N, --compile on; "
+                         "otherwise --compile off), llama.cpp-batched (n "
                          "sequences in one context, batched decode) and llama.cpp (one Llama object per session, one "
                          "call at a time)")
     ap.add_argument("--decode-tokens", type=int, default=48,
@@ -407,9 +408,11 @@ def main() -> int:
         if arm.startswith("batching-"):
             import tempfile
 
-            mode, _, chunk = arm.removeprefix("batching-").partition("-chunk")
+            rest, compiled = (arm[: -len("-compile")], True) if arm.endswith("-compile") else (arm, False)
+            mode, _, chunk = rest.removeprefix("batching-").partition("-chunk")
+            res["compile"] = "on" if compiled else "off"
             d = Daemon(args.model, args.weights, mode, args.threads, tempfile.mkdtemp(prefix="kakeya-load-"),
-                       prefill_chunk=int(chunk) if chunk else None)
+                       prefill_chunk=int(chunk) if chunk else None, compile=res["compile"])
             try:
                 for n in levels:
                     res[n] = run_level_kakeya(d.target, n, args, d.rss)
@@ -457,21 +460,22 @@ def main() -> int:
 
 
 def targets(out, levels, interference, big_append) -> dict:
-    """The issue's gates, per kakeya arm: aggregate at 8 >= 4x one session; p95 inter-token latency
-    at 8 sessions while a big append lands <= 3x one session's; zero errors and sessions lost."""
+    """Issue 28's gates, per kakeya arm: aggregate decode at 8 sessions >= 3x one session; p95 inter-token
+    latency at 8 sessions while a big append lands <= 5x one session's; zero errors and sessions lost."""
     t = {}
     for arm, res in out["arms"].items():
-        row = {"errors": sum(r["errors"] for r in res.values()), "sessions_lost": sum(r["sessions_lost"] for r in res.values())}
+        levels_of = [r for r in res.values() if isinstance(r, dict)]
+        row = {"errors": sum(r["errors"] for r in levels_of), "sessions_lost": sum(r["sessions_lost"] for r in levels_of)}
         if 1 in res and 8 in res:
             row["agent_mix_aggregate_8_vs_1"] = round(res[8]["aggregate_tok_s"] / res[1]["aggregate_tok_s"], 2)
             if "decode" in res[1] and "decode" in res[8]:
                 row["decode_aggregate_8_vs_1"] = round(res[8]["decode"]["aggregate_decode_tok_s"]
                                                        / res[1]["decode"]["aggregate_decode_tok_s"], 2)
-                row["decode_aggregate_8_vs_1_target"] = ">= 4"
+                row["decode_aggregate_8_vs_1_target"] = ">= 3"
         key = f"8+append{big_append}"
         if 1 in res and key in res and res[1]["itl_p95_s"] and res[key]["itl_p95_s"]:
             row["itl_p95_8_with_append_vs_1"] = round(res[key]["itl_p95_s"] / res[1]["itl_p95_s"], 2)
-            row["itl_p95_8_with_append_vs_1_target"] = "<= 3"
+            row["itl_p95_8_with_append_vs_1_target"] = "<= 5"
         t[arm] = row
     return t
 
