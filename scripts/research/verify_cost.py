@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         kv.cache.abort()
 
     times: dict = {c: {"decode": [], "verify": [], "verify_rows_batched": []} for c in contexts}
-    for c, kv in sessions.items():  # warm-up
+    for kv in sessions.values():  # warm-up
         steps.decode_step(m, kv, int(kv.last_logits.argmax()), greedy=True)
         verify(kv)
         batched_rows(kv)
