@@ -5,7 +5,7 @@ import torch
 
 from inference_engine.engine.speculative import DraftGate
 from inference_engine.kv.factory import cache_from_state
-from inference_engine.kv.slot_cache import CacheState
+from inference_engine.kv.slot_cache import CacheDelta, CacheState, SaveMark
 
 
 class SessionKV:
@@ -48,7 +48,15 @@ class SessionKV:
 
     # -- persistence ----------------------------------------------------------------------
     def state(self, *, with_store: bool = True) -> CacheState:
-        st = self.cache.state(with_store=with_store)
+        return self._with_session(self.cache.state(with_store=with_store))
+
+    def delta_state(self, since: SaveMark | None = None) -> CacheDelta:
+        """The cache's `delta_state(since)`, its state with this session's tensors added (see `state`)."""
+        delta = self.cache.delta_state(since)
+        delta.state = self._with_session(delta.state)
+        return delta
+
+    def _with_session(self, st: CacheState) -> CacheState:
         tensors, meta = dict(st.tensors), dict(st.meta)
         if self.last_logits is not None:
             tensors["session.last_logits"] = self.last_logits.cpu()

@@ -112,7 +112,7 @@ class DLMRestoreCache(SinkWindowCache):
         held, record = self.policy.held_and_record(self, evicted.size > 0)
         return RestorePlan(self.token_history(end).to(dev), torch.from_numpy(evicted).to(dev), masks, held, record)
 
-    def _extra_state(self) -> tuple[dict, dict]:
+    def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
         tensors, meta = self.policy.state()
         n = self.next_position
         return ({"tokens": torch.from_numpy(self._tokens[:n].copy())} | tensors,

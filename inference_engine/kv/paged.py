@@ -37,6 +37,7 @@ from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry, SinkShift
 from inference_engine.kv.paged_store import RowTable, make_row_codec
 from inference_engine.kv.sink_window import SinkWindowCache
+from inference_engine.kv.slot_cache import AppendOnly
 from inference_engine.kv.stores import SlabStore
 from inference_engine.kv.strategy import KVStrategy
 
@@ -370,13 +371,12 @@ class PagedCache(SinkWindowCache):
         return None
 
     # -- persistence ------------------------------------------------------------------------------
-    # Archive rows a saver already holds (persistence/session_files.py sets it around `state()`): the
-    # state then carries rows archive_rows_saved .. archived_rows - 1 of the tables only, so a turn's save
-    # copies what the turn archived, not the whole archive. 0 (the default): a complete state.
-    archive_rows_saved = 0
+    # The archive only grows: `delta_state` carries the rows archived since a saver's last save only, so
+    # a turn's save copies what the turn archived, not the whole archive.
+    APPEND_ONLY = AppendOnly("archived_rows", {"pages.": 3, "keys.": 3})  # RowTables: (L, stack, Hkv, rows, ...)
 
-    def _extra_state(self) -> tuple[dict, dict]:
-        start = min(self.archive_rows_saved, self.pages.rows)
+    def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
+        start = min(appended_from, self.pages.rows)
         tensors = {f"pages.{k}": v for k, v in self.pages.state(start).items()}
         tensors |= {f"keys.{k}": v for k, v in self.keys.state(start).items()}
         return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows}

@@ -16,6 +16,8 @@ by the store; the device sees the step's slot index, key positions and masks.
 `state()` -> CacheState and `factory.cache_from_state(state, ...)` round-trip a cache exactly:
 the store's bytes (codes for a compressed store), the slot map, counters and the strategy's
 own state, so a continued session is token-identical to one that never left memory.
+`delta_state(since)` is the same state as a saver that already holds part of it needs it
+(CacheDelta): the rows committed since, read per slot, and the new rows of tables that only grow.
 
 Invariants (ADR 0008 §2.8) are checked at every mutation and raise `CacheInvariantError`:
 INV-1 every layer holds exactly as many K/V rows as there are resident positions;
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -44,6 +46,63 @@ class CacheState:
 
     tensors: dict
     meta: dict
+
+
+@dataclass(frozen=True)
+class SaveMark:
+    """How much of a cache a saver already holds: the rows of every position below `rows_through`
+    (those still resident never change), and the first `appended_rows` rows of its append-only tables."""
+
+    rows_through: int = 0
+    appended_rows: int = 0
+
+
+@dataclass(frozen=True)
+class AppendOnly:
+    """A cache's state tensors that only ever grow along one axis (a strategy's archive): a saver
+    writes the rows added since its last save. `rows_key`: the meta key holding their row count;
+    `axes`: tensor name prefix -> row axis."""
+
+    rows_key: str
+    axes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class AppendedRows:
+    """The append-only tensors in a CacheDelta's state: rows `start` .. `end` - 1 of each (the
+    rows after SaveMark.appended_rows, or all of them when the tables hold fewer than that);
+    `axes`: tensor name -> row axis; `rows_key`: the meta key that holds `end`."""
+
+    axes: dict[str, int]
+    start: int
+    end: int
+    rows_key: str
+
+
+@dataclass
+class CacheDelta:
+    """What a saver holding `since` (a SaveMark) writes of a cache now (`SlotKVCache.delta_state`).
+
+    pos        the slot map: position per slot, -1 empty (a copy; small)
+    row_axes   payload name -> slot axis of `read_rows`' tensors; None: the store's rows are not
+               read per slot, and `state` carries the whole store instead
+    new_slots  resident slots holding positions at or past since.rows_through: the rows not saved
+    read_rows  slots -> their stored rows (codes for a compressed store), stacked over layers (CPU)
+    state      everything else (counters, strategy tensors), as `state()` has it; its append-only
+               tensors hold the rows `appended` says only
+    appended   the append-only tensors' rows in `state`; None: the cache has none
+    """
+
+    pos: np.ndarray
+    row_axes: dict[str, int] | None
+    new_slots: np.ndarray
+    read_rows: Callable[[np.ndarray], dict]
+    state: CacheState
+    appended: AppendedRows | None
+
+    def mark(self, next_position: int) -> SaveMark:
+        """The SaveMark of a saver that wrote this delta whole."""
+        return SaveMark(next_position, self.appended.end if self.appended else 0)
 
 
 def geometry_meta(g: CacheGeometry) -> dict:
@@ -189,9 +248,34 @@ class SlotKVCache:
         return max(self._peak_nbytes, self.nbytes)
 
     # -- persistence ------------------------------------------------------------------------
+    # State tensors that only grow (None: none); a strategy with an archive declares them.
+    APPEND_ONLY: ClassVar[AppendOnly | None] = None
+
     def state(self, *, with_store: bool = True) -> CacheState:
-        """with_store=False leaves out the store's tensors (slot map and rows): a caller that saves
-        rows incrementally (inference_engine/persistence) reads them itself instead of a full copy."""
+        """with_store=False leaves out the store's tensors (slot map and rows): what `delta_state` does
+        for a store whose rows a saver reads per slot."""
+        return self._state(with_store, appended_from=0)
+
+    def delta_state(self, since: SaveMark | None = None) -> CacheDelta:
+        """What a saver that holds `since` (None: nothing) writes now: the state without the rows
+        it holds (CacheDelta). The cache keeps no record of saves: the saver keeps its SaveMark."""
+        since = since or SaveMark()
+        axes = self.store.row_axes
+        axes = dict(axes) if axes is not None else None
+        pos = self.store.pos.copy()
+        new = np.flatnonzero((pos >= 0) & (pos >= since.rows_through)) if axes is not None else np.zeros(0, np.int64)
+        st = self._state(axes is None, appended_from=since.appended_rows)
+        appended = None
+        if self.APPEND_ONLY is not None:
+            rows_key, prefixes = self.APPEND_ONLY.rows_key, self.APPEND_ONLY.axes
+            start, end = since.appended_rows, int(st.meta[rows_key])
+            if start > end:  # fewer rows than saved (the tables only grow, so not expected): all of them
+                st, start = self._state(axes is None, appended_from=0), 0
+            names = {k: axis for k in st.tensors for prefix, axis in prefixes.items() if k.startswith(prefix)}
+            appended = AppendedRows(names, start, end, rows_key)
+        return CacheDelta(pos, axes, new, self.store.read_rows, st, appended)
+
+    def _state(self, with_store: bool, appended_from: int) -> CacheState:
         if self._layout is not None:
             raise CacheInvariantError("inv1", "state() of a cache with an uncommitted step; commit or abort first")
         meta = {
@@ -200,7 +284,7 @@ class SlotKVCache:
             "next_position": self.next_position, "dropped_total": self.dropped_total, "peak_nbytes": self.peak_nbytes,
         }
         tensors = {f"store.{k}": v for k, v in self.store.state().items()} if with_store else {}
-        extra_t, extra_m = self._extra_state()
+        extra_t, extra_m = self._extra_state(appended_from)
         return CacheState(tensors | extra_t, meta | extra_m)
 
     def load_state(self, state: CacheState) -> None:
@@ -251,7 +335,8 @@ class SlotKVCache:
     def _restore_plan(self, first: int, t: int, ids: torch.Tensor | None) -> RestorePlan | None:
         return None
 
-    def _extra_state(self) -> tuple[dict, dict]:
+    def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
+        """The strategy's own (tensors, meta); APPEND_ONLY tensors from row `appended_from` on."""
         return {}, {}
 
     def _load_extra_state(self, tensors: dict, meta: dict) -> None:

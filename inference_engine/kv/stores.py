@@ -124,6 +124,16 @@ class SlotStore:
         self.capacity = int(self.pos.size)
         self._load_payload({k: v for k, v in state.items() if k != "pos"})
 
+    # Payload name -> slot axis of `state()`'s payload, for a store that reads some slots' rows
+    # (`read_rows`): a saver then writes the rows a session added, not every slot each time. None:
+    # rows are not read per slot (the store is saved whole).
+    row_axes: dict[str, int] | None = None
+
+    def read_rows(self, slots: np.ndarray) -> dict:
+        """The stored rows (codes, for a compressed store) at `slots`, stacked over layers like
+        `state()`'s payload, on the CPU."""
+        raise NotImplementedError(f"{type(self).__name__} reads no rows per slot (row_axes is None)")
+
     # -- rows (subclasses) ----------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
         raise NotImplementedError
@@ -172,6 +182,13 @@ class SlabStore(SlotStore):
 
         self.k = [moved(x) for x in self.k]
         self.v = [moved(x) for x in self.v]
+
+    row_axes = {"k": 2, "v": 2}
+
+    def read_rows(self, slots: np.ndarray) -> dict:
+        idx = self.slots_tensor(np.asarray(slots, dtype=np.int64))
+        return {"k": torch.stack([x.index_select(1, idx) for x in self.k]).cpu(),
+                "v": torch.stack([x.index_select(1, idx) for x in self.v]).cpu()}
 
     def _payload(self) -> dict:
         return {"k": torch.stack(self.k), "v": torch.stack(self.v)}  # (L, Hkv, capacity, D)
@@ -256,6 +273,14 @@ class CompressedStore(SlotStore):
             return y
 
         self.slabs = [{name: moved(x) for name, x in slabs.items()} for slabs in self.slabs]
+
+    @property
+    def row_axes(self) -> dict[str, int]:  # type: ignore[override]
+        return {name: 3 for name in self.layout}
+
+    def read_rows(self, slots: np.ndarray) -> dict:
+        idx = self.slots_tensor(np.asarray(slots, dtype=np.int64))
+        return {name: torch.stack([slabs[name].index_select(2, idx) for slabs in self.slabs]).cpu() for name in self.layout}
 
     def _payload(self) -> dict:
         return {name: torch.stack([slabs[name] for slabs in self.slabs]) for name in self.layout}  # (L, 2, Hkv, capacity, ...)

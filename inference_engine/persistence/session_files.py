@@ -10,6 +10,10 @@ A save writes, each under a new sequence number `seq`:
     session.json               the manifest naming them (model identity, strategy, cache meta,
                                sha256 per segment), replaced last: the save's commit point
 
+What changed since the last save is the cache's to say (`SessionKV.delta_state(SaveMark)`: the
+slot map, the rows of positions committed since, the rest of its state, and the new rows of the
+tables it declares append-only, written as `<seq>-append.safetensors` segments); this module
+knows segments and the manifest, not strategies or stores.
 A committed position's row never changes, so a rows segment is never rewritten: a turn writes
 only what it added. A bounded strategy's positions leave the resident set; once the rows on disk
 exceed twice the resident rows, one compacted rows segment of the resident rows replaces them
@@ -26,7 +30,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -34,8 +38,7 @@ from safetensors.torch import save as st_save
 
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.errors import SessionOwnedElsewhere, SessionStateUnusable
-from inference_engine.kv.slot_cache import CacheState
-from inference_engine.kv.stores import CompressedStore, SlabStore
+from inference_engine.kv.slot_cache import CacheState, SaveMark
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.leases import DEFAULT_TTL_S, Lease, Leases
 from inference_engine.persistence.model_identity import identity_mismatch, model_identity
@@ -52,10 +55,7 @@ ROWS_SEGMENTS_MAX = 64
 APPEND_SEGMENTS_MAX = 64
 COMPACT_SLACK_ROWS = 64
 RUNS_MAX = 64  # a rows segment's rows land in at most this many runs of slots: block copies (else one indexed copy)
-# Cache state tensors that only ever grow along one axis, saved as "append" segments of the rows added:
-# cache class -> (meta key holding their row count, {name prefix: row axis}). PagedCache's archived pages
-# and their compact keys: RowTables, (L, stack, Hkv, rows, ...).
-APPEND_ONLY = {"PagedCache": ("archived_rows", {"pages.": 3, "keys.": 3})}
+SLOT_MAP = "store.pos"  # the tail's slot map (position per slot, -1 empty), for rows saved per slot
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
@@ -109,29 +109,15 @@ def wait_checks(checks: list) -> None:
             raise e
 
 
-def row_axes(store) -> dict | None:
-    """Payload name -> slot axis of the store's stacked payload (`store.state()`), for the stores
-    whose rows are saved incrementally: SlabStore (L, Hkv, slots, D), CompressedStore (L, 2, Hkv,
-    slots, ...), a backend's store with `read_payload` (`payload_row_axes`, default SlabStore's).
-    None: another store, saved whole in the tail every time (correct, not incremental)."""
-    if type(store) is SlabStore:
-        return {"k": 2, "v": 2}
-    if type(store) is CompressedStore:
-        return {n: 3 for n in store.layout}
-    if hasattr(store, "read_payload"):
-        return dict(getattr(store, "payload_row_axes", {"k": 2, "v": 2}))
-    return None
+@dataclass(frozen=True)
+class _Template:
+    """What every load of this engine's sessions needs of a fresh session (built once)."""
 
-
-def read_rows(store, slots: np.ndarray) -> dict:
-    """The stored rows at `slots`, stacked over layers like `store.state()`'s payload (CPU)."""
-    if hasattr(store, "read_payload"):  # a backend's own store (backends/mlx/store.py) reads its rows itself
-        return store.read_payload(slots)
-    idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(store.device)
-    if isinstance(store, CompressedStore):
-        return {n: torch.stack([slabs[n].index_select(2, idx) for slabs in store.slabs]).cpu() for n in store.layout}
-    return {"k": torch.stack([x.index_select(1, idx) for x in store.k]).cpu(),
-            "v": torch.stack([x.index_select(1, idx) for x in store.v]).cpu()}
+    hidden_keep: int
+    row_axes: dict | None  # payload name -> slot axis; None: a store saved whole
+    payload: dict  # payload name -> (shape with 0 slots, dtype)
+    append_axes: dict  # append-only tensor name -> row axis ({} when the cache has none)
+    append_rows_key: str | None  # the cache meta key holding their row count
 
 
 class SessionFiles:
@@ -151,7 +137,7 @@ class SessionFiles:
         info = engine.model_info
         self.identity = model_identity(info.model_id, info.path, info.weights, info.backend)
         self.bytes_written = 0  # since start
-        self._fresh = None  # see _template
+        self._fresh: _Template | None = None  # see _template
         self.closed = False
 
     def close(self) -> None:
@@ -235,57 +221,42 @@ class SessionFiles:
             tokens = torch.tensor(history[done:], dtype=torch.int32)
             segments.append(write("history", {"tokens": tokens}, start=done, end=len(history)))
 
+        # what the cache holds beyond what the segments kept hold (append segments: all again past the limit)
+        since = SaveMark(prev["rows_through"], prev.get("appended_rows", 0)) if prev else SaveMark()
+        if sum(g["kind"] == "append" for g in segments) >= APPEND_SEGMENTS_MAX:
+            segments, since = [g for g in segments if g["kind"] != "append"], SaveMark(since.rows_through, 0)
+        delta = kv.delta_state(since)
+
         # rows: resident positions committed since the last save (or, compacting, every resident one)
-        store = kv.cache.store
-        incremental = row_axes(store) is not None
-        pos = store.pos.copy()
+        pos = delta.pos
         resident = pos >= 0
-        rows_through = prev["rows_through"] if prev else 0
-        slots = np.flatnonzero(resident & (pos >= rows_through))
+        slots = delta.new_slots
         on_disk = sum(g["rows"] for g in segments if g["kind"] == "rows")
-        if not incremental:
+        if delta.row_axes is None:  # the store is in the tail whole
             segments, slots = [g for g in segments if g["kind"] != "rows"], slots[:0]
         elif on_disk and (on_disk + slots.size > 2 * int(resident.sum()) + COMPACT_SLACK_ROWS
                           or sum(g["kind"] == "rows" for g in segments) >= ROWS_SEGMENTS_MAX):
             segments = [g for g in segments if g["kind"] != "rows"]
             slots = np.flatnonzero(resident)
         if slots.size:
-            rows = read_rows(store, slots)
+            rows = delta.read_rows(slots)
             segments.append(write("rows", {"positions": torch.from_numpy(pos[slots].copy())}
                                   | {ROW_PREFIX + n: t for n, t in rows.items()}, rows=int(slots.size)))
 
         # tail: everything else, small; replaced (the whole store too, for a store saved whole)
-        cache = kv.cache
-        grown = type(cache).__name__ in APPEND_ONLY
-        done = prev.get("appended_rows", 0) if prev and grown else 0
-        if sum(g["kind"] == "append" for g in segments) >= APPEND_SEGMENTS_MAX:
-            segments, done = [g for g in segments if g["kind"] != "append"], 0
-
-        def cache_state(rows_saved: int):
-            if grown:  # the state carries the rows not saved yet only (PagedCache.archive_rows_saved)
-                cache.archive_rows_saved = rows_saved
-            try:
-                return kv.state(with_store=not incremental)
-            finally:
-                if grown:
-                    cache.archive_rows_saved = 0
-
-        st = cache_state(done)
+        st = delta.state
+        tail = dict(st.tensors) | {SLOT_MAP: torch.from_numpy(pos)}
         appended = 0
-        if grown:
-            rows_key, axes = APPEND_ONLY[st.meta["cache"]]
-            appended = int(st.meta[rows_key])
-            if done > appended:  # fewer rows than saved (the archive only grows, so not expected): start over
-                segments, done = [g for g in segments if g["kind"] != "append"], 0
-                st = cache_state(0)
-        tail = dict(st.tensors) | {"store.pos": torch.from_numpy(pos)}
-        if grown:  # grown tables: the new rows only, as "append" segments
-            names = {k: axis for k in tail for prefix, axis in axes.items() if k.startswith(prefix)}
+        grown = delta.appended
+        if grown is not None:  # grown tables: the new rows only, as "append" segments
+            if grown.start != since.appended_rows:  # the cache gave every row again: start over
+                segments = [g for g in segments if g["kind"] != "append"]
+            appended = grown.end
             if appended:  # (with no rows yet the empty tables stay in the tail)
-                if appended > done:
-                    part = {k: tail[k] for k in names}  # rows done .. appended - 1
-                    segments.append(write("append", part, start=done, end=appended))
-                tail = {k: v for k, v in tail.items() if k not in names}
+                if appended > grown.start:
+                    part = {k: tail[k] for k in grown.axes}  # rows start .. end - 1
+                    segments.append(write("append", part, start=grown.start, end=appended))
+                tail = {k: v for k, v in tail.items() if k not in grown.axes}
         segments = [g for g in segments if g["kind"] != "tail"] + [write("tail", tail)]
         fsync_dir(d)  # the segments are durable before the manifest that names them
 
@@ -353,18 +324,19 @@ class SessionFiles:
         if len(tails) != 1:
             raise StateFileError(f"the manifest names {len(tails)} tail segments, expected 1")
         tail = {k: v.clone() for k, v in segment_tensors(d, tails[0]).items()}  # kept by the cache: not a view of the file
-        tail |= self._appended(d, body)
         e = self.engine
-        hidden_keep, axes, template = self._template()
-        if any(k.startswith("store.") and k != "store.pos" for k in tail):  # a store saved whole
+        t = self._template()
+        hidden_keep, axes = t.hidden_keep, t.row_axes
+        tail |= self._appended(d, body, t)
+        if any(k.startswith("store.") and k != SLOT_MAP for k in tail):  # a store saved whole
             kv = SessionKV.from_state(CacheState(tail, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
                                       max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
             return kv, history
-        pos = tail.pop("store.pos").numpy().astype(np.int64)
+        pos = tail.pop(SLOT_MAP).numpy().astype(np.int64)
         if axes is None:
             raise StateFileError("the rows were saved incrementally, but this daemon's cache store saves whole states")
         payload = {}
-        for n, (shape, dtype) in template.items():
+        for n, (shape, dtype) in t.payload.items():
             shape = list(shape)
             shape[axes[n]] = pos.size
             payload[n] = torch.empty(shape, dtype=dtype)  # resident rows copied in below, empty slots zeroed
@@ -390,7 +362,7 @@ class SessionFiles:
                         dst.narrow(axes[n], int(r[0]), r.size).zero_()
                 else:
                     dst.index_fill_(axes[n], torch.from_numpy(empty), 0)
-        tensors = tail | {"store.pos": torch.from_numpy(pos)} | {f"store.{n}": t for n, t in payload.items()}
+        tensors = tail | {SLOT_MAP: torch.from_numpy(pos)} | {f"store.{n}": x for n, x in payload.items()}
         kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
                                   max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
         if kv.next_position > len(history):
@@ -433,11 +405,11 @@ class SessionFiles:
             filled[slot_ids] = True
         return res_slots, filled
 
-    def _appended(self, d, body: dict) -> dict:
-        """The grown tables (APPEND_ONLY) rebuilt from their append segments; {} when none."""
+    @staticmethod
+    def _appended(d, body: dict, template: _Template) -> dict:
+        """The cache's append-only tables rebuilt from their append segments; {} when none."""
         parts: dict = {}
         end = 0
-        meta = body["cache_meta"]
         for g in sorted((g for g in body["segments"] if g["kind"] == "append"), key=lambda g: g["start"]):
             if g["start"] != end:
                 raise StateFileError(f"append segment {g['file']} starts at row {g['start']}, expected {end}")
@@ -446,28 +418,32 @@ class SessionFiles:
             end = g["end"]
         if not parts:
             return {}
-        rows_key, axes = APPEND_ONLY[meta["cache"]]
-        if end != int(meta[rows_key]):
-            raise StateFileError(f"append segments hold {end} rows, the cache state says {meta[rows_key]}")
-        axis_of = {k: axis for k in parts for prefix, axis in axes.items() if k.startswith(prefix)}
+        rows_key, axes = template.append_rows_key, template.append_axes
+        if rows_key is None or set(parts) - set(axes):
+            raise StateFileError(f"append segments hold {sorted(set(parts) - set(axes))}, which this daemon's cache "
+                                 f"does not grow ({sorted(axes)})")
+        if end != int(body["cache_meta"][rows_key]):
+            raise StateFileError(f"append segments hold {end} rows, the cache state says {body['cache_meta'][rows_key]}")
         # one segment: its views as they are (the cache copies them into its tables)
-        return {k: v[0] if len(v) == 1 else torch.cat(v, dim=axis_of[k]) for k, v in parts.items()}
+        return {k: v[0] if len(v) == 1 else torch.cat(v, dim=axes[k]) for k, v in parts.items()}
 
     def prepare_loads(self) -> None:
         """Build what every load needs first (the session template), e.g. at daemon start."""
         self._template()
 
-    def _template(self):
-        """(hidden_keep, row axes, payload name -> (shape, dtype)) of this engine's fresh session
-        state; built once (making a cache allocates its slabs: not something to do per load)."""
+    def _template(self) -> _Template:
+        """What this engine's fresh session state looks like; built once (making a cache allocates
+        its slabs: not something to do per load)."""
         if self._fresh is None:
-            fresh = self.engine.new_session_kv()
-            store = fresh.cache.store
-            axes = row_axes(store)
-            # shapes and dtypes from zero rows (store.state() would copy every slab)
-            empty = read_rows(store, np.zeros(0, dtype=np.int64)) if axes is not None else store.state()
-            payload = {n: (tuple(t.shape), t.dtype) for n, t in empty.items() if n != "pos"}
-            self._fresh = (fresh.hidden_keep, axes, payload)
+            kv = self.engine.new_session_kv()
+            fresh = kv.delta_state()
+            # shapes and dtypes from zero rows (the whole state would copy every slab)
+            empty = fresh.read_rows(np.zeros(0, dtype=np.int64)) if fresh.row_axes is not None else {}
+            grown = fresh.appended
+            self._fresh = _Template(
+                hidden_keep=kv.hidden_keep, row_axes=fresh.row_axes,
+                payload={n: (tuple(x.shape), x.dtype) for n, x in empty.items()},
+                append_axes=dict(grown.axes) if grown else {}, append_rows_key=grown.rows_key if grown else None)
         return self._fresh
 
     def _unusable(self, session_id: str, problem: str):

@@ -63,7 +63,7 @@ def test_what_mlx_does_not_run_is_refused_by_name(extra, match):
 
 
 def test_mlx_session_resumes_after_a_restart_as_torch_does(tmp_path):
-    """--persist turn on MLX: the session's K/V rows are saved per turn (MlxSlabStore.read_payload) and a
+    """--persist turn on MLX: the session's K/V rows are saved per turn (MlxSlabStore.read_rows) and a
     restarted daemon resumes it; the tokens equal the torch daemon's through the same restart."""
     require_backend("mlx")
     model = str(tiny_model_dir("llama"))

@@ -398,8 +398,10 @@ def test_resume_after_a_restart_matches_prefilling_the_history(tmp_path):
 
 
 def test_a_store_without_row_access_is_saved_whole_and_resumes(tmp_path, monkeypatch):
-    """Stores persistence cannot read rows from (row_axes None) go into the tail whole: correct, not incremental."""
-    monkeypatch.setattr(session_files, "row_axes", lambda store: None)
+    """Stores that read no rows per slot (row_axes None) go into the tail whole: correct, not incremental."""
+    from inference_engine.kv.stores import SlabStore
+
+    monkeypatch.setattr(SlabStore, "row_axes", None)
     st = KVStrategy("sink_window", SINK, WINDOW)
     kept = runtime(tmp_path, st)
     s = kept.create_session(ids(40))

@@ -64,9 +64,11 @@ class MlxSlabStore(SlotStore):
         idx = as_index(slots)
         return _to_torch(self.k[layer][:, idx], self.dtype), _to_torch(self.v[layer][:, idx], self.dtype)
 
-    def read_payload(self, slots) -> dict:
+    row_axes = {"k": 2, "v": 2}
+
+    def read_rows(self, slots) -> dict:
         """The rows at `slots` stacked over layers like `state()`'s payload: CPU torch (L, Hkv, n, D)
-        (what persistence writes per turn; persistence/session_files.read_rows)."""
+        (what persistence writes per turn: SlotKVCache.delta_state)."""
         idx = as_index(slots)
         return {"k": _to_torch(mx.stack([x[:, idx] for x in self.k]), self.dtype),
                 "v": _to_torch(mx.stack([x[:, idx] for x in self.v]), self.dtype)}
