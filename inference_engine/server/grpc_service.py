@@ -4,6 +4,7 @@ Imports no framework (torch, mlx): plain objects in from the runtime, protobuf o
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hmac
 import logging
@@ -26,6 +27,19 @@ STOP_REASONS = {
     "cancelled": pb.STOP_REASON_CANCELLED,
     "context_full": pb.STOP_REASON_CONTEXT_FULL,
 }
+
+
+def message_from(obj, message_type, **special):
+    """A `message_type` holding the dataclass `obj`: each of its fields set on the message field of
+    the same name (a tuple on a repeated field, a mapping on a map field), except those in
+    `special`, name -> the value to set instead (None: nothing, for a field another one carries).
+    A dataclass field the message lacks is a TypeError: add it to the proto too."""
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} | special
+    values = {k: v for k, v in values.items() if v is not None}
+    missing = sorted(set(values) - set(message_type.DESCRIPTOR.fields_by_name))
+    if missing:
+        raise TypeError(f"{type(obj).__name__} fields {missing} have no field in {message_type.DESCRIPTOR.full_name}")
+    return message_type(**values)
 
 
 def _status(err: KakeyaError) -> grpc.StatusCode:
@@ -119,43 +133,13 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
 
     @_typed_errors
     def GetSessionInfo(self, request, context):
-        i = self.rt.session_info(request.session_id)
-        return pb.GetSessionInfoResponse(
-            session_id=i.session_id,
-            history_length=i.history_length,
-            resident_positions=i.resident_positions,
-            pending_tokens=i.pending_tokens,
-            kv_live_bytes=i.kv_live_bytes,
-            idle_seconds=i.idle_seconds,
-            dropped_tokens=i.dropped_tokens,
-            eos_token_ids=list(i.eos_token_ids),
-            kv_resident_bytes=i.kv_resident_bytes,
-            kv_selection_bytes=i.kv_selection_bytes,
-            kv_stored_bytes=i.kv_stored_bytes,
-            durable_length=i.durable_length,
-            save_error=i.save_error,
-        )
+        return message_from(self.rt.session_info(request.session_id), pb.GetSessionInfoResponse)
 
     @_typed_errors
     def GetServerInfo(self, request, context):
         i = self.rt.server_info()
-        return pb.GetServerInfoResponse(
-            model_id=i.model_id,
-            vocab_size=i.vocab_size,
-            default_eos_token_ids=list(i.default_eos_token_ids),
-            kv_strategy=pb.KVStrategyInfo(name=i.kv_strategy, params=dict(i.kv_params)),
-            max_context=i.max_context,
-            backend=i.backend,
-            device=i.device,
-            server_version=i.server_version,
-            session_capacity=i.session_capacity,
-            idle_ttl_seconds=i.idle_ttl_seconds,
-            drafter=i.drafter,
-            spec_k=i.spec_k,
-            persistence=self._persistence(),
-            max_append_tokens=i.max_append_tokens,
-            max_pending_tokens=i.max_pending_tokens,
-        )
+        return message_from(i, pb.GetServerInfoResponse, kv_strategy=pb.KVStrategyInfo(name=i.kv_strategy, params=dict(i.kv_params)),
+                            kv_params=None, persistence=self._persistence())
 
     def _persistence(self) -> pb.PersistenceInfo:
         """A runtime with a persister saves every turn (--persist turn); without one, nothing."""

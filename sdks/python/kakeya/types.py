@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 
 from kakeya.errors import SessionNotSavedWarning
 from kakeya_wire.v1 import runtime_pb2 as pb
@@ -15,6 +15,20 @@ STOP_REASONS = {
     pb.STOP_REASON_CONTEXT_FULL: "context_full",
     pb.STOP_REASON_UNSPECIFIED: "unspecified",
 }
+
+
+def _from_pb(cls, r, **special):
+    """A `cls` (a dataclass) from the message `r`: each field read from the message field of the
+    same name (repeated -> tuple, map -> dict by key), except those in `special`, name -> value."""
+    return cls(**{f.name: special[f.name] if f.name in special else _plain(getattr(r, f.name)) for f in fields(cls)})
+
+
+def _plain(v):
+    if isinstance(v, Mapping):
+        return dict(sorted(v.items()))
+    if isinstance(v, Sequence) and not isinstance(v, (str, bytes)):
+        return tuple(v)
+    return v
 
 
 @dataclass(frozen=True)
@@ -77,11 +91,7 @@ class SessionInfo:
 
     @classmethod
     def from_pb(cls, r) -> "SessionInfo":
-        return cls(
-            r.session_id, r.history_length, r.resident_positions, r.pending_tokens, r.kv_live_bytes,
-            r.idle_seconds, r.dropped_tokens, tuple(r.eos_token_ids),
-            r.kv_resident_bytes, r.kv_selection_bytes, r.kv_stored_bytes, r.durable_length, r.save_error,
-        )
+        return _from_pb(cls, r)
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,10 @@ class PersistenceInfo:
     shared: bool = False
     daemon_id: str = ""
     lease_ttl_seconds: float = 0.0
+
+    @classmethod
+    def from_pb(cls, r) -> "PersistenceInfo":
+        return _from_pb(cls, r)
 
 
 @dataclass(frozen=True)
@@ -138,13 +152,7 @@ class ServerInfo:
     @classmethod
     def from_pb(cls, r) -> "ServerInfo":
         k = r.kv_strategy
-        return cls(
-            r.model_id, r.vocab_size, tuple(r.default_eos_token_ids), k.name,
-            r.max_context, r.backend, r.device, r.server_version, r.session_capacity, r.idle_ttl_seconds, r.drafter, r.spec_k,
-            dict(sorted(k.params.items())), PersistenceInfo(r.persistence.mode, r.persistence.state_dir, r.persistence.shared,
-                                                              r.persistence.daemon_id, r.persistence.lease_ttl_seconds),
-            r.max_append_tokens, r.max_pending_tokens,
-        )
+        return _from_pb(cls, r, kv_strategy=k.name, kv_params=_plain(k.params), persistence=PersistenceInfo.from_pb(r.persistence))
 
 
 class GenerateStream:

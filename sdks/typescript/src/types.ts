@@ -7,6 +7,7 @@ import {
   type DoneEvent,
   type GetServerInfoResponse,
   type GetSessionInfoResponse,
+  PersistenceInfo as PbPersistenceInfo,
 } from "./gen/kakeya/v1/runtime.js";
 
 export type StopReason = "max_tokens" | "eos" | "cancelled" | "context_full" | "unspecified";
@@ -139,52 +140,50 @@ export function generationResult(done: DoneEvent, tokens: readonly number[], tru
   };
 }
 
-export function sessionInfo(r: GetSessionInfoResponse): SessionInfo {
-  return {
-    sessionId: r.sessionId,
-    historyLength: r.historyLength,
-    residentPositions: r.residentPositions,
-    pendingTokens: r.pendingTokens,
-    kvLiveBytes: r.kvLiveBytes,
-    kvResidentBytes: r.kvResidentBytes,
-    kvSelectionBytes: r.kvSelectionBytes,
-    kvStoredBytes: r.kvStoredBytes,
-    idleSeconds: r.idleSeconds,
-    droppedTokens: r.droppedTokens,
-    eosTokenIds: [...r.eosTokenIds],
-    durableLength: r.durableLength,
-    saveError: r.saveError,
-  };
+/**
+ * A wire message's fields as a plain object: every field of `r` under its own name (repeated
+ * fields as fresh arrays), less `omit` (deprecated wire fields). The mappings below are driven by
+ * the message, so a field added to the proto needs only its SDK interface entry: `Exactly` fails
+ * the typecheck while the interface and the copied fields differ.
+ */
+function copyFields<P extends object, O extends keyof P = never>(r: P, omit: readonly O[] = []): Copied<P, O> {
+  const skip: readonly PropertyKey[] = omit;
+  const out: Record<string, unknown> = {};
+  for (const [k, v] of Object.entries(r)) if (!skip.includes(k)) out[k] = Array.isArray(v) ? [...v] : v;
+  return out as Copied<P, O>;
 }
 
-export function serverInfo(r: GetServerInfoResponse): ServerInfo {
+type Copied<P, O extends keyof P> = { readonly [K in Exclude<keyof P, O>]: P[K] extends (infer E)[] ? readonly E[] : P[K] };
+
+/** T when its fields are exactly K; else a type naming the fields that differ (returning it fails to compile). */
+type Exactly<T, K extends PropertyKey> =
+  [Exclude<keyof T, K> | Exclude<K, keyof T>] extends [never] ? T : { fieldsThatDiffer: Exclude<keyof T, K> | Exclude<K, keyof T> };
+
+/** Wire fields the SDK does not surface. */
+type SessionInfoOmitted = "inv1Violations" | "inv2Violations";
+const SESSION_INFO_OMITTED: readonly SessionInfoOmitted[] = ["inv1Violations", "inv2Violations"];
+
+export function sessionInfo(r: GetSessionInfoResponse): Exactly<SessionInfo, Exclude<keyof GetSessionInfoResponse, SessionInfoOmitted>> {
+  return copyFields(r, SESSION_INFO_OMITTED);
+}
+
+function persistenceInfo(p: PbPersistenceInfo | undefined): Exactly<PersistenceInfo, keyof PbPersistenceInfo> {
+  return copyFields(p ?? PbPersistenceInfo.create());
+}
+
+/** ServerInfo fields the wire does not carry under their own name: computed from kvStrategy's params. */
+type ServerInfoDerived = "kvParams" | "sink" | "window" | "compressor";
+
+export function serverInfo(r: GetServerInfoResponse): Exactly<ServerInfo, keyof GetServerInfoResponse | ServerInfoDerived> {
   const k = r.kvStrategy;
   const params: Record<string, string> = Object.fromEntries(Object.entries(k?.params ?? {}).sort(([a], [b]) => a.localeCompare(b)));
   return {
-    modelId: r.modelId,
-    vocabSize: r.vocabSize,
-    defaultEosTokenIds: [...r.defaultEosTokenIds],
+    ...copyFields(r),
     kvStrategy: k?.name ?? "",
     kvParams: Object.freeze(params),
     sink: Number(params.sink ?? 0),
     window: Number(params.window ?? 0),
     compressor: params.compressor ?? "identity",
-    maxContext: r.maxContext,
-    backend: r.backend,
-    device: r.device,
-    serverVersion: r.serverVersion,
-    sessionCapacity: r.sessionCapacity,
-    idleTtlSeconds: r.idleTtlSeconds,
-    drafter: r.drafter,
-    specK: r.specK,
-    persistence: {
-      mode: r.persistence?.mode ?? "",
-      stateDir: r.persistence?.stateDir ?? "",
-      shared: r.persistence?.shared ?? false,
-      daemonId: r.persistence?.daemonId ?? "",
-      leaseTtlSeconds: r.persistence?.leaseTtlSeconds ?? 0,
-    },
-    maxAppendTokens: r.maxAppendTokens,
-    maxPendingTokens: r.maxPendingTokens,
+    persistence: persistenceInfo(r.persistence),
   };
 }
