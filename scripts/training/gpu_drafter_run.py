@@ -117,6 +117,8 @@ def parse_args(argv=None):
     ap.add_argument("--feat-dropout", type=float, default=0.1)
     ap.add_argument("--val-every-seq", type=int, default=16, help="every n-th sequence validates (best weights exported)")
     ap.add_argument("--log-every", type=int, default=0, help="steps between metric read-backs (0 = 50 on CUDA, 5 on CPU)")
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="training ends after this many steps if they come before its deadline (0 = train until the deadline)")
     ap.add_argument("--test-stall", default="", help=argparse.SUPPRESS)  # tests: hang in this stage until the watchdog ends the run
     return ap.parse_args(argv)
 
@@ -673,6 +675,13 @@ def _main(args, run: Run) -> int:
         return tr
 
     to_abs = lambda rel: run.start + rel  # noqa: E731
+
+    def train(tr, t_tr) -> str:
+        """Until eval_at, or --max-steps steps if they come first; says why it stopped."""
+        enough = (lambda: tr.step >= args.max_steps) if args.max_steps else None
+        why = tr.train_until(buf, to_abs(eval_at), (to_abs(t_tr), to_abs(eval_at)), stop=enough)
+        return f"--max-steps {args.max_steps}" if why == "stopped" else why
+
     if args.schedule == "sequential":
         with run.stage("data", until=gen_end) as rec:
             gen.loop(batches, to_abs(gen_end), args.max_new, first_deadline=to_abs(eval_at))
@@ -684,8 +693,7 @@ def _main(args, run: Run) -> int:
                 rec["status"] = "skipped: no data"
             else:
                 tr = make_trainer()
-                why = tr.train_until(buf, to_abs(eval_at), (to_abs(t_tr), to_abs(eval_at)))
-                rec.update(stop=why, steps=tr.step)
+                rec.update(stop=train(tr, t_tr), steps=tr.step)
     else:
         with run.stage("data+train", gen_until=gen_end, until=eval_at) as rec:
             stop_gen = threading.Event()
@@ -700,8 +708,7 @@ def _main(args, run: Run) -> int:
             else:
                 t_tr = run.now()
                 tr = make_trainer()
-                why = tr.train_until(buf, to_abs(eval_at), (to_abs(t_tr), to_abs(eval_at)))
-                rec.update(stop=why, steps=tr.step)
+                rec.update(stop=train(tr, t_tr), steps=tr.step)
             stop_gen.set()
             th.join(timeout=max(0.1, to_abs(eval_at + 0.5 * eval_reserve) - time.monotonic()))
             if th.is_alive():
