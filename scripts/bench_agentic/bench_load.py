@@ -370,7 +370,8 @@ def summarize(results, wall, peak_rss):
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
             "errors": sum(len(r["errors"]) for r in results), "error_samples": [e for r in results for e in r["errors"]][:3],
             "sessions_lost": sum(r["lost"] for r in results), "peak_rss_bytes": peak_rss,
-            "turns": sum(r.get("turns", 0) for r in results)}
+            "turns": sum(r.get("turns", 0) for r in results),
+            "turns_min_per_session": min((r.get("turns", 0) for r in results), default=0)}
 
 
 def main() -> int:
