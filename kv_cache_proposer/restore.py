@@ -136,7 +136,7 @@ def proposer_features(drafter: DrafterModel, ids: torch.Tensor, n: int, block: i
 
 
 class DrafterRestoreSource:
-    """RestoreSource (inference_engine/kv/restore.py) backed by a drafter and its f_θ."""
+    """RestoreSource (kakeya_research/dlm_restore/seam.py) backed by a drafter and its f_θ."""
 
     name = "drafter"
 

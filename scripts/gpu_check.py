@@ -521,9 +521,9 @@ def section_runs(check, models, prompts):
             info["page_recalls"] = timings["recalls"]
         return info
 
-    from inference_engine.kv.strategy import STRATEGY_NAMES
+    from inference_engine.kv.registry import names as strategy_names  # built-in + research strategies
 
-    for name in STRATEGY_NAMES:
+    for name in strategy_names():
         def run(arm):
             r = arm.turn(ids, sc.run_tokens, keep=keep)
             plain[arm.cfg.kv_strategy] = r["tokens"]
@@ -551,12 +551,12 @@ def section_runs(check, models, prompts):
 
 
 def section_decode_batch1(check, models, prompts):
-    from inference_engine.kv.strategy import STRATEGY_NAMES
+    from inference_engine.kv.registry import names as strategy_names  # built-in + research strategies
 
     sc = check.scale
     ids = prompts.of_length(sc.speed_prompt)
     out = {"prompt_tokens": len(ids), "tokens": sc.speed_tokens, "repeats": sc.repeats, "kv": "ServeConfig defaults", "arms": {}}
-    for name in STRATEGY_NAMES:
+    for name in strategy_names():
         for mode in compile_modes():
             def run(arm):
                 r = arm.decode_speed(ids, sc.speed_tokens, sc.repeats)
@@ -566,7 +566,7 @@ def section_decode_batch1(check, models, prompts):
             out["arms"][f"{name}/compile={mode}"] = check.arm(
                 lambda run=run, name=name, mode=mode: with_arm(check.args, models, run, kv_strategy=name, compile=mode), 8)
     gains = {}
-    for name in STRATEGY_NAMES:
+    for name in strategy_names():
         off, auto = out["arms"].get(f"{name}/compile=off", {}), out["arms"].get(f"{name}/compile=auto", {})
         if off.get("decode_tok_s") and auto.get("decode_tok_s"):
             gains[name] = round(auto["decode_tok_s"] / off["decode_tok_s"], 3)

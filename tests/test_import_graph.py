@@ -1,7 +1,8 @@
 """The package import graph: no cycles, and the layer rules of ARCHITECTURE.md.
 
 The graph is read from the source with `ast`: every `import` / `from ... import` of every module
-of inference_engine, kv_cache_proposer, kakeya (the SDK) and kakeya_wire (the stubs and the rules
+of inference_engine, kv_cache_proposer, kakeya_research (research strategies, plugged in through
+the kv registry), kakeya (the SDK) and kakeya_wire (the stubs and the rules
 the daemon and the SDK share; the daemon never imports the SDK), at module
 level and inside functions alike (a local import hides a cycle, it does not remove it). Imports
 under `if TYPE_CHECKING:` never run and are left out. Whether a layer loads a framework at import
@@ -21,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = {
     "inference_engine": ROOT / "inference_engine",
     "kv_cache_proposer": ROOT / "kv_cache_proposer",
+    "kakeya_research": ROOT / "kakeya_research",
     "kakeya": ROOT / "sdks" / "python" / "kakeya",
     "kakeya_wire": ROOT / "wire" / "python" / "kakeya_wire",
 }
@@ -199,12 +201,59 @@ def test_backends_import_no_grpc_and_no_session_or_server():
 
 
 def test_engine_and_kv_and_proposer_import_no_grpc_or_server():
-    for layer in ("inference_engine.engine", "inference_engine.kv", "kv_cache_proposer"):
+    for layer in ("inference_engine.engine", "inference_engine.kv", "kv_cache_proposer", "kakeya_research"):
         modules = [m for m in MODULES if _in(m, layer)]
         assert not _where(modules, ("grpc",)), f"{layer} imports grpc"
         for m in modules:
             bad = sorted(t for t in EDGES[m] if _in(t, "inference_engine.server") or _in(t, "kakeya_wire"))
             assert not bad, f"{m} imports {bad}"
+
+
+# Research code: the research strategies (kakeya_research), the proposers of dlm_restore (same-model and the
+# drafter's f_θ) and the training code (not in the runtime wheel: pyproject.toml).
+RESEARCH = ("kakeya_research", "kv_cache_proposer.restore", "kv_cache_proposer.same_model", "kv_cache_proposer.training")
+# The one way in: the strategy registry asks the research package for its strategies (kakeya_research.kv_strategies).
+REGISTRY_HOOK = ("inference_engine.kv.registry", "kakeya_research")
+
+
+def test_the_product_imports_no_research_code():
+    """The product (engine, kv, backends, server, session, persistence, model store) reaches research code only
+    through the strategy registry: a research strategy plugs in through the registry, the cache protocol and the
+    layout's extra keys, so no product module names it (or its proposers, or the training code)."""
+    product = [m for m in MODULES if _in(m, "inference_engine")]
+    assert "inference_engine.engine.steps" in product and "inference_engine.backends.torch.attention" in product
+    assert REGISTRY_HOOK[1] in EDGES[REGISTRY_HOOK[0]], "the registry finds the research strategies"
+    for m in product:
+        bad = sorted(t for t in EDGES[m] if any(_in(t, r) for r in RESEARCH) and (m, t) != REGISTRY_HOOK)
+        assert not bad, f"{m} imports {bad}: research code plugs in through inference_engine/kv/registry.py"
+
+
+def test_the_proposer_layer_imports_no_engine():
+    """Drafters, proposers and their training take the verifier's pieces as arguments (backends/protocol.py):
+    nothing of inference_engine or the research strategies is imported from below."""
+    for m in (m for m in MODULES if _in(m, "kv_cache_proposer")):
+        bad = sorted(t for t in EDGES[m] if _in(t, "inference_engine") or _in(t, "kakeya_research"))
+        assert not bad, f"{m} imports {bad}"
+
+
+def test_the_runtime_imports_no_training_code():
+    """kv_cache_proposer.training is left out of the runtime wheel (pyproject.toml): nothing else imports it."""
+    training = "kv_cache_proposer.training"
+    for m in (m for m in MODULES if not _in(m, training)):
+        bad = sorted(t for t in EDGES[m] if _in(t, training))
+        assert not bad, f"{m} imports {bad}, which the runtime wheel does not ship"
+
+
+def test_finding_the_research_strategies_loads_no_framework():
+    """`kakeya serve --help` lists every strategy and research option without loading torch."""
+    code = ("import json, sys\n"
+            "from inference_engine.kv import registry\n"
+            "assert 'dlm_restore' in registry.names() and registry.research_options()\n"
+            "print(json.dumps(sorted({k.split('.')[0] for k in sys.modules})))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert "kakeya_research" in loaded and not loaded & set(FRAMEWORKS), sorted(loaded & set(FRAMEWORKS))
 
 
 def test_sdk_and_stubs_import_no_engine():

@@ -5,9 +5,9 @@ loop itself is written once, in `inference_engine/engine/steps.py`. Arrays are t
 own (torch tensors, mlx arrays); the engine only passes them between these calls and the
 cache. Shapes: x (T, hidden); q (H, T, D); k, v (Hkv, T, D); o (H, T, D).
 
-Keys and values cross the cache and the restore seam in two forms: *raw* (pre-norm, pre-RoPE,
-as the k/v projections emit them; what a proposer restores) and *positioned* (the layer's
-k_norm and RoPE applied; what the cache stores and attention reads).
+Keys and values come in two forms: *raw* (pre-norm, pre-RoPE, as the k/v projections emit
+them) and *positioned* (the layer's k_norm and RoPE applied: `position_k`; what the cache
+stores and attention reads).
 """
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ class Backend(Protocol):
     def attend(self, layer: int, q, k, v, mask) -> Any:
         """Plain masked attention: mask (T, N) bool (True = attend) or None = causal (T == N)."""
 
-    def attend_layout(self, layer: int, q, q_normed, k_all, v_all, layout, restored=None, sink_rope=None) -> Any:
-        """Attention over what the cache returned for a layout; `restored` = (raw k, raw v, rope,
-        logit_bias or None) of a dlm_restore step's evicted positions, prepended as extra keys."""
+    def attend_layout(self, layer: int, q, q_normed, k_all, v_all, layout, extra=None, sink_rope=None) -> Any:
+        """Attention over what the cache returned for a layout; `extra`: this layer's ExtraKeys of the
+        layout's extra keys (kv/layout.py: positioned k, v, their mask, a per-head logit offset or None),
+        prepended to the cache's keys. sink_rope: RoPE at the virtual query position of sink keys."""
 
     batches_decode_attention: bool  # attend_decode_batch is used for several sessions' decode rows
 
@@ -84,6 +85,3 @@ class Backend(Protocol):
     def to_host(self, logits) -> Any:
         """Logits -> float32 torch CPU tensor: sampling runs on the host with seeded torch generators,
         so every backend samples identically."""
-
-    def verifier_restore_source(self) -> Any:
-        """The model as its own dlm_restore proposer (same-model restoration, f_θ = identity)."""

@@ -20,6 +20,7 @@ from inference_engine.engine.sampling import sample
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.engine import steps
 from inference_engine.errors import NothingToGenerateFrom
+from inference_engine.kv import registry
 from inference_engine.kv.factory import make_cache
 from inference_engine.kv.strategy import KVStrategy
 
@@ -29,9 +30,11 @@ class Engine:
     session's steps run in order, different sessions' steps may share a forward (batching)."""
 
     def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
-                 drafter=None, spec_k: int = 0, drafter_name: str = "", restore_source=None, batching: str = "auto",
-                 prefill_chunk_shared: int = 32, model_thread=None):
-        """batching: "on" = concurrent sessions' steps share forwards (engine/loop.py), "off" = one
+                 drafter=None, spec_k: int = 0, drafter_name: str = "", strategy_resources=None,
+                 batching: str = "auto", prefill_chunk_shared: int = 32, model_thread=None):
+        """strategy_resources: what the strategy's plugin built for this engine (kv/plugins.py
+        StrategyPlugin.build_resources), shared by every cache it makes; None for the built-ins.
+        batching: "on" = concurrent sessions' steps share forwards (engine/loop.py), "off" = one
         session's step per forward, "auto" = on where it is exact (row-independent int8/int4 kernels
         of the torch backend), off otherwise. prefill_chunk_shared: with batching on, the prefill chunk
         while other sessions generate (0 = prefill_chunk). model_thread: the ModelThread that runs the
@@ -46,9 +49,7 @@ class Engine:
         self.drafter = drafter if spec_k else None
         self.spec_k = spec_k
         self.drafter_name = drafter_name if self.drafter is not None else ""
-        if strategy.name == "dlm_restore" and strategy.restore_from != "verifier" and restore_source is None:
-            raise ValueError(f"dlm_restore from {strategy.restore_from!r} needs a restore_source")
-        self.restore_source = restore_source  # dlm_restore's cross-model proposer (None: the model's own)
+        self.strategy_resources = strategy_resources
         # One forward at a time; concurrent sessions' steps share it when batching is on.
         if batching not in ("auto", "on", "off"):
             raise ValueError(f"batching must be auto, on or off, got {batching!r}")
@@ -77,14 +78,8 @@ class Engine:
                          path=str(path) if path else "")
 
     def strategy_info(self) -> StrategyInfo:
-        """The strategy's name and parameters, plus the drafter/restore source the engine was built with."""
-        params = dict(self.strategy.describe())
-        source = self.restore_source
-        if self.strategy.name == "dlm_restore" and source is not None:
-            name = getattr(source, "drafter_name", "")
-            if name:
-                params["restore_from"] = f"{self.strategy.restore_from}:{name}"
-            params["restore_bias"] = "calibrated" if getattr(source, "logit_bias", None) is not None else "none"
+        """The strategy's name and parameters, with what its resources add (e.g. which model they come from)."""
+        params = registry.describe(self.strategy, self.strategy_resources)
         return StrategyInfo(self.strategy.name, tuple(sorted(params.items())))
 
     @property
@@ -97,7 +92,7 @@ class Engine:
 
     def new_session_kv(self) -> SessionKV:
         cache = make_cache(self.strategy, self.model.geometry(), max_step=self.prefill_chunk, max_context=self.max_context,
-                           restore_source=self.restore_source)
+                           resources=self.strategy_resources)
         d = self.drafter
         keep = d.context_window if d is not None and d.uses_verifier_hidden else 0
         return SessionKV(cache, hidden_keep=keep, capture_layers=getattr(d, "capture_layers", ()) if keep else ())

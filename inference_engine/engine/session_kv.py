@@ -68,10 +68,10 @@ class SessionKV:
         return CacheState(tensors, meta)
 
     @classmethod
-    def from_state(cls, state: CacheState, geometry, *, max_step: int, max_context: int, restore_source=None,
+    def from_state(cls, state: CacheState, geometry, *, max_step: int, max_context: int, resources=None,
                    hidden_keep: int | None = None) -> "SessionKV":
         cache = cache_from_state(state, geometry, max_step=max_step, max_context=max_context,
-                                 restore_source=restore_source)
+                                 resources=resources)
         keep = state.meta["session.hidden_keep"] if hidden_keep is None else hidden_keep
         kv = cls(cache, hidden_keep=keep, capture_layers=tuple(state.meta.get("session.capture_layers", ())))
         kv.last_logits = state.tensors.get("session.last_logits")

@@ -26,24 +26,22 @@ class StepInput:
     positions: range
     cache: Any
     logits: str = "all"  # "all" -> (T, V), "last" -> (1, V), "none" -> None
-    restored: Any = None  # a RestoreSource for a dlm_restore cache; None = the cache's own
     row_exact: bool = False  # each query row attends as a one-token step would (decode, verify)
     capture: tuple = ()  # layers whose output (residual stream) to keep for a v2 drafter; () = none, no cost
     greedy: bool = False  # the caller takes only the argmax of these logits (backend.logits' cheaper scoring)
     captured: Any = None  # set by the forward when `capture`: (T, len(capture) * hidden), layers in order
 
 
-def forward(backend, ids, positions, cache, *, logits: str = "all", restored=None, row_exact: bool = False):
+def forward(backend, ids, positions, cache, *, logits: str = "all", row_exact: bool = False):
     """Run new tokens `ids` (T,) at `positions` (a range) through the model, writing their K/V
     into `cache`; the step is left uncommitted (the caller commits all or a prefix).
 
     logits: "all" -> (T, V), "last" -> (1, V), "none" -> None. Also returns the final normed
-    hidden states (T, hidden), which drafters condition on. restored: a RestoreSource for a
-    dlm_restore cache; None = the cache's own (or the model itself for restore_from verifier).
-    row_exact: every query row attends as a one-token step would (decode and verify steps), so
-    a verified block reproduces sequential decoding bit for bit; prefill chunks attend batched.
+    hidden states (T, hidden), which drafters condition on. row_exact: every query row attends
+    as a one-token step would (decode and verify steps), so a verified block reproduces
+    sequential decoding bit for bit; prefill chunks attend batched.
     """
-    return forward_batch(backend, [StepInput(ids, positions, cache, logits, restored, row_exact)])[0]
+    return forward_batch(backend, [StepInput(ids, positions, cache, logits, row_exact)])[0]
 
 
 def forward_batch(backend, inputs: Sequence[StepInput]) -> list:
@@ -67,34 +65,31 @@ def forward_batch(backend, inputs: Sequence[StepInput]) -> list:
 
 
 class _Item:
-    """A StepInput during the forward: its cache's layout, restore step and RoPE tables."""
+    """A StepInput during the forward: its cache's layout, the layout's extra keys and RoPE tables."""
 
     def __init__(self, backend, inp: StepInput):
-        self.inp, self.cache, self.step = inp, inp.cache, None
+        self.inp, self.cache, self.extra = inp, inp.cache, None
         self.t = len(inp.positions)
         layout = self.layout = inp.cache.prepare(inp.positions, inp.ids)
         layout.row_exact = inp.row_exact
-        plan = layout.restore
-        if plan is not None and plan.positions.numel():
-            self.step = plan.open_step(_restore_source(backend, inp.cache, inp.restored))
+        if layout.extra_keys is not None:  # keys the cache supplies besides its store's (kv/layout.py)
+            self.extra = layout.extra_keys.open(backend)
         self.sink_rope = backend.rope(layout.positions * 0 + layout.sink_shift.virtual_query_position) if layout.sink_shift_active else None
-        self.restored_rope = backend.rope(plan.positions) if self.step is not None else None
-        self.bias = getattr(self.step, "logit_bias", None)
         self.paged = getattr(inp.cache, "attend_with_pages", None)  # paged: queries also attend to the pages they recall
 
     def attend(self, backend, i, q, q_normed, k, v):
         """Layer i's attention output (H, T, D) for this item's rows (k positioned, v raw)."""
         k_all, v_all = self.cache.update_and_fetch(i, k, v)
-        extra = (*self.step.kv_for_layer(i), self.restored_rope, self.bias) if self.step is not None else None
+        extra = self.extra.for_layer(i) if self.extra is not None else None
         o = self.paged(i, q, k_all, v_all, self.layout, backend.spec.attn_scale) if self.paged is not None else None
         if o is None:  # not paged, or nothing out of the window yet
             o = backend.attend_layout(i, q, q_normed, k_all, v_all, self.layout, extra, self.sink_rope)
         return o
 
     def close(self):
-        if self.step is not None:
-            self.step.close()
-            self.step = None
+        if self.extra is not None:
+            self.extra.close()
+            self.extra = None
 
 
 def _forward_items(backend, items: list) -> list:
@@ -108,8 +103,9 @@ def _forward_items(backend, items: list) -> list:
         bounds = list(zip([0, *ends[:-1]], ends))
     want = {i for it in items for i in it.inp.capture}
     kept = {}
-    # the dense work between attentions as captured graphs (backends/torch/graphs.py), if the backend has them
-    runner = backend.step_runner(sum(it.t for it in items)) if all(it.step is None for it in items) else None
+    # the dense work between attentions as captured graphs (backends/torch/graphs.py), if the backend has them;
+    # not while extra keys are served (their source may run the model's pieces between the segments)
+    runner = backend.step_runner(sum(it.t for it in items)) if all(it.extra is None for it in items) else None
     if runner is not None:  # it embeds inside its first graph
         q, q_normed, k, v = runner.start(ids, rope)
     else:
@@ -153,11 +149,11 @@ def _forward_items(backend, items: list) -> list:
 
 def _batched_decode(backend, items: list) -> bool:
     """Whether these sessions' attention runs as one batched call: every item a one-token decode row
-    over a plain slab (no recalled pages, restored keys, sink re-anchoring or encoded rows), on a
+    over a plain slab (no recalled pages, extra keys, sink re-anchoring or encoded rows), on a
     backend that batches it (CUDA: one call instead of one per session; on the CPU the per-session
     calls keep a session's output bit-identical to running alone)."""
     return backend.batches_decode_attention and all(
-        it.t == 1 and it.step is None and it.sink_rope is None and it.paged is None and it.layout.key_slots is None
+        it.t == 1 and it.extra is None and it.sink_rope is None and it.paged is None and it.layout.key_slots is None
         and not it.layout.whole_rows for it in items)
 
 
@@ -166,16 +162,6 @@ def _logits(backend, inp: StepInput, hidden):
         return None, hidden
     h = hidden[-1:] if inp.logits == "last" else hidden
     return (backend.logits(h, greedy=True) if inp.greedy else backend.logits(h)), hidden
-
-
-def _restore_source(backend, cache, restored):
-    source = restored if restored is not None else getattr(cache, "restore_source", None)
-    if source is not None:
-        return source
-    name = getattr(cache, "restore_from", None)
-    if name == "verifier":
-        return backend.verifier_restore_source()
-    raise ValueError(f"this cache restores evicted K/V from {name!r}, which this model cannot supply; pass restored=<RestoreSource>")
 
 
 @dataclass(frozen=True)

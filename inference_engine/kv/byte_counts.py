@@ -1,8 +1,8 @@
 """KVBytes: a session cache's bytes by tier, for any strategy, without importing torch.
 
     resident   the hot set: sink + window K/V (and whatever a strategy holds between steps to
-               attend, e.g. dlm_restore's held restored K/V); flat in the history length for the
-               bounded strategies
+               attend, e.g. the K/V a research strategy keeps for its extra keys); flat in the
+               history length for the bounded strategies
     selection  what queries score to choose pages (paged: compact keys); grows with the pages
     stored     exact K/V of evicted positions kept outside the hot set (paged: the page store)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,21 +33,37 @@ class SinkShift:
 
 
 @dataclass
-class RestorePlan:
-    """Evicted positions a dlm_restore step attends to besides the resident keys."""
+class ExtraKeys:
+    """Keys one layer of a step attends to besides those the cache returns, prepended to them:
+    k positioned (Hkv, E, D), v (Hkv, E, D), mask (T, E) bool (True = attend), logit_bias None or
+    (H,): an offset added to each query head's attention logits on these E columns."""
 
-    history: torch.Tensor  # (n,) token ids of positions 0 .. last position of the step
-    positions: torch.Tensor  # (E,) evicted positions, ascending
-    masks: dict  # layer window -> (T, E) bool
-    held: object | None = None  # HeldRestore to replay instead of running the proposer
-    record: object | None = None  # HeldRestore that keeps what the proposer returns
+    k: Any
+    v: Any
+    mask: Any
+    logit_bias: Any = None
 
-    def open_step(self, source):
-        """The RestoreStep for this plan: a replay of held K/V, or `source`'s (recorded if asked)."""
-        if self.held is not None:
-            return self.held.replay()
-        step = source.open_step(self.history, self.positions)
-        return self.record.recording(step) if self.record is not None else step
+
+class ExtraKeyStep(Protocol):
+    """One forward's extra keys, layer by layer."""
+
+    def for_layer(self, layer: int) -> ExtraKeys:
+        """Layer `layer`'s extra keys (maybe none of its E columns visible); asked for layers 0, 1, ... in order, once each."""
+        ...
+
+    def close(self) -> None:
+        """Free what the step holds; called once when the forward ends, also when it fails."""
+        ...
+
+
+class ExtraKeySource(Protocol):
+    """A cache's extra keys for one step (AttentionLayout.extra_keys): keys the strategy supplies itself
+    (e.g. positions it recomputes) rather than reads from its store. The forward opens it once with the
+    backend, before layer 0."""
+
+    def open(self, backend) -> ExtraKeyStep | None:
+        """The step's extra keys, or None: none this step."""
+        ...
 
 
 @dataclass
@@ -61,7 +77,9 @@ class AttentionLayout:
     # virtual position (see SinkWindowCache); None = never.
     sink_shift: SinkShift | None = None
     key_slots: torch.Tensor | None = None  # (N,) slots the keys come from; None = slots 0..N-1
-    restore: RestorePlan | None = None  # dlm_restore: evicted positions to restore this step
+    # Keys the step attends to besides the cache's (a strategy's own, e.g. positions it recomputes); None = none.
+    # A step with extra keys attends batched: its rows are not row-exact.
+    extra_keys: ExtraKeySource | None = None
     # Host copies of `masks`: the per-row key selection of a row-exact step is built from them
     # without a device sync.
     host_masks: dict | None = None

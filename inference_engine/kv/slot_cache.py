@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from inference_engine.errors import CacheInvariantError
-from inference_engine.kv.layout import AttentionLayout, CacheGeometry, RestorePlan, SinkShift
+from inference_engine.kv.layout import AttentionLayout, CacheGeometry, ExtraKeySource, SinkShift
 from inference_engine.kv.stores import INT8_RESIDENT, make_store
 from inference_engine.kv.strategy import KVStrategy
 
@@ -152,7 +152,7 @@ class SlotKVCache:
     @torch.inference_mode()
     def prepare(self, positions, ids: torch.Tensor | None = None) -> AttentionLayout:
         """Reserve slots for new tokens at `positions` (a range, or a 1-D tensor); `ids` (their
-        token ids) is only needed by caches that restore evicted positions."""
+        token ids) is only needed by caches that keep the token history (for their extra keys)."""
         first, t = self._check_positions(positions)
         if self._layout is not None:
             raise CacheInvariantError("inv1", "prepare() called while a previous step is uncommitted")
@@ -171,7 +171,7 @@ class SlotKVCache:
             positions=torch.arange(first, first + t, device=dev), first_position=first,
             slots=self.store.slots_tensor(slots), key_positions=torch.from_numpy(key_pos.copy()).to(dev), masks=masks,
             sink_shift=self._sink_shift(), key_slots=None if key_slots is None else self.store.slots_tensor(key_slots),
-            restore=self._restore_plan(first, t, ids), host_masks=host_masks, whole_rows=self.store.whole_slab_reads)
+            extra_keys=self._extra_keys(first, t, ids), host_masks=host_masks, whole_rows=self.store.whole_slab_reads)
         return self._layout
 
     @torch.inference_mode()
@@ -332,7 +332,8 @@ class SlotKVCache:
     def _sink_shift(self) -> SinkShift | None:
         return None
 
-    def _restore_plan(self, first: int, t: int, ids: torch.Tensor | None) -> RestorePlan | None:
+    def _extra_keys(self, first: int, t: int, ids: torch.Tensor | None) -> ExtraKeySource | None:
+        """Keys the step at first .. first + t - 1 attends to besides the store's (AttentionLayout.extra_keys)."""
         return None
 
     def _extra_state(self, appended_from: int) -> tuple[dict, dict]:

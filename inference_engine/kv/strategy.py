@@ -1,27 +1,26 @@
 """KVStrategy: which positions a query may attend to and how the resident cache stores them.
 
-A frozen, framework-free description; `make_cache` (factory.py) turns it into a cache."""
+A frozen, framework-free description; `make_cache` (factory.py) turns it into a cache. It holds the
+parameters of the built-in strategies; a strategy with parameters of its own (a research one, registry.py)
+subclasses it with those fields and its own NAMES."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from inference_engine.kv.compressor_names import COMPRESSOR_NAMES, MAX_Q_RANGE
 
-STRATEGY_NAMES = ("full", "sink_window", "paged", "dlm_restore")
 KV_DTYPES = ("fp32", "int8")  # resident K/V rows (KVStrategy.kv_dtype)
 PAGE_COMPRESSORS = ("identity", "int8", "kakeya_d4", "kakeya_e8")  # paged: how stored (evicted) pages are kept
 PAGE_KEY_BITS = (4, 8)  # paged: bits per element of the compact keys pages are scored by
-# "verifier": same-model (the backend's own VerifierRestoreSource, f_θ = identity);
-# "drafter": cross-model, the shipped dLM drafter + its learned f_θ (kv_cache_proposer/restore.py).
-RESTORE_FROM = ("verifier", "drafter")
 
 
 @dataclass(frozen=True)
 class KVStrategy:
     """`sink`/`window` apply to the bounded strategies; `compressor`/`q_range` to every strategy
-    (identity = uncompressed slabs). `restore_*` are dlm_restore's research policies:
-    `restore_from` the proposer, `restore_refresh` N reuses restored K/V for up to N steps,
-    `restore_pin` P keeps the P evicted positions the proposer restores worst resident."""
+    (identity = uncompressed slabs); `page_*` / `recall_pages` to paged."""
+
+    NAMES: ClassVar[tuple[str, ...]] = ("full", "sink_window", "paged")  # the strategies these fields describe
 
     name: str = "full"
     sink: int = 4
@@ -29,17 +28,15 @@ class KVStrategy:
     compressor: str = "identity"
     q_range: int = 38
     kv_dtype: str = "fp32"  # resident rows: fp32 (model dtype) or int8 (+ a scale per position, read without decoding)
-    restore_from: str = "verifier"
-    restore_refresh: int = 1
-    restore_pin: int = 0
     page_size: int = 64
     recall_pages: int = 8
     page_compressor: str = "identity"
     page_key_bits: int = 4
 
     def __post_init__(self):
-        if self.name not in STRATEGY_NAMES:
-            raise ValueError(f"unknown kv strategy {self.name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+        if self.name not in self.NAMES:
+            raise ValueError(f"unknown kv strategy {self.name!r} for {type(self).__name__}; choose one of {', '.join(self.NAMES)} "
+                             "(registry.make_strategy makes any registered strategy)")
         if self.bounded and (self.sink < 0 or self.window < 1):
             raise ValueError(f"{self.name} needs sink >= 0 and window >= 1, got sink={self.sink} window={self.window}")
         if self.compressor not in COMPRESSOR_NAMES:
@@ -51,20 +48,6 @@ class KVStrategy:
                              f"compressor; got strategy {self.name!r} with compressor {self.compressor!r}")
         if not isinstance(self.q_range, int) or not 1 <= self.q_range <= MAX_Q_RANGE:
             raise ValueError(f"kv q_range must be an int in [1, {MAX_Q_RANGE}], got {self.q_range!r} (38 is the default)")
-        if self.restore_from not in RESTORE_FROM:
-            raise ValueError(
-                f"restore_from {self.restore_from!r} is not available; choose one of {', '.join(RESTORE_FROM)} "
-                "(verifier = same-model, drafter = cross-model with --drafter NAME)"
-            )
-        if not isinstance(self.restore_refresh, int) or self.restore_refresh < 1:
-            raise ValueError(f"restore_refresh must be an int >= 1 (1 = restore every step), got {self.restore_refresh!r}")
-        if not isinstance(self.restore_pin, int) or self.restore_pin < 0:
-            raise ValueError(f"restore_pin must be an int >= 0 (0 = no pinned positions), got {self.restore_pin!r}")
-        if self.restore_pin and (self.name != "dlm_restore" or self.restore_from != "drafter"):
-            raise ValueError("restore_pin keeps the positions a learned proposer restores worst; it needs "
-                             "kv_strategy dlm_restore with restore_from drafter (same-model restoration is exact)")
-        if self.restore_pin and self.restore_refresh != 1:
-            raise ValueError("restore_pin and restore_refresh > 1 cannot be combined (a held set cannot follow the pins)")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an int >= 1 (tokens per page; 64 is the default), got {self.page_size!r}")
         if not isinstance(self.recall_pages, int) or self.recall_pages < 0:
@@ -84,9 +67,6 @@ class KVStrategy:
             out["q_range"] = str(self.q_range)
         if self.bounded:
             out |= {"sink": str(self.sink), "window": str(self.window)}
-        if self.name == "dlm_restore":
-            out |= {"restore_from": self.restore_from, "restore_refresh": str(self.restore_refresh),
-                    "restore_pin": str(self.restore_pin)}
         if self.name == "paged":
             out |= {"page_size": str(self.page_size), "recall_pages": str(self.recall_pages),
                     "page_compressor": self.page_compressor, "page_key_bits": str(self.page_key_bits)}
@@ -99,5 +79,6 @@ class KVStrategy:
 
     @property
     def forgets(self) -> bool:
-        """Positions leave attention for good (only sink_window; dlm_restore restores them, paged recalls them)."""
+        """Positions leave attention for good (sink_window; paged recalls them)."""
         return self.name == "sink_window"
+

@@ -38,6 +38,7 @@ from safetensors.torch import save as st_save
 
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.errors import SessionOwnedElsewhere, SessionStateUnusable
+from inference_engine.kv.registry import strategy_from_dict
 from inference_engine.kv.slot_cache import CacheState, SaveMark
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.leases import DEFAULT_TTL_S, Lease, Leases
@@ -294,7 +295,7 @@ class SessionFiles:
         if problem:
             self._unusable(session_id, problem)
         try:
-            saved_strategy = KVStrategy(**body["strategy"])
+            saved_strategy = strategy_from_dict(body["strategy"])
         except (TypeError, ValueError, KeyError) as e:
             self._unusable(session_id, f"its manifest names no valid kv strategy ({e})")
         if saved_strategy != self.engine.strategy:
@@ -330,7 +331,7 @@ class SessionFiles:
         tail |= self._appended(d, body, t)
         if any(k.startswith("store.") and k != SLOT_MAP for k in tail):  # a store saved whole
             kv = SessionKV.from_state(CacheState(tail, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
-                                      max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
+                                      max_context=e.max_context, resources=e.strategy_resources, hidden_keep=hidden_keep)
             return kv, history
         pos = tail.pop(SLOT_MAP).numpy().astype(np.int64)
         if axes is None:
@@ -364,7 +365,7 @@ class SessionFiles:
                     dst.index_fill_(axes[n], torch.from_numpy(empty), 0)
         tensors = tail | {SLOT_MAP: torch.from_numpy(pos)} | {f"store.{n}": x for n, x in payload.items()}
         kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
-                                  max_context=e.max_context, restore_source=e.restore_source, hidden_keep=hidden_keep)
+                                  max_context=e.max_context, resources=e.strategy_resources, hidden_keep=hidden_keep)
         if kv.next_position > len(history):
             raise StateFileError(f"the cache holds {kv.next_position} positions but the history only {len(history)} tokens")
         return kv, history

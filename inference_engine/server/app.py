@@ -1,16 +1,17 @@
 """Assemble and run the daemon: model -> engine -> runtime -> gRPC (+ metrics, + HTTP shim)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
 from concurrent import futures
 
-from inference_engine.server.config import ConfigError, ResearchOptions, ServeConfig, check_exposure, split_bind
+from inference_engine.server.config import ConfigError, ServeConfig, check_exposure, split_bind
 from inference_engine.server.runtime import Runtime
 
 # Config names stay importable from here (scripts and tests build servers through this module).
-__all__ = ["ConfigError", "ResearchOptions", "RunningServer", "ServeConfig", "build_engine", "build_runtime", "check_exposure",
+__all__ = ["ConfigError", "RunningServer", "ServeConfig", "build_engine", "build_runtime", "check_exposure",
            "load_model", "serve_forever", "split_bind", "start"]
 
 log = logging.getLogger("kakeya")
@@ -104,15 +105,20 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
     """Engine for `cfg` around an already loaded model (benchmarks share one model across arms).
     model_thread: the ModelThread that runs its loop (None: the callers' threads)."""
     from inference_engine.engine.generate import Engine
-    from inference_engine.kv.strategy import KVStrategy
+    from inference_engine.kv import registry
 
     check_backend_options(cfg, model)
+    try:
+        plugin = registry.plugin(cfg.kv_strategy)
+        options = registry.options_for(cfg.kv_strategy, cfg.research)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     drafter = None
     quantized = model.weights_format not in ("fp32", "bf16", "fp16")
-    if cfg.drafter and cfg.spec_k and quantized and cfg.kv_strategy == "dlm_restore":
-        # Verify steps are row-exact (bit-equal to decode steps) except over dlm_restore's restored
-        # columns, and bf16-activation kernels turn last-bit differences into different tokens.
-        raise ConfigError(f"speculative decoding (--drafter) over --kv-strategy dlm_restore is exact only with "
+    if cfg.drafter and cfg.spec_k and quantized and not plugin.exact_verify:
+        # Verify steps are row-exact (bit-equal to decode steps) except where the strategy attends them
+        # batched, and bf16-activation kernels turn last-bit differences into different tokens.
+        raise ConfigError(f"speculative decoding (--drafter) over --kv-strategy {cfg.kv_strategy} is exact only with "
                           f"--weights fp32; the loaded weights are {model.weights_format} (pass --weights fp32, or --spec-k 0)")
     if cfg.drafter and cfg.spec_k and quantized and not getattr(model, "kernels_row_independent", True):
         raise ConfigError(f"speculative decoding (--drafter) with --weights {model.weights_format} is exact only on the CPU "
@@ -125,22 +131,19 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
         from kv_cache_proposer import load_drafter
 
         drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
-    r = cfg.research
+    fields = {f.name for f in dataclasses.fields(plugin.params)}
     try:
-        strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window, compressor=cfg.kv_compressor, kv_dtype=cfg.kv_dtype,
-                              q_range=cfg.kv_q_range, restore_from=r.restore_from, restore_refresh=r.restore_refresh,
-                              restore_pin=r.restore_pin, page_size=cfg.page_size, recall_pages=cfg.recall_pages,
-                              page_compressor=cfg.page_compressor)
+        # a research option named after a field of the strategy's parameters sets it; the others go to its resources
+        strategy = registry.make_strategy(cfg.kv_strategy, cfg.sink, cfg.window, compressor=cfg.kv_compressor,
+                                          kv_dtype=cfg.kv_dtype, q_range=cfg.kv_q_range, page_size=cfg.page_size,
+                                          recall_pages=cfg.recall_pages, page_compressor=cfg.page_compressor,
+                                          **{k: v for k, v in options.items() if k in fields})
+        resources = None
+        if plugin.build_resources is not None:
+            resources = plugin.build_resources(strategy, options, model=model, drafter=drafter, drafter_name=cfg.drafter,
+                                               device=cfg.device)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    restore_source = None
-    if r.restore_bias not in ("none", "calibrated"):
-        raise ConfigError(f"restore_bias must be 'none' or 'calibrated', got {r.restore_bias!r}")
-    if r.restore_bias != "none" and not (strategy.name == "dlm_restore" and strategy.restore_from == "drafter"):
-        raise ConfigError("--research-restore-bias calibrated applies to --kv-strategy dlm_restore --research-restore-from "
-                          "drafter only (same-model restoration is exact: there is nothing to calibrate)")
-    if strategy.name == "dlm_restore" and strategy.restore_from == "drafter":
-        restore_source = drafter_restore_source(cfg, model, drafter)
     threads = cfg.threads
     if threads == "auto" and model.backend_name == "mlx":
         threads = None  # --threads sets torch's intra-op threads; MLX schedules its own
@@ -153,22 +156,9 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
     try:
         return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=threads,
                       drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",
-                      restore_source=restore_source, batching=cfg.batching, prefill_chunk_shared=cfg.prefill_chunk_shared,
+                      strategy_resources=resources, batching=cfg.batching, prefill_chunk_shared=cfg.prefill_chunk_shared,
                       model_thread=model_thread)
     except ValueError as e:
-        raise ConfigError(str(e)) from e
-
-
-def drafter_restore_source(cfg: ServeConfig, model, drafter):
-    """Cross-model restoration: the drafter named by --drafter plus the f_θ shipped with it."""
-    if drafter is None:
-        raise ConfigError("--research-restore-from drafter needs --drafter NAME (a drafter checkpoint that ships its f_θ)")
-    from kv_cache_proposer.restore import drafter_restore_source_for
-
-    try:
-        return drafter_restore_source_for(cfg.drafter, model, drafter, calibrated=cfg.research.restore_bias == "calibrated",
-                                          device=cfg.device)
-    except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
 
 

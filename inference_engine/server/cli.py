@@ -8,7 +8,8 @@ import sys
 
 from inference_engine.server import chat_command
 from inference_engine.server.app import serve_forever
-from inference_engine.server.config import ConfigError, ResearchOptions, ServeConfig
+from inference_engine.kv import registry
+from inference_engine.server.config import ConfigError, ServeConfig
 
 
 def _add_serve(sub) -> None:
@@ -16,12 +17,11 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the gRPC daemon", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--bind", default=d.bind, help="HOST:PORT for gRPC (port 0 = pick a free one)")
     p.add_argument("--model", default=d.model, help="pulled model name or a local HF model directory")
-    p.add_argument("--kv-strategy", default=d.kv_strategy, choices=("full", "sink_window", "paged", "dlm_restore"),
-                   help="paged: sink_window's resident cache + every evicted position kept exactly in pages, each query "
-                        "attending to its top --recall-pages pages; dlm_restore: sink_window's resident cache + every "
-                        "evicted position restored each step")
-    p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (sink_window, paged, dlm_restore)")
-    p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (sink_window, paged, dlm_restore)")
+    strategies = registry.plugins()
+    p.add_argument("--kv-strategy", default=d.kv_strategy, choices=tuple(strategies),
+                   help="; ".join(f"{name}: {s.help}" for name, s in strategies.items()))
+    p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (every strategy but full)")
+    p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (every strategy but full)")
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=("fp32", "int8"),
@@ -68,7 +68,7 @@ def _add_serve(sub) -> None:
                         "(shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir)")
     p.add_argument("--spec-k", type=int, default=d.spec_k,
                    help="tokens drafted per speculative step (with --drafter); 0 = no speculative decoding (e.g. a drafter used "
-                        "only by --research-restore-from drafter)")
+                        "only by a research strategy)")
     p.add_argument("--state-dir", default=None,
                    help="where sessions are persisted (default: $KAKEYA_STATE_DIR, else $KAKEYA_HOME/state); see docs/persistence.md")
     p.add_argument("--persist", default=d.persist, choices=("off", "turn"),
@@ -86,26 +86,31 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-pending-tokens", type=_limit, default=d.max_pending_tokens, metavar="N",
                    help="most tokens a session may hold appended but not yet prefilled (Generate prefills them); an append "
                         "past it answers RESOURCE_EXHAUSTED (0 = no limit)")
-    _add_research(p, d.research)
+    _add_research(p)
     p.set_defaults(func=_run_serve)
 
 
-def _add_research(p, r: ResearchOptions) -> None:
-    """dlm_restore research knobs: reachable for experiments, not part of the product surface."""
+def _add_research(p) -> None:
+    """The options of research strategies (kv/plugins.py): reachable for experiments, not part of the product surface."""
+    options = registry.research_options()
+    if not options:
+        return
+    owners = sorted({owner.name for owner, _ in options.values()})
     g = p.add_argument_group("research (not product surface)",
-                             "dlm_restore experiments (ADR 0008 §11.5); they may change or go away between releases")
-    g.add_argument("--research-restore-from", default=r.restore_from, choices=("verifier", "drafter"),
-                   help="dlm_restore proposer: verifier = the model itself, cache-free (reproduces full); "
-                        "drafter = the --drafter checkpoint and its learned f_θ (cross-model)")
-    g.add_argument("--research-restore-refresh", type=int, default=r.restore_refresh, metavar="N",
-                   help="dlm_restore: reuse restored K/V for up to N steps (1 = restore every step; N > 1 holds all "
-                        "layers' restored K/V between steps, counted in kv_live_bytes)")
-    g.add_argument("--research-restore-pin", type=int, default=r.restore_pin, metavar="P",
-                   help="dlm_restore --research-restore-from drafter: keep the P evicted positions the proposer restores "
-                        "worst resident (measured as they leave the window); resident = sink + window + P rows")
-    g.add_argument("--research-restore-bias", choices=("none", "calibrated"), default=r.restore_bias,
-                   help="dlm_restore --research-restore-from drafter: add the drafter's shipped attention-mass calibration "
-                        "(a logit offset per layer and head) to the restored positions' attention logits")
+                             f"options of the research strategies ({', '.join(owners)}); they may change or go away between releases")
+    for owner, o in options.values():
+        g.add_argument(o.flag, dest=f"research_{o.name}", default=o.default, type=o.type, choices=o.choices, metavar=o.metavar,
+                       help=f"{owner.name}: {o.help}")
+
+
+def _research(args) -> dict:
+    """The research options set away from their defaults (ServeConfig.research)."""
+    out = {}
+    for _, o in registry.research_options().values():
+        value = getattr(args, f"research_{o.name}", o.default)
+        if value != o.default:
+            out[o.name] = value
+    return out
 
 
 def _threads(value: str):
@@ -175,12 +180,7 @@ def serve_config(args) -> ServeConfig:
         lease_ttl=args.lease_ttl,
         max_append_tokens=args.max_append_tokens,
         max_pending_tokens=args.max_pending_tokens,
-        research=ResearchOptions(
-            restore_from=args.research_restore_from,
-            restore_refresh=args.research_restore_refresh,
-            restore_pin=args.research_restore_pin,
-            restore_bias=args.research_restore_bias,
-        ),
+        research=_research(args),
     )
 
 

@@ -1,28 +1,20 @@
 """What `kakeya serve` is configured with, and the checks that need no model.
 
-`ServeConfig` holds the product options; the dlm_restore research knobs sit apart in
-`ResearchOptions` (reachable from research scripts and the `--research-*` serve flags, never
-part of the wire contract or the SDK types). No torch, grpc or HTTP framework here: the app,
-the CLI and the HTTP shim all import this module, and it imports none of them.
+`ServeConfig` holds the product options; the options of research strategies sit apart in
+`ServeConfig.research` (by option name, as the strategy's plugin declares them: kv/plugins.py;
+reachable from research scripts and the `--research-*` serve flags, never part of the wire contract
+or the SDK types). No torch, grpc or HTTP framework here: the app, the CLI and the HTTP shim all
+import this module, and it imports none of them.
 """
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class ConfigError(ValueError):
     """A serve option the daemon cannot run with; the message names the option and the fix."""
-
-
-@dataclass(frozen=True)
-class ResearchOptions:
-    """dlm_restore research knobs (ADR 0008 §11.5). Not product surface."""
-
-    restore_from: str = "verifier"  # proposer: verifier (same-model) | drafter (cross-model, needs ServeConfig.drafter)
-    restore_refresh: int = 1  # reuse restored K/V for up to N steps (1 = recompute every step)
-    restore_pin: int = 0  # cross-model: keep the P worst-restored evicted positions resident
-    restore_bias: str = "none"  # cross-model: none | calibrated (f_θ's shipped attention-mass calibration)
 
 
 @dataclass
@@ -65,7 +57,8 @@ class ServeConfig:
     # but not yet prefilled (0 = no limit). At ~450 prefill tok/s on 2 cores, 32k pending is ~70 s of work.
     max_append_tokens: int = 16384
     max_pending_tokens: int = 32768
-    research: ResearchOptions = field(default_factory=ResearchOptions)
+    # Options of research strategies (StrategyPlugin.options), by name; unset = the option's default. Not product surface.
+    research: dict[str, Any] = field(default_factory=dict)
 
 
 def split_bind(bind: str) -> tuple[str, int]:

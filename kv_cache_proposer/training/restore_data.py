@@ -83,8 +83,8 @@ def text_chunks(tok, texts: list[str], length: int, limit: int) -> list[list[int
 def verifier_kv(model, ids: torch.Tensor) -> torch.Tensor:
     """The verifier's pre-norm, pre-RoPE K and V at every position of `ids`: (L, n, 2 * Hkv * D).
 
-    Reuses the backend's same-model restore step (the verifier run causally without a cache)."""
-    from inference_engine.backends.torch.verifier_restore import VerifierRestoreSource
+    Reuses the same-model restore step (the verifier run causally without a cache)."""
+    from kv_cache_proposer.same_model import VerifierRestoreSource
 
     n = ids.numel()
     step = VerifierRestoreSource(model).open_step(ids, torch.arange(n))

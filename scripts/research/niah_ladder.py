@@ -290,7 +290,8 @@ def main() -> int:
 
     import kakeya
     from inference_engine.model_store import resolve_model
-    from inference_engine.server.app import ResearchOptions, ServeConfig, build_runtime, load_model, start
+    from inference_engine.kv.registry import research_options
+    from inference_engine.server.app import ServeConfig, build_runtime, load_model, start
 
     torch.set_num_threads(args.threads)
     base = ServeConfig(bind="127.0.0.1:0", model=args.model, threads=args.threads, capacity=2, prefill_chunk=args.prefill_chunk,
@@ -315,10 +316,10 @@ def main() -> int:
                         | ({"turn_text": EVAL_TURN_TEXT} if args.task == "multiturn" else {}))
     for arm in args.arms.split(","):
         fields = {f.name for f in dataclasses.fields(ServeConfig)}
-        research_fields = {f.name for f in dataclasses.fields(ResearchOptions)}
+        research_fields = set(research_options())
         overrides = ARMS[arm]
         product = {k: v for k, v in overrides.items() if k not in research_fields}
-        research = ResearchOptions(**{k: v for k, v in overrides.items() if k in research_fields})
+        research = {k: v for k, v in overrides.items() if k in research_fields}
         missing = sorted(set(product) - fields)
         if missing:
             results[arm] = {"status": "not_run", "reason": f"this build has no {', '.join(missing)} option"}
@@ -380,7 +381,7 @@ def main() -> int:
                     "time_limit_s": limit,
                     "rows": rows,
                 }
-                source = getattr(server.runtime.engine, "restore_source", None)
+                source = getattr(server.runtime.engine, "strategy_resources", None)
                 if source is not None and args.fidelity_samples and args.task != "multiturn":  # not timed: after the cell
                     cell["restore_fidelity"] = restore_fidelity(model, source, samples[n][: args.fidelity_samples], cfg.sink, cfg.window)
                     f = cell["restore_fidelity"]

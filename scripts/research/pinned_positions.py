@@ -30,14 +30,14 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from inference_engine.model_store import resolve_model
-    from inference_engine.server.app import ResearchOptions, ServeConfig, build_runtime, load_model
+    from inference_engine.server.app import ServeConfig, build_runtime, load_model
 
     torch.set_num_threads(args.threads)
     base = ServeConfig(bind="127.0.0.1:0", threads=args.threads, prefill_chunk=512, persist="off")
     model = load_model(base)
     tok = AutoTokenizer.from_pretrained(resolve_model(base.model))
     cfg = dataclasses.replace(base, kv_strategy="dlm_restore", sink=4, window=64, drafter="smollm2-135m-dlm", spec_k=0,
-                              research=ResearchOptions(restore_from="drafter", restore_pin=args.pin))
+                              research={"restore_from": "drafter", "restore_pin": args.pin})
     engine = build_runtime(cfg, model).engine
     rows = []
     for i in (int(x) for x in args.samples.split(",")):

@@ -122,8 +122,9 @@ def main() -> int:
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.engine.steps import forward
     from inference_engine.kv.factory import make_cache
-    from inference_engine.kv.strategy import KVStrategy
+    from inference_engine.kv.registry import make_strategy
     from inference_engine.model_store import resolve_model
+    from kv_cache_proposer.same_model import VerifierRestoreSource
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -138,7 +139,7 @@ def main() -> int:
 
     F.scaled_dot_product_attention = timed_sdpa
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    source = TimedSource(model.verifier_restore_source(), clock)
+    source = TimedSource(VerifierRestoreSource(model), clock)
     cross = None
     if any(ARMS[a].get("restore_from") == "drafter" for a in args.arms.split(",")):
         from kv_cache_proposer import load_drafter
@@ -153,10 +154,10 @@ def main() -> int:
     for n_hist in [int(h) for h in args.histories.split(",")]:
         history = (filler * (n_hist // len(filler) + 1))[:n_hist]
         for arm in args.arms.split(","):
-            st = KVStrategy(**ARMS[arm])
-            arm_source = cross if st.restore_from == "drafter" else source
+            st = make_strategy(**ARMS[arm])
+            arm_source = None if st.name != "dlm_restore" else cross if st.restore_from == "drafter" else source
             cache = make_cache(st, model.geometry(), max_step=args.prefill_chunk, max_context=model.spec.max_context,
-                               restore_source=arm_source)
+                               resources=arm_source)
             store_fetch = cache.store.fetch
             cache.store.fetch = lambda *a: clock.timed("decompress_s", store_fetch, *a)
             t0 = time.perf_counter()

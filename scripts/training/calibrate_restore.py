@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
-from inference_engine.backends.torch.verifier_restore import causal_layer_output  # noqa: E402
 from kv_cache_proposer import load_drafter, resolve_checkpoint  # noqa: E402
 from kv_cache_proposer.restore import DrafterRestoreSource, load_projection, save_calibration  # noqa: E402
+from kv_cache_proposer.same_model import causal_layer_output  # noqa: E402
 from kv_cache_proposer.training import corpus as corpus_mod  # noqa: E402
 from kv_cache_proposer.training import restore_data as rd  # noqa: E402
 

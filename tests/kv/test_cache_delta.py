@@ -12,6 +12,7 @@ import torch
 
 from inference_engine.kv.factory import make_cache
 from inference_engine.kv.layout import CacheGeometry
+from inference_engine.kv.registry import make_strategy
 from inference_engine.kv.slot_cache import SaveMark
 from inference_engine.kv.strategy import KVStrategy
 
@@ -21,7 +22,7 @@ SINK, WINDOW = 4, 12
 STRATEGIES = {
     "full": KVStrategy("full"),
     "sink_window": KVStrategy("sink_window", SINK, WINDOW),
-    "dlm_restore": KVStrategy("dlm_restore", SINK, WINDOW),
+    "dlm_restore": make_strategy("dlm_restore", SINK, WINDOW),  # a research strategy, found through the registry
     "paged": KVStrategy("paged", SINK, WINDOW, page_size=4, recall_pages=2),
     "paged_int8_pages": KVStrategy("paged", SINK, WINDOW, page_size=4, recall_pages=2, page_compressor="int8"),
     "full_kakeya_d4": KVStrategy("full", compressor="kakeya_d4"),

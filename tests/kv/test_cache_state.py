@@ -14,8 +14,10 @@ from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import GenerateParams, SamplingParams
 from inference_engine.engine.session_kv import SessionKV
+from inference_engine.kv.registry import make_strategy
 from inference_engine.kv.slot_cache import CacheState
 from inference_engine.kv.strategy import KVStrategy
+from kv_cache_proposer.same_model import VerifierRestoreSource
 
 SINK, WINDOW = 4, 24
 
@@ -40,9 +42,9 @@ def turn(engine, kv, history, n, sampling=SamplingParams()):
 STRATEGIES = {
     "full": KVStrategy("full"),
     "sink_window": KVStrategy("sink_window", SINK, WINDOW),
-    "dlm_restore": KVStrategy("dlm_restore", SINK, WINDOW),
-    "dlm_restore_refresh3": KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=3),
-    "dlm_restore_pin4": KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4),
+    "dlm_restore": make_strategy("dlm_restore", SINK, WINDOW),  # a research strategy, found through the registry
+    "dlm_restore_refresh3": make_strategy("dlm_restore", SINK, WINDOW, restore_refresh=3),
+    "dlm_restore_pin4": make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4),
     "paged": KVStrategy("paged", SINK, WINDOW, page_size=8, recall_pages=2),
     "paged_int8_pages": KVStrategy("paged", SINK, WINDOW, page_size=8, recall_pages=2, page_compressor="int8"),
 }
@@ -52,8 +54,8 @@ def engine_for(name, compressor, drafter=None):
     m = load_model(str(tiny_model_dir("llama")))
     st = STRATEGIES[name]
     st = dataclasses.replace(st, compressor=compressor)
-    source = m.verifier_restore_source() if st.restore_from == "drafter" else None
-    return Engine(m, st, prefill_chunk=16, restore_source=source, drafter=drafter, spec_k=3 if drafter else 0)
+    source = VerifierRestoreSource(m) if getattr(st, "restore_from", None) == "drafter" else None
+    return Engine(m, st, prefill_chunk=16, strategy_resources=source, drafter=drafter, spec_k=3 if drafter else 0)
 
 
 @pytest.mark.parametrize("compressor", ["identity", "kakeya_d4"])
@@ -68,7 +70,7 @@ def test_restored_session_continues_token_identical(name, compressor, tmp_path):
     saved = through_files(kept_kv.state(), tmp_path)
     g = engine.model.geometry()
     restored_kv = SessionKV.from_state(saved, g, max_step=engine.prefill_chunk, max_context=engine.max_context,
-                                       restore_source=engine.restore_source)
+                                       resources=engine.strategy_resources)
     restored_hist = list(kept_hist)
     assert restored_kv.nbytes == kept_kv.nbytes and restored_kv.next_position == kept_kv.next_position
     assert restored_kv.resident_positions == kept_kv.resident_positions

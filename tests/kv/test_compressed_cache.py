@@ -11,6 +11,7 @@ from factories import load_model, require_smollm2, tiny_model_dir
 from inference_engine.kv.compressors import KakeyaLatticeUnavailable, bf16_reference_bytes, make_codec
 from inference_engine.kv.factory import make_cache
 from inference_engine.kv.layout import CacheGeometry
+from inference_engine.kv.registry import make_strategy
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.kv.stores import CompressedStore, SlabStore
 from inference_engine.engine.steps import forward
@@ -23,7 +24,7 @@ GEOM = CacheGeometry(num_layers=2, num_kv_heads=3, head_dim=64, layer_windows=(N
 
 
 def strategy(name, compressor, q_range=38, **kw):
-    return KVStrategy(name, compressor=compressor, q_range=q_range, **kw)
+    return make_strategy(name, compressor=compressor, q_range=q_range, **kw)
 
 
 def rows(t, seed, geom=GEOM):

@@ -11,6 +11,7 @@ from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import GenerateParams
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.engine.steps import forward
+from inference_engine.kv.registry import make_strategy
 from inference_engine.kv.stores import Int8Rows, Int8SlabStore
 from inference_engine.kv.strategy import KVStrategy
 
@@ -92,6 +93,6 @@ def test_int8_state_round_trip_continues_identically(strategy):
 @pytest.mark.parametrize("kwargs", [dict(name="dlm_restore"), dict(name="paged"), dict(name="full", compressor="kakeya_d4")])
 def test_int8_is_refused_where_it_does_not_apply(kwargs):
     with pytest.raises(ValueError, match="kv dtype int8"):
-        KVStrategy(kv_dtype="int8", **kwargs)
+        make_strategy(kv_dtype="int8", **kwargs)
     with pytest.raises(ValueError, match="unknown kv dtype"):
         KVStrategy(kv_dtype="int4")

@@ -20,6 +20,7 @@ from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import SamplingParams
 from inference_engine.errors import SessionNotFound, SessionStateUnusable
+from inference_engine.kv.registry import make_strategy
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence import session_files, state_dir
 from inference_engine.persistence.session_files import SessionFiles
@@ -31,9 +32,9 @@ SINK, WINDOW = 4, 24
 STRATEGIES = {
     "full": KVStrategy("full"),
     "sink_window": KVStrategy("sink_window", SINK, WINDOW),
-    "dlm_restore": KVStrategy("dlm_restore", SINK, WINDOW),
-    "dlm_restore_refresh3": KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=3),
-    "dlm_restore_pin4": KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4),
+    "dlm_restore": make_strategy("dlm_restore", SINK, WINDOW),  # a research strategy, found through the registry
+    "dlm_restore_refresh3": make_strategy("dlm_restore", SINK, WINDOW, restore_refresh=3),
+    "dlm_restore_pin4": make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4),
     "paged": KVStrategy("paged", SINK, WINDOW, page_size=8, recall_pages=2),
 }
 
@@ -49,8 +50,11 @@ def strategy(name, compressor="identity"):
 
 def engine(st: KVStrategy, model_dir=None):
     m = load_model(str(model_dir or tiny_model_dir("llama")))
-    source = m.verifier_restore_source() if st.restore_from == "drafter" else None
-    return Engine(m, st, prefill_chunk=16, restore_source=source)
+    if getattr(st, "restore_from", None) == "drafter":
+        from kv_cache_proposer.same_model import VerifierRestoreSource
+
+        return Engine(m, st, prefill_chunk=16, strategy_resources=VerifierRestoreSource(m))
+    return Engine(m, st, prefill_chunk=16)
 
 
 def runtime(root, st: KVStrategy, model_dir=None, **kw) -> Runtime:

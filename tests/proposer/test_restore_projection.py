@@ -14,6 +14,7 @@ from proposer_factories import tiny_drafter, tiny_verifier
 from factories import load_model, require_smollm2
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
+from inference_engine.kv.registry import make_strategy
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.engine.steps import forward
 from kv_cache_proposer import CHECKPOINTS_DIR, save_drafter
@@ -31,6 +32,7 @@ from kv_cache_proposer.restore import (
     save_calibration,
     save_projection,
 )
+from kv_cache_proposer.same_model import VerifierRestoreSource
 from kv_cache_proposer.training import restore_data as rd
 
 BLOCK = 8
@@ -103,19 +105,19 @@ def test_cross_model_restore_runs_in_the_engine_and_matters():
     d = tiny_drafter()
     proj = projection(m, d)
     source = DrafterRestoreSource(d, proj)
-    strategy = KVStrategy("dlm_restore", 4, 16, restore_from="drafter")
+    strategy = make_strategy("dlm_restore", 4, 16, restore_from="drafter")
     history = ids(70, seed=3).tolist()
-    got, kv = greedy(Engine(m, strategy, prefill_chunk=16, restore_source=source), history, 6)
+    got, kv = greedy(Engine(m, strategy, prefill_chunk=16, strategy_resources=source), history, 6)
     assert len(got) == 6
     assert kv.cache.resident_positions == 4 + 16 - 1
     bytes_1 = kv.cache.nbytes
-    more, kv2 = greedy(Engine(m, strategy, prefill_chunk=16, restore_source=source), history, 12)
+    more, kv2 = greedy(Engine(m, strategy, prefill_chunk=16, strategy_resources=source), history, 12)
     assert more[:6] == got
     assert kv2.cache.nbytes == bytes_1  # restored tensors never stay resident
     # the restored K/V are attended: a different f_θ changes what the verifier computes
     other = DrafterRestoreSource(d, projection(m, d, seed=1))
-    e1 = Engine(m, strategy, prefill_chunk=16, restore_source=source)
-    e2 = Engine(m, strategy, prefill_chunk=16, restore_source=other)
+    e1 = Engine(m, strategy, prefill_chunk=16, strategy_resources=source)
+    e2 = Engine(m, strategy, prefill_chunk=16, strategy_resources=other)
     kv_a, kv_b = e1.new_session_kv(), e2.new_session_kv()
     e1.prefill(kv_a, history)
     e2.prefill(kv_b, history)
@@ -191,25 +193,25 @@ def test_stage2_loss_reaches_ftheta():
 
 
 def test_build_engine_needs_a_drafter_for_cross_model(tmp_path):
-    from inference_engine.server.app import ConfigError, ResearchOptions, ServeConfig, build_engine
+    from inference_engine.server.app import ConfigError, ServeConfig, build_engine
 
     m = verifier()
-    cfg = ServeConfig(kv_strategy="dlm_restore", sink=4, window=16, research=ResearchOptions(restore_from="drafter"))
+    cfg = ServeConfig(kv_strategy="dlm_restore", sink=4, window=16, research={"restore_from": "drafter"})
     with pytest.raises(ConfigError, match="needs --drafter"):
         build_engine(cfg, m)
 
 
 def test_restore_bias_is_refused_where_it_does_not_apply():
-    from inference_engine.server.app import ConfigError, ResearchOptions, ServeConfig, build_engine
+    from inference_engine.server.app import ConfigError, ServeConfig, build_engine
 
     m = verifier()
-    calibrated = ResearchOptions(restore_bias="calibrated")
+    calibrated = {"restore_bias": "calibrated"}
     for cfg in (ServeConfig(kv_strategy="dlm_restore", sink=4, window=16, research=calibrated),  # same-model
                 ServeConfig(kv_strategy="full", research=calibrated)):
         with pytest.raises(ConfigError, match="restore-bias calibrated applies to"):
             build_engine(cfg, m)
     with pytest.raises(ConfigError, match="'none' or 'calibrated'"):
-        build_engine(ServeConfig(kv_strategy="full", research=ResearchOptions(restore_bias="on")), m)
+        build_engine(ServeConfig(kv_strategy="full", research={"restore_bias": "on"}), m)
 
 
 def test_copied_checkpoint_without_calibration_names_the_missing_file(tmp_path):
@@ -228,13 +230,13 @@ def test_shipped_drafter_restores_through_the_server_config():
     path = require_smollm2()
     if not (CHECKPOINTS_DIR / "smollm2-135m-dlm" / FTHETA_FILE).exists():
         pytest.fail("the shipped drafter has no f_θ")
-    from inference_engine.server.app import ResearchOptions, ServeConfig, build_engine
+    from inference_engine.server.app import ServeConfig, build_engine
 
     m = load_model(str(path))
     cfg = ServeConfig(kv_strategy="dlm_restore", sink=4, window=64, drafter="smollm2-135m-dlm", spec_k=0,
-                      research=ResearchOptions(restore_from="drafter"))
+                      research={"restore_from": "drafter"})
     engine = build_engine(cfg, m)
-    assert isinstance(engine.restore_source, DrafterRestoreSource) and engine.drafter is None
+    assert isinstance(engine.strategy_resources, DrafterRestoreSource) and engine.drafter is None
     history = list(range(1000, 1200))
     out, kv = greedy(engine, history, 3)
     assert len(out) == 3 and kv.cache.resident_positions == 4 + 64 - 1
@@ -256,12 +258,12 @@ def test_cross_model_server_reports_its_proposer_and_generates():
     m = verifier()
     d = tiny_drafter()
     source = DrafterRestoreSource(d, projection(m, d), "tiny-dlm")
-    cross = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter", restore_refresh=3), prefill_chunk=16,
-                                restore_source=source))
+    cross = start_server(Engine(m, make_strategy("dlm_restore", 4, 16, restore_from="drafter", restore_refresh=3), prefill_chunk=16,
+                                strategy_resources=source))
     biased = DrafterRestoreSource(d, projection(m, d), "tiny-dlm", logit_bias=torch.zeros(m.spec.num_layers, m.spec.num_heads))
-    pinned = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16, restore_from="drafter", restore_pin=5), prefill_chunk=16,
-                                 restore_source=biased))
-    same = start_server(Engine(m, KVStrategy("dlm_restore", 4, 16), prefill_chunk=16))
+    pinned = start_server(Engine(m, make_strategy("dlm_restore", 4, 16, restore_from="drafter", restore_pin=5), prefill_chunk=16,
+                                 strategy_resources=biased))
+    same = start_server(Engine(m, make_strategy("dlm_restore", 4, 16), prefill_chunk=16))
     try:
         for srv, want, refresh, pin, bias in ((cross, "drafter:tiny-dlm", 3, 0, "none"), (pinned, "drafter:tiny-dlm", 1, 5, "calibrated"),
                                               (same, "verifier", 1, 0, "")):
@@ -294,7 +296,7 @@ def test_calibration_measures_no_shift_for_exact_keys_and_the_shift_of_wrong_one
     m = verifier()
     history = ids(60, seed=3).tolist()
     no_bias = torch.zeros(m.spec.num_layers, m.spec.num_heads)
-    exact = measure_cls(m, m.verifier_restore_source(), 4, 16)(history, needle=(20, 24), bias=no_bias)
+    exact = measure_cls(m, VerifierRestoreSource(m), 4, 16)(history, needle=(20, 24), bias=no_bias)
     assert float(exact["shift"].abs().max()) < 1e-4  # restored keys == true keys: nothing to calibrate
     share = exact["needle_share"]  # true / restored / restored + zero bias: all the same here
     torch.testing.assert_close(share[..., 1], share[..., 0], rtol=1e-4, atol=1e-5)
@@ -316,7 +318,7 @@ def test_calibration_measures_no_shift_for_exact_keys_and_the_shift_of_wrong_one
 
             return Step()
 
-    wrong = measure_cls(m, Scaled(m.verifier_restore_source()), 4, 16)(history)["shift"]
+    wrong = measure_cls(m, Scaled(VerifierRestoreSource(m)), 4, 16)(history)["shift"]
     assert wrong.shape == (m.spec.num_layers, m.spec.num_heads) and float(wrong.mean()) > 0.1
     # shipped next to f_θ and read back
     d = tiny_drafter()

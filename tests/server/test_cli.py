@@ -2,7 +2,7 @@
 import pytest
 
 from inference_engine.server.cli import build_parser, serve_config
-from inference_engine.server.config import ResearchOptions, ServeConfig
+from inference_engine.server.config import ServeConfig
 
 
 def serve_args(*argv):
@@ -12,14 +12,14 @@ def serve_args(*argv):
 def test_defaults_are_the_serve_config_defaults():
     cfg = serve_config(serve_args())
     assert cfg == ServeConfig(api_key=cfg.api_key)  # the key may come from KAKEYA_API_KEY
-    assert cfg.research == ResearchOptions()
+    assert cfg.research == {}  # every research option at its default
 
 
 def test_research_knobs_are_reachable_only_behind_research_flags():
     cfg = serve_config(serve_args("--kv-strategy", "dlm_restore", "--drafter", "d", "--research-restore-from", "drafter",
                                   "--research-restore-refresh", "3", "--research-restore-pin", "16",
                                   "--research-restore-bias", "calibrated"))
-    assert cfg.research == ResearchOptions(restore_from="drafter", restore_refresh=3, restore_pin=16, restore_bias="calibrated")
+    assert cfg.research == {"restore_from": "drafter", "restore_refresh": 3, "restore_pin": 16, "restore_bias": "calibrated"}
     for old in ("--restore-from", "--restore-refresh", "--restore-pin", "--restore-bias"):
         with pytest.raises(SystemExit):
             serve_args(old, "1")

@@ -41,11 +41,11 @@ def _host(t) -> np.ndarray:
     return t if isinstance(t, np.ndarray) else t.numpy()
 
 
-def attend_layout(model, layer: int, q, q_normed, k_all, v_all, step: StepLayout, restored=None, sink_rope=None) -> mx.array:
+def attend_layout(model, layer: int, q, q_normed, k_all, v_all, step: StepLayout, extra=None, sink_rope=None) -> mx.array:
     """q (H, T, D) over k_all, v_all (Hkv, N, D) with the layout's mask for this layer's window."""
     s = model.spec
-    if restored is not None:
-        raise NotImplementedError("dlm_restore (restored K/V) runs on the torch backend only")
+    if extra is not None:
+        raise NotImplementedError("a layout's extra keys (kv/layout.py ExtraKeys) are attended on the torch backend only")
     w = s.layer_windows[layer]
     mask = step.masks[w]
     if step.row_exact:

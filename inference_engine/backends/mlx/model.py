@@ -209,12 +209,12 @@ class MlxCausalLM:
         m = "causal" if mask is None else _as_mx(mask)
         return mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=self.spec.attn_scale, mask=m)[0]
 
-    def attend_layout(self, layer: int, q, q_normed, k_all, v_all, layout, restored=None, sink_rope=None) -> mx.array:
+    def attend_layout(self, layer: int, q, q_normed, k_all, v_all, layout, extra=None, sink_rope=None) -> mx.array:
         key = id(layout)
         step = self._steps.get(key)
         if step is None or step.source is not layout:  # once per step (per session of a batch), not per layer
             step = self._steps[key] = StepLayout(layout)
-        return attend_layout(self, layer, q, q_normed, k_all, v_all, step, restored, sink_rope)
+        return attend_layout(self, layer, q, q_normed, k_all, v_all, step, extra, sink_rope)
 
     batches_decode_attention = False  # each session attends alone
 
@@ -260,9 +260,6 @@ class MlxCausalLM:
         if all(isinstance(a, torch.Tensor) for a in arrays):
             return torch.cat(list(arrays), dim)
         return mx.concatenate([_as_mx(a) for a in arrays], axis=dim)
-
-    def verifier_restore_source(self):
-        raise NotImplementedError("dlm_restore runs on the torch backend only; use --backend torch for --kv-strategy dlm_restore")
 
     # -- array helpers -----------------------------------------------------------------------
     def rms(self, x: mx.array, w: mx.array) -> mx.array:

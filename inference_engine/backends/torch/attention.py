@@ -10,19 +10,19 @@ import torch.nn.functional as F
 from inference_engine.kv.stores import Int8Rows
 
 
-def attend_layout(model, layer: int, q, q_normed, k_all, v_all, layout, restored=None, sink_rope=None) -> torch.Tensor:
+def attend_layout(model, layer: int, q, q_normed, k_all, v_all, layout, extra=None, sink_rope=None) -> torch.Tensor:
     """q (H, T, D) over k_all, v_all (Hkv, N, D) with the layout's mask for this layer's window.
 
-    restored: (raw k, raw v, rope at their positions, logit_bias or None) of a dlm_restore
-    step, prepended as extra keys visible through the plan's masks. sink_rope: RoPE at the
-    virtual query position used for sink keys past the trained context (SinkWindowCache)."""
+    extra: this layer's ExtraKeys (kv/layout.py) of the layout's extra keys, prepended to the
+    cache's keys; a step with extra keys attends batched, never row by row. sink_rope: RoPE at
+    the virtual query position used for sink keys past the trained context (SinkWindowCache)."""
     s = model.spec
     w = s.layer_windows[layer]
     mask = layout.masks[w]
-    if layout.row_exact and restored is None:
+    if layout.row_exact and extra is None:
         return _attend_rows(model, layer, q, q_normed, k_all, v_all, layout, w, sink_rope)
-    if restored is not None:
-        k_all, v_all, mask = _with_restored(model, layer, layout, restored, k_all, v_all, mask)
+    if extra is not None:
+        k_all, v_all, mask = _with_extra_keys(s, extra, k_all, v_all, mask)
     if sink_rope is not None and w is None:
         return _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, layout.positions, layout.key_positions,
                                        layout.sink_shift, sink_rope)
@@ -95,25 +95,18 @@ def _attend_rows(model, layer, q, q_normed, k_all, v_all, layout, w, sink_rope):
     return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
-def _with_restored(model, layer, layout, restored, k_all, v_all, mask):
-    """Prepend the restored K/V of `layer` (those any query of the step may see) to the resident keys."""
-    s = model.spec
-    k_r, v_r, rope, bias = restored  # k_r, v_r (Hkv, E, D) raw
-    r_mask = layout.restore.masks[s.layer_windows[layer]]
-    visible = r_mask.any(0)
-    if not bool(visible.any()):  # a local layer whose window lies inside the resident keys
+def _with_extra_keys(s, extra, k_all, v_all, mask):
+    """Prepend a layer's extra keys (ExtraKeys: positioned k, v (Hkv, E, D), mask (T, E), logit_bias) to the cache's."""
+    e = extra.mask.shape[1]
+    if not e:  # none of them visible in this layer (e.g. a local layer's window lies inside the resident keys)
         return k_all, v_all, mask
-    if not bool(visible.all()):
-        idx = visible.nonzero().flatten()
-        k_r, v_r, r_mask, rope = k_r[:, idx], v_r[:, idx], r_mask[:, idx], rope.select(idx)
-    k_r = model.position_k(layer, k_r, rope)
-    mask = torch.cat([r_mask, mask], 1)
-    if bias is not None:  # attention-mass calibration: a per-head logit offset on the restored columns
+    mask = torch.cat([extra.mask, mask], 1)
+    if extra.logit_bias is not None:  # a per-head logit offset on the extra columns
         ninf = torch.tensor(float("-inf"), dtype=k_all.dtype, device=k_all.device)
         col = torch.zeros(s.num_heads, 1, mask.shape[1], dtype=k_all.dtype, device=k_all.device)
-        col[:, :, : r_mask.shape[1]] = bias[layer].to(k_all.dtype)[:, None, None]
+        col[:, :, :e] = extra.logit_bias.to(k_all.dtype)[:, None, None]
         mask = torch.where(mask, col, ninf)  # (H, T, N) float mask
-    return torch.cat([k_r.to(k_all.dtype), k_all], 1), torch.cat([v_r.to(v_all.dtype), v_all], 1), mask
+    return torch.cat([extra.k.to(k_all.dtype), k_all], 1), torch.cat([extra.v.to(v_all.dtype), v_all], 1), mask
 
 
 def _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, positions, key_positions, shift, sink_rope):
@@ -128,7 +121,7 @@ def _attend_with_sink_shift(model, layer, q, q_normed, k_all, v_all, mask, posit
     sink_scores = (q_virt @ kx.transpose(1, 2)) * s.attn_scale
     kp = key_positions[None, :]
     shifted = (positions[:, None] >= shift.from_position) & (kp >= 0) & (kp < shift.sink)
-    if mask.shape[1] != kp.shape[1]:  # restored columns come first and are never sink keys
+    if mask.shape[1] != kp.shape[1]:  # extra key columns come first and are never sink keys
         pad = torch.zeros(mask.shape[0], mask.shape[1] - kp.shape[1], dtype=torch.bool, device=mask.device)
         shifted = torch.cat([pad, shifted], 1)
     scores = torch.where(shifted, sink_scores, scores).masked_fill(~mask, float("-inf"))

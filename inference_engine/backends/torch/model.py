@@ -83,7 +83,6 @@ class TorchCausalLM:
             L.q_norm = self._norm_weight(a.q_norm.weight) if spec.qk_norm else None
             L.k_norm = self._norm_weight(a.k_norm.weight) if spec.qk_norm else None
             self.layers.append(L)
-        self._verifier_source = None
         self.graphs = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
 
     def use_step_graphs(self, mode: str) -> bool:
@@ -239,8 +238,8 @@ class TorchCausalLM:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
                                               scale=s.attn_scale, enable_gqa=True)[0]
 
-    def attend_layout(self, layer: int, q, q_normed, k_all, v_all, layout, restored=None, sink_rope=None) -> torch.Tensor:
-        return attend_layout(self, layer, q, q_normed, k_all, v_all, layout, restored, sink_rope)
+    def attend_layout(self, layer: int, q, q_normed, k_all, v_all, layout, extra=None, sink_rope=None) -> torch.Tensor:
+        return attend_layout(self, layer, q, q_normed, k_all, v_all, layout, extra, sink_rope)
 
     def finish(self, layer: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output o (H, T, D) -> residual stream after the output projection and MLP."""
@@ -272,14 +271,6 @@ class TorchCausalLM:
     def logits(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """greedy: the caller only takes the argmax (linear.RefinedHead's 4-bit scoring path)."""
         return (self.head(hidden, greedy=True) if greedy and isinstance(self.head, RefinedHead) else self.head(hidden)).float()
-
-    # -- dlm_restore: the model as its own (same-model) restore source -------------------------
-    def verifier_restore_source(self):
-        if self._verifier_source is None:
-            from inference_engine.backends.torch.verifier_restore import VerifierRestoreSource
-
-            self._verifier_source = VerifierRestoreSource(self)
-        return self._verifier_source
 
     # -- tensor helpers ----------------------------------------------------------------------
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """dLM K/V restoration (ADR 0008 §11.5): the seam between a proposer and the verifier's attention.
 
 At every verifier step of a `dlm_restore` cache, the positions that left the resident
-sink+window are restored for that step only. The verifier's forward asks a RestoreSource for
-one `RestoreStep`, then, layer by layer and just before that layer's attention, asks the step
-for the layer's K/V at the evicted positions; the verifier attends over resident ⊕ restored
-and drops the restored tensors before the next layer, so at most one layer's restored K/V is
-alive at a time. The step is closed (its proposer state freed) when the forward ends.
+sink+window are restored for that step only. The cache's layout carries a RestorePlan as its
+extra keys (inference_engine/kv/layout.py: ExtraKeySource); the forward opens it, which asks a
+RestoreSource for one `RestoreStep`, then, layer by layer and just before that layer's attention,
+asks the step for the layer's K/V at the evicted positions; the verifier attends over restored ⊕
+resident and drops the restored tensors before the next layer, so at most one layer's restored
+K/V is alive at a time. The step is closed (its proposer state freed) when the forward ends.
 
 K/V crossing the seam are in the verifier's *pre-norm, pre-RoPE* space: K as the verifier's
 k_proj would emit it, V as its v_proj would. The verifier applies its own k_norm and RoPE at
@@ -16,9 +17,12 @@ returns its own projections unchanged.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from inference_engine.kv.layout import ExtraKeys
 
 
 @runtime_checkable
@@ -44,6 +48,67 @@ class RestoreSource(Protocol):
         """history: (n,) token ids of every position before and in this step (the proposer
         may read all of it); evicted: (E,) ascending positions whose K/V the step must restore."""
         ...
+
+
+@dataclass
+class RestorePlan:
+    """Evicted positions a dlm_restore step attends to besides the resident keys: the layout's extra keys."""
+
+    history: torch.Tensor  # (n,) token ids of positions 0 .. last position of the step
+    positions: torch.Tensor  # (E,) evicted positions, ascending
+    masks: dict  # layer window -> (T, E) bool
+    source: RestoreSource | None = None  # the cache's proposer; None = the verifier itself (same-model)
+    held: HeldRestore | None = None  # to replay instead of running the proposer
+    record: HeldRestore | None = None  # keeps what the proposer returns
+
+    def open(self, backend) -> RestoredKeys | None:
+        if not self.positions.numel():
+            return None
+        return RestoredKeys(backend, self.open_step(backend), self.positions, self.masks)
+
+    def open_step(self, backend) -> RestoreStep:
+        """The RestoreStep for this plan: a replay of held K/V, or the source's (recorded if asked)."""
+        if self.held is not None:
+            return self.held.replay()
+        source = self.source if self.source is not None else verifier_source(backend)
+        step = source.open_step(self.history, self.positions)
+        return self.record.recording(step) if self.record is not None else step
+
+
+def verifier_source(backend) -> RestoreSource:
+    """The model as its own proposer (same-model restoration, f_θ = identity): torch backend only."""
+    if getattr(backend, "backend_name", "torch") != "torch":
+        raise NotImplementedError("dlm_restore runs on the torch backend only; use --backend torch for --kv-strategy dlm_restore")
+    from kv_cache_proposer.same_model import VerifierRestoreSource
+
+    return VerifierRestoreSource(backend)
+
+
+class RestoredKeys:
+    """A step's restored K/V as the verifier's attention takes them: positioned (the backend's k_norm and
+    RoPE at the evicted positions), the positions no query of the layer may see left out, with the step's
+    attention-mass calibration (`logit_bias`, (num_layers, num_heads)) if its proposer ships one."""
+
+    def __init__(self, backend, step: RestoreStep, positions: torch.Tensor, masks: dict):
+        self.backend, self.step, self.masks = backend, step, masks
+        self.rope = backend.rope(positions)
+        self.bias = getattr(step, "logit_bias", None)
+
+    def for_layer(self, layer: int) -> ExtraKeys:
+        k, v = self.step.kv_for_layer(layer)  # (Hkv, E, D) raw
+        mask = self.masks[self.backend.spec.layer_windows[layer]]
+        visible = mask.any(0)
+        if not bool(visible.any()):  # a local layer whose window lies inside the resident keys
+            return ExtraKeys(k[:, :0], v[:, :0], mask[:, :0])
+        rope = self.rope
+        if not bool(visible.all()):
+            idx = visible.nonzero().flatten()
+            k, v, mask, rope = k[:, idx], v[:, idx], mask[:, idx], rope.select(idx)
+        return ExtraKeys(self.backend.position_k(layer, k, rope), v, mask,
+                         self.bias[layer] if self.bias is not None else None)
+
+    def close(self) -> None:
+        self.step.close()
 
 
 class HeldRestore:

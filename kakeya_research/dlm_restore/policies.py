@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inference_engine.kv.restore import HeldRestore
+from kakeya_research.dlm_restore.seam import HeldRestore
 
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
@@ -154,14 +154,14 @@ class HoldRestored(RestoreEveryStep):
 
     def on_commit(self, cache, layout, n_keep: int) -> None:
         rec, self._recording = self._recording, None
-        if layout.restore is None:
+        if layout.extra_keys is None:
             return
         if rec is not None and rec.complete and n_keep == layout.slots.numel():
             # A rolled-back step may have shown the proposer tokens that are gone: not adopted.
             # The old set and the new recording were both alive during the step.
             cache._peak_nbytes = max(cache._peak_nbytes, cache.nbytes + rec.nbytes)
             self.held, self.held_upto, self.uses = rec, cache._cover_upto, 1
-        elif layout.restore.held is not None:
+        elif layout.extra_keys.held is not None:
             self.uses += 1
 
     def on_abort(self) -> None:

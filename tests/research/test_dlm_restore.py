@@ -1,10 +1,12 @@
-"""dlm_restore: sink+window resident cache + per-step restored K/V of every evicted position.
+"""dlm_restore (kakeya_research/dlm_restore): sink+window resident cache + per-step restored K/V of
+every evicted position, plugged into the runtime through the strategy registry and the layout's extra keys.
 
 Same-model restoration (the verifier as its own cache-free proposer, f_θ = identity) must
 reproduce `full`: logits within float noise, greedy tokens identical, across prefill chunks,
 decode steps and speculative verify steps with rollback; restored tensors never outlive the
 layer that reads them, and resident bytes are sink_window's.
 """
+import dataclasses
 import gc
 import weakref
 
@@ -15,11 +17,15 @@ from drafters import HashDrafter, SelfDrafter
 from factories import load_model, require_smollm2, tiny_model_dir
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
-from inference_engine.kv.dlm_restore import DLMRestoreCache
+from inference_engine.kv import registry
 from inference_engine.kv.factory import make_cache
+from inference_engine.kv.registry import make_strategy
 from inference_engine.kv.strategy import KVStrategy
-from inference_engine.kv.restore import RestoreSource, RestoreStep
 from inference_engine.engine.steps import forward
+from kakeya_research.dlm_restore.cache import DLMRestoreCache
+from kakeya_research.dlm_restore.seam import RestorePlan, RestoreSource, RestoreStep, verifier_source
+from kakeya_research.dlm_restore.strategy import DLMRestoreStrategy
+from kv_cache_proposer.same_model import VerifierRestoreSource
 
 ARCHS = ["llama", "qwen3", "gemma3"]  # gemma3: a local layer (window 16) and a global one
 SINK, WINDOW = 4, 12
@@ -33,12 +39,12 @@ def new_cache(m, strategy, max_step=64, **kw):
     return make_cache(strategy, m.geometry(), max_step=max_step, max_context=m.spec.max_context, **kw)
 
 
-def feed(m, cache, ids, chunk, restored=None):
+def feed(m, cache, ids, chunk):
     out = []
     for i in range(0, len(ids), chunk):
         part = torch.tensor(ids[i : i + chunk])
         pos = torch.arange(cache.next_position, cache.next_position + len(part))
-        logits, _ = forward(m, part, pos, cache, restored=restored)
+        logits, _ = forward(m, part, pos, cache)
         cache.commit()
         out.append(logits)
     return torch.cat(out)
@@ -86,7 +92,7 @@ def test_logits_equal_full_whatever_the_chunking(arch):
     history = ids(150)  # > 11 windows
     full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
     for chunk in (1, 9, 64):
-        cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW))
+        cache = new_cache(m, make_strategy("dlm_restore", SINK, WINDOW))
         got = feed(m, cache, history, chunk)
         torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
         assert cache.evicted_total == 150 - SINK - WINDOW + 1 and cache.dropped_total == 0
@@ -100,14 +106,14 @@ def test_greedy_equals_full_across_speculative_steps(arch, drafter):
     d = {None: None, "self": SelfDrafter(m, context_window=256, corrupt_every=3), "hash": HashDrafter(m.spec.vocab_size)}[drafter]
     spec_k = 3 if d is not None else 0
     ref, _ = greedy(Engine(m, KVStrategy("full"), prefill_chunk=32), history, 40)
-    got, kv = greedy(Engine(m, KVStrategy("dlm_restore", SINK, WINDOW), prefill_chunk=32, drafter=d, spec_k=spec_k), history, 40)
+    got, kv = greedy(Engine(m, make_strategy("dlm_restore", SINK, WINDOW), prefill_chunk=32, drafter=d, spec_k=spec_k), history, 40)
     assert got == ref
     assert kv.resident_positions == SINK + WINDOW - 1 and kv.dropped_total == 0
 
 
 def test_speculative_rollback_is_exact():
     m = model()
-    strategy = KVStrategy("dlm_restore", SINK, WINDOW)
+    strategy = make_strategy("dlm_restore", SINK, WINDOW)
     history, extra, tail = ids(40), ids(6, seed=1), ids(5, seed=2)
     a = new_cache(m, strategy)
     feed(m, a, history, 16)
@@ -121,8 +127,8 @@ def test_speculative_rollback_is_exact():
 
 def test_restored_kv_live_one_layer_at_a_time_and_are_freed():
     m = model(num_hidden_layers=4)
-    src = RecordingSource(m.verifier_restore_source())
-    cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW), restore_source=src)
+    src = RecordingSource(VerifierRestoreSource(m))
+    cache = new_cache(m, make_strategy("dlm_restore", SINK, WINDOW), resources=src)
     feed(m, cache, ids(60), 8)
     after_one = cache.nbytes
     feed(m, cache, ids(40, seed=4), 1)
@@ -140,7 +146,7 @@ def test_resident_state_is_sink_windows():
     m = model()
     history = ids(120)
     sw = new_cache(m, KVStrategy("sink_window", SINK, WINDOW))
-    dr = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW))
+    dr = new_cache(m, make_strategy("dlm_restore", SINK, WINDOW))
     feed(m, sw, history, 16)
     feed(m, dr, history, 16)
     assert isinstance(dr, DLMRestoreCache)
@@ -149,13 +155,37 @@ def test_resident_state_is_sink_windows():
     assert dr.evicted_total == sw.dropped_total and dr.dropped_total == 0
 
 
+def test_the_registry_finds_dlm_restore_and_the_layout_carries_its_restoration():
+    """The runtime names no dlm_restore class: its registry finds the plugin, whose parameters are a KVStrategy
+    of their own, and the cache hands the forward its restoration as the layout's extra keys."""
+    p = registry.plugin("dlm_restore")
+    assert "dlm_restore" in registry.names() and p.research and p.params is DLMRestoreStrategy and not p.exact_verify
+    st = make_strategy("dlm_restore", SINK, WINDOW, restore_refresh=3)
+    assert isinstance(st, DLMRestoreStrategy) and registry.strategy_from_dict(dataclasses.asdict(st)) == st
+    with pytest.raises(ValueError, match="unknown kv strategy 'dlm_restore' for KVStrategy"):
+        KVStrategy("dlm_restore", SINK, WINDOW)  # the product's parameters do not describe it
+    m = model()
+    cache = new_cache(m, st)
+    assert isinstance(cache, DLMRestoreCache)
+    feed(m, cache, ids(40), 8)
+    layout = cache.prepare(range(40, 41), torch.tensor([5]))
+    assert isinstance(layout.extra_keys, RestorePlan) and layout.extra_keys.positions.tolist() == list(range(SINK, 41 - WINDOW))
+    cache.abort()
+
+    class Mlx:
+        backend_name = "mlx"
+
+    with pytest.raises(NotImplementedError, match="torch backend only"):
+        verifier_source(Mlx())
+
+
 def test_a_restore_source_plugs_in_through_the_seam():
     """A proposer of another kind supplies pre-RoPE K/V; the verifier positions them. An
     identity 'projection' over the same-model proposer equals full; a wrong one does not."""
     m = model("qwen3")  # k_norm: the verifier must apply its own norm to restored keys
     history = ids(80)
     full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
-    verifier = m.verifier_restore_source()
+    verifier = VerifierRestoreSource(m)
 
     class Projected:
         name = "projected"
@@ -180,16 +210,16 @@ def test_a_restore_source_plugs_in_through_the_seam():
     identity, rolled = Projected(lambda layer, k: k), Projected(lambda layer, k: k.roll(1, dims=-1))
     assert isinstance(identity, RestoreSource)
     assert isinstance(verifier.open_step(torch.tensor(history), torch.arange(4, 10)), RestoreStep)
-    strategy = KVStrategy("dlm_restore", SINK, WINDOW)
-    torch.testing.assert_close(feed(m, new_cache(m, strategy), history, 16, restored=identity), full, rtol=1e-4, atol=1e-4)
-    wrong = feed(m, new_cache(m, strategy, restore_source=rolled), history, 16)
+    strategy = make_strategy("dlm_restore", SINK, WINDOW)
+    torch.testing.assert_close(feed(m, new_cache(m, strategy, resources=identity), history, 16), full, rtol=1e-4, atol=1e-4)
+    wrong = feed(m, new_cache(m, strategy, resources=rolled), history, 16)
     torch.testing.assert_close(wrong[: SINK + WINDOW], full[: SINK + WINDOW], rtol=1e-4, atol=1e-4)  # nothing evicted yet
     assert not torch.allclose(wrong[-1], full[-1], atol=1e-3)
 
 
 def test_history_stops_at_the_trained_context():
     m = model(max_position_embeddings=64)
-    cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW))
+    cache = new_cache(m, make_strategy("dlm_restore", SINK, WINDOW))
     feed(m, cache, ids(64), 16)
     resident = cache.resident_positions
     with pytest.raises(ValueError, match="trained context"):
@@ -201,10 +231,10 @@ def test_history_stops_at_the_trained_context():
 
 def test_unknown_restore_source_is_rejected():
     with pytest.raises(ValueError, match="restore_from 'oracle'"):
-        KVStrategy("dlm_restore", SINK, WINDOW, restore_from="oracle")
+        make_strategy("dlm_restore", SINK, WINDOW, restore_from="oracle")
     m = model()
     with pytest.raises(ValueError, match="needs a restore_source"):  # cross-model without its proposer
-        Engine(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter"))
+        Engine(m, make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter"))
 
 
 @pytest.mark.model
@@ -226,7 +256,7 @@ def test_smollm2_passkey_beyond_the_window_equals_full():
     forgetful, _ = greedy(Engine(m, KVStrategy("sink_window", 4, 64), prefill_chunk=128), history, 8)
     assert forgetful != ref  # ... a 4+64 window cannot ...
     d = HashDrafter(m.spec.vocab_size)
-    got, kv = greedy(Engine(m, KVStrategy("dlm_restore", 4, 64), prefill_chunk=128, drafter=d, spec_k=2), history, 8)
+    got, kv = greedy(Engine(m, make_strategy("dlm_restore", 4, 64), prefill_chunk=128, drafter=d, spec_k=2), history, 8)
     assert got == ref  # ... restoration does, token for token, through verify steps
     assert kv.resident_positions == 4 + 64 - 1
 
@@ -255,11 +285,11 @@ def test_refresh_reuses_restored_kv_and_still_equals_full(arch, refresh):
     history = ids(120)
     full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
     for chunk in (1, 7):
-        src = CountingSource(m.verifier_restore_source())
-        every = CountingSource(m.verifier_restore_source())
-        cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=refresh), restore_source=src)
+        src = CountingSource(VerifierRestoreSource(m))
+        every = CountingSource(VerifierRestoreSource(m))
+        cache = new_cache(m, make_strategy("dlm_restore", SINK, WINDOW, restore_refresh=refresh), resources=src)
         torch.testing.assert_close(feed(m, cache, history, chunk), full, rtol=1e-4, atol=1e-4)
-        feed(m, new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW), restore_source=every), history, chunk)
+        feed(m, new_cache(m, make_strategy("dlm_restore", SINK, WINDOW), resources=every), history, chunk)
         assert every.opened > 0 and src.opened == pytest.approx(every.opened / refresh, abs=2)
         assert cache.dropped_total == 0
         # between refreshes the held set and the extra resident rows are live memory
@@ -273,7 +303,7 @@ def test_refresh_greedy_equals_full_across_speculative_steps(drafter):
     history = ids(70, seed=1)
     d = {"self": SelfDrafter(m, context_window=256, corrupt_every=3), "hash": HashDrafter(m.spec.vocab_size)}[drafter]
     ref, _ = greedy(Engine(m, KVStrategy("full"), prefill_chunk=32), history, 40)
-    got, kv = greedy(Engine(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=4), prefill_chunk=32, drafter=d, spec_k=3),
+    got, kv = greedy(Engine(m, make_strategy("dlm_restore", SINK, WINDOW, restore_refresh=4), prefill_chunk=32, drafter=d, spec_k=3),
                      history, 40)
     assert got == ref
     assert kv.dropped_total == 0
@@ -281,18 +311,18 @@ def test_refresh_greedy_equals_full_across_speculative_steps(drafter):
 
 def test_refresh_one_holds_nothing_and_bad_values_are_refused():
     m = model()
-    cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=1))
+    cache = new_cache(m, make_strategy("dlm_restore", SINK, WINDOW, restore_refresh=1))
     feed(m, cache, ids(60), 8)
     assert cache.held_nbytes == 0 and cache.resident_positions == SINK + WINDOW - 1
     for bad in (0, -3, 1.5):
         with pytest.raises(ValueError, match="restore_refresh"):
-            KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=bad)
+            make_strategy("dlm_restore", SINK, WINDOW, restore_refresh=bad)
 
 
 def test_refresh_rolled_back_step_is_not_adopted():
     """A refresh step of which only part is kept (speculative rollback) leaves nothing held from it."""
     m = model()
-    strategy = KVStrategy("dlm_restore", SINK, WINDOW, restore_refresh=3)
+    strategy = make_strategy("dlm_restore", SINK, WINDOW, restore_refresh=3)
     a = new_cache(m, strategy)
     feed(m, a, ids(40), 40)  # one step: nothing evicted yet, nothing held
     assert a.held_nbytes == 0
@@ -340,24 +370,24 @@ def test_pinned_positions_are_the_worst_restored_and_make_it_exact(arch):
     history = ids(120)
     bad = [9, 30, 31, 77]
     full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
-    strategy = KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=len(bad))
+    strategy = make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=len(bad))
     for chunk in (1, 16):
-        cache = new_cache(m, strategy, restore_source=CorruptingSource(m.verifier_restore_source(), bad))
+        cache = new_cache(m, strategy, resources=CorruptingSource(VerifierRestoreSource(m), bad))
         got = feed(m, cache, history, chunk)
         assert cache.pinned_positions == bad
         torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)  # the only wrong K/V are never used
         assert cache.resident_positions == SINK + WINDOW - 1 + len(bad) and cache.dropped_total == 0
     # the same corruption without pins changes the output: the test can fail
-    unpinned = feed(m, new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter"),
-                                 restore_source=CorruptingSource(m.verifier_restore_source(), bad)), history, 16)
+    unpinned = feed(m, new_cache(m, make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter"),
+                                 resources=CorruptingSource(VerifierRestoreSource(m), bad)), history, 16)
     assert not torch.allclose(unpinned[-1], full[-1], atol=1e-3)
 
 
 def test_pinned_cache_memory_is_flat_and_fewer_pins_keep_the_worst():
     m = model()
     bad = [12, 40, 41, 90, 130]
-    src = CorruptingSource(m.verifier_restore_source(), bad)
-    cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=3), restore_source=src)
+    src = CorruptingSource(VerifierRestoreSource(m), bad)
+    cache = new_cache(m, make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=3), resources=src)
     feed(m, cache, ids(60), 8)
     first = cache.nbytes
     feed(m, cache, ids(100, seed=3), 1)
@@ -367,11 +397,11 @@ def test_pinned_cache_memory_is_flat_and_fewer_pins_keep_the_worst():
 
 def test_pin_needs_a_learned_proposer():
     with pytest.raises(ValueError, match="restore_pin"):
-        KVStrategy("dlm_restore", SINK, WINDOW, restore_pin=4)  # same-model: exact, nothing to pin
+        make_strategy("dlm_restore", SINK, WINDOW, restore_pin=4)  # same-model: exact, nothing to pin
     with pytest.raises(ValueError, match="restore_pin"):
-        KVStrategy("sink_window", SINK, WINDOW, restore_pin=4)
+        make_strategy("sink_window", SINK, WINDOW, restore_pin=4)
     with pytest.raises(ValueError, match="cannot be combined"):
-        KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4, restore_refresh=2)
+        make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=4, restore_refresh=2)
 
 
 def test_pinned_greedy_equals_full_across_speculative_steps():
@@ -379,10 +409,10 @@ def test_pinned_greedy_equals_full_across_speculative_steps():
     history = ids(70, seed=1)
     bad = [8, 20, 21, 45]
     ref, _ = greedy(Engine(m, KVStrategy("full"), prefill_chunk=32), history, 40)
-    src = CorruptingSource(m.verifier_restore_source(), bad)
-    strategy = KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=len(bad))
+    src = CorruptingSource(VerifierRestoreSource(m), bad)
+    strategy = make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter", restore_pin=len(bad))
     engine = Engine(m, strategy, prefill_chunk=32, drafter=SelfDrafter(m, context_window=256, corrupt_every=3), spec_k=3,
-                    restore_source=src)
+                    strategy_resources=src)
     got, kv = greedy(engine, history, 40)
     assert got == ref
     assert kv.cache.pinned_positions == bad
@@ -409,20 +439,20 @@ def test_logit_bias_is_applied_to_the_restored_columns_only(arch):
     m = model(arch)
     s = m.spec
     history = ids(90, seed=4)
-    strategy = KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter")
+    strategy = make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter")
     full = feed(m, new_cache(m, KVStrategy("full")), history, 16)
     window = feed(m, new_cache(m, KVStrategy("sink_window", SINK, WINDOW)), history, 1)
     zero = torch.zeros(s.num_layers, s.num_heads)
-    got = feed(m, new_cache(m, strategy, restore_source=BiasedSource(m.verifier_restore_source(), zero)), history, 16)
+    got = feed(m, new_cache(m, strategy, resources=BiasedSource(VerifierRestoreSource(m), zero)), history, 16)
     torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)  # no offset: exact restoration is still `full`
     # an offset of -1e9 removes the restored positions from attention: what is left is sink_window
     # (one token per step: a prefill chunk of dlm_restore attends to all its resident keys, sink_window to each query's window)
-    gone = feed(m, new_cache(m, strategy, restore_source=BiasedSource(m.verifier_restore_source(), zero - 1e9)), history, 1)
+    gone = feed(m, new_cache(m, strategy, resources=BiasedSource(VerifierRestoreSource(m), zero - 1e9)), history, 1)
     torch.testing.assert_close(gone, window, rtol=1e-4, atol=1e-4)
     # a finite offset on one head of one layer changes the output, and only from the first evicting step on
     one = zero.clone()
     one[0, 1] = 2.0
-    moved = feed(m, new_cache(m, strategy, restore_source=BiasedSource(m.verifier_restore_source(), one)), history, 16)
+    moved = feed(m, new_cache(m, strategy, resources=BiasedSource(VerifierRestoreSource(m), one)), history, 16)
     first_evicted = SINK + WINDOW  # the first step whose queries see a restored position
     torch.testing.assert_close(moved[:first_evicted], full[:first_evicted], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(moved[-1], full[-1], atol=1e-3)
@@ -436,8 +466,8 @@ def test_logit_bias_equals_attention_with_offset_logits():
     history = ids(40, seed=5)
     n = len(history)
     bias = torch.randn(s.num_layers, s.num_heads, generator=torch.Generator().manual_seed(0))
-    cache = new_cache(m, KVStrategy("dlm_restore", SINK, WINDOW, restore_from="drafter"),
-                      restore_source=BiasedSource(m.verifier_restore_source(), bias))
+    cache = new_cache(m, make_strategy("dlm_restore", SINK, WINDOW, restore_from="drafter"),
+                      resources=BiasedSource(VerifierRestoreSource(m), bias))
     feed(m, cache, history[:-1], n - 1)
     got = feed(m, cache, history[-1:], 1)[-1]
     x = m.embed_ids(torch.tensor(history))

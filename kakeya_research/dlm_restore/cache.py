@@ -4,32 +4,36 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inference_engine.kv.layout import CacheGeometry, RestorePlan, SinkShift
-from inference_engine.kv.restore_policies import make_policy
+from inference_engine.kv.layout import CacheGeometry, SinkShift
 from inference_engine.kv.sink_window import SinkWindowCache
-from inference_engine.kv.strategy import KVStrategy
+from kakeya_research.dlm_restore.policies import make_policy
+from kakeya_research.dlm_restore.seam import RestorePlan, RestoreSource
+from kakeya_research.dlm_restore.strategy import DLMRestoreStrategy
 
 
 class DLMRestoreCache(SinkWindowCache):
     """Resident memory is sink_window's. The step's queries attend causally to every resident key
     and to the evicted positions [sink, next_position - window], whose K/V a RestoreSource
-    computes for that step only (restore.py; the backend fetches them layer by layer). Nothing
+    computes for that step only (seam.py: the layout's extra keys, fetched layer by layer). Nothing
     leaves attention, so `commit` reports no dropped positions; evictions from the resident store
     are counted in `evicted_total`. The cache keeps the history's token ids (int32, 4 bytes a
     token; not K/V, not in `nbytes`) because the proposer re-reads them every step. Attention is
     `full`'s, so the history is limited to the trained context (no sink re-anchoring).
 
-    Which evicted positions are restored when is the policy's (restore_policies.py): every step
+    Which evicted positions are restored when is the policy's (policies.py): every step
     (the default), with the worst-restored P pinned resident, or held for N steps."""
 
     RING = False  # restored columns make its steps batched, not row-exact; pins keep slots of their own
 
-    def __init__(self, strategy: KVStrategy, geometry: CacheGeometry, max_step: int, max_context: int, *,
-                 restore_source=None):
+    def __init__(self, strategy: DLMRestoreStrategy, geometry: CacheGeometry, max_step: int, max_context: int, *,
+                 restore_source: RestoreSource | None = None):
+        if strategy.restore_from != "verifier" and restore_source is None:
+            raise ValueError(f"dlm_restore from {strategy.restore_from!r} needs a restore_source (the engine's "
+                             "strategy resources: e.g. kv_cache_proposer.restore.DrafterRestoreSource)")
         self.policy = make_policy(strategy, geometry.num_layers)
         super().__init__(strategy, geometry, max_step, max_context, extra_resident=self.policy.extra_resident)
         self.restore_from = strategy.restore_from
-        self.restore_source = restore_source  # None: the backend resolves `restore_from` itself
+        self.restore_source = restore_source  # None: the verifier itself (same-model), from the step's backend
         self.evicted_total = 0
         self._tokens = np.zeros(256, dtype=np.int32)
         self._cover_upto = self.sink - 1  # this step: resident keys in [sink, _cover_upto] are served restored
@@ -93,7 +97,7 @@ class DLMRestoreCache(SinkWindowCache):
         self._cover_upto = self.policy.cover_upto(self)
         return super().prepare(positions, ids)
 
-    def _restore_plan(self, first: int, t: int, ids: torch.Tensor | None) -> RestorePlan:
+    def _extra_keys(self, first: int, t: int, ids: torch.Tensor | None) -> RestorePlan:
         if ids is None:
             raise ValueError("dlm_restore keeps the token history it restores from: prepare() needs the step's token ids")
         end = first + t
@@ -110,7 +114,8 @@ class DLMRestoreCache(SinkWindowCache):
         dev = self.store.device
         masks = {w: torch.from_numpy((kp <= qp) if w is None else (kp > qp - w)).to(dev) for w in set(self.geometry.layer_windows)}
         held, record = self.policy.held_and_record(self, evicted.size > 0)
-        return RestorePlan(self.token_history(end).to(dev), torch.from_numpy(evicted).to(dev), masks, held, record)
+        return RestorePlan(self.token_history(end).to(dev), torch.from_numpy(evicted).to(dev), masks, self.restore_source,
+                           held, record)
 
     def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
         tensors, meta = self.policy.state()

@@ -1,7 +1,9 @@
 """Same-model restoration (f_θ = identity): the verifier itself, run causally and without a
 cache over the history up to the last evicted position, one layer per `kv_for_layer` call.
 Causality makes its K/V at every evicted position the ones `full` would hold. Built from the
-backend's public layer pieces."""
+backend's public layer pieces (inference_engine/backends/protocol.py), passed in: nothing of the
+engine is imported. A RestoreSource of dlm_restore (kakeya_research/dlm_restore/seam.py), and
+the verifier's true K/V for f_θ's training data (training/restore_data.py: verifier_kv)."""
 from __future__ import annotations
 
 import torch
