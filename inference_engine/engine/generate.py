@@ -99,9 +99,11 @@ class Engine:
 
     def history_limit(self) -> int | None:
         """Longest history the strategy can serve; None = unbounded (sink_window: positions past
-        the trained context use the sink re-anchoring documented in SinkWindowCache). `full`
-        and `dlm_restore` attend to every position, so they stop at the trained context."""
-        return None if self.strategy.forgets else self.max_context
+        the trained context use the sink re-anchoring documented in SinkWindowCache; paged: InfLLM's
+        layout, kv/paged.py). `full` attends at true positions and stops at the trained context."""
+        if self.strategy.name == "paged" and not hasattr(self.model, "rotate_keys"):
+            return self.max_context  # past the context paged moves recalled keys with the backend's rotate_keys (torch)
+        return None if self.strategy.unbounded else self.max_context
 
     def prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
         """Run pending tokens in chunks (through the engine loop); returns (positions dropped from attention, completed)."""

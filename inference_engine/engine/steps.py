@@ -81,7 +81,8 @@ class _Item:
         """Layer i's attention output (H, T, D) for this item's rows (k positioned, v raw)."""
         k_all, v_all = self.cache.update_and_fetch(i, k, v)
         extra = self.extra.for_layer(i) if self.extra is not None else None
-        o = self.paged(i, q, k_all, v_all, self.layout, backend.spec.attn_scale) if self.paged is not None else None
+        o = (self.paged(i, q, k_all, v_all, self.layout, backend.spec.attn_scale, getattr(backend, "rotate_keys", None))
+             if self.paged is not None else None)
         if o is None:  # not paged, or nothing out of the window yet
             o = backend.attend_layout(i, q, q_normed, k_all, v_all, self.layout, extra, self.sink_rope)
         return o

@@ -18,7 +18,14 @@ Selection is per query and by position, so it does not depend on how the history
 the same compact code it gets when archived. With `recall_pages` >= the number of pages every
 query attends to its whole history: paged == full.
 
-Positions are never re-based: a session stops at the trained context, like `full`.
+Past the trained context (`max_context`) there is no limit (InfLLM's layout, arXiv 2402.04617): a
+query at p >= max_context attends to its window at true positions, to its chosen pages as if they sat
+in position order right before the window, and to the sink right before those, so no distance it sees
+exceeds sink + window + recall_pages * page_size (checked against the trained context). Keys stay
+post-RoPE at their true positions in every tier; the recalled ones are rotated on recall (RoPE
+composes: rotating a key at p_k by d puts it at p_k + d), by the backend's `rotate_keys`. Below the
+trained context nothing changes: every query attends at true positions. Page choice scores at true
+positions on both sides of it.
 Byte counts: `resident_nbytes` (sink + window slab; flat), `selection_nbytes` (compact keys;
 grows with the pages), `stored_nbytes` (page store). `nbytes` = resident + selection, what a
 session holds for attention every step; the page store is a cheaper tier.
@@ -32,9 +39,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inference_engine.backends.torch.attention import attend_merged, attend_row_two_part
+from inference_engine.backends.torch.attention import attend_merged, attend_row_parts, attend_row_two_part
 from inference_engine.errors import CacheInvariantError
-from inference_engine.kv.layout import AttentionLayout, CacheGeometry, SinkShift
+from inference_engine.kv.layout import AttentionLayout, CacheGeometry
 from inference_engine.kv.paged_store import RowTable, make_row_codec
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import AppendOnly
@@ -83,10 +90,12 @@ class PagedCache(SinkWindowCache):
     # -- step ---------------------------------------------------------------------------------
     def prepare(self, positions, ids: torch.Tensor | None = None) -> AttentionLayout:
         t = len(positions) if isinstance(positions, range) else positions.numel()
-        if self.next_position + t - 1 >= self.max_context:  # checked before any slot is taken
+        reach = self.sink + self.window + self.recall_pages * self.page_size
+        if self.next_position + t - 1 >= self.max_context and reach >= self.max_context:  # before any slot is taken
             raise ValueError(
-                f"position {self.next_position + t - 1} is past the model's context of {self.max_context}; paged attends "
-                "at true positions (no re-basing), so sessions stop at the trained context like `full`")
+                f"position {self.next_position + t - 1} is past the model's context of {self.max_context}, and this paged "
+                f"layout reaches {reach} positions back (sink {self.sink} + window {self.window} + {self.recall_pages} pages "
+                f"of {self.page_size}): past the trained context it must stay under {self.max_context}")
         layout = super().prepare(positions, ids)
         self._step = self._plan_step(layout)
         return layout
@@ -127,7 +136,7 @@ class PagedCache(SinkWindowCache):
 
     @torch.inference_mode()
     def attend_with_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                          layout: AttentionLayout, scale: float) -> torch.Tensor | None:
+                          layout: AttentionLayout, scale: float, rotate_keys=None) -> torch.Tensor | None:
         """Attention output (H, T, D) of this layer's queries q (H, T, D, post-RoPE) over sink +
         window (k_all, v_all (Hkv, N, D) with the layout's mask) + the keys of each query's chosen
         pages; None when nothing is out of any query's window (attend as sink_window does).
@@ -138,7 +147,10 @@ class PagedCache(SinkWindowCache):
         one call for all heads (a per-head mask only when a chosen page holds keys the row may not
         see: the last, partial page).
         Arrays of another backend (MLX) are copied to CPU torch tensors and the output is torch; the
-        backend takes it back (MlxCausalLM.finish), and the store's `read` returns torch rows."""
+        backend takes it back (MlxCausalLM.finish), and the store's `read` returns torch rows.
+        rotate_keys(layer, k (Hkv, E, D), deltas (Hkv, E)): the backend's RoPE rotation of positioned keys
+        by `deltas` positions; queries past the trained context need it (they attend row by row, their
+        recalled keys and the sink moved next to the window)."""
         w = self.geometry.layer_windows[layer]
         plan = self._step
         if plan is None or w not in plan["allowed"]:
@@ -151,8 +163,8 @@ class PagedCache(SinkWindowCache):
         c = plan["c"]
         t1 = time.perf_counter()
         t = idx.shape[1]
-        if getattr(layout, "row_exact", False):
-            return self._attend_rows(layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1)
+        if getattr(layout, "row_exact", False) or layout.last_position >= self.max_context:
+            return self._attend_rows(layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1, rotate_keys)
         sel = self._selection(idx, ok, allowed, c)  # (Hkv, T, C)
         rows, valid = _rows_per_head(sel.any(1))  # per head: keys any of the step's queries chose
         kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
@@ -163,7 +175,7 @@ class PagedCache(SinkWindowCache):
         self._time(t0, t1, t2)
         return o
 
-    def _attend_rows(self, layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1):
+    def _attend_rows(self, layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1, rotate_keys=None):
         """Row-exact attention: row j attends, in one call for all heads (each KV head's query heads
         as the call's query rows, so a per-KV-head mask broadcasts over them), over exactly what a
         one-token step at its position reads: its recalled rows, then its visible resident columns
@@ -174,7 +186,8 @@ class PagedCache(SinkWindowCache):
         page table as they are when it has at most `recall_pages` pages (then all are chosen), else
         its chosen pages' rows in position order; masked (rows past its candidates, or out of a
         local window) exactly when its own candidates do not fill whole visible pages. So a
-        verified block's rows are bit-equal to one-token steps."""
+        verified block's rows are bit-equal to one-token steps. A row past the trained context
+        (`_far_row`) also attends this way, its recalled rows and the sink moved next to its window."""
         hkv = idx.shape[0]
         g, d = q.shape[0] // hkv, q.shape[2]
         p, m = self.page_size, self.recall_pages
@@ -188,9 +201,11 @@ class PagedCache(SinkWindowCache):
             qj = q[:, j].reshape(1, hkv, g, d)
             n_pages = vis["pages"][j]  # this row's candidate pages
             bias = None
+            pages = None  # (Hkv, n) the row's pages in position order (for a row past the trained context)
             if n_pages == 0:
                 kr = vr = None
             elif n_pages <= m:  # every page of this row chosen: the table's first pages as they are
+                pages = torch.arange(n_pages, device=idx.device).expand(hkv, -1)
                 if cols is None:
                     kr, vr = self.pages.read_pages(layer, n_pages * p).to(k_all.dtype)
                 else:  # some of them still resident (a verify row past the first): the same rows, from the slab
@@ -210,12 +225,48 @@ class PagedCache(SinkWindowCache):
                 if vis["masked"][j]:
                     bias = vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
             tb = time.perf_counter()  # two calls merged by log-sum-exp: no copy of the resident slab
-            out.append(attend_row_two_part(qj, kr, vr, bias, k_all, v_all, self._resident_bias(plan, layout, w, q.dtype)[j],
-                                           scale).view(hkv * g, 1, d))
+            p_row = layout.first_position + j
+            if p_row >= self.max_context:
+                o = self._far_row(layer, qj, kr, vr, bias, pages, p_row, k_all, v_all, layout,
+                                  self._resident_bias(plan, layout, w, q.dtype)[j], scale, rotate_keys)
+            else:
+                o = attend_row_two_part(qj, kr, vr, bias, k_all, v_all, self._resident_bias(plan, layout, w, q.dtype)[j], scale)
+            out.append(o.view(hkv * g, 1, d))
             fetch += tb - ta
             attend += time.perf_counter() - tb
         self._time(t0, t1, t1 + fetch, t1 + fetch + attend)
         return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+    def _far_row(self, layer, qj, kr, vr, bias_r, pages, p, k_all, v_all, layout, bias_w, scale, rotate_keys):
+        """One query row at p >= max_context (InfLLM's layout): its window at true positions; its recalled
+        rows (pages (Hkv, n) in position order) rotated to sit in that order right before the window; the
+        sink rotated to sit right before them. Three attention parts merged by log-sum-exp."""
+        if rotate_keys is None:
+            raise ValueError(f"position {p} is past the trained context of {self.max_context}: paged needs the backend's "
+                             "rotate_keys there (the torch backend has it)")
+        n = 0 if pages is None else pages.shape[1]
+        parts = []
+        if kr is not None:
+            parts.append((rotate_keys(layer, kr, self.virtual_deltas(pages, p)), vr, bias_r))
+        kp = layout.key_positions
+        sink_cols = torch.nonzero((kp >= 0) & (kp < self.sink)).flatten()
+        if sink_cols.numel():
+            first = p - self.window - n * self.page_size - self.sink + 1  # where the sink starts, as seen from p
+            ks = k_all.index_select(1, sink_cols)
+            moved = rotate_keys(layer, ks, torch.full(ks.shape[:2], first, dtype=torch.long, device=ks.device))
+            parts.append((moved, v_all.index_select(1, sink_cols), None))
+            bias_w = bias_w.clone()
+            bias_w[sink_cols] = float("-inf")  # the sink is attended above, moved; the window stays where it is
+        parts.append((k_all, v_all, bias_w[None, None, None]))
+        return attend_row_parts(qj, parts, scale)
+
+    def virtual_deltas(self, pages: torch.Tensor, p: int) -> torch.Tensor:
+        """(Hkv, n * P) rotation per recalled row of a query at p: its page (pages (Hkv, n), in position order)
+        moves to the i-th of n page slots ending right before the query's window, rows in order within it."""
+        n, size = pages.shape[1], self.page_size
+        slot_start = p - self.window - (n - torch.arange(n, device=pages.device)) * size + 1  # (n,)
+        true_start = self.sink + pages.to(torch.long) * size  # (Hkv, n)
+        return (slot_start[None] - true_start).repeat_interleave(size, -1)
 
     def _resident_bias(self, plan, layout, w, dtype) -> torch.Tensor:
         """(T, N) additive mask (0 / -inf) of the resident slab per query row; once a step per window."""
@@ -366,9 +417,6 @@ class PagedCache(SinkWindowCache):
     def _dropped(self, evicted: int) -> int:
         self.evicted_total += evicted
         return 0  # archived, still attendable
-
-    def _sink_shift(self) -> SinkShift | None:
-        return None
 
     # -- persistence ------------------------------------------------------------------------------
     # The archive only grows: `delta_state` carries the rows archived since a saver's last save only, so

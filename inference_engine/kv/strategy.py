@@ -82,3 +82,8 @@ class KVStrategy:
         """Positions leave attention for good (sink_window; paged recalls them)."""
         return self.name == "sink_window"
 
+    @property
+    def unbounded(self) -> bool:
+        """Serves histories of any length: sink_window (sink re-anchored past the trained context) and paged
+        (InfLLM's layout past it); `full` attends at true positions and stops there."""
+        return self.name in ("sink_window", "paged")

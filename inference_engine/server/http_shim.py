@@ -172,7 +172,7 @@ class HttpShim:
         # limit: sink_window) would silently drop the prompt's middle, and `full` has no room left
         # to generate.
         self.prompt_limit = self.max_context - 1
-        if runtime.engine.history_limit() is None:
+        if runtime.engine.strategy.forgets:
             sink, window = int(info.kv_params.get("sink", 0)), int(info.kv_params.get("window", 0))
             self.prompt_limit = min(self.prompt_limit, sink + window)
 

@@ -218,13 +218,80 @@ def test_speculative_rollback_is_exact():
     assert a.pages.rows == b.pages.rows and a.nbytes == b.nbytes
 
 
-def test_paged_stops_at_the_trained_context():
-    m = load_model(str(tiny_model_dir("llama", max_position_embeddings=64)))
-    cache = new_cache(m, paged(), max_step=16)
+def short_context_model(weights="fp32"):
+    from inference_engine.backends.torch.model import TorchCausalLM
+
+    path = str(tiny_model_dir("llama", max_position_embeddings=64))
+    return load_model(path) if weights == "fp32" else TorchCausalLM.load(path, weights=weights)
+
+
+def test_paged_goes_past_the_trained_context_row_by_row():
+    """Past max_context (64 here) a session goes on: its queries attend row by row (InfLLM's layout), so a
+    long prefill chunk, verify blocks of 5 and one-token steps give the same logits bit for bit (int4:
+    row-independent linears); below it, nothing changed (the chunked path as before, close to the one-token one)."""
+    m = short_context_model("int4")
+    history = ids(160, seed=3)
+    runs = {}
+    for name, chunk, row_exact in (("chunks", 16, False), ("verify", 5, True), ("steps", 1, True)):
+        cache = new_cache(m, paged(), max_step=16)
+        runs[name] = feed(m, cache, history, chunk, row_exact)
+        assert cache.next_position == 160 and bool(torch.isfinite(runs[name]).all())
+    assert torch.equal(runs["verify"], runs["steps"])
+    assert torch.equal(runs["chunks"][64:], runs["steps"][64:])  # past the context every row attends alone
+    torch.testing.assert_close(runs["chunks"][:64], runs["steps"][:64], rtol=0.05, atol=0.05)  # bf16 activations
+
+
+def test_past_the_context_the_layout_must_fit_inside_it():
+    m = short_context_model()
+    cache = new_cache(m, paged(window=40, page=8, pages=4), max_step=16)  # reaches 4 + 40 + 32 = 76 >= 64
     feed(m, cache, ids(64), 16)
-    with pytest.raises(ValueError, match="trained context"):
+    with pytest.raises(ValueError, match="must stay under 64"):
         cache.prepare(range(64, 65))
     assert cache.next_position == 64
+
+
+def test_virtual_deltas_put_the_pages_in_order_before_the_window():
+    m = short_context_model()
+    cache = new_cache(m, paged(sink=4, window=12, page=8, pages=2))
+    pages = torch.tensor([[1, 5], [0, 6]])  # per KV head, in position order
+    d = cache.virtual_deltas(pages, 100)
+    # slots: [100 - 12 - 16 + 1, ...] = 73..80 and 81..88; page j starts at 4 + 8 j
+    want = torch.tensor([[73 - 12] * 8 + [81 - 44] * 8, [73 - 4] * 8 + [81 - 52] * 8])
+    assert torch.equal(d, want)
+
+
+def test_rotate_keys_moves_a_positioned_key():
+    """RoPE composes: a key positioned at p and rotated by d is the key positioned at p + d."""
+    m = short_context_model()
+    g = m.geometry()
+    raw = torch.randn(g.num_kv_heads, 3, g.head_dim, generator=torch.Generator().manual_seed(0))
+    at = {p: m.position_k(0, raw, m.rope(torch.tensor(p))) for p in ((5, 9, 30), (70, 200, 31))}
+    moved = m.rotate_keys(0, at[(5, 9, 30)], torch.tensor([[65, 191, 1]]).expand(g.num_kv_heads, -1))
+    torch.testing.assert_close(moved, at[(70, 200, 31)], rtol=1e-4, atol=1e-4)
+
+
+def test_attention_in_parts_equals_one_softmax():
+    from inference_engine.backends.torch.attention import attend_row_parts
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 3, 16, generator=gen)
+    ks = [torch.randn(2, n, 16, generator=gen) for n in (5, 2, 7)]
+    vs = [torch.randn(2, n, 16, generator=gen) for n in (5, 2, 7)]
+    hide = torch.zeros(1, 1, 1, 7)
+    hide[..., 3:] = float("-inf")
+    got = attend_row_parts(q, [(ks[0], vs[0], None), (ks[1], vs[1], None), (ks[2], vs[2], hide)], 0.25)
+    k, v = torch.cat([ks[0], ks[1], ks[2][:, :3]], 1), torch.cat([vs[0], vs[1], vs[2][:, :3]], 1)
+    want = torch.softmax(q @ k[None].transpose(-1, -2) * 0.25, -1) @ v[None]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_generates_past_the_trained_context_with_paged():
+    m = short_context_model()
+    engine = Engine(m, paged(), prefill_chunk=32)
+    assert engine.history_limit() is None
+    kv = engine.new_session_kv()
+    events = list(engine.generate(kv, ids(90), GenerateParams(max_tokens=20)))
+    assert sum(isinstance(e, TokenGenerated) for e in events) == 20 and kv.next_position == 90 + 19
 
 
 def test_engine_greedy_one_append_equals_token_by_token_appends():

@@ -214,3 +214,23 @@ def attend_decode_batch(model, layer: int, q, kvs, layouts, scratch: dict) -> to
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], k, v, attn_mask=scratch[key], scale=s.attn_scale,
                                        enable_gqa=True)  # (B, H, 1, D)
     return o[:, :, 0].transpose(0, 1)
+
+
+def attend_row_parts(qj, parts, scale):
+    """One query row, qj (1, Hkv, G, D), over several key sets [(k (Hkv, E, D), v, bias None or broadcastable
+    to (1, Hkv, G, E)), ...], merged by log-sum-exp (a part none of whose keys the row sees weighs 0)."""
+    outs, lses = [], []
+    for k, v, bias in parts:
+        o, lse = attention_lse(qj, k[None], v[None], bias, scale)
+        outs.append(o)
+        lses.append(lse)
+    total = functools.reduce(torch.logaddexp, lses)
+    return sum(o * (lse - total).exp().nan_to_num(0.0)[..., None] for o, lse in zip(outs, lses))
+
+
+def rotate_keys(model, layer: int, k, deltas):
+    """RoPE rotation of positioned keys k (Hkv, E, D) by deltas (Hkv, E) positions: a key at p moves to p + delta
+    (rotations compose). The paged strategy's recall past the trained context."""
+    hkv, e, d = k.shape
+    cos, sin = model.rope(deltas.reshape(-1)).for_layer(model.spec, layer)  # (1, Hkv * E, D)
+    return model.rotate(k.reshape(1, hkv * e, d), cos, sin).view(hkv, e, d)

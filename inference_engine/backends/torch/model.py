@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_engine.backends.spec import ModelSpec, spec_from_config
-from inference_engine.backends.torch.attention import attend_decode_batch, attend_layout
+from inference_engine.backends.torch.attention import attend_decode_batch, attend_layout, rotate_keys
 from inference_engine.backends.torch.linear import DequantizedLinear, WEIGHT_FORMATS, DenseLinear, Int4Linear, RefinedHead, make_linear
 from inference_engine.kv.layout import CacheGeometry
 
@@ -282,6 +282,10 @@ class TorchCausalLM:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_eps)
         return (y * w.float()).to(x.dtype) if self.spec.gemma_norms else w * y.to(x.dtype)
+
+    def rotate_keys(self, layer: int, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Positioned keys k (Hkv, E, D) moved by deltas (Hkv, E) positions (paged recall past the trained context)."""
+        return rotate_keys(self, layer, k, deltas)
 
     @staticmethod
     def rotate(x, cos, sin):
