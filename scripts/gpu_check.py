@@ -16,6 +16,8 @@ time), the JSON rewritten after every one, so a run cut short keeps what it meas
                   time limit: a compile cannot be interrupted in-process)
   aggregate       aggregate decode tok/s at 1, 4 and 16 concurrent sessions (--batching on)
   ngram           prompt lookup at k = 4 over plain decoding on a code-editing prompt (same tokens)
+  paged_long      `paged` (the daemon's defaults) at 1k, at the trained context and at 4x it (8k and 32k for
+                  SmolLM2; past the context it attends in InfLLM's layout): time to first token and decode tok/s
 Each --compile mode gets its own model, loaded by app.load_model as the daemon loads it (the step's
 CUDA graphs belong to the model); the engines of a mode share it.
 Then ratios and the issue's GPU targets, met or missed. A CPU run is labelled cpu-smoke and never
@@ -85,14 +87,16 @@ class Scale:
     run_tokens: int = 32
     repeats: int = 3  # timed repeats per arm (median)
     reserve: float = 1.0  # multiplies each section's minimum time left to start
+    long_context: tuple = (1024, 1.0, 4.0)  # paged_long: a short baseline (tokens), then multiples of the trained context
+    long_tokens: int = 32  # paged_long: decoded tokens per length
 
 
 FULL, QUICK = Scale(), Scale(prompts=2, correctness_tokens=8, speed_prompt=32, speed_tokens=16, run_prompt=120, run_tokens=8,
-                             repeats=1, reserve=0.1)
+                             repeats=1, reserve=0.1, long_context=(120, 1.05), long_tokens=8)
 # The sections in run order, and the seconds each needs left in --budget-s to start (times Scale.reserve);
 # its arms check again. The compiled control's time limit leaves the later sections their minimum.
 SECTIONS = {"correctness": 45, "runs": 40, "decode_batch1": 45, "transformers_eager": 15, "transformers_static_compiled": 60,
-            "aggregate": 40, "ngram": 25}
+            "aggregate": 40, "ngram": 25, "paged_long": 30}
 
 
 class Budget(Exception):
@@ -663,6 +667,35 @@ def section_ngram(check, models, prompts):
             "identical_to_plain": all(a["tokens"] == b["tokens"] for a, b in zip(p_runs, s_runs))}
 
 
+def section_paged_long(check, models, prompts):
+    """paged with the daemon's defaults (quick: RUN_KV's small layout) at a short history, at the trained context
+    and past it: one session per length, its prompt prefilled (time to first token), then long_tokens decoded."""
+    sc = check.scale
+    mode = compile_modes()[-1]
+    ctx = models.any().spec.max_context
+    short, *multiples = sc.long_context
+    lengths = [int(short)] + [int(m * ctx) for m in multiples]
+    kv = RUN_KV if check.args.quick else {}
+
+    def run(arm):
+        res = {}
+        for n in lengths:
+            def one(n=n):
+                t = time.perf_counter()
+                r = arm.turn(prompts.of_length(n, seed=5), sc.long_tokens)
+                return {"prompt_tokens": n, "seconds": round(time.perf_counter() - t, 2), "decode_tok_s": r["decode_tok_s"],
+                        "stop_reason": r["stop_reason"], "generated": len(r["tokens"])}
+
+            res[str(n)] = check.arm(one, 10)
+        return {"lengths": res}
+
+    out = with_arm(check.args, models, run, kv_strategy="paged", compile=mode, **kv)
+    rates = {n: v.get("decode_tok_s") for n, v in out.get("lengths", {}).items()}
+    base = rates.get(str(lengths[0]))
+    out |= {"max_context": ctx, "decode_vs_short": {n: round(v / base, 3) if v and base else None for n, v in rates.items()}}
+    return out
+
+
 # -- transformers, the controls --------------------------------------------------------------------------------
 class HF:
     """transformers' own model and generate on the same device, run on the daemon's model thread (its thread pool)."""
@@ -829,6 +862,9 @@ def ratios_and_targets(doc: dict) -> None:
         return {"target": target, "value": value, "met": None if value is None else bool(ok)}
 
     x16 = r["aggregate_vs_1_session"].get("16")
+    long_lengths = s.get("paged_long", {}).get("lengths", {})
+    longest = long_lengths[max(long_lengths, key=int)] if long_lengths else {}
+    r["paged_long_decode_vs_short"] = s.get("paged_long", {}).get("decode_vs_short")
     every = [a for group in ("strategies", "drafters") for a in runs.get(group, {}).values()]
     doc["targets"] = {
         "applies": doc["device"]["kind"] == "gpu",  # the issue's targets are GPU targets: a cpu-smoke run only exercises them
@@ -840,6 +876,9 @@ def ratios_and_targets(doc: dict) -> None:
         "paged_runs_and_recalls": gate(paged.get("status"),
                                        paged.get("status") == "ok" and (paged.get("page_recalls") or paged.get("stored_bytes") or 0) > 0,
                                        "status ok with pages stored and recalled"),
+        "paged_past_the_context_runs": gate(
+            longest.get("status"), longest.get("status") == "ok" and longest.get("generated", 0) > 0,
+            "paged decodes at 4x the trained context (quick: just past it)"),
         "every_strategy_and_drafter_runs": gate(
             [a["status"] for a in every] or None, every and all(a["status"] in ("ok", "skipped") for a in every),
             "ok (a drafter absent or made for another model is skipped, with its reason)"),
@@ -951,7 +990,8 @@ def run_all(check: Check, args) -> None:
              "transformers_eager": lambda: section_transformers_eager(check, hf, prompts),
              "transformers_static_compiled": lambda: section_transformers_compiled(check, prompts),
              "aggregate": lambda: section_aggregate(check, models, prompts),
-             "ngram": lambda: section_ngram(check, models, prompts)}
+             "ngram": lambda: section_ngram(check, models, prompts),
+             "paged_long": lambda: section_paged_long(check, models, prompts)}
     for name in SECTIONS:
         if name == "transformers_static_compiled":
             hf.close()  # its memory back before the compiled control loads its own copy

@@ -29,7 +29,7 @@ def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
     assert doc["cpu"]["model"] and doc["versions"]["torch"] and doc["versions"]["transformers"]
     sections = doc["sections"]
     assert set(sections) == {"correctness", "runs", "decode_batch1", "aggregate", "ngram", "transformers_eager",
-                             "transformers_static_compiled"}
+                             "transformers_static_compiled", "paged_long"}
     assert all("wall_s" in s for s in sections.values())
     assert {k for k, s in sections.items() if s["status"] != "ok"} == {"transformers_static_compiled"}
     assert "cpu" in sections["transformers_static_compiled"]["reason"]  # skipped on the CPU by default, with its reason
@@ -66,6 +66,10 @@ def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
     assert doc["targets"]["correctness_full_identical_to_transformers"]["met"] is True
     assert doc["targets"]["paged_runs_and_recalls"]["met"] is True
     assert doc["targets"]["every_strategy_and_drafter_runs"]["met"] is True
+    long = sections["paged_long"]  # paged at a short history and just past the tiny model's trained context
+    assert long["max_context"] == 2048 and set(long["lengths"]) == {"120", "2150"}
+    assert all(v["status"] == "ok" and v["generated"] == 8 for v in long["lengths"].values()), long
+    assert doc["targets"]["paged_past_the_context_runs"]["met"] is True
     assert doc["targets"]["batch1_ge_3x_transformers_static_compiled"]["met"] is None  # no compiled control on the CPU
 
 
