@@ -104,7 +104,7 @@ def require_smollm2() -> pathlib.Path:
 
 
 class SlowModel:
-    """A model with a pause per forward, so concurrent steps pile up in the batcher's queue."""
+    """A model with a pause per forward, so concurrent sessions' steps overlap in the engine loop."""
 
     def __init__(self, model, pause=0.02):
         self._m, self._pause = model, pause

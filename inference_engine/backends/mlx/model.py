@@ -243,7 +243,7 @@ class MlxCausalLM:
         return torch.from_numpy(np.array(logits.astype(mx.float32)))
 
     # MLX evaluates a graph only on the thread that built it ("There is no Stream(cpu, N) in current
-    # thread"), and the StepBatcher may run a session's forward on another session's thread: so the
+    # thread"), and in-process the engine loop may run a session's forward on another session's thread: so the
     # forward's results (and with them the cache writes they read) are evaluated here, where it runs.
     def final_norm(self, x: mx.array) -> mx.array:
         out = self.rms(x, self.final_norm_weight)
