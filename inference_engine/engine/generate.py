@@ -15,7 +15,7 @@ import torch
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
 from inference_engine.engine.loop import EngineLoop
-from inference_engine.engine.requests import GenerateParams, ModelInfo, StrategyInfo
+from inference_engine.engine.requests import GenerateParams, ModelInfo, StrategyInfo, check_engine_options
 from inference_engine.engine.sampling import sample
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.engine import steps
@@ -39,10 +39,8 @@ class Engine:
         of the torch backend), off otherwise. prefill_chunk_shared: with batching on, the prefill chunk
         while other sessions generate (0 = prefill_chunk). model_thread: the ModelThread that runs the
         engine loop (the daemon's), or None to run it on the callers' threads (in-process use)."""
-        if spec_k and drafter is None:
-            raise ValueError("spec_k > 0 needs a drafter")
-        if spec_k < 0 or spec_k >= prefill_chunk:
-            raise ValueError(f"spec_k must be in [0, {prefill_chunk - 1}], got {spec_k}")
+        check_engine_options(prefill_chunk=prefill_chunk, spec_k=spec_k, batching=batching,
+                             prefill_chunk_shared=prefill_chunk_shared, has_drafter=drafter is not None)
         self.model = model
         self.strategy = strategy
         self.prefill_chunk = prefill_chunk
@@ -51,8 +49,6 @@ class Engine:
         self.drafter_name = drafter_name if self.drafter is not None else ""
         self.strategy_resources = strategy_resources
         # One forward at a time; concurrent sessions' steps share it when batching is on.
-        if batching not in ("auto", "on", "off"):
-            raise ValueError(f"batching must be auto, on or off, got {batching!r}")
         exact = getattr(model, "kernels_row_independent", False)  # torch int8/int4 on the CPU
         on = batching == "on" or (batching == "auto" and exact)
         if on and not hasattr(model, "cat"):
@@ -61,8 +57,6 @@ class Engine:
         # that are decoding ride along a long append (one chunk per forward) instead of waiting behind it.
         # While other sessions generate, a prefill takes chunks of prefill_chunk_shared tokens (0 = prefill_chunk):
         # their inter-token latency is then one short chunk's forward.
-        if prefill_chunk_shared < 0:
-            raise ValueError(f"prefill_chunk_shared must be >= 0, got {prefill_chunk_shared}")
         self.loop = EngineLoop(model, prefill_chunk, row_budget=64, small_step=max(16, spec_k + 1), batching=on,
                                shared_prefill=prefill_chunk_shared, model_thread=model_thread)
         if max_threads:

@@ -58,3 +58,19 @@ class StrategyInfo:
 
     def as_dict(self) -> dict:
         return dict(self.params)
+
+
+def check_engine_options(*, prefill_chunk: int, spec_k: int, batching: str, prefill_chunk_shared: int,
+                         has_drafter: bool) -> None:
+    """The Engine's own option rules (ValueError naming the option), in one place: Engine() applies them and
+    the daemon's ServeConfig.validate() applies them before any model loads."""
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1 (tokens per prefill forward), got {prefill_chunk}")
+    if spec_k and not has_drafter:
+        raise ValueError("spec_k > 0 needs a drafter")
+    if spec_k < 0 or spec_k >= prefill_chunk:
+        raise ValueError(f"spec_k must be in [0, {prefill_chunk - 1}], got {spec_k}")
+    if batching not in ("auto", "on", "off"):
+        raise ValueError(f"batching must be auto, on or off, got {batching!r}")
+    if prefill_chunk_shared < 0:
+        raise ValueError(f"prefill_chunk_shared must be >= 0, got {prefill_chunk_shared}")

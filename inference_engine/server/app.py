@@ -1,13 +1,12 @@
 """Assemble and run the daemon: model -> engine -> runtime -> gRPC (+ metrics, + HTTP shim)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import threading
 from concurrent import futures
 
-from inference_engine.server.config import ConfigError, ServeConfig, check_exposure, split_bind
+from inference_engine.server.config import ConfigError, ServeConfig, check_backend_flags, check_exposure, split_bind
 from inference_engine.server.runtime import Runtime
 
 # Config names stay importable from here (scripts and tests build servers through this module).
@@ -76,29 +75,8 @@ def load_mlx_model(cfg: ServeConfig, path):
 
 
 # What the MLX backend runs today (docs/mlx.md); the rest needs --backend torch.
-MLX_STRATEGIES = ("full", "sink_window", "paged")
-
-
 def check_backend_options(cfg: ServeConfig, model) -> None:
     check_backend_flags(cfg, getattr(model, "backend_name", "torch"))
-
-
-def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
-    """The options `backend` cannot run (no model needed: start() checks them before loading one)."""
-    if backend != "mlx":
-        return
-    if cfg.kv_strategy not in MLX_STRATEGIES:
-        raise ConfigError(f"--kv-strategy {cfg.kv_strategy} runs on --backend torch only; with --backend mlx use "
-                          f"{' or '.join(MLX_STRATEGIES)}")
-    if cfg.kv_compressor != "identity":
-        raise ConfigError(f"--kv-compressor {cfg.kv_compressor} runs on --backend torch only; with --backend mlx use identity")
-    if cfg.kv_strategy == "paged" and cfg.page_compressor != "identity":
-        raise ConfigError(f"--page-compressor {cfg.page_compressor} runs on --backend torch only; with --backend mlx use identity")
-    if cfg.kv_dtype != "fp32":
-        raise ConfigError(f"--kv-dtype {cfg.kv_dtype} runs on --backend torch only; with --backend mlx use fp32")
-    if cfg.drafter and cfg.drafter != "ngram" and cfg.spec_k:
-        raise ConfigError(f"--drafter {cfg.drafter} (a dLM drafter) runs on --backend torch only; with --backend mlx use "
-                          "--drafter ngram")
 
 
 def build_engine(cfg: ServeConfig, model, model_thread=None):
@@ -110,7 +88,7 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
     check_backend_options(cfg, model)
     try:
         plugin = registry.plugin(cfg.kv_strategy)
-        options = registry.options_for(cfg.kv_strategy, cfg.research)
+        strategy, options = cfg.strategy()
     except ValueError as e:
         raise ConfigError(str(e)) from e
     drafter = None
@@ -131,19 +109,13 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
         from kv_cache_proposer import load_drafter
 
         drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
-    fields = {f.name for f in dataclasses.fields(plugin.params)}
-    try:
-        # a research option named after a field of the strategy's parameters sets it; the others go to its resources
-        strategy = registry.make_strategy(cfg.kv_strategy, cfg.sink, cfg.window, compressor=cfg.kv_compressor,
-                                          kv_dtype=cfg.kv_dtype, q_range=cfg.kv_q_range, page_size=cfg.page_size,
-                                          recall_pages=cfg.recall_pages, page_compressor=cfg.page_compressor,
-                                          **{k: v for k, v in options.items() if k in fields})
-        resources = None
-        if plugin.build_resources is not None:
+    resources = None
+    if plugin.build_resources is not None:
+        try:
             resources = plugin.build_resources(strategy, options, model=model, drafter=drafter, drafter_name=cfg.drafter,
                                                device=cfg.device)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     threads = cfg.threads
     if threads == "auto" and model.backend_name == "mlx":
         threads = None  # --threads sets torch's intra-op threads; MLX schedules its own
@@ -250,24 +222,13 @@ def check_port_free(flag: str, host: str, port: int) -> None:
 
 def check_before_loading(cfg: ServeConfig) -> None:
     """The refusals that need no model, made before the seconds (or minutes) a model load costs:
-    flags, the side ports, and the state directory's lock (a check: the persister built after the
-    load takes the lock for good)."""
+    the options (ServeConfig.validate), the side ports, and the state directory's lock (a check: the
+    persister built after the load takes the lock for good)."""
+    cfg.validate()
     host, _ = split_bind(cfg.bind)
-    if cfg.backend not in ("torch", "mlx"):
-        raise ConfigError(f"--backend must be torch or mlx, got {cfg.backend!r}")
-    check_backend_flags(cfg, cfg.backend)
-    if cfg.persist not in ("off", "turn"):
-        raise ConfigError(f"--persist must be 'off' or 'turn', got {cfg.persist!r}")
-    for flag, n in (("--max-append-tokens", cfg.max_append_tokens), ("--max-pending-tokens", cfg.max_pending_tokens)):
-        if n < 0:
-            raise ConfigError(f"{flag} takes a token count >= 0 (0 = no limit), got {n}")
     for flag, port in (("--http-port", cfg.http_port), ("--metrics-port", cfg.metrics_port)):
         if port:
             check_port_free(flag, host or "127.0.0.1", port)
-    if cfg.shared_state_dir and cfg.persist != "turn":
-        raise ConfigError("--shared-state-dir shares sessions through the state directory: it needs --persist turn")
-    if not cfg.lease_ttl > 0:
-        raise ConfigError(f"--lease-ttl takes a number of seconds > 0, got {cfg.lease_ttl}")
     if cfg.persist == "turn":
         from inference_engine.persistence.state_dir import StateDir
 

@@ -60,6 +60,59 @@ class ServeConfig:
     # Options of research strategies (StrategyPlugin.options), by name; unset = the option's default. Not product surface.
     research: dict[str, Any] = field(default_factory=dict)
 
+    def validate(self) -> None:
+        """Every rule about these options that needs no model and no side effect, in one place (ConfigError
+        naming the option and the fix); `kakeya serve` applies it before loading anything. What needs the
+        loaded model (its backend, weight format and kernels) is checked by app.build_engine; the ports and
+        the state directory by app.check_before_loading. The engine's and the strategy's own rules are the
+        ones the library applies (engine/requests.check_engine_options, the strategy's parameters), run here."""
+        from inference_engine.engine.requests import check_engine_options
+
+        split_bind(self.bind)
+        choices = {"--backend": (self.backend, ("torch", "mlx")), "--persist": (self.persist, ("off", "turn")),
+                   "--compile": (self.compile, ("off", "auto", "on")),
+                   "--weights": (self.weights, ("auto", "fp32", "fp16", "int8", "int4"))}
+        for flag, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{flag} must be {' or '.join(map(repr, allowed))}, got {value!r}")
+        check_backend_flags(self, self.backend)
+        for flag, n in (("--max-append-tokens", self.max_append_tokens), ("--max-pending-tokens", self.max_pending_tokens)):
+            if n < 0:
+                raise ConfigError(f"{flag} takes a token count >= 0 (0 = no limit), got {n}")
+        if self.capacity < 1:
+            raise ConfigError(f"--capacity takes a number of sessions >= 1, got {self.capacity}")
+        if not self.idle_ttl > 0:
+            raise ConfigError(f"--idle-ttl takes a number of seconds > 0, got {self.idle_ttl}")
+        if self.threads not in (None, "auto") and not (isinstance(self.threads, int) and self.threads >= 1):
+            raise ConfigError(f"--threads takes a count >= 1 or auto, got {self.threads!r}")
+        if self.shared_state_dir and self.persist != "turn":
+            raise ConfigError("--shared-state-dir shares sessions through the state directory: it needs --persist turn")
+        if not self.lease_ttl > 0:
+            raise ConfigError(f"--lease-ttl takes a number of seconds > 0, got {self.lease_ttl}")
+        try:
+            check_engine_options(prefill_chunk=self.prefill_chunk, spec_k=self.spec_k if self.drafter else 0,
+                                 batching=self.batching, prefill_chunk_shared=self.prefill_chunk_shared,
+                                 has_drafter=bool(self.drafter))
+            self.strategy()
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+    def strategy(self):
+        """The KV strategy these options name (its parameters checked: ValueError naming the one at fault), and
+        its plugin's options (kv/plugins.py: defaults overridden by `research`), which its resources are built from."""
+        import dataclasses
+
+        from inference_engine.kv import registry
+
+        options = registry.options_for(self.kv_strategy, self.research)
+        fields = {f.name for f in dataclasses.fields(registry.plugin(self.kv_strategy).params)}
+        # a research option named after a field of the strategy's parameters sets it; the others go to its resources
+        strategy = registry.make_strategy(self.kv_strategy, self.sink, self.window, compressor=self.kv_compressor,
+                                          kv_dtype=self.kv_dtype, q_range=self.kv_q_range, page_size=self.page_size,
+                                          recall_pages=self.recall_pages, page_compressor=self.page_compressor,
+                                          **{k: v for k, v in options.items() if k in fields})
+        return strategy, options
+
 
 def split_bind(bind: str) -> tuple[str, int]:
     host, sep, port = bind.rpartition(":")
@@ -75,6 +128,27 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+MLX_STRATEGIES = ("full", "sink_window", "paged")  # the strategies the MLX backend runs
+
+
+def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
+    """The options `backend` cannot run (no model needed: ServeConfig.validate checks them before loading one)."""
+    if backend != "mlx":
+        return
+    if cfg.kv_strategy not in MLX_STRATEGIES:
+        raise ConfigError(f"--kv-strategy {cfg.kv_strategy} runs on --backend torch only; with --backend mlx use "
+                          f"{' or '.join(MLX_STRATEGIES)}")
+    if cfg.kv_compressor != "identity":
+        raise ConfigError(f"--kv-compressor {cfg.kv_compressor} runs on --backend torch only; with --backend mlx use identity")
+    if cfg.kv_strategy == "paged" and cfg.page_compressor != "identity":
+        raise ConfigError(f"--page-compressor {cfg.page_compressor} runs on --backend torch only; with --backend mlx use identity")
+    if cfg.kv_dtype != "fp32":
+        raise ConfigError(f"--kv-dtype {cfg.kv_dtype} runs on --backend torch only; with --backend mlx use fp32")
+    if cfg.drafter and cfg.drafter != "ngram" and cfg.spec_k:
+        raise ConfigError(f"--drafter {cfg.drafter} (a dLM drafter) runs on --backend torch only; with --backend mlx use "
+                          "--drafter ngram")
 
 
 def check_exposure(cfg: ServeConfig) -> None:

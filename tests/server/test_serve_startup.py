@@ -80,3 +80,25 @@ def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
     cfg = ServeConfig(bind="127.0.0.1:0", model=MISSING_MODEL, backend="mlx", kv_strategy="dlm_restore", persist="off")
     with pytest.raises(ConfigError, match="runs on --backend torch only"):
         start(cfg)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(compile="sometimes"), "--compile must be"),
+    (dict(capacity=0), "--capacity takes"),
+    (dict(threads=0), "--threads takes"),
+    (dict(idle_ttl=0), "--idle-ttl takes"),
+    (dict(drafter="ngram", spec_k=300), r"spec_k must be in \[0, 255\]"),
+    (dict(prefill_chunk_shared=-1), "prefill_chunk_shared must be >= 0"),
+    (dict(batching="sometimes"), "batching must be auto, on or off"),
+    (dict(kv_strategy="paged", page_size=0), "page_size must be an int >= 1"),
+    (dict(bind="nowhere"), "--bind must be HOST:PORT"),
+])
+def test_serve_config_validate_names_the_option(kw, message):
+    """ServeConfig.validate: every model-free rule in one place, the engine's and the strategy's included."""
+    with pytest.raises(ConfigError, match=message):
+        ServeConfig(**kw).validate()
+
+
+def test_the_defaults_validate():
+    ServeConfig().validate()
+    ServeConfig(kv_strategy="paged", drafter="ngram", threads="auto").validate()
