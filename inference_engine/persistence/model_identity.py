@@ -21,8 +21,10 @@ def _file_hashes(model_dir: Path, names: list[str]) -> dict[str, str]:
     out = {}
     for name in names:
         meta = recorded.get(name) if isinstance(recorded, dict) else None
-        size_ok = isinstance(meta, dict) and meta.get("bytes") == (model_dir / name).stat().st_size
-        out[name] = meta["sha256"] if size_ok and meta.get("sha256") else sha256_file(model_dir / name)
+        if isinstance(meta, dict) and meta.get("bytes") == (model_dir / name).stat().st_size and meta.get("sha256"):
+            out[name] = meta["sha256"]
+        else:
+            out[name] = sha256_file(model_dir / name)
     return out
 
 

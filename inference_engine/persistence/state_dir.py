@@ -117,6 +117,8 @@ def read_manifest(session_dir: Path) -> dict:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
     if sha256_bytes(canonical.encode()) != doc.get("sha256"):
         raise StateFileError(f"{path} does not match its recorded sha256: corrupted")
+    if not isinstance(body, dict):
+        raise StateFileError(f"{path} has a body of type {type(body).__name__}, not an object")
     return body
 
 
@@ -284,19 +286,21 @@ class StateDir:
         """Remove leftovers of unfinished saves (older than `min_age_s`, so a running daemon's save in
         flight is left alone); with `older_than_s`, whole sessions not saved for that long; with
         `quarantine`, everything set aside."""
-        report = {"leftover_files": 0, "sessions_removed": [], "quarantine_removed": []}
+        leftover_files = 0
+        sessions_removed: list[str] = []
+        quarantine_removed: list[str] = []
         now = time.time()
         for e in self.entries():
             if e.problem is None:
                 body = read_manifest(e.path)
                 keep = {s["file"] for s in body["segments"]}
-                report["leftover_files"] += self.collect_leftovers(e.path, keep, min_age_s=min_age_s)
+                leftover_files += self.collect_leftovers(e.path, keep, min_age_s=min_age_s)
             if older_than_s is not None and e.problem is None and now - e.saved_at > older_than_s:
                 shutil.rmtree(self.sessions / e.session_id)
-                report["sessions_removed"].append(e.session_id)
-        report["leftover_files"] += self._stale_lease_dirs(now, min_age_s)
+                sessions_removed.append(e.session_id)
+        leftover_files += self._stale_lease_dirs(now, min_age_s)
         if quarantine and self.quarantine.is_dir():
             for d in sorted(self.quarantine.iterdir()):
                 shutil.rmtree(d) if d.is_dir() else d.unlink()
-                report["quarantine_removed"].append(d.name)
-        return report
+                quarantine_removed.append(d.name)
+        return {"leftover_files": leftover_files, "sessions_removed": sessions_removed, "quarantine_removed": quarantine_removed}

@@ -127,8 +127,12 @@ class DaemonProcess:
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Until the daemon printed READY (it listens); RuntimeError naming its log if it exits first."""
+        proc = self.proc
+        if proc is None or proc.stdout is None:
+            raise RuntimeError(f"daemon at {self.address} was not started (start() first)")
+        stdout = proc.stdout
         got: list[str] = []
-        reader = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()), daemon=True)
+        reader = threading.Thread(target=lambda: got.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout_s)
         line = got[0] if got else ""

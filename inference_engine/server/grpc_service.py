@@ -165,8 +165,8 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_unary: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method or ""
@@ -189,7 +189,7 @@ def add_runtime_service(servicer: RuntimeServicer, server) -> None:
     parsed here: bytes that are not the method's message answer INVALID_ARGUMENT naming the
     message type, instead of grpcio's INTERNAL "Exception deserializing request!"."""
     service = pb.DESCRIPTOR.services_by_name["RuntimeService"]
-    handlers = {}
+    handlers: dict[str, grpc.RpcMethodHandler[bytes, object]] = {}
     for method in service.methods:
         request_type = getattr(pb, method.input_type.name)
         serialize = getattr(pb, method.output_type.name).SerializeToString

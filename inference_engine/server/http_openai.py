@@ -106,7 +106,7 @@ class CompletionRequest(GenerationRequest):
 
 
 # Accepted when absent or at their default; anything else would be silently ignored, so refuse it.
-_NEUTRAL = {
+_NEUTRAL: dict[str, tuple[object, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "logprobs": (None, False, 0),

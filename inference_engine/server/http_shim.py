@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -218,11 +219,15 @@ class HttpShim:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_common(body)
         p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        first = p[0] if isinstance(p, list) and p else None
+        if isinstance(first, (str, list)):  # a list of prompts (strings or token lists): one only
             if len(p) != 1:
                 raise ShimError(400, f"prompt holds {len(p)} prompts; the shim serves one prompt per request", param="prompt")
-            p = p[0]
-        prompt = self.text.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            prompt = self.text.encode(first) if isinstance(first, str) else [int(t) for t in first]
+        elif isinstance(p, str):
+            prompt = self.text.encode(p)
+        else:  # one token list (its first item is an int) or empty
+            prompt = [int(t) for t in cast("list[int]", p)]
         return await self._respond(request, body, prompt, ResponseShape(chat=False, model=self.model_id), "prompt")
 
     # -- shared ------------------------------------------------------------------------
@@ -301,11 +306,14 @@ class HttpShim:
 
 
 # -- error handlers: everything leaves in OpenAI's error shape --------------------------------
-async def _shim_error(request: Request, e: ShimError) -> JSONResponse:
+# Starlette types every exception handler as taking Exception; each is registered for its own class only.
+async def _shim_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, ShimError)
     return error_response(e)
 
 
-async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, StarletteHTTPException)
     code = "not_found" if e.status_code == 404 else None
     return error_response(ShimError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code))
 
@@ -315,7 +323,8 @@ async def _internal_error(request: Request, e: Exception) -> JSONResponse:
     return error_response(ShimError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
 
-async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, e: Exception) -> JSONResponse:
+    assert isinstance(e, RequestValidationError)
     errs = e.errors()
     first = errs[0] if errs else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]

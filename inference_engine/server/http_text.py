@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kakeya_wire.text import IncrementalDecoder, tokens_for_chat
 
@@ -21,7 +22,7 @@ class TokenizerUnavailable(ValueError):
 
 @dataclass(frozen=True)
 class ModelText:
-    tokenizer: object  # transformers tokenizer; used from the event-loop thread only
+    tokenizer: Any  # transformers tokenizer (PreTrainedTokenizerBase, not imported here); used from the event-loop thread only
     eos_token_ids: frozenset  # model config's EOS plus the tokenizer's end-of-turn token
 
     @property

@@ -100,8 +100,7 @@ class Runtime:
                 on_violation=lambda kind: m.cache_invariant_violations_total.labels(kind=kind).inc(),
                 on_saved=self._observe_save,
                 on_save_failed=m.session_save_failures_total.inc,
-                on_loaded=lambda outcome, seconds: (m.session_loads_total.labels(outcome=outcome).inc(),
-                                                    m.session_load_duration_seconds.observe(seconds)),
+                on_loaded=self._observe_load,
                 on_lease_lost=m.session_lease_lost_total.inc,
                 on_write_refused=m.session_writes_refused_total.inc,
             ),
@@ -121,6 +120,10 @@ class Runtime:
     def _observe_save(self, seconds: float) -> None:
         self.metrics.session_saves_total.inc()
         self.metrics.session_save_duration_seconds.observe(seconds)
+
+    def _observe_load(self, outcome: str, seconds: float) -> None:
+        self.metrics.session_loads_total.labels(outcome=outcome).inc()
+        self.metrics.session_load_duration_seconds.observe(seconds)
 
     def start_flusher(self, *, idle_s: float = 1.0, interval_s: float = 0.25) -> Callable[[], None]:
         """Save appended-but-not-generated sessions once idle for `idle_s` (an AppendTokens with no

@@ -80,7 +80,8 @@ class Int4Linear:
         """One fused layer from several (rows stacked; groups run along the input, so rows are independent)."""
         bs = [p.b for p in parts]
         b = mx.concatenate(bs) if all(x is not None for x in bs) else None
-        return cls(*(mx.concatenate([getattr(p, a) for p in parts]) for a in ("packed", "scales", "biases")), b)
+        packed, scales, biases = (mx.concatenate([getattr(p, a) for p in parts]) for a in ("packed", "scales", "biases"))
+        return cls(packed, scales, biases, b)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = mx.quantized_matmul(_bf16(x), self.packed, self.scales, self.biases, transpose=True, group_size=GROUP, bits=BITS)

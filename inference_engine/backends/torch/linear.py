@@ -76,7 +76,7 @@ class Int8Linear:
         return self.q[ids].float() * self.scales[ids].float()[:, None]
 
 
-def quantize_q4_1(w: torch.Tensor) -> tuple:
+def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q (N, K) in 0..15, d, m (N, K / 32)) with w ~ q * d + m per group of 32: min/max per group, as
     llama.cpp's Q4_1 quantizer does. The MLX backend's int4 quantizes with this too (same weights)."""
     n, k = w.shape
@@ -164,6 +164,7 @@ class RefinedHead:
         self.greedy_refine = greedy_refine
 
     def __call__(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        approx: Int4Linear | Int8Linear
         if greedy and self.greedy_approx is not None:
             approx, r = self.greedy_approx, min(self.greedy_refine, self.w.shape[0])
         else:
