@@ -49,8 +49,9 @@ def test_forward_batch_gives_each_session_its_solo_result():
         assert torch.equal(gl, wl) and torch.equal(gh, wh)
 
 
-def run_concurrently(engine, jobs):
-    """jobs: (history, params) per session, each generated on its own thread; returns token lists."""
+def run_concurrently(engine, jobs, started=None):
+    """jobs: (history, params) per session, each generated on its own thread; returns token lists.
+    started(): called once every thread is running, before they are joined."""
     out = [None] * len(jobs)
 
     def work(i, hist, params):
@@ -60,33 +61,27 @@ def run_concurrently(engine, jobs):
     threads = [threading.Thread(target=work, args=(i, *job)) for i, job in enumerate(jobs)]
     for t in threads:
         t.start()
+    if started is not None:
+        started()
     for t in threads:
         t.join()
     return out
 
 
 def all_at_once(make_engine, jobs):
-    """Like run_concurrently, on an engine whose loop runs on a ModelThread held busy until every
-    session's task is submitted: the first iteration then sees them all (no timing involved)."""
+    """run_concurrently on an engine whose loop runs on a ModelThread held busy until every session's
+    task is submitted: the first iteration then sees them all (no timing involved)."""
     mt, gate = ModelThread(name="test-batching"), threading.Event()
     try:
         engine = make_engine(mt)
         mt.post(gate.wait)  # the model thread waits here; iterations queue behind it
-        out = [None] * len(jobs)
 
-        def work(i, hist, params):
-            kv = engine.new_session_kv()
-            out[i] = [e.token_id for e in engine.generate(kv, hist, params) if isinstance(e, TokenGenerated)]
+        def open_gate():
+            while len(engine.loop._tasks) < len(jobs):  # every task submitted (none can finish while the gate is shut)
+                threading.Event().wait(0.001)
+            gate.set()
 
-        threads = [threading.Thread(target=work, args=(i, *job)) for i, job in enumerate(jobs)]
-        for t in threads:
-            t.start()
-        while len(engine.loop._tasks) < len(jobs):  # every task submitted (none can finish while the gate is shut)
-            threading.Event().wait(0.001)
-        gate.set()
-        for t in threads:
-            t.join()
-        return engine, out
+        return engine, run_concurrently(engine, jobs, open_gate)
     finally:
         gate.set()
         mt.close()
