@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
@@ -15,7 +16,7 @@ def tiny_config(arch: str, *, vocab_size: int = 256, max_position_embeddings: in
     """A 2-layer, 64-wide config of the given family (GQA, tied embeddings where the family ties)."""
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(  # keyword arguments each family's config takes
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,

@@ -49,7 +49,8 @@ def _load_model(cfg: ServeConfig):
     weights = cfg.weights if cfg.weights != "auto" else ("int4" if cfg.device == "cpu" else "fp32")
     try:
         model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device, weights=weights)
-        if model.use_step_graphs(cfg.compile):
+        model.use_step_graphs(cfg.compile)
+        if model.graphs is not None:
             t = model.graphs.prepare((1,))  # the batch-1 decode step now; other row counts on first use
             log.info("--compile %s: the step's dense work runs as CUDA graphs (buckets of %s rows, captured on first "
                      "use; batch 1 captured at start in %.2f s)", cfg.compile, "/".join(map(str, model.graphs.buckets)), t)
@@ -116,15 +117,19 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
                                                device=cfg.device)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-    threads = cfg.threads
-    if threads == "auto" and model.backend_name == "mlx":
+    threads: int | None
+    if cfg.threads == "auto" and model.backend_name == "mlx":
         threads = None  # --threads sets torch's intra-op threads; MLX schedules its own
-    if threads == "auto":
+    elif cfg.threads == "auto":
         from inference_engine.engine.tuning import fastest_thread_count
 
         threads, timings = fastest_thread_count(model)
         log.info("--threads auto: %d (median decode step by thread count: %s)", threads,
                  ", ".join(f"{n}: {1000 * t:.1f} ms" for n, t in timings.items()))
+    elif isinstance(cfg.threads, str):  # validate() lets through a count, None or auto only
+        raise ConfigError(f"--threads takes a count >= 1 or auto, got {cfg.threads!r}")
+    else:
+        threads = cfg.threads
     try:
         return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=threads,
                       drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",
@@ -255,7 +260,7 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     check_exposure(cfg)
     if runtime is None:
         check_before_loading(cfg)
-    interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+    interceptors: list[grpc.ServerInterceptor] = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors,
                          options=GRPC_SERVER_OPTIONS)
     port = bind_grpc(server, cfg.bind)  # held from here on: a second daemon on this port is refused at once

@@ -31,6 +31,14 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 class _Layer:
     __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "ln_in", "ln_post_attn", "q_norm", "k_norm")
+    wqkv: DenseLinear | Int4Linear
+    wo: DenseLinear | Int4Linear
+    w_gate_up: DenseLinear | Int4Linear
+    w_down: DenseLinear | Int4Linear
+    ln_in: mx.array
+    ln_post_attn: mx.array
+    q_norm: mx.array | None  # qk_norm models only
+    k_norm: mx.array | None
 
 
 class Rope:
@@ -97,10 +105,10 @@ class MlxCausalLM:
         mx.eval(self._params())  # MLX streams are per thread: gRPC workers must find nothing lazy
         self._steps: dict = {}  # id(layout) -> StepLayout of the forward in progress
 
-    def _linear(self, blocks: dict, names: list, linears: list):
+    def _linear(self, blocks: dict, names: list, linears: list) -> DenseLinear | Int4Linear:
         """One (possibly fused) linear layer: the rows of `linears` stacked, in this model's format."""
-        biases = [getattr(lin, "bias", None) for lin in linears]
-        b = mx.concatenate(biases).astype(self.act_dtype) if all(x is not None for x in biases) else None
+        biases = [lin.bias for lin in linears if getattr(lin, "bias", None) is not None]
+        b = mx.concatenate(biases).astype(self.act_dtype) if len(biases) == len(linears) else None
         if self.weights == "int4":
             if all(n in blocks for n in names):
                 self.int4_source = "gguf Q4_1 blocks"
@@ -197,12 +205,14 @@ class MlxCausalLM:
         return q, k, v
 
     def position_q(self, layer: int, q: mx.array, rope: Rope):
-        q_normed = self.rms(q, self.layers[layer].q_norm) if self.spec.qk_norm else q
+        q_norm = self.layers[layer].q_norm  # set when spec.qk_norm
+        q_normed = self.rms(q, q_norm) if q_norm is not None else q
         return self.rotate(q_normed, *rope.for_layer(self.spec, layer)), q_normed
 
     def position_k(self, layer: int, k: mx.array, rope: Rope) -> mx.array:
-        if self.spec.qk_norm:
-            k = self.rms(k, self.layers[layer].k_norm)
+        k_norm = self.layers[layer].k_norm  # set when spec.qk_norm
+        if k_norm is not None:
+            k = self.rms(k, k_norm)
         return self.rotate(k, *rope.for_layer(self.spec, layer))
 
     def attend(self, layer: int, q, k, v, mask) -> mx.array:
@@ -255,7 +265,7 @@ class MlxCausalLM:
         mx.eval(out)
         return out
 
-    def cat(self, arrays, dim: int) -> mx.array:
+    def cat(self, arrays, dim: int) -> mx.array | torch.Tensor:
         """Concatenate MLX arrays (and layout position tensors) along `dim` (engine/loop.py)."""
         if all(isinstance(a, torch.Tensor) for a in arrays):
             return torch.cat(list(arrays), dim)

@@ -203,7 +203,11 @@ class DequantizedLinear:
         return self.w.float()
 
 
-def make_linear(fmt: str, w: torch.Tensor, b: torch.Tensor | None = None):
+# A layer's linear map in any of its forms (the head is a RefinedHead or a DenseLinear).
+Linear = DenseLinear | Int8Linear | Int4Linear | DequantizedLinear
+
+
+def make_linear(fmt: str, w: torch.Tensor, b: torch.Tensor | None = None) -> DenseLinear | Int8Linear | Int4Linear:
     if fmt == "fp32":
         return DenseLinear(w, b)
     if fmt == "int8":

@@ -10,17 +10,34 @@ import json
 import os
 import pathlib
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from inference_engine.backends.spec import ModelSpec, spec_from_config
 from inference_engine.backends.torch.attention import attend_decode_batch, attend_layout, rotate_keys
-from inference_engine.backends.torch.linear import DequantizedLinear, WEIGHT_FORMATS, DenseLinear, Int4Linear, RefinedHead, make_linear
+from inference_engine.backends.torch.linear import (
+    DequantizedLinear, WEIGHT_FORMATS, DenseLinear, Int4Linear, Linear, RefinedHead, make_linear,
+)
 from inference_engine.kv.layout import CacheGeometry
+
+if TYPE_CHECKING:
+    from inference_engine.backends.torch.graphs import StepGraphs
 
 
 class _Layer:
     __slots__ = ("wqkv", "wo", "w_gate_up", "w_down", "ln_in", "ln_post_attn", "ln_pre_ff", "ln_post_ff", "q_norm", "k_norm")
+    wqkv: Linear
+    wo: Linear
+    w_gate_up: Linear
+    w_down: Linear
+    ln_in: torch.Tensor
+    ln_post_attn: torch.Tensor
+    ln_pre_ff: torch.Tensor | None  # Gemma's extra norms only
+    ln_post_ff: torch.Tensor | None
+    q_norm: torch.Tensor | None  # qk_norm models only
+    k_norm: torch.Tensor | None
 
 
 class Rope:
@@ -83,7 +100,7 @@ class TorchCausalLM:
             L.q_norm = self._norm_weight(a.q_norm.weight) if spec.qk_norm else None
             L.k_norm = self._norm_weight(a.k_norm.weight) if spec.qk_norm else None
             self.layers.append(L)
-        self.graphs = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
+        self.graphs: StepGraphs | None = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
 
     def use_step_graphs(self, mode: str) -> bool:
         """--compile: the step's dense work (everything but attention) as graphs.py segments.
@@ -125,9 +142,10 @@ class TorchCausalLM:
         """The runner of a step of `rows` rows through captured graphs, or None (run the pieces one by one)."""
         return self.graphs.runner(rows) if self.graphs is not None else None
 
-    def _linear(self, fmt: str, blocks: dict, names: list, weights: list, bias=None):
+    def _linear(self, fmt: str, blocks: dict, names: list, weights: list, bias=None) -> Linear:
         """One (possibly fused) linear layer: rows of `weights` stacked, in format `fmt` (quantized on
         the CPU; on another device a quantized format runs as its dequantized bf16 matrix)."""
+        lin: Linear
         if fmt == "int4" and all(n in blocks for n in names):
             q, d, m = (torch.cat(parts) for parts in zip(*(blocks[n] for n in names)))
             lin = Int4Linear.from_blocks(q, d, m, None if bias is None else bias.cpu())
@@ -146,7 +164,8 @@ class TorchCausalLM:
             raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass a pulled model name or an HF directory")
         cfg = AutoConfig.from_pretrained(path)
         spec = spec_from_config(getattr(cfg, "text_config", cfg))
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        # transformers declares PreTrainedModel.to as @wraps(torch.nn.Module.to), which mypy reads as unbound
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
         meta = path / "kakeya_model.json"
         model_id = json.loads(meta.read_text()).get("name", path.name) if meta.exists() else path.name
         blocks = None
