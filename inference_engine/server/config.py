@@ -81,8 +81,8 @@ class ServeConfig:
                 raise ConfigError(f"{flag} takes a token count >= 0 (0 = no limit), got {n}")
         if self.capacity < 1:
             raise ConfigError(f"--capacity takes a number of sessions >= 1, got {self.capacity}")
-        if not self.idle_ttl > 0:
-            raise ConfigError(f"--idle-ttl takes a number of seconds > 0, got {self.idle_ttl}")
+        if not self.idle_ttl >= 0:
+            raise ConfigError(f"--idle-ttl takes a number of seconds >= 0 (0 = never), got {self.idle_ttl}")
         if self.threads not in (None, "auto") and not (isinstance(self.threads, int) and self.threads >= 1):
             raise ConfigError(f"--threads takes a count >= 1 or auto, got {self.threads!r}")
         if self.shared_state_dir and self.persist != "turn":

@@ -86,7 +86,7 @@ def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
     (dict(compile="sometimes"), "--compile must be"),
     (dict(capacity=0), "--capacity takes"),
     (dict(threads=0), "--threads takes"),
-    (dict(idle_ttl=0), "--idle-ttl takes"),
+    (dict(idle_ttl=-1), "--idle-ttl takes"),
     (dict(drafter="ngram", spec_k=300), r"spec_k must be in \[0, 255\]"),
     (dict(prefill_chunk_shared=-1), "prefill_chunk_shared must be >= 0"),
     (dict(batching="sometimes"), "batching must be auto, on or off"),
@@ -101,4 +101,4 @@ def test_serve_config_validate_names_the_option(kw, message):
 
 def test_the_defaults_validate():
     ServeConfig().validate()
-    ServeConfig(kv_strategy="paged", drafter="ngram", threads="auto").validate()
+    ServeConfig(kv_strategy="paged", drafter="ngram", threads="auto", idle_ttl=0).validate()  # 0 = never expire
