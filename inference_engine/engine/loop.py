@@ -11,8 +11,8 @@ Each iteration:
      finished leave; their callers get their last events and the return value or error);
   2. take the waiting steps in posting order (the oldest always goes, so nothing starves) within a
      two-part budget: decode and verify steps (at most `small_step` rows each) up to `row_budget`
-     rows, prefill chunks up to `prefill_budget` tokens - so while a long append lands one chunk per
-     forward, every decoding session still advances one token per forward;
+     rows, prefill chunks up to `prefill_budget` tokens (`shared_prefill` while rows wait) - so while
+     long appends land chunk by chunk, every decoding session still advances one token per forward;
   3. run them as one forward (`steps.forward_batch`). A batch whose forward fails is run again one
      step at a time, so a bad step fails only its own session.
 
@@ -215,15 +215,20 @@ class EngineLoop:
         t.events.put(_DONE)
 
     def _take(self) -> list:
-        """Waiting steps in posting order within the two budgets (the oldest always)."""
+        """Waiting steps in posting order within the two budgets (the oldest always). While decode or verify
+        rows wait, prefill chunks get `shared_prefill` tokens of the forward (when set), not the whole
+        prefill budget: those rows' inter-token latency is one short chunk's forward however many sessions
+        are prefilling at once; a forward with no such rows packs chunks up to the prefill budget."""
         batch: list = []
         rows = prefill = 0
+        rows_wait = any(t.tokens <= self.small_step for t in self._waiting)
+        prefill_budget = self.shared_prefill if rows_wait and self.shared_prefill else self.prefill_budget
         for t in list(self._waiting):
             small = t.tokens <= self.small_step
             if batch:
                 if not self.batching:
                     break
-                if small and rows + t.tokens > self.row_budget or not small and prefill + t.tokens > self.prefill_budget:
+                if small and rows + t.tokens > self.row_budget or not small and prefill + t.tokens > prefill_budget:
                     continue
             batch.append(t)
             rows, prefill = (rows + t.tokens, prefill) if small else (rows, prefill + t.tokens)

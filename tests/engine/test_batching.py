@@ -199,6 +199,10 @@ def test_take_fills_two_budgets_in_order_and_keeps_the_rest_queued():
     off = EngineLoop(None, 10, batching=False)
     first, d1 = waiting(off, (4, 1))
     assert off._take() == [first] and off._take() == [d1]  # batching off: one step per forward
+    shared = EngineLoop(None, 64, small_step=2, shared_prefill=8)
+    a, b, c, d = waiting(shared, (8, 8, 1, 8))
+    assert shared._take() == [a, c]  # a decode row waits: prefill gets 8 tokens of this forward, not 64
+    assert shared._take() == [b, d]  # no row waits: chunks up to the prefill budget
 
 
 @pytest.mark.parametrize("threaded", [False, True])
