@@ -12,6 +12,7 @@ that has only `nbytes` keeps everything resident (selection 0, stored 0).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,11 @@ class KVBytes:
         return KVBytes(self.resident + other.resident, self.selection + other.selection, self.stored + other.stored)
 
 
-def kv_bytes(kv) -> KVBytes:
+def kv_bytes(kv: object) -> KVBytes:
     """The tiers of a session's KV (a SessionKV, whose `.cache` is the strategy's cache, or a cache)."""
     if kv is None:
         return KVBytes()
-    cache = getattr(kv, "cache", kv)
+    cache: Any = getattr(kv, "cache", kv)  # its tiers are read by duck typing: any cache (torch, MLX, research)
     resident = getattr(cache, "resident_nbytes", None)
     if resident is None:
         return KVBytes(int(cache.nbytes))

@@ -20,7 +20,7 @@ result differs in the last bits (see `_rotate`), ours does not.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import torch
 
@@ -136,7 +136,7 @@ class KakeyaLatticeCodec:
         y_hat = (point * scale.unsqueeze(-1)).reshape(n, self.head_dim)
         return self._rotate(y_hat) * scalars[:, :1].to(torch.float32)
 
-    def _raise_first(self, non_finite: bool, too_large: bool, off_lattice: bool):
+    def _raise_first(self, non_finite: bool, too_large: bool, off_lattice: bool) -> NoReturn:
         if non_finite:
             raise CompressorInputError("K/V contain inf or NaN; the lattice code cannot represent them")
         if too_large:
@@ -156,7 +156,7 @@ class KakeyaLatticeCodec:
         return (rows @ self.kakeya.H)[:m]
 
 
-def _kakeya_codec_class(lattice: str):
+def _kakeya_codec_class(lattice: str) -> Any:  # kakeyalattice ships no type information
     if lattice not in ("d4", "e8"):
         raise CompressorInputError(f"unknown lattice {lattice!r}; choose 'd4' or 'e8'")
     try:
@@ -169,7 +169,7 @@ def _kakeya_codec_class(lattice: str):
     return kakeyalattice.V14KakeyaZamirLatticeGPU if lattice == "d4" else kakeyalattice.V15KakeyaZamirE8GPU
 
 
-def _describe(x) -> str:
+def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} tensor of shape {tuple(x.shape)}"
     return type(x).__name__

@@ -9,14 +9,14 @@ from inference_engine.kv.strategy import KVStrategy
 
 
 def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int,
-               resources=None) -> SlotKVCache:
+               resources: object = None) -> SlotKVCache:
     """resources: what the strategy's plugin built for the engine (StrategyPlugin.build_resources), shared by
     every cache it makes; None for the built-in strategies."""
     return registry.make_cache(strategy, geometry, max_step=max_step, max_context=max_context, resources=resources)
 
 
 def cache_from_state(state: CacheState, geometry: CacheGeometry, *, max_step: int, max_context: int,
-                     resources=None) -> SlotKVCache:
+                     resources: object = None) -> SlotKVCache:
     """Rebuild the cache `state` describes for a model of `geometry` (checked against the state)."""
     meta = state.meta
     if meta.get("format") != STATE_FORMAT:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from inference_engine.backends.protocol import Backend
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class ExtraKeySource(Protocol):
     (e.g. positions it recomputes) rather than reads from its store. The forward opens it once with the
     backend, before layer 0."""
 
-    def open(self, backend) -> ExtraKeyStep | None:
+    def open(self, backend: Backend) -> ExtraKeyStep | None:
         """The step's extra keys, or None: none this step."""
         ...
 
@@ -94,7 +97,7 @@ class AttentionLayout:
     def last_position(self) -> int:
         return self.first_position + self.positions.numel() - 1
 
-    def row_keys(self, window) -> list:
+    def row_keys(self, window: int | None) -> list[int | torch.Tensor]:
         """Per query row, the key columns it attends to in a row-exact step: an int c (the prefix
         0..c-1, masked columns inside it included; for prefix-addressed stores, whose column of a
         position does not depend on the step) or a (n,) index of exactly its visible columns."""

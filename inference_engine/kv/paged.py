@@ -33,7 +33,8 @@ session holds for attention every step; the page store is a cheaper tier.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,11 +43,17 @@ import torch.nn.functional as F
 from inference_engine.backends.torch.attention import attend_merged, attend_row_parts, attend_row_two_part
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
-from inference_engine.kv.paged_store import RowTable, make_row_codec
+from inference_engine.kv.paged_store import RowQuant, RowTable, make_row_codec
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import AppendOnly
 from inference_engine.kv.stores import SlabStore
 from inference_engine.kv.strategy import KVStrategy
+
+# The backend's RoPE rotation of positioned keys: (layer, k (Hkv, E, D), deltas (Hkv, E)) -> rotated k.
+RotateKeys = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# A step's host bookkeeping (_plan_step), shared by its layers: named entries, and per-window ones
+# made once a step (a (name, window) key).
+Plan = dict[str | tuple[str, int | None], Any]
 
 
 class PagedCache(SinkWindowCache):
@@ -59,11 +66,12 @@ class PagedCache(SinkWindowCache):
                                     page=self.page_size, device=g.device)
         self.pages = RowTable(make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=g.dtype,
                                              q_range=strategy.q_range, device=g.device), stack=2, **dims)
-        self.keys = RowTable(make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype),
-                             stack=1, **dims)
+        # int4 / int8 names make a RowQuant, whose group_max_scores scores the candidates
+        key_codec = cast(RowQuant, make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype))
+        self.keys = RowTable(key_codec, stack=1, **dims)
         self.evicted_total = 0
         self.timings = {"score_s": 0.0, "fetch_s": 0.0, "attend_s": 0.0, "recalls": 0}  # cumulative, for the cost split
-        self._step: dict | None = None  # per-step host bookkeeping for recall (see prepare)
+        self._step: Plan | None = None  # per-step host bookkeeping for recall (see prepare)
 
     # -- bytes ------------------------------------------------------------------------------
     @property
@@ -88,7 +96,7 @@ class PagedCache(SinkWindowCache):
         return self.sink + self.pages.rows
 
     # -- step ---------------------------------------------------------------------------------
-    def prepare(self, positions, ids: torch.Tensor | None = None) -> AttentionLayout:
+    def prepare(self, positions: range | torch.Tensor, ids: torch.Tensor | None = None) -> AttentionLayout:
         t = len(positions) if isinstance(positions, range) else positions.numel()
         reach = self.sink + self.window + self.recall_pages * self.page_size
         if self.next_position + t - 1 >= self.max_context and reach >= self.max_context:  # before any slot is taken
@@ -100,7 +108,7 @@ class PagedCache(SinkWindowCache):
         self._step = self._plan_step(layout)
         return layout
 
-    def _plan_step(self, layout: AttentionLayout):
+    def _plan_step(self, layout: AttentionLayout) -> Plan | None:
         """Host bookkeeping shared by the step's layers (computed once a step, not per layer):
         candidate positions [sink, cand_end), their count C and pages; which candidates each query
         may recall per model window (None: all of them, as for a decode step on a global layer);
@@ -136,7 +144,7 @@ class PagedCache(SinkWindowCache):
 
     @torch.inference_mode()
     def attend_with_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                          layout: AttentionLayout, scale: float, rotate_keys=None) -> torch.Tensor | None:
+                          layout: AttentionLayout, scale: float, rotate_keys: RotateKeys | None = None) -> torch.Tensor | None:
         """Attention output (H, T, D) of this layer's queries q (H, T, D, post-RoPE) over sink +
         window (k_all, v_all (Hkv, N, D) with the layout's mask) + the keys of each query's chosen
         pages; None when nothing is out of any query's window (attend as sink_window does).
@@ -175,7 +183,9 @@ class PagedCache(SinkWindowCache):
         self._time(t0, t1, t2)
         return o
 
-    def _attend_rows(self, layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1, rotate_keys=None):
+    def _attend_rows(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layout: AttentionLayout,
+                     plan: Plan, w: int | None, idx: torch.Tensor, scale: float, t0: float, t1: float,
+                     rotate_keys: RotateKeys | None = None) -> torch.Tensor:
         """Row-exact attention: row j attends, in one call for all heads (each KV head's query heads
         as the call's query rows, so a per-KV-head mask broadcasts over them), over exactly what a
         one-token step at its position reads: its recalled rows, then its visible resident columns
@@ -237,7 +247,9 @@ class PagedCache(SinkWindowCache):
         self._time(t0, t1, t1 + fetch, t1 + fetch + attend)
         return out[0] if len(out) == 1 else torch.cat(out, 1)
 
-    def _far_row(self, layer, qj, kr, vr, bias_r, pages, p, k_all, v_all, layout, bias_w, scale, rotate_keys):
+    def _far_row(self, layer: int, qj: torch.Tensor, kr: torch.Tensor | None, vr: torch.Tensor | None,
+                 bias_r: torch.Tensor | None, pages: torch.Tensor | None, p: int, k_all: torch.Tensor, v_all: torch.Tensor,
+                 layout: AttentionLayout, bias_w: torch.Tensor, scale: float, rotate_keys: RotateKeys | None) -> torch.Tensor:
         """One query row at p >= max_context (InfLLM's layout): its window at true positions; its recalled
         rows (pages (Hkv, n) in position order) rotated to sit in that order right before the window; the
         sink rotated to sit right before them. Three attention parts merged by log-sum-exp."""
@@ -247,6 +259,7 @@ class PagedCache(SinkWindowCache):
         n = 0 if pages is None else pages.shape[1]
         parts = []
         if kr is not None:
+            assert pages is not None  # _attend_rows sets a row's pages with its recalled rows
             parts.append((rotate_keys(layer, kr, self.virtual_deltas(pages, p)), vr, bias_r))
         kp = layout.key_positions
         sink_cols = torch.nonzero((kp >= 0) & (kp < self.sink)).flatten()
@@ -268,7 +281,7 @@ class PagedCache(SinkWindowCache):
         true_start = self.sink + pages.to(torch.long) * size  # (Hkv, n)
         return (slot_start[None] - true_start).repeat_interleave(size, -1)
 
-    def _resident_bias(self, plan, layout, w, dtype) -> torch.Tensor:
+    def _resident_bias(self, plan: Plan, layout: AttentionLayout, w: int | None, dtype: torch.dtype) -> torch.Tensor:
         """(T, N) additive mask (0 / -inf) of the resident slab per query row; once a step per window."""
         key = ("resident_bias", w)
         if key not in plan:
@@ -276,7 +289,7 @@ class PagedCache(SinkWindowCache):
             plan[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
         return plan[key]
 
-    def _row_visible(self, plan, w, dtype):
+    def _row_visible(self, plan: Plan, w: int | None, dtype: torch.dtype) -> dict[str, Any]:
         """Per query row (made once a step per window, shared by the layers): its candidate pages
         (through its last visible candidate), additive masks (0 / -inf) of the step's candidate
         rows by page ((pages, P): allowed, nothing past C), and whether the row's own pages hold
@@ -294,7 +307,7 @@ class PagedCache(SinkWindowCache):
             plan[key] = {"pages": pages, "masked": masked, "page_bias": torch.where(ok, zero, ninf).view(ok.shape[0], n_pages, p)}
         return plan[key]
 
-    def _page_rows(self, plan, device) -> torch.Tensor:
+    def _page_rows(self, plan: Plan, device: torch.device) -> torch.Tensor:
         """(Hkv * pages, P): page j of KV head h at row h * pages + j, holding the rows h * capacity +
         j * P + (0 .. P-1) of the row table's (Hkv * capacity) flattened slab; made once a step."""
         if "page_rows" not in plan:
@@ -305,14 +318,14 @@ class PagedCache(SinkWindowCache):
             plan["page_rows"] = ((heads * cap)[:, None, None] + torch.arange(n_pages * p, device=device).view(1, n_pages, p)).view(-1, p)
         return plan["page_rows"]
 
-    def _time(self, t0, t1, t2, t3=None):
+    def _time(self, t0: float, t1: float, t2: float, t3: float | None = None) -> None:
         t3 = time.perf_counter() if t3 is None else t3
         self.timings["score_s"] += t1 - t0
         self.timings["fetch_s"] += t2 - t1
         self.timings["attend_s"] += t3 - t2
         self.timings["recalls"] += 1
 
-    def _choose(self, layer, q, k_all, w=None) -> torch.Tensor:
+    def _choose(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, w: int | None = None) -> torch.Tensor:
         """(Hkv, T, C) bool: candidate c (position sink + c) is recalled by query t for KV head h."""
         plan = self._step
         if plan is None:
@@ -320,13 +333,14 @@ class PagedCache(SinkWindowCache):
         idx, ok = self._choose_pages(layer, q, k_all, plan, w)
         return self._selection(idx, ok, plan["allowed"][w], plan["c"])
 
-    def _selection(self, idx, ok, allowed, c) -> torch.Tensor:
+    def _selection(self, idx: torch.Tensor, ok: torch.Tensor, allowed: torch.Tensor, c: int) -> torch.Tensor:
         """(Hkv, T, C) bool from the chosen pages: keys of a chosen page the query may see."""
         n_pages = -(-c // self.page_size)
         chosen = torch.zeros(*idx.shape[:2], n_pages, dtype=torch.bool, device=idx.device).scatter_(-1, idx, ok)
         return chosen.repeat_interleave(self.page_size, -1)[..., :c] & allowed
 
-    def _choose_pages(self, layer, q, k_all, plan, w):
+    def _choose_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan,
+                      w: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's top pages per KV head: idx (Hkv, T, M) page indices and ok (Hkv, T, M) (the
         page holds a key the query may see). Every candidate is scored through its compact code:
         archived ones as stored, still-resident ones (a long prefill chunk) encoded on the fly, by
@@ -363,7 +377,8 @@ class PagedCache(SinkWindowCache):
         best, idx = page_scores.topk(min(self.recall_pages, n_pages), -1)
         return idx, best > float("-inf")
 
-    def _rows_kv(self, layer, rows, k_all, v_all, cols):
+    def _rows_kv(self, layer: int, rows: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                 cols: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact K/V (Hkv, E, D) of candidate rows[h] per KV head: archived ones decoded from the page
         store, still-resident ones from k_all/v_all through the same page codec."""
         n_st = self.pages.rows
@@ -375,9 +390,11 @@ class PagedCache(SinkWindowCache):
             codec = self.pages.codec
             fresh = codec.decode(codec.encode(fresh.reshape(-1, fresh.shape[-1]))).reshape(fresh.shape).to(k_all.dtype)
             kv = fresh if kv is None else torch.where((rows >= n_st)[None, :, :, None], fresh, kv)
+        # An empty page store means the candidates are still resident (_plan_step sets cols then).
+        assert kv is not None
         return kv[0], kv[1]
 
-    def _on_commit(self, layout, n_keep: int) -> None:
+    def _on_commit(self, layout: AttentionLayout, n_keep: int) -> None:
         self._step = None
 
     def _on_abort(self) -> None:
@@ -436,7 +453,7 @@ class PagedCache(SinkWindowCache):
         self.evicted_total = int(meta["evicted_total"])
 
 
-def _rows_per_head(need: torch.Tensor):
+def _rows_per_head(need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """need (Hkv, C) bool -> rows (Hkv, E) ascending chosen indices per head (padded with 0) and
     valid (Hkv, E), E = the most any head chose."""
     counts = need.sum(1)

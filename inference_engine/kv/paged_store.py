@@ -14,15 +14,19 @@ its call: a key quantized in the page store equals the same key quantized on the
 """
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 import torch
 
-from inference_engine.kv.compressors import make_codec
+from inference_engine.kv.compressors import KVCodec, make_codec
+
+CodecT = TypeVar("CodecT", bound=KVCodec)  # a RowTable's row codec
 
 
 class IdentityRows:
     """Rows kept as they are, in `dtype`."""
 
-    def __init__(self, head_dim: int, dtype):
+    def __init__(self, head_dim: int, dtype: torch.dtype):
         self.head_dim, self.dtype = head_dim, dtype
 
     def payload_layout(self) -> dict:
@@ -121,7 +125,7 @@ class RowQuant:
 _INT_QUERIES = 16  # RowQuant.group_max_scores: steps of up to this many queries score in integers
 
 
-def query_limbs(q: torch.Tensor):
+def query_limbs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, G, M, D) float -> (B, 3 * G * M, D) int8 limbs a0, a1, a2 (limb-major) and s (B, M, 1)
     float32 with q = s * (a0 + a1 / 254 + a2 / 254^2) to within s * 254^-2 / 2 (s = max |q| over
     the group's heads and D / 127, so 2^-23 of that max; computed in float64)."""
@@ -136,7 +140,8 @@ def query_limbs(q: torch.Tensor):
     return torch.stack([a0, a1, a2], 1).to(torch.int8).view(b, 3 * g * m, d), s.view(b, m, 1).float()
 
 
-def make_row_codec(name: str, *, head_dim: int, dtype, q_range: int = 38, device="cpu"):
+def make_row_codec(name: str, *, head_dim: int, dtype: torch.dtype, q_range: int = 38,
+                   device: str | torch.device = "cpu") -> KVCodec:
     """identity (exact, model dtype), int8, int4, or a KakeyaLattice codec (kakeya_d4 / kakeya_e8)."""
     if name == "identity":
         return IdentityRows(head_dim, dtype)
@@ -145,12 +150,13 @@ def make_row_codec(name: str, *, head_dim: int, dtype, q_range: int = 38, device
     return make_codec(name, q_range, head_dim=head_dim, device=device)
 
 
-class RowTable:
+class RowTable(Generic[CodecT]):
     """Per layer, rows (S, Hkv, n, D) appended in order and read back by row index. Each payload
     name is one tensor (L, S, Hkv, capacity, *trailing) over the layers (`slabs[layer]` are its
     per-layer views), so an append writes every layer in one copy (`write_all`)."""
 
-    def __init__(self, codec, *, num_layers: int, num_kv_heads: int, head_dim: int, stack: int, page: int, device):
+    def __init__(self, codec: CodecT, *, num_layers: int, num_kv_heads: int, head_dim: int, stack: int, page: int,
+                 device: str | torch.device):
         self.codec, self.stack, self.page = codec, stack, page
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.device = torch.device(device)
@@ -173,7 +179,7 @@ class RowTable:
             return
         cap = -(-rows // self.page) * self.page
 
-        def grown(x):
+        def grown(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x, x.new_zeros(*x.shape[:3], cap - x.shape[3], *x.shape[4:])], 3)
 
         self._set({name: grown(x) for name, x in self.data.items()})

@@ -11,25 +11,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference_engine.kv.plugins import StrategyOption, StrategyPlugin
 from inference_engine.kv.strategy import KVStrategy
 
+if TYPE_CHECKING:  # the caches load torch: imported where a strategy's cache is made, not to list the strategies
+    from inference_engine.kv.full import FullKVCache
+    from inference_engine.kv.layout import CacheGeometry
+    from inference_engine.kv.paged import PagedCache
+    from inference_engine.kv.sink_window import SinkWindowCache
+    from inference_engine.kv.slot_cache import SlotKVCache
 
-def _full(strategy, geometry, *, max_step: int, max_context: int, resources=None):
+
+def _full(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int,
+          resources: object = None) -> FullKVCache:
     from inference_engine.kv.full import FullKVCache
 
     return FullKVCache(strategy, geometry)
 
 
-def _sink_window(strategy, geometry, *, max_step: int, max_context: int, resources=None):
+def _sink_window(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int,
+                 resources: object = None) -> SinkWindowCache:
     from inference_engine.kv.sink_window import SinkWindowCache
 
     return SinkWindowCache(strategy, geometry, max_step, max_context)
 
 
-def _paged(strategy, geometry, *, max_step: int, max_context: int, resources=None):
+def _paged(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int,
+           resources: object = None) -> PagedCache:
     from inference_engine.kv.paged import PagedCache
 
     return PagedCache(strategy, geometry, max_step, max_context)
@@ -82,7 +92,7 @@ def plugin(name: str) -> StrategyPlugin:
     return found
 
 
-def make_strategy(name: str, *args, **params) -> KVStrategy:
+def make_strategy(name: str, *args: Any, **params: Any) -> KVStrategy:
     """The parameters of strategy `name` (positional args after the name as KVStrategy's: sink, window, ...);
     a parameter the strategy does not have is a ValueError that names it."""
     cls = plugin(name).params
@@ -100,7 +110,8 @@ def strategy_from_dict(d: Mapping[str, Any]) -> KVStrategy:
     return cls(**{k: v for k, v in d.items() if k in fields})
 
 
-def make_cache(strategy: KVStrategy, geometry, *, max_step: int, max_context: int, resources=None):
+def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int,
+               resources: object = None) -> SlotKVCache:
     p = plugin(strategy.name)
     if not isinstance(strategy, p.params):
         raise ValueError(f"kv strategy {strategy.name} takes its parameters as {p.params.__name__}, got "
@@ -108,7 +119,7 @@ def make_cache(strategy: KVStrategy, geometry, *, max_step: int, max_context: in
     return p.make_cache(strategy, geometry, max_step=max_step, max_context=max_context, resources=resources)
 
 
-def describe(strategy: KVStrategy, resources=None) -> dict[str, str]:
+def describe(strategy: KVStrategy, resources: object = None) -> dict[str, str]:
     """The strategy's parameters as strings, with what its resources add (GetServerInfo's kv_params)."""
     out = dict(strategy.describe())
     p = plugin(strategy.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from inference_engine.kv.layout import CacheGeometry, SinkShift
-from inference_engine.kv.slot_cache import SlotKVCache
+from inference_engine.kv.slot_cache import CacheState, SlotKVCache
 from inference_engine.kv.strategy import KVStrategy
 
 
@@ -53,7 +53,7 @@ class SinkWindowCache(SlotKVCache):
     def exact_step_room(self) -> int:
         return max(1, self.base_capacity - self.sink - self.window) if self.RING else 1
 
-    def load_state(self, state) -> None:
+    def load_state(self, state: CacheState) -> None:
         super().load_state(state)
         if self.RING:  # a state saved before ring placement (or by a grown slab): put its rows on the ring
             live = self.store.pos[self.store.occupied()]
@@ -74,7 +74,7 @@ class SinkWindowCache(SlotKVCache):
     def _key_count(self, t: int) -> int:
         return self.capacity
 
-    def _allowed(self, qp, kp):
+    def _allowed(self, qp: np.ndarray, kp: np.ndarray) -> np.ndarray:
         return (kp >= 0) & (kp <= qp) & ((kp < self.sink) | (kp > qp - self.window))
 
     def _evict_dead(self) -> int:

@@ -150,7 +150,7 @@ class SlotKVCache:
 
     # -- protocol ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prepare(self, positions, ids: torch.Tensor | None = None) -> AttentionLayout:
+    def prepare(self, positions: range | torch.Tensor, ids: torch.Tensor | None = None) -> AttentionLayout:
         """Reserve slots for new tokens at `positions` (a range, or a 1-D tensor); `ids` (their
         token ids) is only needed by caches that keep the token history (for their extra keys)."""
         first, t = self._check_positions(positions)
@@ -175,9 +175,10 @@ class SlotKVCache:
         return self._layout
 
     @torch.inference_mode()
-    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def update_and_fetch(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any]:
         """Store the step's k, v (Hkv, T, D); return every key/value its queries may read,
-        (Hkv, N, D) in layout.key_positions order, the step's own rows as stored."""
+        (Hkv, N, D) in layout.key_positions order, the step's own rows as stored (the store's: torch
+        tensors, stores.Int8Rows, or another backend's arrays)."""
         layout = self._layout
         if layout is None or k.shape[1] != layout.slots.numel():
             raise CacheInvariantError("inv1", f"layer {layer} update does not match the prepared step")
@@ -346,14 +347,14 @@ class SlotKVCache:
     def _allowed(self, qp: np.ndarray, kp: np.ndarray) -> np.ndarray:
         return (kp >= 0) & (kp <= qp)
 
-    def _mask(self, qpos: np.ndarray, key_pos: np.ndarray, layer_window) -> np.ndarray:
+    def _mask(self, qpos: np.ndarray, key_pos: np.ndarray, layer_window: int | None) -> np.ndarray:
         qp, kp = qpos[:, None], key_pos[None, :]
         m = self._allowed(qp, kp)
         if layer_window is not None:
             m = m & (kp > qp - layer_window)
         return m
 
-    def _check_positions(self, positions) -> tuple[int, int]:
+    def _check_positions(self, positions: range | torch.Tensor) -> tuple[int, int]:
         expected = self.next_position
         if isinstance(positions, range):
             first, t, ok = positions.start, len(positions), positions.step == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +35,7 @@ _deferred = threading.local()
 
 
 @contextlib.contextmanager
-def rows_deferred():
+def rows_deferred() -> Iterator[None]:
     """Stores that `make_store` makes inside (on this thread) hold no rows until their `load_state`:
     for a cache whose state is loaded at once, so its slabs are not allocated and zeroed twice.
     Until then the store's slabs have 0 slots (its `capacity` is already the one asked for)."""
@@ -55,7 +56,7 @@ class SlotStore:
 
     compressor = "identity"
 
-    def __init__(self, capacity: int, device):
+    def __init__(self, capacity: int, device: str | torch.device):
         self.capacity = capacity
         self.device = torch.device(device)
         self.pos = np.full(capacity, -1, dtype=np.int64)
@@ -152,7 +153,8 @@ class SlotStore:
 class SlabStore(SlotStore):
     """Uncompressed rows; `fetch` returns views of the first n slots of each slab."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device, *, allocate: bool = True):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: str | torch.device, *, allocate: bool = True):
         super().__init__(capacity, device)
         n = capacity if allocate else 0  # rows_deferred: load_state brings the slabs
         self.k = [torch.zeros(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -162,10 +164,10 @@ class SlabStore(SlotStore):
         self.k[layer].index_copy_(1, slots, k)
         self.v[layer].index_copy_(1, slots, v)
 
-    def fetch(self, layer: int, n: int, slots: torch.Tensor | None):
+    def fetch(self, layer: int, n: int, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][:, :n], self.v[layer][:, :n]
 
-    def read(self, layer: int, slots: torch.Tensor):
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) rows at `slots`, each (Hkv, len(slots), D)."""
         return self.k[layer][:, slots], self.v[layer][:, slots]
 
@@ -175,7 +177,7 @@ class SlabStore(SlotStore):
         self.v = [torch.cat([x, x.new_zeros(x.shape[0], extra, x.shape[2])], 1) for x in self.v]
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
-        def moved(x):
+        def moved(x: torch.Tensor) -> torch.Tensor:
             y = x.new_zeros(x.shape[0], capacity, x.shape[2])
             y.index_copy_(1, dst, x.index_select(1, src))
             return y
@@ -208,8 +210,8 @@ class CompressedStore(SlotStore):
     K and V stacked. Writes encode the step's rows at their slots; reads decode only the slots
     asked for; growing and compacting move payload bytes (never re-encode)."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device,
-                 *, compressor: str, q_range: int, allocate: bool = True):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: str | torch.device, *, compressor: str, q_range: int, allocate: bool = True):
         super().__init__(capacity, device)
         self.compressor = compressor
         self.q_range = q_range
@@ -235,10 +237,10 @@ class CompressedStore(SlotStore):
         # Only occupied slots are decoded: decoding is the per-step cost of compression.
         return self.occupied()
 
-    def fetch(self, layer: int, n: int, slots: torch.Tensor):
+    def fetch(self, layer: int, n: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(layer, slots)
 
-    def read(self, layer: int, slots: torch.Tensor):
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) rows at occupied `slots` (any order, repeats allowed), each (Hkv, len(slots), D) in
         the store dtype."""
         n = slots.numel()
@@ -261,13 +263,13 @@ class CompressedStore(SlotStore):
                 for name, (shape, dtype) in self.layout.items()}
 
     def _grow(self, capacity: int) -> None:
-        def grown(x):
+        def grown(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x, x.new_zeros(*x.shape[:2], capacity - x.shape[2], *x.shape[3:])], 2)
 
         self.slabs = [{name: grown(x) for name, x in slabs.items()} for slabs in self.slabs]
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
-        def moved(x):
+        def moved(x: torch.Tensor) -> torch.Tensor:
             y = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])
             y.index_copy_(2, dst, x.index_select(2, src))
             return y
@@ -330,7 +332,8 @@ class Int8SlabStore(SlotStore):
     # crash in torch 2.13): capacity is the reduction of the weighted sum, head_dim of the scores.
     MULTIPLE = 16
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device, *, allocate: bool = True):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: str | torch.device, *, allocate: bool = True):
         if torch.device(device).type != "cpu":
             raise ValueError(f"an int8 K/V store runs on torch's CPU int8 kernel; on {device} use kv dtype fp32")
         if head_dim % self.MULTIPLE:
@@ -348,7 +351,7 @@ class Int8SlabStore(SlotStore):
         self.vs = [zs(num_kv_heads, n) for _ in range(num_layers)]
 
     @staticmethod
-    def quantize(x: torch.Tensor):
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (Hkv, T, D) -> int8 codes, bf16 scales (Hkv, T): symmetric, per position and head."""
         scale = (x.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.bfloat16)
         codes = torch.round(x / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
@@ -368,17 +371,17 @@ class Int8SlabStore(SlotStore):
         self.v[layer].index_copy_(2, slots, vc.transpose(1, 2))
         self.vs[layer].index_copy_(1, slots, vs)
 
-    def fetch(self, layer: int, n: int, slots: torch.Tensor | None):
+    def fetch(self, layer: int, n: int, slots: torch.Tensor | None) -> tuple[Int8Rows, Int8Rows]:
         return Int8Rows(self.k[layer], self.ks[layer], False), Int8Rows(self.v[layer], self.vs[layer], True)
 
-    def read(self, layer: int, slots: torch.Tensor):
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.fetch(layer, self.capacity, None)
         return k.select(slots).dequantize().to(self.dtype), v.select(slots).dequantize().to(self.dtype)
 
     def _grow(self, capacity: int) -> None:
         extra = capacity - self.capacity
 
-        def grown(x, dim):
+        def grown(x: torch.Tensor, dim: int) -> torch.Tensor:
             shape = list(x.shape)
             shape[dim] = extra
             return torch.cat([x, x.new_zeros(shape)], dim)
@@ -387,7 +390,7 @@ class Int8SlabStore(SlotStore):
         self.v = [grown(x, 2) for x in self.v]
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
-        def moved(x, dim):
+        def moved(x: torch.Tensor, dim: int) -> torch.Tensor:
             shape = list(x.shape)
             shape[dim] = capacity
             return x.new_zeros(shape).index_copy_(dim, dst, x.index_select(dim, src))
@@ -413,7 +416,7 @@ class Int8SlabStore(SlotStore):
 
 
 def make_store(compressor: str, q_range: int, *, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-               dtype, device) -> SlotStore:
+               dtype: torch.dtype, device: str | torch.device) -> SlotStore:
     allocate = _allocating()
     if compressor == "identity":
         return SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device, allocate=allocate)

@@ -33,7 +33,7 @@ class KVStrategy:
     page_compressor: str = "identity"
     page_key_bits: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.name not in self.NAMES:
             raise ValueError(f"unknown kv strategy {self.name!r} for {type(self).__name__}; choose one of {', '.join(self.NAMES)} "
                              "(registry.make_strategy makes any registered strategy)")
