@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,21 +25,30 @@ from inference_engine.kv import registry
 from inference_engine.kv.factory import make_cache
 from inference_engine.kv.strategy import KVStrategy
 
+if TYPE_CHECKING:
+    from inference_engine.backends.protocol import Backend
+    from inference_engine.engine.model_thread import ModelThread
+    from inference_engine.engine.steps import StepInput, StepResult
+
+Event = TokenGenerated | HistoryTruncated | GenerationDone
+
 
 class Engine:
     """One model, one KV strategy; many sessions' states. Thread-safe at step granularity: each
     session's steps run in order, different sessions' steps may share a forward (batching)."""
 
-    def __init__(self, model, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
-                 drafter=None, spec_k: int = 0, drafter_name: str = "", strategy_resources=None,
-                 batching: str = "auto", prefill_chunk_shared: int = 32, model_thread=None):
+    def __init__(self, model: Backend, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
+                 drafter: Any = None, spec_k: int = 0, drafter_name: str = "", strategy_resources: object = None,
+                 batching: str = "auto", prefill_chunk_shared: int = 32, model_thread: ModelThread | None = None):
         """strategy_resources: what the strategy's plugin built for this engine (kv/plugins.py
         StrategyPlugin.build_resources), shared by every cache it makes; None for the built-ins.
         batching: "on" = concurrent sessions' steps share forwards (engine/loop.py), "off" = one
         session's step per forward, "auto" = on where it is exact (row-independent int8/int4 kernels
         of the torch backend), off otherwise. prefill_chunk_shared: with batching on, the prefill chunk
         while other sessions generate (0 = prefill_chunk). model_thread: the ModelThread that runs the
-        engine loop (the daemon's), or None to run it on the callers' threads (in-process use)."""
+        engine loop (the daemon's), or None to run it on the callers' threads (in-process use).
+        drafter: engine/prompt_lookup.py's PromptLookupDrafter or one of kv_cache_proposer's, read by duck typing
+        (their `draft` signatures differ: a v2 drafter takes its state and position), hence Any."""
         check_engine_options(prefill_chunk=prefill_chunk, spec_k=spec_k, batching=batching,
                              prefill_chunk_shared=prefill_chunk_shared, has_drafter=drafter is not None)
         self.model = model
@@ -103,7 +113,8 @@ class Engine:
         """Run pending tokens in chunks (through the engine loop); returns (positions dropped from attention, completed)."""
         return self.loop.run(self._prefill(kv, pending, should_stop))
 
-    def _prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool]):
+    def _prefill(self, kv: SessionKV, pending: Sequence[int],
+                 should_stop: Callable[[], bool]) -> Generator[StepInput, Any, tuple[int, bool]]:
         """prefill's task: a chunk per forward, shorter while other sessions generate."""
         dropped, i = 0, 0
         while i < len(pending):
@@ -141,7 +152,8 @@ class Engine:
         res = d.draft(ids, k, context_hidden=hidden)
         return [int(t) for t in res.ids[:k]]
 
-    def _advance(self, kv: SessionKV, token: int, drafts: list, params: GenerateParams, gen, budget: int):
+    def _advance(self, kv: SessionKV, token: int, drafts: list, params: GenerateParams, gen: torch.Generator | None,
+                 budget: int) -> Generator[StepInput, Any, StepResult]:
         """Feed `token` (and a drafted block) in one step (a task); the result's `emitted` are the next tokens."""
         # A greedy session reads only the argmax of these logits, and every one is consumed by this call
         # (the last emitted token is fed by the next turn's prefill), so its steps take the cheaper head.
@@ -165,7 +177,9 @@ class Engine:
         the turn at its next step boundary."""
         return self.loop.stream(self._generate(kv, history, params, should_stop, arrived_at, on_token))
 
-    def _generate(self, kv, history, params, should_stop, arrived_at, on_token):
+    def _generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool],
+                  arrived_at: float | None,
+                  on_token: Callable[[int], None] | None) -> Generator[StepInput | Event, Any, None]:
         t0 = time.perf_counter() if arrived_at is None else arrived_at
         pending = history[kv.next_position :]
         if not pending and kv.last_logits is None:
@@ -184,6 +198,7 @@ class Engine:
         token = None  # sampled, not yet fed
         out: list = []
         if completed and params.max_tokens > 0 and (limit is None or position < limit) and not should_stop():
+            assert kv.last_logits is not None  # the prefill's, or checked above when nothing was pending
             out = [sample(kv.last_logits, params.sampling, gen)]
         elif completed and limit is not None and position >= limit:
             reason = "context_full"  # the history already fills what the strategy can attend to

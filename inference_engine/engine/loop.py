@@ -34,15 +34,20 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from inference_engine.engine.steps import StepInput, forward_batch
+
+if TYPE_CHECKING:
+    from inference_engine.backends.protocol import Backend
+    from inference_engine.engine.model_thread import ModelThread
 
 log = logging.getLogger("kakeya")
 
 Task = Generator[Any, Any, Any]  # yields StepInput (a forward to run) or an event; returns the work's value
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,8 +79,8 @@ class _Task:
 
 
 class EngineLoop:
-    def __init__(self, backend, prefill_budget: int, *, row_budget: int = 64, small_step: int = 16, batching: bool = True,
-                 shared_prefill: int = 0, model_thread=None):
+    def __init__(self, backend: Backend, prefill_budget: int, *, row_budget: int = 64, small_step: int = 16,
+                 batching: bool = True, shared_prefill: int = 0, model_thread: ModelThread | None = None):
         """backend: the model every forward runs; prefill_budget: prefill tokens per forward; row_budget:
         decode/verify rows per forward (a step of at most `small_step` tokens counts as one of those).
         shared_prefill: a prefill chunk's tokens while other tasks are live (0 = the whole chunk).
@@ -98,9 +103,10 @@ class EngineLoop:
         t = _Task(co)
         with self._lock:
             self._tasks.append(t)
-            if not self._inline() and not self._scheduled:
+            mt = self.model_thread
+            if mt is not None and not self._inline() and not self._scheduled:  # (not inline: there is a model thread)
                 self._scheduled = True
-                self.model_thread.post(self._job)
+                mt.post(self._job)
         return t
 
     def stream(self, co: Task) -> Iterator:
@@ -143,7 +149,7 @@ class EngineLoop:
             return min(full, self.shared_prefill)
         return full
 
-    def on_model(self, fn):
+    def on_model(self, fn: Callable[[], T]) -> T:
         """Run fn where forwards run: on the model thread when there is one, else right here."""
         return fn() if self.model_thread is None else self.model_thread.call(fn)
 
@@ -151,7 +157,7 @@ class EngineLoop:
         mt = self.model_thread
         return mt is None or threading.get_ident() == mt.ident
 
-    def _next_event(self, t: _Task):
+    def _next_event(self, t: _Task) -> Any:
         if self._inline():  # drive the loop until this task has something to say
             while True:
                 try:
@@ -168,9 +174,11 @@ class EngineLoop:
             log.exception("engine loop iteration failed")
             for t in list(self._tasks):
                 self._finish(t, failure=e)
+        mt = self.model_thread
+        assert mt is not None  # _job is posted to the model thread only
         with self._lock:
             if self._tasks:
-                self.model_thread.post(self._job)
+                mt.post(self._job)
             else:
                 self._scheduled = False
 

@@ -31,7 +31,7 @@ class PromptLookupDrafter:
             raise ValueError(f"ngram sizes must satisfy 1 <= min <= max, got min={min_ngram} max={max_ngram}")
         self.context_window, self.max_ngram, self.min_ngram = context_window, max_ngram, min_ngram
 
-    def draft(self, context_ids: torch.Tensor, k: int, *, context_hidden=None) -> LookupDraft:
+    def draft(self, context_ids: torch.Tensor, k: int, *, context_hidden: torch.Tensor | None = None) -> LookupDraft:
         ctx = np.asarray(context_ids, dtype=np.int64)
         return LookupDraft(torch.from_numpy(self.lookup(ctx, k)))
 

@@ -1,11 +1,14 @@
 """SessionKV: a session's engine-side state, as the session layer holds it (opaquely)."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from inference_engine.engine.speculative import DraftGate
 from inference_engine.kv.factory import cache_from_state
-from inference_engine.kv.slot_cache import CacheDelta, CacheState, SaveMark
+from inference_engine.kv.layout import CacheGeometry
+from inference_engine.kv.slot_cache import CacheDelta, CacheState, SaveMark, SlotKVCache
 
 
 class SessionKV:
@@ -13,13 +16,14 @@ class SessionKV:
     states of the most recent positions (drafter features): the final hidden states, or with
     `capture_layers` (a v2 drafter) the outputs of those layers, concatenated."""
 
-    def __init__(self, cache, hidden_keep: int = 0, capture_layers: tuple = ()):
+    def __init__(self, cache: SlotKVCache, hidden_keep: int = 0, capture_layers: tuple[int, ...] = ()):
         self.cache = cache
         self.last_logits: torch.Tensor | None = None  # (V,) float32, host
         self.hidden_keep = hidden_keep
         self.capture_layers = tuple(capture_layers)
         self.recent_hidden: torch.Tensor | None = None  # (<= hidden_keep, H or len(capture_layers) * H), ends at next_position
-        self.drafter_state = None  # a v2 drafter's own cache (not saved: rebuilt from recent_hidden)
+        # a v2 drafter's own cache (its DraftCache: drafters are duck-typed) (not saved: rebuilt from recent_hidden)
+        self.drafter_state: Any = None
         self.draft_gate = DraftGate()  # speculative decoding's back-off (not saved: it never changes output)
 
     def remember_hidden(self, hidden: torch.Tensor, n_committed: int) -> None:
@@ -68,7 +72,7 @@ class SessionKV:
         return CacheState(tensors, meta)
 
     @classmethod
-    def from_state(cls, state: CacheState, geometry, *, max_step: int, max_context: int, resources=None,
+    def from_state(cls, state: CacheState, geometry: CacheGeometry, *, max_step: int, max_context: int, resources: object = None,
                    hidden_keep: int | None = None) -> "SessionKV":
         cache = cache_from_state(state, geometry, max_step=max_step, max_context=max_context,
                                  resources=resources)

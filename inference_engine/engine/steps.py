@@ -9,13 +9,24 @@ task: a generator that yields the StepInput of its forward and gets the forward'
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator, Sequence
+from collections.abc import Container, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from inference_engine.engine.requests import SamplingParams
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.engine.speculative import accept_drafts
+
+if TYPE_CHECKING:
+    import torch
+
+    from inference_engine.backends.protocol import Backend
+    from inference_engine.kv.layout import ExtraKeyStep
+    from inference_engine.kv.slot_cache import SlotKVCache
+
+R = TypeVar("R")
+# A forward's result per StepInput: (logits (T, V) / (1, V) / None, final hidden (T, hidden)), backend arrays.
+ForwardResult = tuple[Any, Any]
 
 
 @dataclass
@@ -24,7 +35,7 @@ class StepInput:
 
     ids: Any  # (T,) backend tensor
     positions: range
-    cache: Any
+    cache: SlotKVCache
     logits: str = "all"  # "all" -> (T, V), "last" -> (1, V), "none" -> None
     row_exact: bool = False  # each query row attends as a one-token step would (decode, verify)
     capture: tuple = ()  # layers whose output (residual stream) to keep for a v2 drafter; () = none, no cost
@@ -32,7 +43,12 @@ class StepInput:
     captured: Any = None  # set by the forward when `capture`: (T, len(capture) * hidden), layers in order
 
 
-def forward(backend, ids, positions, cache, *, logits: str = "all", row_exact: bool = False):
+# A step as a task: yields its StepInput, is sent the forward's result (None to start it), returns its value.
+StepTask = Generator[StepInput, Any, R]
+
+
+def forward(backend: Backend, ids: Any, positions: range, cache: SlotKVCache, *, logits: str = "all",
+            row_exact: bool = False) -> ForwardResult:
     """Run new tokens `ids` (T,) at `positions` (a range) through the model, writing their K/V
     into `cache`; the step is left uncommitted (the caller commits all or a prefix).
 
@@ -44,7 +60,7 @@ def forward(backend, ids, positions, cache, *, logits: str = "all", row_exact: b
     return forward_batch(backend, [StepInput(ids, positions, cache, logits, row_exact)])[0]
 
 
-def forward_batch(backend, inputs: Sequence[StepInput]) -> list:
+def forward_batch(backend: Backend, inputs: Sequence[StepInput]) -> list[ForwardResult]:
     """One forward over several sessions' steps: the linear layers run on every session's rows
     at once, attention runs per session over its own cache. Returns (logits, hidden) per input.
     With row-independent kernels (int8/int4 weights) each session's result is bit for bit what
@@ -67,17 +83,20 @@ def forward_batch(backend, inputs: Sequence[StepInput]) -> list:
 class _Item:
     """A StepInput during the forward: its cache's layout, the layout's extra keys and RoPE tables."""
 
-    def __init__(self, backend, inp: StepInput):
-        self.inp, self.cache, self.extra = inp, inp.cache, None
+    def __init__(self, backend: Backend, inp: StepInput):
+        self.inp, self.cache = inp, inp.cache
+        self.extra: ExtraKeyStep | None = None
         self.t = len(inp.positions)
         layout = self.layout = inp.cache.prepare(inp.positions, inp.ids)
         layout.row_exact = inp.row_exact
         if layout.extra_keys is not None:  # keys the cache supplies besides its store's (kv/layout.py)
             self.extra = layout.extra_keys.open(backend)
-        self.sink_rope = backend.rope(layout.positions * 0 + layout.sink_shift.virtual_query_position) if layout.sink_shift_active else None
+        shift = layout.sink_shift  # sink_shift_active implies it is set
+        self.sink_rope = (backend.rope(layout.positions * 0 + shift.virtual_query_position)
+                          if shift is not None and layout.sink_shift_active else None)
         self.paged = getattr(inp.cache, "attend_with_pages", None)  # paged: queries also attend to the pages they recall
 
-    def attend(self, backend, i, q, q_normed, k, v):
+    def attend(self, backend: Backend, i: int, q: Any, q_normed: Any, k: Any, v: Any) -> Any:
         """Layer i's attention output (H, T, D) for this item's rows (k positioned, v raw)."""
         k_all, v_all = self.cache.update_and_fetch(i, k, v)
         extra = self.extra.for_layer(i) if self.extra is not None else None
@@ -87,13 +106,13 @@ class _Item:
             o = backend.attend_layout(i, q, q_normed, k_all, v_all, self.layout, extra, self.sink_rope)
         return o
 
-    def close(self):
+    def close(self) -> None:
         if self.extra is not None:
             self.extra.close()
             self.extra = None
 
 
-def _forward_items(backend, items: list) -> list:
+def _forward_items(backend: Backend, items: list[_Item]) -> list[ForwardResult]:
     if len(items) == 1:  # the common case: no concatenation, the tensors as they are
         it = items[0]
         ids, rope, bounds = it.inp.ids, backend.rope(it.layout.positions), None
@@ -148,7 +167,7 @@ def _forward_items(backend, items: list) -> list:
     return [_logits(backend, it.inp, hidden[a:b]) for it, (a, b) in zip(items, bounds)]
 
 
-def _batched_decode(backend, items: list) -> bool:
+def _batched_decode(backend: Backend, items: list[_Item]) -> bool:
     """Whether these sessions' attention runs as one batched call: every item a one-token decode row
     over a plain slab (no recalled pages, extra keys, sink re-anchoring or encoded rows), on a
     backend that batches it (CUDA: one call instead of one per session; on the CPU the per-session
@@ -158,7 +177,7 @@ def _batched_decode(backend, items: list) -> bool:
         and not it.layout.whole_rows for it in items)
 
 
-def _logits(backend, inp: StepInput, hidden):
+def _logits(backend: Backend, inp: StepInput, hidden: Any) -> ForwardResult:
     if inp.logits == "none":
         return None, hidden
     h = hidden[-1:] if inp.logits == "last" else hidden
@@ -173,7 +192,7 @@ class StepResult:
     accepted: int = 0  # verify_block: drafts accepted
 
 
-def solo(backend, task: Generator):
+def solo(backend: Backend, task: StepTask[R]) -> R:
     """Run a step task (the `*_task` functions below) alone: each StepInput it yields is one forward."""
     send, err = None, None
     while True:
@@ -188,7 +207,8 @@ def solo(backend, task: Generator):
             err = e
 
 
-def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False, greedy: bool = False):
+def _open(backend: Backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bool = False,
+          greedy: bool = False) -> StepTask[tuple[torch.Tensor, Any]]:
     """Forward `ids` at the session's next positions, uncommitted (a task: yields the StepInput, gets the
     forward's result); returns (host logits, drafter features): the final hidden states, or the captured
     layers' outputs when kv.capture_layers. greedy: the logits serve only an argmax (StepInput.greedy).
@@ -204,7 +224,7 @@ def _open(backend, kv: SessionKV, ids: Sequence[int], logits: str, row_exact: bo
         raise
 
 
-def _close(kv: SessionKV, n: int, host, hidden) -> int:
+def _close(kv: SessionKV, n: int, host: torch.Tensor, hidden: Any) -> int:
     """Commit the first n tokens of the open step; last_logits become row n - 1 of `host`
     (a "last" step has one row). Returns positions dropped from attention."""
     dropped = kv.cache.commit(n)
@@ -213,21 +233,22 @@ def _close(kv: SessionKV, n: int, host, hidden) -> int:
     return dropped
 
 
-def prefill_chunk_task(backend, kv: SessionKV, ids: Sequence[int]):
+def prefill_chunk_task(backend: Backend, kv: SessionKV, ids: Sequence[int]) -> StepTask[StepResult]:
     """Run a chunk of pending tokens; kv.last_logits then scores the next position."""
     host, hidden = yield from _open(backend, kv, ids, "last")
     return StepResult(len(ids), _close(kv, len(ids), host, hidden))
 
 
-def decode_step_task(backend, kv: SessionKV, token: int, *, greedy: bool = False):
+def decode_step_task(backend: Backend, kv: SessionKV, token: int, *, greedy: bool = False) -> StepTask[StepResult]:
     """Feed one sampled token; kv.last_logits then scores the next position. greedy: the caller
     takes only their argmax (then logits outside the backend's best candidates may be approximate)."""
     host, hidden = yield from _open(backend, kv, [token], "last", row_exact=True, greedy=greedy)
     return StepResult(1, _close(kv, 1, host, hidden))
 
 
-def verify_block_task(backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams, generator,
-                      *, budget: int, eos_token_ids=frozenset(), greedy: bool = False):
+def verify_block_task(backend: Backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams,
+                      generator: torch.Generator | None, *, budget: int, eos_token_ids: Container[int] = frozenset(),
+                      greedy: bool = False) -> StepTask[StepResult]:
     """Feed `token` and a drafted block in one forward; keep the drafts the verifier accepts
     (speculative.accept_drafts) and draw its next token. At most `budget` tokens are emitted,
     and emission stops after an eos. The emitted tokens but the last are committed. greedy: as
@@ -245,18 +266,19 @@ def verify_block_task(backend, kv: SessionKV, token: int, drafts: Sequence[int],
     return StepResult(cut, _close(kv, cut, host, hidden), tuple(emitted[:cut]), len(accepted))
 
 
-def prefill_chunk(backend, kv: SessionKV, ids: Sequence[int]) -> StepResult:
+def prefill_chunk(backend: Backend, kv: SessionKV, ids: Sequence[int]) -> StepResult:
     """prefill_chunk_task, run alone."""
     return solo(backend, prefill_chunk_task(backend, kv, ids))
 
 
-def decode_step(backend, kv: SessionKV, token: int, *, greedy: bool = False) -> StepResult:
+def decode_step(backend: Backend, kv: SessionKV, token: int, *, greedy: bool = False) -> StepResult:
     """decode_step_task, run alone."""
     return solo(backend, decode_step_task(backend, kv, token, greedy=greedy))
 
 
-def verify_block(backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams, generator,
-                 *, budget: int, eos_token_ids=frozenset(), greedy: bool = False) -> StepResult:
+def verify_block(backend: Backend, kv: SessionKV, token: int, drafts: Sequence[int], sampling: SamplingParams,
+                 generator: torch.Generator | None, *, budget: int, eos_token_ids: Container[int] = frozenset(),
+                 greedy: bool = False) -> StepResult:
     """verify_block_task, run alone."""
     return solo(backend, verify_block_task(backend, kv, token, drafts, sampling, generator, budget=budget,
                                            eos_token_ids=eos_token_ids, greedy=greedy))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,16 +20,21 @@ from inference_engine.engine.session_kv import SessionKV
 from inference_engine.kv.factory import make_cache
 from inference_engine.kv.strategy import KVStrategy
 
+if TYPE_CHECKING:
+    from inference_engine.backends.protocol import Backend
+    from inference_engine.engine.generate import Engine
+
 
 def thread_candidates(cores: int | None = None) -> list[int]:
     cores = cores or os.cpu_count() or 1
     return sorted({n for n in (1, 2, 4, 8, cores) if n <= cores})
 
 
-def fastest_thread_count(model, candidates: list[int] | None = None, timed_steps: int = 8) -> tuple[int, dict]:
+def fastest_thread_count(model: Backend, candidates: list[int] | None = None,
+                         timed_steps: int = 8) -> tuple[int, dict[int, float]]:
     """(best thread count, {threads: median decode step seconds})."""
     before = torch.get_num_threads()
-    timings = {}
+    timings: dict[int, float] = {}
     try:
         for n in candidates or thread_candidates():
             torch.set_num_threads(n)
@@ -51,7 +57,7 @@ def fastest_thread_count(model, candidates: list[int] | None = None, timed_steps
     return best, timings
 
 
-def warm_up(engine, tokens: int = 16) -> float:
+def warm_up(engine: Engine, tokens: int = 16) -> float:
     """Generate on a scratch session of the engine's own strategy, through `Engine.generate` as a
     client's turn does (a prefill chunk of `tokens`, greedy decode steps, then a sampled one), and
     drop it: the first forward of a process pays one-time costs (kernel and allocator set-up) that

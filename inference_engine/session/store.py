@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -393,7 +393,7 @@ class SessionStore:
             return s
 
     @contextmanager
-    def _held(self, session_id: str):
+    def _held(self, session_id: str) -> Iterator[Session]:
         """The live session, its lock held. A session spilled to disk while this call waited for
         the lock is loaded again (a few tries: an eviction needs the session idle, so this is rare)."""
         for _ in range(4):
@@ -450,7 +450,7 @@ class SessionStore:
         self.events.on_ended("closed")
 
     @contextmanager
-    def generation(self, session_id: str):
+    def generation(self, session_id: str) -> Iterator[Session]:
         """Hold the session for one Generate: waits for a prior one on the same session.
 
         A CacheInvariantError escaping the block fails the session: it is counted, removed
