@@ -174,10 +174,10 @@ class EngineLoop:
             log.exception("engine loop iteration failed")
             for t in list(self._tasks):
                 self._finish(t, failure=e)
-        mt = self.model_thread
-        assert mt is not None  # _job is posted to the model thread only
         with self._lock:
             if self._tasks:
+                mt = self.model_thread
+                assert mt is not None  # _job is posted to the model thread only
                 mt.post(self._job)
             else:
                 self._scheduled = False
