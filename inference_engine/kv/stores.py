@@ -277,7 +277,7 @@ class CompressedStore(SlotStore):
         self.slabs = [{name: moved(x) for name, x in slabs.items()} for slabs in self.slabs]
 
     @property
-    def row_axes(self) -> dict[str, int]:  # type: ignore[override]
+    def row_axes(self) -> dict[str, int]:  # type: ignore[override]  # SlotStore's class attribute; the names are the codec's
         return {name: 3 for name in self.layout}
 
     def read_rows(self, slots: np.ndarray) -> dict:
