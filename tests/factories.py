@@ -117,3 +117,19 @@ class SlowModel:
 
     def __getattr__(self, name):
         return getattr(self._m, name)
+
+
+def feed(m, cache, tokens, chunk, row_exact=False):
+    """Run tokens through the model in committed chunks; (T, V) host logits of every position (any backend)."""
+    import torch
+
+    from inference_engine.engine.steps import forward
+
+    out = []
+    for i in range(0, len(tokens), chunk):
+        part = list(tokens[i : i + chunk])
+        logits, _ = forward(m, m.tensor(part), range(cache.next_position, cache.next_position + len(part)), cache,
+                            row_exact=row_exact)
+        cache.commit()
+        out.append(m.to_host(logits))
+    return torch.cat(out)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from factories import BACKENDS, SlowModel, load_model, make_engine, require_backend, tiny_model_dir
+from factories import BACKENDS, SlowModel, feed, load_model, make_engine, require_backend, tiny_model_dir
 from inference_engine.engine import steps
 from inference_engine.engine.events import HistoryTruncated, TokenGenerated
 from inference_engine.engine.generate import Engine
@@ -74,18 +74,6 @@ def generate(engine, history, n, kv=None, **sampling) -> list:
 
 def new_cache(m, strategy, max_step=64):
     return make_cache(strategy, m.geometry(), max_step=max_step, max_context=m.spec.max_context)
-
-
-def feed(m, cache, tokens, chunk, row_exact=False) -> torch.Tensor:
-    """Run tokens through the model in committed chunks; (T, V) host logits of every position."""
-    out = []
-    for i in range(0, len(tokens), chunk):
-        part = tokens[i : i + chunk]
-        logits, _ = forward(m, m.tensor(part), range(cache.next_position, cache.next_position + len(part)), cache,
-                            row_exact=row_exact)
-        cache.commit()
-        out.append(m.to_host(logits))
-    return torch.cat(out)
 
 
 class ModelDrafter:

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from factories import load_model, tiny_model_dir
+from factories import feed, load_model, tiny_model_dir
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import GenerateParams
@@ -25,17 +25,6 @@ def ids(n, seed=0):
 
 def new_cache(m, strategy, max_step=64):
     return make_cache(strategy, m.geometry(), max_step=max_step, max_context=m.spec.max_context)
-
-
-def feed(m, cache, history, chunk, row_exact=False):
-    out = []
-    for i in range(0, len(history), chunk):
-        part = torch.tensor(history[i : i + chunk])
-        kw = {"row_exact": True} if row_exact else {}
-        logits, _ = forward(m, part, range(cache.next_position, cache.next_position + len(part)), cache, **kw)
-        cache.commit()
-        out.append(logits)
-    return torch.cat(out)
 
 
 def paged(sink=4, window=12, page=8, pages=2, **kw):

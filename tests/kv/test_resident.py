@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from factories import load_model, tiny_model_dir
+from factories import feed, load_model, tiny_model_dir
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.factory import make_cache
 from inference_engine.kv.strategy import KVStrategy
@@ -12,18 +12,6 @@ from inference_engine.engine.steps import forward
 
 def model(arch="llama", **kw):
     return load_model(str(tiny_model_dir(arch, **kw)))
-
-
-def feed(m, cache, ids, chunk):
-    """Run ids through the model in chunks; returns (T, V) logits of every position."""
-    out = []
-    for i in range(0, len(ids), chunk):
-        part = torch.tensor(ids[i : i + chunk])
-        pos = torch.arange(cache.next_position, cache.next_position + len(part))
-        logits, _ = forward(m, part, pos, cache)
-        cache.commit()
-        out.append(logits)
-    return torch.cat(out)
 
 
 def new_cache(m, strategy, max_step=64):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from drafters import HashDrafter, SelfDrafter
-from factories import load_model, require_smollm2, tiny_model_dir
+from factories import feed, load_model, require_smollm2, tiny_model_dir
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.kv import registry
@@ -37,17 +37,6 @@ def model(arch="llama", **kw):
 
 def new_cache(m, strategy, max_step=64, **kw):
     return make_cache(strategy, m.geometry(), max_step=max_step, max_context=m.spec.max_context, **kw)
-
-
-def feed(m, cache, ids, chunk):
-    out = []
-    for i in range(0, len(ids), chunk):
-        part = torch.tensor(ids[i : i + chunk])
-        pos = torch.arange(cache.next_position, cache.next_position + len(part))
-        logits, _ = forward(m, part, pos, cache)
-        cache.commit()
-        out.append(logits)
-    return torch.cat(out)
 
 
 def ids(n, seed=0, vocab=256):
