@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -99,7 +100,12 @@ def test_kill_9_the_daemon_and_every_session_continues(tmp_path):
             victim.generate_all(3)
             sessions[1].append([11, 12, 13])  # appended, no Generate behind it: saved once idle
             ref.append(refs[1].id, [11, 12, 13])
-            time.sleep(1.6)
+            # the event waited on: that idle save on disk (polling the state directory, not the daemon, whose
+            # calls would reset the session's idle timer)
+            want, deadline = len(ref.history(refs[1].id)), time.monotonic() + 120
+            while not any(e.session_id == sessions[1].id and e.history_length == want for e in StateDir(tmp_path).entries()):
+                assert time.monotonic() < deadline, "the appended session was never saved"
+                threading.Event().wait(0.05)
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
