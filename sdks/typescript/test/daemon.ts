@@ -33,11 +33,10 @@ export interface Daemon {
   stop(): Promise<void>;
 }
 
-/** Spawn `kakeya serve --bind 127.0.0.1:0 ...args` and resolve once it prints READY. Each daemon
- * persists sessions to a state directory of its own (one daemon per state directory). */
-export function startDaemon(args: string[]): Promise<Daemon> {
-  const stateDir = mkdtempSync(path.join(os.tmpdir(), "kakeya-ts-state-"));
-  const child = spawn(KAKEYA, ["serve", "--bind", "127.0.0.1:0", "--state-dir", stateDir, ...args], {
+/** Spawn `kakeya ...argv` and resolve with the child once it prints `READY <port>`; `label` (and `where`, after
+ * the reason) name it in the error of a start that fails. */
+function spawnUntilReady(argv: string[], label: string, where = ""): Promise<{ child: ChildProcess; port: number }> {
+  const child = spawn(KAKEYA, argv, {
     cwd: REPO_ROOT,
     stdio: ["ignore", "pipe", "pipe"],
     // A KAKEYA_API_KEY in the caller's environment would silently key every daemon.
@@ -47,26 +46,34 @@ export function startDaemon(args: string[]): Promise<Daemon> {
   child.stderr!.setEncoding("utf8").on("data", (chunk: string) => {
     stderr = (stderr + chunk).slice(-LOG_TAIL);
   });
-  return new Promise<Daemon>((resolve, reject) => {
+  return new Promise((resolve, reject) => {
     let stdout = "";
     const fail = (why: string) => {
       clearTimeout(timer);
       child.kill("SIGKILL");
-      reject(new Error(`kakeya serve ${args.join(" ")}: ${why}\n--- stderr tail ---\n${stderr}`));
+      reject(new Error(`${label}: ${why}${where}\n--- stderr tail ---\n${stderr}`));
     };
     const timer = setTimeout(() => fail(`no READY line within ${START_TIMEOUT_MS / 1000}s`), START_TIMEOUT_MS);
     child.once("error", (err) => fail(`could not start ${KAKEYA} (set KAKEYA_BIN): ${err.message}`));
     child.once("exit", (code, signal) => fail(`exited before READY (code ${code}, signal ${signal})`));
     child.stdout!.setEncoding("utf8").on("data", (chunk: string) => {
       stdout += chunk;
-      const m = /^READY (\d+)$/m.exec(stdout);
+      const m = /^READY (\d+)/m.exec(stdout);
       if (!m) return;
       clearTimeout(timer);
       child.removeAllListeners("exit");
-      const port = Number(m[1]);
-      resolve({ target: `127.0.0.1:${port}`, port, stop: () => stopChild(child) });
+      resolve({ child, port: Number(m[1]) });
     });
   });
+}
+
+/** Spawn `kakeya serve --bind 127.0.0.1:0 ...args` and resolve once it prints READY. Each daemon
+ * persists sessions to a state directory of its own (one daemon per state directory). */
+export async function startDaemon(args: string[]): Promise<Daemon> {
+  const stateDir = mkdtempSync(path.join(os.tmpdir(), "kakeya-ts-state-"));
+  const { child, port } = await spawnUntilReady(["serve", "--bind", "127.0.0.1:0", "--state-dir", stateDir, ...args],
+    `kakeya serve ${args.join(" ")}`);
+  return { target: `127.0.0.1:${port}`, port, stop: () => stopChild(child) };
 }
 
 function stopChild(child: ChildProcess): Promise<void> {
@@ -95,34 +102,10 @@ export function haproxyPath(): string | undefined {
 
 /** `kakeya cluster up N ...args` (N daemons sharing a state directory behind HAProxy) on free ports; resolves
  * once it prints READY <proxy port>. */
-export function startCluster(n: number, args: string[], serveArgs: string[]): Promise<LocalCluster> {
+export async function startCluster(n: number, args: string[], serveArgs: string[]): Promise<LocalCluster> {
   const runDir = mkdtempSync(path.join(os.tmpdir(), "kakeya-ts-cluster-"));
-  const child = spawn(KAKEYA, ["cluster", "up", String(n), "--port", "0", "--first-port", "0", "--run-dir", runDir, ...args, `--serve-args=${serveArgs.join(" ")}`], {
-    cwd: REPO_ROOT,
-    stdio: ["ignore", "pipe", "pipe"],
-    env: { ...process.env, KAKEYA_API_KEY: "", PYTHONUNBUFFERED: "1" },
-  });
-  let stderr = "";
-  child.stderr!.setEncoding("utf8").on("data", (chunk: string) => {
-    stderr = (stderr + chunk).slice(-LOG_TAIL);
-  });
-  return new Promise<LocalCluster>((resolve, reject) => {
-    let stdout = "";
-    const fail = (why: string) => {
-      clearTimeout(timer);
-      child.kill("SIGKILL");
-      reject(new Error(`kakeya cluster up ${n}: ${why} (logs in ${runDir})\n--- stderr tail ---\n${stderr}`));
-    };
-    const timer = setTimeout(() => fail(`no READY line within ${START_TIMEOUT_MS / 1000}s`), START_TIMEOUT_MS);
-    child.once("error", (err) => fail(`could not start ${KAKEYA} (set KAKEYA_BIN): ${err.message}`));
-    child.once("exit", (code, signal) => fail(`exited before READY (code ${code}, signal ${signal})`));
-    child.stdout!.setEncoding("utf8").on("data", (chunk: string) => {
-      stdout += chunk;
-      const m = /^READY (\d+)/m.exec(stdout);
-      if (!m) return;
-      clearTimeout(timer);
-      child.removeAllListeners("exit");
-      resolve({ target: `127.0.0.1:${m[1]}`, stop: () => stopChild(child) });
-    });
-  });
+  const { child, port } = await spawnUntilReady(
+    ["cluster", "up", String(n), "--port", "0", "--first-port", "0", "--run-dir", runDir, ...args, `--serve-args=${serveArgs.join(" ")}`],
+    `kakeya cluster up ${n}`, ` (logs in ${runDir})`);
+  return { target: `127.0.0.1:${port}`, stop: () => stopChild(child) };
 }
