@@ -34,9 +34,9 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from inference_engine.engine.steps import StepInput, forward_batch
 
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kakeya")
 
 Task = Generator[Any, Any, Any]  # yields StepInput (a forward to run) or an event; returns the work's value
-T = TypeVar("T")
 
 
 @dataclass
@@ -148,10 +147,6 @@ class EngineLoop:
         if self.batching and self.shared_prefill and len(self._tasks) > 1:
             return min(full, self.shared_prefill)
         return full
-
-    def on_model(self, fn: Callable[[], T]) -> T:
-        """Run fn where forwards run: on the model thread when there is one, else right here."""
-        return fn() if self.model_thread is None else self.model_thread.call(fn)
 
     def _inline(self) -> bool:
         mt = self.model_thread

@@ -172,23 +172,32 @@ class Run:
             self.changed.wait_for(lambda: self.done >= n)
 
 
-def read_history(s, sid, run: Run, args):
-    """GetHistory, retried past errors (a daemon dying right then) for up to --recover-timeout-s; None: lost."""
+def retrying(sid, run: Run, args, what: str, attempt):
+    """attempt() retried past errors (a daemon dying right then) for up to --recover-timeout-s, each error recorded;
+    None when the session is gone or the time is up."""
     import kakeya
 
     deadline = time.monotonic() + args.recover_timeout_s
     while time.monotonic() < deadline:
         try:
-            h = s.history()
-            run.answered(sid)
-            return h
+            return attempt()
         except kakeya.SessionNotFoundError:
             return None
         except kakeya.KakeyaError as e:
             with run.lock:
-                run.errors.append({"session": sid, "at_s": _r(run.now()), "error": f"history: {type(e).__name__}: {e.details[:160]}"})
+                run.errors.append({"session": sid, "at_s": _r(run.now()), "error": f"{what}: {type(e).__name__}: {e.details[:160]}"})
             time.sleep(0.2)
     return None
+
+
+def read_history(s, sid, run: Run, args):
+    """GetHistory, retried past errors for up to --recover-timeout-s; None: lost."""
+    def attempt():
+        h = s.history()
+        run.answered(sid)
+        return h
+
+    return retrying(sid, run, args, "history", attempt)
 
 
 def agent(k: int, client, run: Run, args, handles: list) -> None:
@@ -243,37 +252,28 @@ def agent(k: int, client, run: Run, args, handles: list) -> None:
 def recover(s, sid, confirmed, ids, run: Run, args):
     """After a failed turn: the history the daemon now has must start with what the client confirmed; redo the
     part it lacks. Returns the history once the turn is complete, None if the session cannot be reached."""
-    import kakeya
-
-    deadline = time.monotonic() + args.recover_timeout_s
-    while time.monotonic() < deadline:
-        try:
-            h = s.history()
-            run.answered(sid)
-            if h[:len(confirmed)] != confirmed:
-                with run.lock:
-                    run.mismatches.append({"session": sid, "at": "recovery", "confirmed_length": len(confirmed),
-                                           "got_length": len(h)})
-                return h
-            rest = h[len(confirmed):]
-            if not rest:
-                s.append(ids)
-            elif rest != ids and not (rest[:len(ids)] == ids and len(rest) > len(ids)):
-                with run.lock:
-                    run.mismatches.append({"session": sid, "at": "recovery-rest", "confirmed_length": len(confirmed),
-                                           "got_length": len(h)})
-                return h
-            if len(rest) > len(ids):  # the turn was saved before its Done was lost: it happened
-                return h
-            r = s.generate_all(args.generate)
-            return confirmed + ids + list(r.tokens)
-        except kakeya.SessionNotFoundError:
-            return None
-        except kakeya.KakeyaError as e:
+    def attempt():
+        h = s.history()
+        run.answered(sid)
+        if h[:len(confirmed)] != confirmed:
             with run.lock:
-                run.errors.append({"session": sid, "at_s": _r(run.now()), "error": f"recovery: {type(e).__name__}: {e.details[:160]}"})
-            time.sleep(0.2)
-    return None
+                run.mismatches.append({"session": sid, "at": "recovery", "confirmed_length": len(confirmed),
+                                       "got_length": len(h)})
+            return h
+        rest = h[len(confirmed):]
+        if not rest:
+            s.append(ids)
+        elif rest != ids and not (rest[:len(ids)] == ids and len(rest) > len(ids)):
+            with run.lock:
+                run.mismatches.append({"session": sid, "at": "recovery-rest", "confirmed_length": len(confirmed),
+                                       "got_length": len(h)})
+            return h
+        if len(rest) > len(ids):  # the turn was saved before its Done was lost: it happened
+            return h
+        r = s.generate_all(args.generate)
+        return confirmed + ids + list(r.tokens)
+
+    return retrying(sid, run, args, "recovery", attempt)
 
 
 def controller(cluster, owners: Owners, run: Run, args, out: dict) -> None:
