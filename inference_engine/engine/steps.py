@@ -113,6 +113,9 @@ class _Item:
 
 
 def _forward_items(backend: Backend, items: list[_Item]) -> list[ForwardResult]:
+    fused = _row_step(backend, items)
+    if fused is not None:
+        return fused
     if len(items) == 1:  # the common case: no concatenation, the tensors as they are
         it = items[0]
         ids, rope, bounds = it.inp.ids, backend.rope(it.layout.positions), None
@@ -165,6 +168,29 @@ def _forward_items(backend: Backend, items: list[_Item]) -> list[ForwardResult]:
     if bounds is None:
         return [_logits(backend, items[0].inp, hidden)]
     return [_logits(backend, it.inp, hidden[a:b]) for it, (a, b) in zip(items, bounds)]
+
+
+def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | None:
+    """A step of decode rows and verify blocks only, over plain slabs (no recalled pages, extra keys or sink
+    re-anchoring), as the backend's fused row step if it has one (backends/torch/row_graphs.py: the whole step
+    as one captured graph over its K/V arena), which writes every layer's rows into the caches' stores itself.
+    None: not such a step, or the backend declined it."""
+    row_step = getattr(backend, "row_step", None)
+    if row_step is None or not all(it.inp.row_exact and not it.inp.capture and it.extra is None and it.sink_rope is None
+                                   and it.paged is None for it in items):
+        return None
+    out = row_step([(it.inp.ids, it.layout, it.cache.store) for it in items])
+    if out is None:
+        return None
+    logits, hidden = out
+    results: list[ForwardResult] = []
+    a = 0
+    for it in items:
+        it.cache.rows_written()
+        b, kind = a + it.t, it.inp.logits
+        results.append((None if kind == "none" else logits[b - 1:b] if kind == "last" else logits[a:b], hidden[a:b]))
+        a = b
+    return results
 
 
 def _batched_decode(backend: Backend, items: list[_Item]) -> bool:

@@ -91,6 +91,7 @@ class AttentionLayout:
     # to sequential decode steps (see backends/torch/attention.py). Set by engine.steps.forward.
     row_exact: bool = False
     whole_rows: bool = False  # the store reads whole slabs: every row reads all N columns, masked
+    host_slots: np.ndarray | None = None  # host copy of `slots` (a backend's fused step writes there itself)
     _row_keys: dict = field(default_factory=dict, repr=False)
 
     @property

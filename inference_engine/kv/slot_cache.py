@@ -171,7 +171,8 @@ class SlotKVCache:
             positions=torch.arange(first, first + t, device=dev), first_position=first,
             slots=self.store.slots_tensor(slots), key_positions=torch.from_numpy(key_pos.copy()).to(dev), masks=masks,
             sink_shift=self._sink_shift(), key_slots=None if key_slots is None else self.store.slots_tensor(key_slots),
-            extra_keys=self._extra_keys(first, t, ids), host_masks=host_masks, whole_rows=self.store.whole_slab_reads)
+            extra_keys=self._extra_keys(first, t, ids), host_masks=host_masks, whole_rows=self.store.whole_slab_reads,
+            host_slots=slots)
         return self._layout
 
     @torch.inference_mode()
@@ -185,6 +186,14 @@ class SlotKVCache:
         self.store.write(layer, layout.slots, k, v)
         self._layer_rows[layer] += k.shape[1]
         return self.store.fetch(layer, layout.key_positions.numel(), layout.key_slots)
+
+    def rows_written(self) -> None:
+        """The step's k, v were written into the store's rows at layout.slots, every layer, by the backend's
+        fused step (backends/torch/row_graphs.py) instead of update_and_fetch: count them (INV-1)."""
+        if self._layout is None:
+            raise CacheInvariantError("inv1", "rows_written() without a prepared step")
+        t = self._layout.slots.numel()
+        self._layer_rows = [r + t for r in self._layer_rows]
 
     @torch.inference_mode()
     def commit(self, n_keep: int | None = None) -> int:

@@ -54,6 +54,10 @@ def _load_model(cfg: ServeConfig):
             t = model.graphs.prepare((1,))  # the batch-1 decode step now; other row counts on first use
             log.info("--compile %s: the step's dense work runs as CUDA graphs (buckets of %s rows, captured on first "
                      "use; batch 1 captured at start in %.2f s)", cfg.compile, "/".join(map(str, model.graphs.buckets)), t)
+            # decode rows and verify blocks as whole-step graphs, attention included, over a K/V arena with a
+            # slot for every session the daemon holds in memory (--capacity) and two for transient caches
+            if model.device.type == "cuda":
+                model.use_row_graphs(cfg.capacity + 2)
         return model
     except ValueError as e:
         raise ConfigError(str(e)) from e

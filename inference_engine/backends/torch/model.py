@@ -7,6 +7,7 @@ projections, SDPA with masks from the cache layout. Stateless: per-session state
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 
@@ -22,8 +23,11 @@ from inference_engine.backends.torch.linear import (
 )
 from inference_engine.kv.layout import CacheGeometry
 
+log = logging.getLogger("kakeya")
+
 if TYPE_CHECKING:
     from inference_engine.backends.torch.graphs import StepGraphs
+    from inference_engine.backends.torch.row_graphs import RowGraphs
 
 
 class _Layer:
@@ -101,6 +105,7 @@ class TorchCausalLM:
             L.k_norm = self._norm_weight(a.k_norm.weight) if spec.qk_norm else None
             self.layers.append(L)
         self.graphs: StepGraphs | None = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
+        self.row_graphs: RowGraphs | None = None  # whole row steps as graphs over a K/V arena (use_row_graphs)
 
     def use_step_graphs(self, mode: str) -> bool:
         """--compile: the step's dense work (everything but attention) as graphs.py segments.
@@ -125,6 +130,39 @@ class TorchCausalLM:
             self.graphs = StepGraphs(self, capture=False, compiled=True)
         return self.graphs is not None
 
+    def use_row_graphs(self, sessions: int, *, capture: bool | None = None, memory_share: float = 0.5) -> int:
+        """Decode rows and verify blocks as whole-step graphs (row_graphs.py) over a K/V arena of `sessions`
+        slots of max_context rows (arena.py): every cache built from geometry() after this keeps its rows
+        there while a slot is free. On CUDA at most `memory_share` of the free device memory goes to the
+        arena (fewer slots if need be); capture: CUDA graphs (default: on CUDA), else the same body runs
+        eagerly (the CPU, tests). Returns the slots made (0: none, the step stays piecewise)."""
+        from inference_engine.backends.torch.arena import KVArena
+        from inference_engine.backends.torch.row_graphs import RowGraphs
+
+        s = self.spec
+        if any(w is not None for w in s.layer_windows):  # one mask per step: every layer global
+            log.info("row graphs off: %s has sliding-window layers", self.model_id)
+            return 0
+        rows = s.max_context
+        per_slot = 2 * s.num_layers * s.num_kv_heads * rows * s.head_dim * torch.finfo(self.dtype).bits // 8
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            sessions = min(sessions, int(free * memory_share) // per_slot - 1)
+        if sessions < 1:
+            log.info("row graphs off: no room for a K/V arena slot of %.0f MB", per_slot / 1e6)
+            return 0
+        capture = self.device.type == "cuda" if capture is None else capture
+        arena = KVArena(s.num_layers, s.num_kv_heads, s.head_dim, sessions=sessions, rows=rows, dtype=self.dtype,
+                        device=self.device)
+        self.row_graphs = RowGraphs(self, arena, capture=capture)
+        log.info("row graphs on: a K/V arena of %d sessions x %d rows (%.2f GB) on %s; steps %s", sessions, rows,
+                 arena.nbytes / 1e9, self.device, "captured as CUDA graphs" if capture else "eager")
+        return sessions
+
+    def row_step(self, parts: list):
+        """A row-exact step (parts: per session (ids, layout, store)) through the row graphs, or None (not for them)."""
+        return self.row_graphs.run(parts) if self.row_graphs is not None else None
+
     @property
     def batches_decode_attention(self) -> bool:
         """Several sessions' decode rows attend in one call (attention.attend_decode_batch) off the CPU;
@@ -136,7 +174,8 @@ class TorchCausalLM:
 
     def describe_step(self) -> dict:
         """How a step's dense work runs (--compile): eager pieces, or graphs.StepGraphs.describe()."""
-        return {"step": "eager"} if self.graphs is None else self.graphs.describe()
+        out = {"step": "eager"} if self.graphs is None else self.graphs.describe()
+        return out | (self.row_graphs.describe() if self.row_graphs is not None else {})
 
     def step_runner(self, rows: int):
         """The runner of a step of `rows` rows through captured graphs, or None (run the pieces one by one)."""
@@ -200,7 +239,8 @@ class TorchCausalLM:
 
     def geometry(self) -> CacheGeometry:
         s = self.spec
-        return CacheGeometry(s.num_layers, s.num_kv_heads, s.head_dim, s.layer_windows, self.dtype, str(self.device))
+        return CacheGeometry(s.num_layers, s.num_kv_heads, s.head_dim, s.layer_windows, self.dtype, str(self.device),
+                             make_store=self.row_graphs.arena.make_store if self.row_graphs is not None else None)
 
     def tensor(self, values, dtype: str = "long") -> torch.Tensor:
         return torch.tensor(values, dtype=getattr(torch, dtype), device=self.device)
