@@ -572,12 +572,31 @@ def section_decode_batch1(check, models, prompts):
 
             out["arms"][f"{name}/compile={mode}"] = check.arm(
                 lambda run=run, name=name, mode=mode: with_arm(check.args, models, run, kv_strategy=name, compile=mode), 8)
+    # the same compile mode with the row graphs (backends/torch/row_graphs.py) off: the piecewise step they replace
+    mode, rows_gain = compile_modes()[-1], {}
+    for name in ("full", "sink_window"):
+        def piecewise(name=name):
+            model = models(mode)
+            graphs = getattr(model, "row_graphs", None)
+            if graphs is None:
+                raise Skip("this model runs no row graphs (they are on with --compile auto/on on CUDA)")
+            model.row_graphs = None  # caches built now keep their own slabs; every step runs piecewise
+            try:
+                return with_arm(check.args, models, lambda arm: run(arm), kv_strategy=name, compile=mode)
+            finally:
+                model.row_graphs = graphs
+
+        arm = out["arms"][f"{name}/compile={mode}/row_graphs=off"] = check.arm(piecewise, 8)
+        full = out["arms"].get(f"{name}/compile={mode}", {})
+        if arm.get("decode_tok_s") and full.get("decode_tok_s"):
+            rows_gain[name] = round(full["decode_tok_s"] / arm["decode_tok_s"], 3)
     gains = {}
     for name in strategy_names():
         off, auto = out["arms"].get(f"{name}/compile=off", {}), out["arms"].get(f"{name}/compile=auto", {})
         if off.get("decode_tok_s") and auto.get("decode_tok_s"):
             gains[name] = round(auto["decode_tok_s"] / off["decode_tok_s"], 3)
     out["compile_auto_over_off"] = gains
+    out["row_graphs_over_piecewise"] = rows_gain
     return out
 
 
@@ -691,6 +710,9 @@ def section_paged_long(check, models, prompts):
                         "stop_reason": r["stop_reason"], "generated": len(r["tokens"])}
 
             res[str(n)] = check.arm(one, 10)
+            check.doc["sections"]["paged_long"]["lengths"] = res  # a run cut short in a longer one keeps the shorter
+            check.write()
+            print(f"[{time.perf_counter() - check.t0:6.1f}s] paged_long {n} tokens: {res[str(n)]['status']}", flush=True)
         return {"lengths": res}
 
     out = with_arm(check.args, models, run, kv_strategy="paged", compile=mode, **kv)
@@ -856,7 +878,8 @@ def ratios_and_targets(doc: dict) -> None:
          "batch1_vs_transformers_static_compiled": ratio(b1, compiled),
          "aggregate_vs_1_session": {n: ratio(v, agg.get("1")) for n, v in agg.items()},
          "ngram_k4_speedup": s.get("ngram", {}).get("speedup"),
-         "compile_auto_over_off": s.get("decode_batch1", {}).get("compile_auto_over_off")}
+         "compile_auto_over_off": s.get("decode_batch1", {}).get("compile_auto_over_off"),
+         "row_graphs_over_piecewise": s.get("decode_batch1", {}).get("row_graphs_over_piecewise")}
     doc["ratios"] = r
     runs = s.get("runs", {})
     paged = runs.get("strategies", {}).get("paged", {})

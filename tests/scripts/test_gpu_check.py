@@ -53,8 +53,10 @@ def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
         assert runs["drafters"][name]["status"] == "skipped" and runs["drafters"][name]["reason"]
 
     arms = sections["decode_batch1"]["arms"]
-    assert set(arms) == {f"{s}/compile={m}" for s in STRATEGIES for m in modes}
-    assert all(a["status"] == "ok" and a["decode_tok_s"] > 0 for a in arms.values())
+    piecewise = {f"{s}/compile={modes[-1]}/row_graphs=off" for s in ("full", "sink_window")}
+    assert set(arms) == {f"{s}/compile={m}" for s in STRATEGIES for m in modes} | piecewise
+    assert all(a["status"] == "ok" and a["decode_tok_s"] > 0 for k, a in arms.items() if k not in piecewise)
+    assert all(arms[k]["status"] == "skipped" and "row graphs" in arms[k]["reason"] for k in piecewise)  # CUDA only
     levels = sections["aggregate"]["levels"]
     assert set(levels) == {"1", "4", "16"} and sections["aggregate"]["arm"]["batching"] is True
     for n, level in levels.items():
