@@ -890,7 +890,9 @@ def ratios_and_targets(doc: dict) -> None:
 
     x16 = r["aggregate_vs_1_session"].get("16")
     long_lengths = s.get("paged_long", {}).get("lengths", {})
-    longest = long_lengths[max(long_lengths, key=int)] if long_lengths else {}
+    ctx = s.get("paged_long", {}).get("max_context") or doc.get("model", {}).get("max_context")
+    past = [n for n in long_lengths if ctx and int(n) > ctx]  # lengths past the trained context (a cut run may have none)
+    longest = long_lengths[max(past, key=int)] if past else {}
     r["paged_long_decode_vs_short"] = s.get("paged_long", {}).get("decode_vs_short")
     every = [a for group in ("strategies", "drafters") for a in runs.get(group, {}).values()]
     doc["targets"] = {
@@ -932,9 +934,12 @@ def parse_args(argv=None):
     ap.add_argument("--hf-compile-timeout-s", type=float, default=240.0)
     ap.add_argument("--sections", default="", help=f"comma list to run only these ({', '.join(SECTIONS)}); default all")
     ap.add_argument("--hf-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--summarize", metavar="JSON",
+                    help="a run's JSON that its time limit cut short: mark the section it was in, compute the ratios and "
+                         "targets from the sections it finished, and write the result to --out (runs nothing)")
     args = ap.parse_args(argv)
     args.sections = [x for x in args.sections.split(",") if x]
-    if args.hf_worker:
+    if args.hf_worker or args.summarize:
         return args
     if not (args.model_dir or args.gguf):
         ap.error("pass --model-dir DIR or --gguf FILE")
@@ -947,6 +952,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.hf_worker:
         return hf_worker(args.hf_worker)
+    if args.summarize:
+        return summarize_cut_run(args)
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -992,6 +999,29 @@ def main(argv=None) -> int:
     return 0 if doc["complete"] else 1
 
 
+def summarize_cut_run(args) -> int:
+    """--summarize: a run killed by its time limit wrote every finished section (and the finished arms of the
+    one it was in, where the section records them as it goes) but no ratios or targets: add them from those."""
+    doc = json.loads(pathlib.Path(args.summarize).read_text())
+    if "ratios" in doc:
+        print(f"{args.summarize} is a finished run: it has its ratios already", file=sys.stderr)
+        return 2
+    cut = [name for name, sec in doc["sections"].items() if sec.get("status") == "running"]
+    for name in cut:
+        doc["sections"][name].update(status="cut", reason="the run's time limit ended it inside this section; "
+                                                          "what it had finished is kept")
+    ratios_and_targets(doc)
+    doc["summarized"] = {"command": "scripts/gpu_check.py " + " ".join(sys.argv[1:] if sys.argv[1:] else []),
+                         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cut_sections": cut,
+                         "note": "ratios and targets computed after the run from the sections it finished"}
+    out = pathlib.Path(args.out)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(json.dumps({"ratios": doc["ratios"], "targets": {k: (v["met"] if isinstance(v, dict) else v)
+                                                           for k, v in doc["targets"].items()}, "cut": cut}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def run_all(check: Check, args) -> None:
     from inference_engine.server.app import ServeConfig
 
@@ -1006,6 +1036,7 @@ def run_all(check: Check, args) -> None:
     prompts = Prompts(pathlib.Path(args.model_dir), model.spec.vocab_size)
     s = model.spec
     doc["model"] |= {"model_id": model.model_id, "model_type": s.model_type, "vocab_size": s.vocab_size, "layers": s.num_layers,
+                     "max_context": s.max_context,
                      "hidden_size": s.hidden_size, "weights": model.weights_format, "prompt_format": prompts.format,
                      "load_s": round(time.perf_counter() - t, 2), "daemon_defaults": {
                          k: getattr(ServeConfig(), k) for k in ("kv_strategy", "sink", "window", "page_size", "recall_pages", "batching")}}

@@ -74,6 +74,18 @@ def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
     assert doc["targets"]["paged_past_the_context_runs"]["met"] is True
     assert doc["targets"]["batch1_ge_3x_transformers_static_compiled"]["met"] is None  # no compiled control on the CPU
 
+    # --summarize: a run its time limit killed inside paged_long gets its ratios and targets from what it finished
+    cut = json.loads(out.read_text())
+    del cut["ratios"], cut["targets"]
+    cut["sections"]["paged_long"]["status"] = "running"
+    (tmp_path / "cut.json").write_text(json.dumps(cut))
+    r = run("--summarize", str(tmp_path / "cut.json"), "--out", str(tmp_path / "summary.json"), timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["sections"]["paged_long"]["status"] == "cut" and summary["summarized"]["cut_sections"] == ["paged_long"]
+    assert summary["ratios"] == doc["ratios"] and summary["targets"] == doc["targets"]
+    assert run("--summarize", str(out), "--out", str(tmp_path / "again.json"), timeout=60).returncode == 2  # finished already
+
 
 def test_a_cpu_run_never_writes_the_gpu_results_file():
     before = (REPO / "results" / "gpu_check.json").stat().st_mtime if (REPO / "results" / "gpu_check.json").exists() else None
