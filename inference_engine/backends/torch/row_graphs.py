@@ -103,7 +103,7 @@ class _RowGraph:
         self._padding(0)
         self.idx = self.host.to(dev)
         self.bias = self.host_bias.to(dev)
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
         if pool is not None:
             self._capture(pool)
 
