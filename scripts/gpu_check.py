@@ -590,6 +590,20 @@ def section_decode_batch1(check, models, prompts):
         full = out["arms"].get(f"{name}/compile={mode}", {})
         if arm.get("decode_tok_s") and full.get("decode_tok_s"):
             rows_gain[name] = round(full["decode_tok_s"] / arm["decode_tok_s"], 3)
+    # --compile on (CUDA): the row graphs' dense work as inductor's fused kernels, inside the same capture
+    on_gain = {}
+    for name in ("full", "sink_window"):
+        def compiled(name=name):
+            if not (compile_supported() and check.args.device.startswith("cuda")):
+                raise Skip("--compile on is measured on CUDA only (on the CPU it is inductor's C++ segments, minutes "
+                           "of compile, and no faster: results/research/compile_cpu.json)")
+            return with_arm(check.args, models, lambda arm: run(arm), kv_strategy=name, compile="on")
+
+        arm = out["arms"][f"{name}/compile=on"] = check.arm(compiled, 30)
+        auto = out["arms"].get(f"{name}/compile={mode}", {})
+        if arm.get("decode_tok_s") and auto.get("decode_tok_s"):
+            on_gain[name] = round(arm["decode_tok_s"] / auto["decode_tok_s"], 3)
+    out["compile_on_over_auto"] = on_gain
     gains = {}
     for name in strategy_names():
         off, auto = out["arms"].get(f"{name}/compile=off", {}), out["arms"].get(f"{name}/compile=auto", {})
@@ -879,7 +893,8 @@ def ratios_and_targets(doc: dict) -> None:
          "aggregate_vs_1_session": {n: ratio(v, agg.get("1")) for n, v in agg.items()},
          "ngram_k4_speedup": s.get("ngram", {}).get("speedup"),
          "compile_auto_over_off": s.get("decode_batch1", {}).get("compile_auto_over_off"),
-         "row_graphs_over_piecewise": s.get("decode_batch1", {}).get("row_graphs_over_piecewise")}
+         "row_graphs_over_piecewise": s.get("decode_batch1", {}).get("row_graphs_over_piecewise"),
+         "compile_on_over_auto": s.get("decode_batch1", {}).get("compile_on_over_auto")}
     doc["ratios"] = r
     runs = s.get("runs", {})
     paged = runs.get("strategies", {}).get("paged", {})

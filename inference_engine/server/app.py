@@ -55,9 +55,10 @@ def _load_model(cfg: ServeConfig):
             log.info("--compile %s: the step's dense work runs as CUDA graphs (buckets of %s rows, captured on first "
                      "use; batch 1 captured at start in %.2f s)", cfg.compile, "/".join(map(str, model.graphs.buckets)), t)
             # decode rows and verify blocks as whole-step graphs, attention included, over a K/V arena with a
-            # slot for every session the daemon holds in memory (--capacity) and two for transient caches
+            # slot for every session the daemon holds in memory (--capacity) and two for transient caches;
+            # --compile on: their dense work as inductor's fused kernels (not measured yet: auto leaves it out)
             if model.device.type == "cuda":
-                model.use_row_graphs(cfg.capacity + 2)
+                model.use_row_graphs(cfg.capacity + 2, compiled=cfg.compile == "on")
         return model
     except ValueError as e:
         raise ConfigError(str(e)) from e

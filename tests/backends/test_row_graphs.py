@@ -120,3 +120,18 @@ def test_arena_slots_come_back_and_a_full_arena_falls_back():
     for layer in (0, m.spec.num_layers - 1):
         assert torch.equal(back.store.k[layer], kv.cache.store.k[layer])
         assert torch.equal(back.store.v[layer], kv.cache.store.v[layer])
+
+
+@pytest.mark.slow  # inductor compiles of the three segment functions (~30-60 s on 2 cores)
+def test_row_graphs_over_inductor_segments_generate_what_eager_pieces_do(tmp_path, monkeypatch):
+    """--compile on (CUDA): the row step's dense work through inductor's compiled segments; here on the CPU's
+    inductor, uncaptured: the tokens are the piecewise step's."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    plain = _model()
+    rows = TorchCausalLM.load(tiny_model_dir("llama"))
+    rows.use_row_graphs(2, capture=False, compiled=True)
+    history = _prompt(40)
+    strategy = KVStrategy("sink_window", 4, 12)
+    want, _ = _run(Engine(plain, strategy, prefill_chunk=16), history, n=12)
+    got, _ = _run(Engine(rows, strategy, prefill_chunk=16), history, n=12)
+    assert got == want and rows.row_graphs.fns.compiled and rows.row_graphs.steps >= 11

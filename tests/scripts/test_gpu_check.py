@@ -54,9 +54,11 @@ def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
 
     arms = sections["decode_batch1"]["arms"]
     piecewise = {f"{s}/compile={modes[-1]}/row_graphs=off" for s in ("full", "sink_window")}
-    assert set(arms) == {f"{s}/compile={m}" for s in STRATEGIES for m in modes} | piecewise
-    assert all(a["status"] == "ok" and a["decode_tok_s"] > 0 for k, a in arms.items() if k not in piecewise)
+    compiled = {f"{s}/compile=on" for s in ("full", "sink_window")}
+    assert set(arms) == {f"{s}/compile={m}" for s in STRATEGIES for m in modes} | piecewise | compiled
+    assert all(a["status"] == "ok" and a["decode_tok_s"] > 0 for k, a in arms.items() if k not in piecewise | compiled)
     assert all(arms[k]["status"] == "skipped" and "row graphs" in arms[k]["reason"] for k in piecewise)  # CUDA only
+    assert all(arms[k]["status"] == "skipped" and "CUDA only" in arms[k]["reason"] for k in compiled)
     levels = sections["aggregate"]["levels"]
     assert set(levels) == {"1", "4", "16"} and sections["aggregate"]["arm"]["batching"] is True
     for n, level in levels.items():

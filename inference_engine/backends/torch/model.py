@@ -130,12 +130,15 @@ class TorchCausalLM:
             self.graphs = StepGraphs(self, capture=False, compiled=True)
         return self.graphs is not None
 
-    def use_row_graphs(self, sessions: int, *, capture: bool | None = None, memory_share: float = 0.5) -> int:
+    def use_row_graphs(self, sessions: int, *, capture: bool | None = None, compiled: bool = False,
+                       memory_share: float = 0.5) -> int:
         """Decode rows and verify blocks as whole-step graphs (row_graphs.py) over a K/V arena of `sessions`
         slots of max_context rows (arena.py): every cache built from geometry() after this keeps its rows
         there while a slot is free. On CUDA at most `memory_share` of the free device memory goes to the
         arena (fewer slots if need be); capture: CUDA graphs (default: on CUDA), else the same body runs
-        eagerly (the CPU, tests). Returns the slots made (0: none, the step stays piecewise)."""
+        eagerly (the CPU, tests); compiled: the dense work between attentions as inductor's fused kernels
+        (graphs.Segments, compiled once per bucket of rows; --compile on). Returns the slots made (0: none,
+        the step stays piecewise)."""
         from inference_engine.backends.torch.arena import KVArena
         from inference_engine.backends.torch.row_graphs import RowGraphs
 
@@ -154,9 +157,14 @@ class TorchCausalLM:
         capture = self.device.type == "cuda" if capture is None else capture
         arena = KVArena(s.num_layers, s.num_kv_heads, s.head_dim, sessions=sessions, rows=rows, dtype=self.dtype,
                         device=self.device)
-        self.row_graphs = RowGraphs(self, arena, capture=capture)
-        log.info("row graphs on: a K/V arena of %d sessions x %d rows (%.2f GB) on %s; steps %s", sessions, rows,
-                 arena.nbytes / 1e9, self.device, "captured as CUDA graphs" if capture else "eager")
+        if compiled:
+            from inference_engine.model_store.store import kakeya_home
+
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kakeya_home() / "inductor"))
+        self.row_graphs = RowGraphs(self, arena, capture=capture, compiled=compiled)
+        log.info("row graphs on: a K/V arena of %d sessions x %d rows (%.2f GB) on %s; steps %s%s", sessions, rows,
+                 arena.nbytes / 1e9, self.device, "captured as CUDA graphs" if capture else "eager",
+                 ", dense work compiled by inductor (per bucket of rows, on first use)" if compiled else "")
         return sessions
 
     def row_step(self, parts: list):

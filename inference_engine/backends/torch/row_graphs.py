@@ -17,6 +17,10 @@ position sees. Rows attend alone (a row is a batch entry of the attention call),
 through the same graph family. Padding rows (a step's rows up to the bucket) read and write the arena's
 scratch slot and see every column of it (finite values), and their outputs are never read.
 
+The dense work between attentions goes through graphs.Segments (the functions the piecewise step's CUDA
+graphs capture): eager pieces with --compile auto, inductor's fused kernels with --compile on (compiled
+once per bucket of rows, for every layer; then captured like the rest). On is not measured on a GPU yet.
+
 Inputs are static buffers the step copies into (one int64 (4, B) block: ids, positions, slot, write
 column; one (B, 1, 1, K) mask); outputs are the graph's own tensors, copied out before the next replay.
 Without capture (the CPU, and the test suite) the same body runs eagerly over the same buffers, so its
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_engine.backends.torch.arena import ArenaStore, KVArena
+from inference_engine.backends.torch.graphs import Segments
 
 log = logging.getLogger("kakeya")
 
@@ -47,8 +52,9 @@ def _bucket(n: int, buckets) -> int | None:
 class RowGraphs:
     """Graphs of row steps by (rows, keys) bucket, made on first use; `run` declines what they cannot run."""
 
-    def __init__(self, model, arena: KVArena, *, capture: bool):
+    def __init__(self, model, arena: KVArena, *, capture: bool, compiled: bool = False):
         self.model, self.arena, self.capture = model, arena, capture
+        self.fns = Segments(compiled)
         self.key_buckets = tuple(b for b in KEY_BUCKETS if b < arena.rows) + (arena.rows,)
         self._graphs: dict[tuple[int, int], _RowGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -57,7 +63,8 @@ class RowGraphs:
         self.steps = 0  # steps run through these graphs (reported)
 
     def describe(self) -> dict:
-        return {"row_graphs": "off: " + self.failed if self.failed else ("cuda graphs" if self.capture else "eager"),
+        how = ("cuda graphs" if self.capture else "eager") + (" of inductor segments" if self.fns.compiled else "")
+        return {"row_graphs": "off: " + self.failed if self.failed else how,
                 "row_graphs_made": sorted(self._graphs), "row_graphs_make_s": round(self.make_s, 3),
                 "row_graph_steps": self.steps, "arena_sessions": self.arena.sessions, "arena_rows": self.arena.rows,
                 "arena_fallbacks": self.arena.fallbacks}
@@ -81,7 +88,7 @@ class RowGraphs:
         if g is None:
             t0 = time.perf_counter()
             try:
-                g = _RowGraph(self.model, self.arena, rb, kb, self._pool)
+                g = _RowGraph(self.model, self.arena, rb, kb, self._pool, self.fns)
             except Exception as e:  # a capture that fails leaves the piecewise path, never a broken step
                 self.failed = f"capturing {rb} rows x {kb} keys failed: {type(e).__name__}: {e}"
                 log.warning("row graphs off: %s", self.failed)
@@ -95,8 +102,8 @@ class RowGraphs:
 
 
 class _RowGraph:
-    def __init__(self, model, arena: KVArena, rows: int, keys: int, pool):
-        self.model, self.arena, self.rows, self.keys = model, arena, rows, keys
+    def __init__(self, model, arena: KVArena, rows: int, keys: int, pool, fns: Segments):
+        self.model, self.arena, self.rows, self.keys, self.fns = model, arena, rows, keys, fns
         dev = model.device
         self.host = torch.zeros(4, rows, dtype=torch.long)  # ids (set on the device), positions, slot, write column
         self.host_bias = torch.zeros(rows, 1, 1, keys, dtype=model.dtype)
@@ -128,23 +135,24 @@ class _RowGraph:
         self.graph = g
 
     def _body(self):
-        m, s = self.model, self.model.spec
+        """The step: the dense work through the segment functions (graphs.Segments: eager, or inductor's fused
+        kernels with --compile on), attention between them over the arena."""
+        m, s, fns = self.model, self.model.spec, self.fns
         ids, pos, slot, col = self.idx[0], self.idx[1], self.idx[2], self.idx[3]
         rope = m.rope(pos)
-        x = m.embed_ids(ids)
-        keys = self.keys
-        for i, L in enumerate(m.layers):
-            q, k, v = m.project_layer(L, x)  # q (H, B, D); k, v (Hkv, B, D)
-            cos, sin = rope.for_layer(s, i)
-            q, _ = m.position_q_layer(L, q, cos, sin)
-            k = m.position_k_layer(L, k, cos, sin)
+        n = s.num_layers
+        x, q, _, k, v = fns.first(m, m.layers[0], ids, *rope.for_layer(s, 0))  # q (H, B, D); k, v (Hkv, B, D)
+        for i in range(n):
             ak, av = self.arena.k[i], self.arena.v[i]
             ak[slot, :, col] = k.transpose(0, 1)  # (B, Hkv, D) into each row's session slot at its column
             av[slot, :, col] = v.transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], ak[slot, :, :keys], av[slot, :, :keys],
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], ak[slot, :, :self.keys], av[slot, :, :self.keys],
                                                attn_mask=self.bias, scale=s.attn_scale, enable_gqa=True)  # (B, H, 1, D)
-            x = m.finish_layer(L, x, o[:, :, 0].transpose(0, 1))
-        hidden = m.final_norm(x)
+            o = o[:, :, 0].transpose(0, 1)
+            if i + 1 < n:
+                x, q, _, k, v = fns.middle(m, m.layers[i], m.layers[i + 1], x, o, *rope.for_layer(s, i + 1))
+            else:
+                x, hidden = fns.last(m, m.layers[i], x, o)
         return m.logits(hidden), hidden
 
     def run(self, parts: list, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
