@@ -215,6 +215,7 @@ class Run:
             man = {**keep, **man}
         self._write_json(MANIFEST_FILE, man)
         ev = dict(self.eval)
+        ev["command"] = self.manifest.get("training", {}).get("command", "scripts/training/gpu_drafter_run.py")  # results/ hygiene
         ev["run"] = {"completed": completed, "cut_short": list(self.cut), "wall_seconds": round(self.now(), 1)}
         self._write_json("eval.json", ev)
 
