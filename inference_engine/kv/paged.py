@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inference_engine.backends.torch.attention import attend_merged, attend_row_parts, attend_row_two_part
+from inference_engine.backends.torch.attention import attend_merged, attend_row_parts, attend_row_two_part, attention_lse
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
 from inference_engine.kv.paged_store import RowQuant, RowTable, make_row_codec
@@ -171,6 +171,11 @@ class PagedCache(SinkWindowCache):
         c = plan["c"]
         t1 = time.perf_counter()
         t = idx.shape[1]
+        if not getattr(layout, "row_exact", False) and layout.first_position >= self.max_context:
+            o = self._attend_far_chunk(layer, q, k_all, v_all, layout, plan, w, idx, scale, rotate_keys)
+            if o is not None:
+                self._time(t0, t1, t1)
+                return o
         if getattr(layout, "row_exact", False) or layout.last_position >= self.max_context:
             return self._attend_rows(layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1, rotate_keys)
         sel = self._selection(idx, ok, allowed, c)  # (Hkv, T, C)
@@ -272,6 +277,76 @@ class PagedCache(SinkWindowCache):
             bias_w[sink_cols] = float("-inf")  # the sink is attended above, moved; the window stays where it is
         parts.append((k_all, v_all, bias_w[None, None, None]))
         return attend_row_parts(qj, parts, scale)
+
+    def _attend_far_chunk(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layout: AttentionLayout,
+                          plan: Plan, w: int | None, idx: torch.Tensor, scale: float,
+                          rotate_keys: RotateKeys | None) -> torch.Tensor | None:
+        """A prefill chunk past the trained context, each row in the layout `_far_row` gives it (its chosen pages in
+        position order right before its window, the sink right before them), every row at once. A page moves as
+        a whole (one rotation for its P keys), and RoPE is a rotation: q . R(d) k = R(-d) q . k, so each row's
+        queries are counter-rotated once per chosen page (G vectors) instead of its P keys being rotated
+        (the page store's keys are read as stored). Part one: each row over its pages' keys and the moved sink
+        (scores by batched products, one softmax); part two: every row over the resident slab under its mask
+        (one attention call); merged by log-sum-exp. Not row-exact (a chunk's rows attend batched, as below the
+        context); decode and verify rows keep `_attend_rows`. None: a row with at most `recall_pages` pages."""
+        hkv, t = idx.shape[0], idx.shape[1]
+        g, d = q.shape[0] // hkv, q.shape[2]
+        p, m = self.page_size, idx.shape[2]
+        vis = self._row_visible(plan, w, q.dtype)
+        if rotate_keys is None or min(vis["pages"]) <= self.recall_pages:
+            return None
+        dev = idx.device
+        pages = idx.sort(-1).values  # (Hkv, T, M): position order
+        kr, vr = self._candidate_pages(layer, pages, k_all, v_all, plan)  # (Hkv, T * M * P, D)
+        positions = layout.first_position + torch.arange(t, device=dev)  # (T,)
+        slot_start = positions[:, None] - self.window - (m - torch.arange(m, device=dev))[None] * p + 1  # (T, M)
+        deltas = slot_start[None] - (self.sink + pages * p)  # (Hkv, T, M): each chosen page's move
+        qh = q.reshape(hkv, g, t, d).transpose(1, 2)  # (Hkv, T, G, D)
+        q_pages = rotate_keys(layer, qh[:, :, None].expand(hkv, t, m, g, d).reshape(hkv, -1, d),
+                              (-deltas)[..., None].expand(hkv, t, m, g).reshape(hkv, -1)).view(hkv, t, m, g, d)
+        scores = torch.einsum("htmgd,htmpd->htgmp", q_pages, kr.view(hkv, t, m, p, d)).reshape(hkv, t, g, m * p) * scale
+        bias_r = vis["page_bias"][torch.arange(t, device=dev)[None, :, None], pages]  # (Hkv, T, M, P)
+        scores = scores + bias_r.reshape(hkv, t, 1, m * p)
+        bias_w = self._resident_bias(plan, layout, w, q.dtype)  # (T, N)
+        kp = layout.key_positions
+        sink_cols = torch.nonzero((kp >= 0) & (kp < self.sink)).flatten()
+        sink_scores = None
+        if sink_cols.numel():  # the sink, moved to sit right before each row's pages: its queries counter-rotated
+            first = positions - self.window - m * p - self.sink + 1  # (T,) where the sink starts, seen from each row
+            q_sink = rotate_keys(layer, qh.reshape(hkv, -1, d), (-first)[None, :, None].expand(hkv, t, g).reshape(hkv, -1))
+            sink_scores = torch.einsum("htgd,hsd->htgs", q_sink.view(hkv, t, g, d), k_all.index_select(1, sink_cols)) * scale
+            bias_w = bias_w.clone()
+            bias_w[:, sink_cols] = float("-inf")  # attended above, moved; the window stays where it is
+        # one softmax over each row's page keys and moved sink (scores only concatenated: values stay apart)
+        lse_r = torch.logsumexp(scores if sink_scores is None else torch.cat([scores, sink_scores], -1), -1)  # (Hkv, T, G)
+        o_r = torch.einsum("htge,hted->htgd", torch.exp(scores - lse_r[..., None]), vr.view(hkv, t, m * p, d))
+        if sink_scores is not None:
+            o_r = o_r + torch.einsum("htgs,hsd->htgd", torch.exp(sink_scores - lse_r[..., None]), v_all.index_select(1, sink_cols))
+        o_w, lse_w = attention_lse(q.reshape(1, hkv, g * t, d), k_all[None], v_all[None], bias_w.repeat(g, 1)[None, None], scale)
+        o_w, lse_w = o_w.view(hkv, g, t, d), lse_w.view(hkv, g, t)  # query rows in (G, T) order
+        o_r, lse_r = o_r.transpose(1, 2), lse_r.transpose(1, 2)  # (Hkv, G, T, ...)
+        total = torch.logaddexp(lse_r, lse_w)
+        o = o_r * (lse_r - total).exp()[..., None] + o_w * (lse_w - total).exp()[..., None]
+        return o.reshape(hkv * g, t, d).to(q.dtype)
+
+    def _candidate_pages(self, layer: int, pages: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                         plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V (Hkv, T * M * P, D) of the chosen pages (Hkv, T, M) of many rows at once: the candidates laid
+        out once as whole pages (the page store's rows, then the still-resident ones through the page codec, as
+        `_rows_kv` reads them; zeros past C, which the page masks hide) and copied a page at a time."""
+        hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
+        n_st, n_pages = self.pages.rows, plan["n_pages"]
+        parts = [self.pages.read_pages(layer, -(-n_st // p) * p)[:, :, :n_st].to(k_all.dtype)] if n_st else []
+        cols = plan["cols"]
+        if cols is not None:
+            fresh = torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)])  # (2, Hkv, nf, D)
+            codec = self.pages.codec
+            parts.append(codec.decode(codec.encode(fresh.reshape(-1, d))).reshape(fresh.shape).to(k_all.dtype))
+        cand = parts[0] if len(parts) == 1 else torch.cat(parts, 2)  # (2, Hkv, C, D)
+        cand = F.pad(cand, (0, 0, 0, n_pages * p - cand.shape[2])).reshape(2, hkv * n_pages, p * d)
+        flat = (pages + torch.arange(hkv, device=pages.device)[:, None, None] * n_pages).flatten()
+        kv = cand.index_select(1, flat).view(2, hkv, -1, d)
+        return kv[0], kv[1]
 
     def virtual_deltas(self, pages: torch.Tensor, p: int) -> torch.Tensor:
         """(Hkv, n * P) rotation per recalled row of a query at p: its page (pages (Hkv, n), in position order)
