@@ -39,6 +39,17 @@ SHOWN_ID_CHARS = 64
 # What a session id may be: what the server issues (token_urlsafe(24): 32 characters) and what a client may
 # choose (CreateSessionRequest.session_id); it names a directory in the state dir, so nothing else is allowed.
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,128}")
+
+
+def issue_session_id() -> str:
+    """A server-issued id: token_urlsafe(24) (192 random bits, 32 characters), never starting with "-", which
+    a command line (`kakeya sessions rm ID`) would read as an option."""
+    while True:
+        sid = secrets.token_urlsafe(24)
+        if not sid.startswith("-"):
+            return sid
+
+
 # A session whose save failed is not tried again by the flusher or by eviction for 1 s, then 2, 4, ...
 # up to a minute (a turn's end still tries at once); failures are logged at most once a minute.
 SAVE_RETRY_FIRST_S = 1.0
@@ -284,7 +295,7 @@ class SessionStore:
         self._check_length(0, len(initial))
         eos = frozenset(eos_token_ids) if eos_token_ids is not None else self.default_eos_token_ids
         self._check_tokens(sorted(eos), "eos_token_ids")
-        sid = session_id or secrets.token_urlsafe(24)  # 192 random bits
+        sid = session_id or issue_session_id()
         with self._lock:
             if session_id and (session_id in self._sessions or session_id in self._loading):
                 raise self._exists(session_id)

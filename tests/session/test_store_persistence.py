@@ -160,14 +160,40 @@ def test_a_failed_session_is_set_aside_not_resumed():
         st.get(a.id)
 
 
+class _WatchedLock:
+    """A session's lock that tells the test when another thread starts waiting on it (an event, not a sleep)."""
+
+    def __init__(self, inner):
+        self.inner, self.waiting = inner, threading.Event()
+
+    def acquire(self, blocking=True, timeout=-1):
+        if blocking:
+            self.waiting.set()
+        return self.inner.acquire(blocking, timeout)
+
+    def release(self):
+        self.inner.release()
+
+    def locked(self):
+        return self.inner.locked()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 def test_a_call_waiting_on_a_session_that_gets_spilled_loads_it_again():
     st, p, _ = store(capacity=1)
     a = st.create([1])
     a.lock.acquire()  # something holds a
+    a.lock = watched = _WatchedLock(a.lock)
     done = []
     t = threading.Thread(target=lambda: done.append(st.append(a.id, [9])))
     t.start()
-    time.sleep(0.2)  # t is now waiting for a's lock, holding the old Session object
+    assert watched.waiting.wait(10)  # t is now waiting for a's lock, holding the old Session object
     # a is busy; an eviction now would pass it over. Simulate the race the retry covers: the holder
     # spills it right before releasing (as _remove does for an idle session).
     st._sessions.pop(a.id)
@@ -341,3 +367,12 @@ def test_hand_off_spills_an_idle_session_and_waits_for_a_busy_one():
     b = st.create([2])
     st.append(b.id, [3])
     assert st.release_all() == 1 and p.saved[b.id][0] == [2, 3] and p.released == [a.id, b.id]
+
+
+def test_issued_session_ids_never_start_with_a_dash(monkeypatch):
+    """`kakeya sessions rm ID` would read an id starting with "-" as an option (a CLI test failed on one)."""
+    from inference_engine.session import store as store_mod
+
+    drawn = iter(["-" + "a" * 31, "b" * 32])
+    monkeypatch.setattr(store_mod.secrets, "token_urlsafe", lambda n: next(drawn))
+    assert store_mod.issue_session_id() == "b" * 32
