@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default="", help="the commit the calls run (recorded by gpu_check on a box without .git)")
     ap.add_argument("--untrack", default="", help="comma list of tracked paths to leave out of the calls")
     ap.add_argument("--budget-s", type=int, default=270, help="gpu_check's --budget-s in the last call")
+    ap.add_argument("--check-args", default="", help="more gpu_check arguments for the last call (e.g. \"--long-context 1024,1,2\")")
     ap.add_argument("--drafter-minutes", type=float, default=0.0, help="> 0: the drafter run after the check, this long")
     ap.add_argument("--no-wheel", action="store_true", help="do not fetch the gguf wheel (the box has gguf)")
     ap.add_argument("--limit-bytes", type=int, default=LIMIT, help=argparse.SUPPRESS)
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
                       "export PYTHONPATH=/root/site PYTHONUNBUFFERED=1",
                       f"timeout {args.budget_s + 30} python3 scripts/gpu_check.py --gguf /root/kk/source.gguf --tokenizer-dir /root/kk/tok "
                       f"--work-dir /root/kk/work --out $OUT/gpu_check.json --budget-s {args.budget_s} --commit '{args.commit}' "
-                      "> $OUT/gpu_check.log 2>&1",
+                      f"{args.check_args + ' ' if args.check_args else ''}> $OUT/gpu_check.log 2>&1",
                       "tail -40 $OUT/gpu_check.log"]
             if args.drafter_minutes > 0:
                 lines += [f"timeout {int(args.drafter_minutes * 60) + 60} python3 scripts/training/gpu_drafter_run.py "

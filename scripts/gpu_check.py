@@ -110,6 +110,9 @@ class Check:
     def __init__(self, args, doc: dict):
         self.args, self.doc, self.t0 = args, doc, T_START  # the budget counts imports and model loading too
         self.scale = QUICK if args.quick else FULL
+        if args.long_context:  # paged_long's lengths: a short baseline in tokens, then multiples of the trained context
+            short, *multiples = (float(x) for x in args.long_context.split(","))
+            self.scale = dataclasses.replace(self.scale, long_context=(int(short), *multiples))
         self.eager_output = None  # transformers eager's tokens, for the compiled control to compare with
 
     def left(self) -> float:
@@ -947,6 +950,9 @@ def parse_args(argv=None):
     ap.add_argument("--hf-compile", choices=("auto", "on", "off"), default="auto",
                     help="transformers static cache + torch.compile control (auto: on CUDA only)")
     ap.add_argument("--hf-compile-timeout-s", type=float, default=240.0)
+    ap.add_argument("--long-context", default="", metavar="TOKENS,MULT,...",
+                    help="paged_long's lengths: a short baseline in tokens, then multiples of the trained context "
+                         "(default 1024,1,4; e.g. 1024,2 for one rung at 16k that fits a shorter call)")
     ap.add_argument("--sections", default="", help=f"comma list to run only these ({', '.join(SECTIONS)}); default all")
     ap.add_argument("--hf-worker", help=argparse.SUPPRESS)
     ap.add_argument("--summarize", metavar="JSON",
@@ -984,6 +990,7 @@ def main(argv=None) -> int:
            "scale": dataclasses.asdict(QUICK if args.quick else FULL), "compile_supported": compile_supported(),
            "complete": False, "sections": {}}
     check = Check(args, doc)
+    doc["scale"] = dataclasses.asdict(check.scale)  # --long-context included
     check.write()
     work = None
     try:

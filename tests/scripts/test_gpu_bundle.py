@@ -32,7 +32,8 @@ def test_bundle_parts_join_into_the_gguf(tmp_path):
     tree = gpu_bundle.tree_bytes([])
     out = tmp_path / "gpu"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bundle.py"), "--model", str(model), "--out", str(out),
-                    "--no-wheel", "--commit", "abc", "--limit-bytes", str(tree + gpu_bundle.MARGIN + 1_800_000)],
+                    "--no-wheel", "--commit", "abc", "--limit-bytes", str(tree + gpu_bundle.MARGIN + 1_800_000),
+                    "--check-args", "--long-context 1024,1,2"],
                    check=True, capture_output=True, cwd=ROOT)
     plan = json.loads((out / "plan.json").read_text())
     assert len(plan["calls"]) == len(plan["parts"]) >= 3
@@ -40,4 +41,5 @@ def test_bundle_parts_join_into_the_gguf(tmp_path):
     assert joined == gguf and plan["gguf_sha256"] == hashlib.sha256(gguf).hexdigest()
     last = (out / f"call{len(plan['parts'])}" / "run.sh").read_text()
     assert "sha256sum -c" in last and "scripts/gpu_check.py --gguf /root/kk/source.gguf" in last and "--commit 'abc'" in last
+    assert "--commit 'abc' --long-context 1024,1,2 > $OUT/gpu_check.log" in last
     assert plan["calls"][0]["carry"] == [f"{out}/call1", f"{out}/tok"] and (out / "tok" / "tokenizer.json").exists()
