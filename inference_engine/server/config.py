@@ -45,7 +45,10 @@ class ServeConfig:
     prefill_chunk_shared: int = 32  # prefill chunk while other sessions generate (batching on; 0 = prefill_chunk)
     max_workers: int = 16
     drafter: str | None = None  # "ngram" (prompt lookup), a shipped drafter name or checkpoint dir; enables speculation
-    spec_k: int = 4
+    # drafts per verify step: 3, measured faster than 4 for ngram on every style on the CPU (a 4-row verify block
+    # stays on torch's cheap int4 path, a 5-row one costs 2.69x a decode row: results/speculative_ngram_k3.json,
+    # results/research/linear_rows.json)
+    spec_k: int = 3
     state_dir: str | None = None  # persisted sessions; None = $KAKEYA_STATE_DIR, else $KAKEYA_HOME/state
     persist: str = "turn"  # turn: save each session after every turn (spill, resume) | off: memory only
     # Several daemons on one state directory (behind a proxy, deploy/): each session is held through a lease

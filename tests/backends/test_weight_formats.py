@@ -151,7 +151,7 @@ def test_serve_refuses_speculation_over_restored_columns_with_quantized_weights(
         build_engine(ServeConfig(drafter="ngram", kv_strategy="dlm_restore"), m)
     assert build_engine(ServeConfig(drafter="ngram", spec_k=0, kv_strategy="dlm_restore"), m).drafter is None
     for strategy in ("full", "sink_window"):
-        assert build_engine(ServeConfig(drafter="ngram", kv_strategy=strategy), m).spec_k == 4
+        assert build_engine(ServeConfig(drafter="ngram", kv_strategy=strategy), m).spec_k == 3
 
 
 @pytest.mark.parametrize("make", [Int8Linear.from_float, Int4Linear.from_float])
