@@ -269,7 +269,7 @@ class PagedCache(SinkWindowCache):
         kp = layout.key_positions
         sink_cols = torch.nonzero((kp >= 0) & (kp < self.sink)).flatten()
         if sink_cols.numel():
-            first = p - self.window - n * self.page_size - self.sink + 1  # where the sink starts, as seen from p
+            first = self._sink_start(p, n)
             ks = k_all.index_select(1, sink_cols)
             moved = rotate_keys(layer, ks, torch.full(ks.shape[:2], first, dtype=torch.long, device=ks.device))
             parts.append((moved, v_all.index_select(1, sink_cols), None))
@@ -299,8 +299,7 @@ class PagedCache(SinkWindowCache):
         pages = idx.sort(-1).values  # (Hkv, T, M): position order
         kr, vr = self._candidate_pages(layer, pages, k_all, v_all, plan)  # (Hkv, T * M * P, D)
         positions = layout.first_position + torch.arange(t, device=dev)  # (T,)
-        slot_start = positions[:, None] - self.window - (m - torch.arange(m, device=dev))[None] * p + 1  # (T, M)
-        deltas = slot_start[None] - (self.sink + pages * p)  # (Hkv, T, M): each chosen page's move
+        deltas = self._page_moves(pages, positions)  # (Hkv, T, M): each chosen page's move
         qh = q.reshape(hkv, g, t, d).transpose(1, 2)  # (Hkv, T, G, D)
         q_pages = rotate_keys(layer, qh[:, :, None].expand(hkv, t, m, g, d).reshape(hkv, -1, d),
                               (-deltas)[..., None].expand(hkv, t, m, g).reshape(hkv, -1)).view(hkv, t, m, g, d)
@@ -312,7 +311,7 @@ class PagedCache(SinkWindowCache):
         sink_cols = torch.nonzero((kp >= 0) & (kp < self.sink)).flatten()
         sink_scores = None
         if sink_cols.numel():  # the sink, moved to sit right before each row's pages: its queries counter-rotated
-            first = positions - self.window - m * p - self.sink + 1  # (T,) where the sink starts, seen from each row
+            first = self._sink_start(positions, m)  # (T,)
             q_sink = rotate_keys(layer, qh.reshape(hkv, -1, d), (-first)[None, :, None].expand(hkv, t, g).reshape(hkv, -1))
             sink_scores = torch.einsum("htgd,hsd->htgs", q_sink.view(hkv, t, g, d), k_all.index_select(1, sink_cols)) * scale
             bias_w = bias_w.clone()
@@ -339,9 +338,7 @@ class PagedCache(SinkWindowCache):
         parts = [self.pages.read_pages(layer, -(-n_st // p) * p)[:, :, :n_st].to(k_all.dtype)] if n_st else []
         cols = plan["cols"]
         if cols is not None:
-            fresh = torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)])  # (2, Hkv, nf, D)
-            codec = self.pages.codec
-            parts.append(codec.decode(codec.encode(fresh.reshape(-1, d))).reshape(fresh.shape).to(k_all.dtype))
+            parts.append(self._as_stored(torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)]), k_all.dtype))
         cand = parts[0] if len(parts) == 1 else torch.cat(parts, 2)  # (2, Hkv, C, D)
         cand = F.pad(cand, (0, 0, 0, n_pages * p - cand.shape[2])).reshape(2, hkv * n_pages, p * d)
         flat = (pages + torch.arange(hkv, device=pages.device)[:, None, None] * n_pages).flatten()
@@ -351,10 +348,24 @@ class PagedCache(SinkWindowCache):
     def virtual_deltas(self, pages: torch.Tensor, p: int) -> torch.Tensor:
         """(Hkv, n * P) rotation per recalled row of a query at p: its page (pages (Hkv, n), in position order)
         moves to the i-th of n page slots ending right before the query's window, rows in order within it."""
-        n, size = pages.shape[1], self.page_size
-        slot_start = p - self.window - (n - torch.arange(n, device=pages.device)) * size + 1  # (n,)
-        true_start = self.sink + pages.to(torch.long) * size  # (Hkv, n)
-        return (slot_start[None] - true_start).repeat_interleave(size, -1)
+        return self._page_moves(pages, torch.tensor(p, device=pages.device)).repeat_interleave(self.page_size, -1)
+
+    def _page_moves(self, pages: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """How far each chosen page moves for a query at p (InfLLM's layout): pages (..., n) in position order,
+        p broadcastable to pages' leading dims; page i goes to the i-th of n page slots ending right before the
+        query's window."""
+        n, size = pages.shape[-1], self.page_size
+        slot_start = p[..., None] - self.window - (n - torch.arange(n, device=pages.device)) * size + 1
+        return slot_start - (self.sink + pages.to(torch.long) * size)
+
+    def _sink_start(self, p: Any, n: int) -> Any:
+        """Where the sink starts, as seen from a query at p with n recalled pages (right before them)."""
+        return p - self.window - n * self.page_size - self.sink + 1
+
+    def _as_stored(self, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Still-resident rows kv (2, Hkv, E, D) as the page store would return them once archived (its codec)."""
+        codec = self.pages.codec
+        return codec.decode(codec.encode(kv.reshape(-1, kv.shape[-1]))).reshape(kv.shape).to(dtype)
 
     def _resident_bias(self, plan: Plan, layout: AttentionLayout, w: int | None, dtype: torch.dtype) -> torch.Tensor:
         """(T, N) additive mask (0 / -inf) of the resident slab per query row; once a step per window."""
@@ -461,9 +472,7 @@ class PagedCache(SinkWindowCache):
         if cols is not None and (kv is None or bool((rows >= n_st).any())):
             c = cols[(rows - n_st).clamp(0, cols.numel() - 1)]  # (Hkv, E)
             heads = torch.arange(k_all.shape[0], device=rows.device)[:, None]
-            fresh = torch.stack([k_all[heads, c], v_all[heads, c]])  # (2, Hkv, E, D)
-            codec = self.pages.codec
-            fresh = codec.decode(codec.encode(fresh.reshape(-1, fresh.shape[-1]))).reshape(fresh.shape).to(k_all.dtype)
+            fresh = self._as_stored(torch.stack([k_all[heads, c], v_all[heads, c]]), k_all.dtype)  # (2, Hkv, E, D)
             kv = fresh if kv is None else torch.where((rows >= n_st)[None, :, :, None], fresh, kv)
         # An empty page store means the candidates are still resident (_plan_step sets cols then).
         assert kv is not None
