@@ -566,15 +566,16 @@ def section_decode_batch1(check, models, prompts):
     sc = check.scale
     ids = prompts.of_length(sc.speed_prompt)
     out = {"prompt_tokens": len(ids), "tokens": sc.speed_tokens, "repeats": sc.repeats, "kv": "ServeConfig defaults", "arms": {}}
+
+    def run(arm):
+        r = arm.decode_speed(ids, sc.speed_tokens, sc.repeats)
+        r.pop("last")
+        return r
+
     for name in strategy_names():
         for mode in compile_modes():
-            def run(arm):
-                r = arm.decode_speed(ids, sc.speed_tokens, sc.repeats)
-                r.pop("last")
-                return r
-
             out["arms"][f"{name}/compile={mode}"] = check.arm(
-                lambda run=run, name=name, mode=mode: with_arm(check.args, models, run, kv_strategy=name, compile=mode), 8)
+                lambda name=name, mode=mode: with_arm(check.args, models, run, kv_strategy=name, compile=mode), 8)
     # the same compile mode with the row graphs (backends/torch/row_graphs.py) off: the piecewise step they replace
     mode, rows_gain = compile_modes()[-1], {}
     for name in ("full", "sink_window"):
@@ -585,7 +586,7 @@ def section_decode_batch1(check, models, prompts):
                 raise Skip("this model runs no row graphs (they are on with --compile auto/on on CUDA)")
             model.row_graphs = None  # caches built now keep their own slabs; every step runs piecewise
             try:
-                return with_arm(check.args, models, lambda arm: run(arm), kv_strategy=name, compile=mode)
+                return with_arm(check.args, models, run, kv_strategy=name, compile=mode)
             finally:
                 model.row_graphs = graphs
 
@@ -600,7 +601,7 @@ def section_decode_batch1(check, models, prompts):
             if not (compile_supported() and check.args.device.startswith("cuda")):
                 raise Skip("--compile on is measured on CUDA only (on the CPU it is inductor's C++ segments, minutes "
                            "of compile, and no faster: results/research/compile_cpu.json)")
-            return with_arm(check.args, models, lambda arm: run(arm), kv_strategy=name, compile="on")
+            return with_arm(check.args, models, run, kv_strategy=name, compile="on")
 
         arm = out["arms"][f"{name}/compile=on"] = check.arm(compiled, 30)
         auto = out["arms"].get(f"{name}/compile={mode}", {})

@@ -80,10 +80,10 @@ class RowGraphs:
         rb, kb = _bucket(rows, ROW_BUCKETS), _bucket(keys, self.key_buckets)
         if rb is None or kb is None:
             return None
-        for _, layout, store in parts:
-            if not (isinstance(store, ArenaStore) and store.arena is self.arena and layout.key_slots is None
-                    and layout.host_slots is not None and None in layout.host_masks and len(layout.host_masks) == 1):
-                return None
+        # (every layer is global, use_row_graphs checks it: a layout's one mask is host_masks[None])
+        if not all(isinstance(store, ArenaStore) and store.arena is self.arena and layout.key_slots is None
+                   for _, layout, store in parts):
+            return None
         g = self._graphs.get((rb, kb))
         if g is None:
             t0 = time.perf_counter()
