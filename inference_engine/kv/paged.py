@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from inference_engine.backends.torch.attention import attend_merged, attend_row_parts, attend_row_two_part, attention_lse
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
-from inference_engine.kv.paged_store import RowQuant, RowTable, make_row_codec
+from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, make_row_codec
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import AppendOnly
 from inference_engine.kv.stores import SlabStore
@@ -69,6 +69,10 @@ class PagedCache(SinkWindowCache):
         # int4 / int8 names make a RowQuant, whose group_max_scores scores the candidates
         key_codec = cast(RowQuant, make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype))
         self.keys = RowTable(key_codec, stack=1, **dims)
+        # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
+        # (decoded), rounded outward to float16: `bounds` row j = page j, stack (max, min)
+        self.shortlist = strategy.shortlist_pages
+        self.bounds = RowTable(IdentityRows(g.head_dim, torch.float16), stack=2, **(dims | {"page": 64}))
         self.evicted_total = 0
         self.timings = {"score_s": 0.0, "fetch_s": 0.0, "attend_s": 0.0, "recalls": 0}  # cumulative, for the cost split
         self._step: Plan | None = None  # per-step host bookkeeping for recall (see prepare)
@@ -80,11 +84,13 @@ class PagedCache(SinkWindowCache):
 
     @property
     def selection_nbytes(self) -> int:
-        return self.keys.nbytes
+        """What every step reads to choose pages: the compact keys, or with a shortlist the page bounds (the
+        compact keys of the shortlisted pages are read from the stored tier)."""
+        return self.bounds.nbytes if self.shortlist else self.keys.nbytes
 
     @property
     def stored_nbytes(self) -> int:
-        return self.pages.nbytes
+        return self.pages.nbytes + (self.keys.nbytes if self.shortlist else 0)
 
     @property
     def nbytes(self) -> int:
@@ -433,7 +439,7 @@ class PagedCache(SinkWindowCache):
         the same codec and the same scoring call."""
         hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
         g, t = q.shape[0] // hkv, q.shape[1]
-        c, n_pages, cols = plan["c"], plan["n_pages"], plan["cols"]
+        c, n_pages = plan["c"], plan["n_pages"]
         span = n_pages * p
         if n_pages <= self.recall_pages:  # every page is chosen, whatever the scores: nothing to score
             key = ("every_page", w)
@@ -442,26 +448,110 @@ class PagedCache(SinkWindowCache):
                 plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
             return plan[key]
         codec = self.keys.codec
-        if cols is None:  # every candidate archived: read whole pages (rows past C are the table's spare rows)
-            stored = self.keys.whole_pages(layer, span)
-            codes, sc = stored["codes"][0], stored["scale"][0]  # (Hkv, span, ...)
-        else:  # candidates still resident: the same code they get when archived
-            stored = self.keys.payload(layer)
-            codes, sc = stored["codes"][0], stored["scale"][0]  # (Hkv, n_archived, ...)
-            fresh = codec.encode(k_all.index_select(1, cols).reshape(-1, d))
-            nf = cols.numel()
-            codes = torch.cat([codes, fresh["codes"].reshape(hkv, nf, -1)], 1)
-            sc = torch.cat([sc, fresh["scale"].reshape(hkv, nf, 1)], 1)
-        scores = codec.group_max_scores(q.reshape(hkv, g, t, d).float(), codes, sc)  # (Hkv, T, C or span)
-        if scores.shape[-1] < span:
-            scores = F.pad(scores, (0, span - scores.shape[-1]), value=float("-inf"))
-        elif span > c:
+        if self.shortlist and n_pages > self.shortlist:
+            return self._choose_shortlisted(layer, q, k_all, plan, w)
+        codes, sc = self._candidate_codes(layer, k_all, plan)
+        scores = codec.group_max_scores(q.reshape(hkv, g, t, d).float(), codes, sc)  # (Hkv, T, span)
+        if span > c:
             scores[..., c:] = float("-inf")
         if not plan["free"][w]:
             scores[..., :c].masked_fill_(~plan["allowed"][w], float("-inf"))
         page_scores = scores.view(hkv, t, n_pages, p).amax(-1)  # (Hkv, T, pages): a page's best key
         best, idx = page_scores.topk(min(self.recall_pages, n_pages), -1)
         return idx, best > float("-inf")
+
+    def _candidate_codes(self, layer: int, k_all: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact codes and scales (Hkv, span, ...) of the step's candidates laid out as whole pages: archived ones
+        as stored, still-resident ones encoded on the fly by the same codec; rows past C are spare (callers mask them)."""
+        hkv, d = k_all.shape[0], k_all.shape[2]
+        span, cols = plan["n_pages"] * self.page_size, plan["cols"]
+        if cols is None:
+            stored = self.keys.whole_pages(layer, span)
+            return stored["codes"][0], stored["scale"][0]
+        stored = self.keys.payload(layer)
+        fresh = self.keys.codec.encode(k_all.index_select(1, cols).reshape(-1, d))
+        nf = cols.numel()
+        codes = torch.cat([stored["codes"][0], fresh["codes"].reshape(hkv, nf, -1)], 1)
+        sc = torch.cat([stored["scale"][0], fresh["scale"].reshape(hkv, nf, 1)], 1)
+        pad = span - codes.shape[1]
+        return F.pad(codes, (0, 0, 0, pad)), F.pad(sc, (0, 0, 0, pad))
+
+    def _page_bounds(self, codes: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+        """Per page of codes (..., n * P, Dc) / scales (..., n * P, 1): (2, ..., n, D) float16, the elementwise max
+        and min of its decoded compact keys, rounded outward (so q . k <= sum max(q * hi, q * lo) for every key k
+        of the page up to float rounding). A function of the page's codes only: the same on every path."""
+        lead, rows = codes.shape[:-2], codes.shape[-2]
+        x = self.keys.codec.decode({"codes": codes.reshape(-1, codes.shape[-1]), "scale": sc.reshape(-1, 1)})
+        x = x.view(*lead, rows // self.page_size, self.page_size, -1)
+        hi, lo = x.amax(-2), x.amin(-2)
+        hi16, lo16 = hi.half(), lo.half()
+        inf = torch.tensor(float("inf"), dtype=torch.float16, device=x.device)
+        hi16 = torch.where(hi16.float() < hi, torch.nextafter(hi16, inf), hi16)
+        lo16 = torch.where(lo16.float() > lo, torch.nextafter(lo16, -inf), lo16)
+        return torch.stack([hi16, lo16])
+
+    def _update_bounds(self) -> None:
+        """Bounds of the pages the key table completed since the last call (every layer at once)."""
+        done, full = self.bounds.rows, self.keys.rows // self.page_size
+        if not self.shortlist or full <= done:
+            return
+        p = self.page_size
+        part = {name: x[:, 0, :, done * p: full * p] for name, x in self.keys.data.items()}  # (L, Hkv, n * P, ...)
+        b = self._page_bounds(part["codes"], part["scale"])  # (2, L, Hkv, n, D)
+        self.bounds.reserve(full)
+        self.bounds.write_all(done, b.transpose(0, 1))
+        self.bounds.rows = full
+
+    def _choose_shortlisted(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan,
+                            w: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_choose_pages` through a shortlist (Quest's bound, arXiv 2406.10774, as a coarse stage): each query ranks
+        the pages wholly visible to it by their bound, max over its group of sum max(q * hi, q * lo), keeps the top
+        `shortlist_pages` and every page it sees in part, scores those pages' compact keys exactly, and keeps its
+        top `recall_pages` pages by best key, as the exact path does. Equal to the exact path whenever the pages it
+        would choose are in the shortlist. A step of many queries scores the union of their shortlists in one call
+        (per KV head) and masks each query to its own."""
+        hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
+        g, t = q.shape[0] // hkv, q.shape[1]
+        n_pages, m = plan["n_pages"], self.recall_pages
+        key = ("shortlist", w)
+        if key not in plan:  # per step, shared by the layers
+            seen = self._row_visible(plan, w, q.dtype)["page_bias"] == 0  # (T, pages, P): rows each query may see
+            whole = seen.all(-1)  # (T, pages): pages a query sees whole (ranked by bound)
+            ranked = torch.nonzero(whole.any(0)).flatten()
+            plan[key] = {"seen": seen, "whole": whole, "part": seen.any(-1) & ~whole,
+                         "n_whole": int(ranked[-1]) + 1 if ranked.numel() else 0}
+        sl = plan[key]
+        seen, whole = sl["seen"], sl["whole"]
+        codes, sc = self._candidate_codes(layer, k_all, plan)  # (Hkv, span, ...)
+        nb, n_whole = min(self.bounds.rows, n_pages), sl["n_whole"]
+        parts = [self.bounds.read(layer)[:, :, :nb]] if nb else []  # (2, Hkv, nb, D)
+        if nb < n_whole:  # pages not (yet) complete in the key table: the same bounds, from the step's codes
+            parts.append(self._page_bounds(codes[:, nb * p: n_whole * p], sc[:, nb * p: n_whole * p]))
+        hi, lo = (x.float() for x in (parts[0] if len(parts) == 1 else torch.cat(parts, 2)))  # (Hkv, >= n_whole, D)
+        if hi.shape[1] < n_pages:  # pages nobody sees whole: never ranked
+            hi, lo = (F.pad(x, (0, 0, 0, n_pages - x.shape[1])) for x in (hi, lo))
+        qf = q.reshape(hkv, g * t, d).float()
+        bound = torch.baddbmm(torch.bmm(qf.clamp(min=0), hi.transpose(1, 2)), qf.clamp(max=0), lo.transpose(1, 2))
+        bound = bound.view(hkv, g, t, n_pages).amax(1).masked_fill_(~whole, float("-inf"))  # (Hkv, T, pages)
+        top, at = bound.topk(min(self.shortlist, n_pages), -1)
+        short = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, at, top > float("-inf"))
+        short |= sl["part"]  # pages a query sees in part: always scored
+        pages_u, valid_u = _rows_per_head(short.any(1))  # (Hkv, U): the union of the step's shortlists per head
+        u = pages_u.shape[1]
+        heads = torch.arange(hkv, device=q.device)[:, None]
+        cu = codes.view(hkv, n_pages, p, -1)[heads, pages_u].reshape(hkv, u * p, -1)
+        su = sc.view(hkv, n_pages, p, 1)[heads, pages_u].reshape(hkv, u * p, 1)
+        scores = self.keys.codec.group_max_scores(q.reshape(hkv, g, t, d).float(), cu, su).view(hkv, t, u, p)
+        scores.masked_fill_(~seen[:, pages_u].permute(1, 0, 2, 3), float("-inf"))  # (Hkv, T, U, P)
+        mine = short.gather(-1, pages_u[:, None].expand(hkv, t, u)) & valid_u[:, None]  # (Hkv, T, U)
+        page_scores = scores.amax(-1).masked_fill_(~mine, float("-inf"))
+        k = min(m, u)
+        best, at_u = page_scores.topk(k, -1)
+        idx = pages_u.gather(1, at_u.view(hkv, -1)).view(hkv, t, k)
+        ok = best > float("-inf")
+        if k < min(m, n_pages):  # fewer pages in every shortlist than recall_pages: the rest chosen as nothing
+            idx, ok = F.pad(idx, (0, min(m, n_pages) - k)), F.pad(ok, (0, min(m, n_pages) - k), value=False)
+        return idx, ok
 
     def _rows_kv(self, layer: int, rows: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                  cols: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -502,6 +592,7 @@ class PagedCache(SinkWindowCache):
             self.keys.write_all(self.keys.rows, kv[:, :1])
             self.pages.rows += n
             self.keys.rows += n
+            self._update_bounds()
         return super()._evict_dead()
 
     def _read_all_layers(self, slots: np.ndarray) -> torch.Tensor:
@@ -534,6 +625,8 @@ class PagedCache(SinkWindowCache):
         rows = int(meta["archived_rows"])
         self.pages.load_state({k.removeprefix("pages."): v for k, v in tensors.items() if k.startswith("pages.")}, rows)
         self.keys.load_state({k.removeprefix("keys."): v for k, v in tensors.items() if k.startswith("keys.")}, rows)
+        self.bounds.rows = 0  # derived from the keys: rebuilt, not saved
+        self._update_bounds()
         self.evicted_total = int(meta["evicted_total"])
 
 

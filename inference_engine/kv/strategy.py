@@ -32,6 +32,7 @@ class KVStrategy:
     recall_pages: int = 8
     page_compressor: str = "identity"
     page_key_bits: int = 4
+    shortlist_pages: int = 0  # paged: 0 = score every candidate key; N = rank pages by key bounds, score the top N
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -57,6 +58,9 @@ class KVStrategy:
             raise ValueError(f"unknown page compressor {self.page_compressor!r}; choose one of {', '.join(PAGE_COMPRESSORS)}")
         if self.page_key_bits not in PAGE_KEY_BITS:
             raise ValueError(f"page_key_bits must be one of {PAGE_KEY_BITS}, got {self.page_key_bits!r}")
+        if not isinstance(self.shortlist_pages, int) or (self.shortlist_pages and self.shortlist_pages < self.recall_pages):
+            raise ValueError(f"shortlist_pages must be 0 (score every candidate) or an int >= recall_pages "
+                             f"({self.recall_pages}), got {self.shortlist_pages!r}")
 
     def describe(self) -> dict:
         """Parameters that shape this strategy, as strings (GetServerInfo reports them as a map)."""
@@ -70,6 +74,8 @@ class KVStrategy:
         if self.name == "paged":
             out |= {"page_size": str(self.page_size), "recall_pages": str(self.recall_pages),
                     "page_compressor": self.page_compressor, "page_key_bits": str(self.page_key_bits)}
+            if self.shortlist_pages:
+                out["shortlist_pages"] = str(self.shortlist_pages)
         return out
 
     @property

@@ -36,6 +36,9 @@ def _add_serve(sub) -> None:
                    help="paged: pages each query attends to (per layer and KV head) besides sink and window")
     p.add_argument("--page-compressor", default=d.page_compressor, choices=("identity", "int8", "kakeya_d4", "kakeya_e8"),
                    help="paged: how evicted pages are stored (decoded only when recalled)")
+    p.add_argument("--page-shortlist", type=int, default=d.page_shortlist,
+                   help="paged: 0 = score every evicted key each step; N >= --recall-pages = rank pages by per-page key "
+                        "bounds and score the keys of the best N only (selection reads ~1/8 of the bytes per page)")
     p.add_argument("--capacity", type=int, default=d.capacity,
                    help="max live sessions; beyond it the least recently used idle session is spilled to disk (--persist turn) "
                         "or, with --persist off, CreateSession is refused with RESOURCE_EXHAUSTED")
@@ -160,6 +163,7 @@ def serve_config(args) -> ServeConfig:
         page_size=args.page_size,
         recall_pages=args.recall_pages,
         page_compressor=args.page_compressor,
+        page_shortlist=args.page_shortlist,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,

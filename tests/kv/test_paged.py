@@ -321,6 +321,10 @@ def test_strategy_validates_and_describes_paging():
     assert d["page_size"] == "64" and d["recall_pages"] == "8" and d["page_compressor"] == "identity"
     assert KVStrategy("paged").bounded and not KVStrategy("paged").forgets
     assert dataclasses.replace(KVStrategy("paged"), page_key_bits=8).page_key_bits == 8
+    with pytest.raises(ValueError, match="shortlist_pages"):
+        KVStrategy("paged", recall_pages=8, shortlist_pages=4)
+    assert KVStrategy("paged", shortlist_pages=32).describe()["shortlist_pages"] == "32"
+    assert "shortlist_pages" not in KVStrategy("paged").describe()
 
 
 def test_kakeya_serve_builds_a_paged_engine():
@@ -360,3 +364,56 @@ def test_row_exact_two_part_attention_portable_path_equals_the_cpu_kernel(monkey
     monkeypatch.setattr(attention_module, "_FLASH_CPU", None)
     one_call = feed(m, new_cache(m, paged(pages=pages)), history, 3, row_exact=True)
     torch.testing.assert_close(two_part, one_call, rtol=1e-5, atol=1e-5)
+
+
+# -- a page shortlist (shortlist_pages): pages ranked by their key bounds, the best ones scored exactly -----------
+
+def test_page_bounds_bound_every_key_of_their_page_and_survive_state():
+    """The bound of a page, sum max(q * hi, q * lo), is >= q . k for each of its compact keys k; the bounds are
+    kept for every complete page, count as the selection bytes (the compact keys move to the stored tier) and
+    are rebuilt from the keys when a state is loaded."""
+    m = model()
+    g = m.geometry()
+    cache = new_cache(m, paged(shortlist_pages=3))
+    feed(m, cache, ids(200), 16)
+    p = cache.page_size
+    assert cache.bounds.rows == cache.keys.rows // p > 3
+    assert cache.selection_nbytes == cache.bounds.nbytes == cache.bounds.capacity * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 2
+    assert cache.stored_nbytes == cache.pages.nbytes + cache.keys.nbytes
+    q = torch.randn(g.num_kv_heads, 5, g.head_dim, generator=torch.Generator().manual_seed(1))
+    for layer in range(g.num_layers):
+        hi, lo = cache.bounds.read(layer).float()  # (Hkv, pages, D)
+        keys = cache.keys.read(layer)[0][:, : cache.bounds.rows * p].view(g.num_kv_heads, -1, p, g.head_dim)
+        exact = torch.einsum("hqd,hnpd->hqnp", q, keys).amax(-1)  # (Hkv, 5, pages): each page's best key
+        bound = q.clamp(min=0) @ hi.transpose(1, 2) + q.clamp(max=0) @ lo.transpose(1, 2)
+        assert bool((bound >= exact - 1e-4).all())
+    again = new_cache(m, paged(shortlist_pages=3))
+    again.load_state(cache.state())
+    assert again.bounds.rows == cache.bounds.rows
+    assert torch.equal(again.bounds.data["rows"][:, :, :, : cache.bounds.rows], cache.bounds.data["rows"][:, :, :, : cache.bounds.rows])
+
+
+def test_shortlisted_choice_does_not_depend_on_chunking():
+    """INV-3 with a shortlist: a page's bound is a function of its codes only (stored, or made from a prefill
+    chunk's still-resident keys), and a query ranks only the pages it sees whole."""
+    m = model()
+    history = ids(150)
+    ref = feed(m, new_cache(m, paged(shortlist_pages=3)), history, 64)
+    for chunk, row_exact in ((1, False), (7, False), (5, True)):
+        got = feed(m, new_cache(m, paged(shortlist_pages=3)), history, chunk, row_exact=row_exact)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_needle_page_is_recalled_through_the_shortlist():
+    m = model()
+    cache = new_cache(m, paged(pages=1, shortlist_pages=2))
+    feed(m, cache, ids(120), 16)
+    layer, needle = 0, 30  # page (30 - 4) // 8 = 3 of 13
+    k = cache.pages.read(layer)[0][:, needle - 4]
+    g = m.spec.num_heads // m.spec.num_kv_heads
+    q = (k * 50).repeat_interleave(g, 0)[:, None]
+    cache.prepare(range(120, 121))
+    assert cache._step["n_pages"] > cache.shortlist
+    sel = cache._choose(layer, q, cache.store.k[layer])
+    cache.abort()
+    assert sorted(set((sel[0, 0].nonzero().flatten() + 4).tolist())) == list(range(28, 36))

@@ -1,0 +1,146 @@
+"""Does a page shortlist choose the pages exact scoring chooses? (issue 29, item 2: hierarchical selection)
+
+`paged` scores every evicted key's compact code at every step (`shortlist_pages` 0). With a shortlist of S,
+each query first ranks the pages by a bound (per page, per layer and KV head, the elementwise max and min of
+its compact keys: Quest, arXiv 2406.10774) and scores the keys of its S best pages only. This script runs the
+exact `paged` arm on niah_ladder.py's passkey samples (in process, the same seeds: sample i here is sample i
+there), and at every page choice of the last prefill chunk (the question) and of the answer's decode steps it
+also makes the shortlisted choice for each S, from the same queries and the same stored keys. Per S and rung:
+
+  same_set        fraction of (layer, KV head, query) whose chosen pages equal the exact choice
+  pages_found     fraction of the exact choice's pages the shortlisted choice also holds
+  best_page_found fraction of (layer, KV head, query) whose exact best page the shortlisted choice holds
+  select_s        seconds per decode step spent choosing pages (exact and each S, same calls, side by side)
+  bytes_read      bytes of selection data a decode step reads per layer and head (bounds + shortlisted keys)
+
+The end-to-end recall of a shortlisted arm is niah_ladder.py's (arm paged_4+508_p64_m8_s32).
+
+    .venv/bin/python scripts/research/paged_shortlist.py --rungs 4000,7500 --samples 4 --shortlists 16,32,64
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from niah_ladder import make_sample, sample_rng  # noqa: E402
+
+OUT = ROOT / "results" / "research" / "paged_shortlist.json"
+ARM = dict(name="paged", sink=4, window=508, page_size=64, recall_pages=8)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--weights", default="fp32", help="fp32: the ladder's weights")
+    ap.add_argument("--rungs", default="4000,7500")
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--shortlists", default="16,32,64")
+    ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from inference_engine.engine.generate import Engine
+    from inference_engine.engine.requests import GenerateParams
+    from inference_engine.kv.paged import PagedCache
+    from inference_engine.kv.strategy import KVStrategy
+    from inference_engine.model_store import resolve_model
+    from inference_engine.server.app import ServeConfig, load_model
+
+    torch.set_num_threads(args.threads)
+    model = load_model(ServeConfig(model=args.model, weights=args.weights, threads=args.threads))
+    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    engine = Engine(model, KVStrategy(**ARM), prefill_chunk=args.prefill_chunk)
+    shortlists = [int(s) for s in args.shortlists.split(",")]
+    exact_choose = PagedCache._choose_pages
+    stats: dict = {}
+    phase = {"rung": None, "on": False, "decode": False}
+
+    def hooked(self, layer, q, k_all, plan, w):
+        t0 = time.perf_counter()
+        idx, ok = exact_choose(self, layer, q, k_all, plan, w)
+        t1 = time.perf_counter()
+        if not phase["on"] or plan["n_pages"] <= self.recall_pages:
+            return idx, ok
+        cell = stats.setdefault(phase["rung"], {"exact": {"select_s": 0.0}} | {s: {"select_s": 0.0} for s in shortlists})
+        decode = phase["decode"]
+        if decode:
+            cell["exact"]["select_s"] += t1 - t0
+        exact = torch.zeros(*idx.shape[:2], plan["n_pages"], dtype=torch.bool).scatter_(-1, idx, ok)
+        self.shortlist = shortlists[0]
+        self._update_bounds()  # the bounds a shortlisted cache keeps (built as pages complete), outside the timing
+        for s in shortlists:
+            self.shortlist = s
+            t2 = time.perf_counter()
+            if plan["n_pages"] > s:
+                sidx, sok = self._choose_shortlisted(layer, q, k_all, plan, w)
+            else:
+                sidx, sok = exact_choose(self, layer, q, k_all, plan, w)
+            t3 = time.perf_counter()
+            self.shortlist = 0
+            got = torch.zeros_like(exact).scatter_(-1, sidx, sok)
+            c = cell[s]
+            if decode:
+                c["select_s"] += t3 - t2
+            c["same"] = c.get("same", 0) + int((got == exact).all(-1).sum())
+            best = idx[..., :1]  # topk order: the exact choice's best page first
+            c["best_found"] = c.get("best_found", 0) + int((got.gather(-1, best) | ~ok[..., :1]).sum())
+            c["found"] = c.get("found", 0) + int((got & exact).sum())
+            c["rows"] = c.get("rows", 0) + exact.shape[0] * exact.shape[1]
+            c["exact_pages"] = c.get("exact_pages", 0) + int(exact.sum())
+            c["n_pages"] = plan["n_pages"]
+        cell["exact"]["decode_steps"] = cell["exact"].get("decode_steps", 0) + (1 if decode and layer == 0 else 0)
+        return idx, ok
+
+    PagedCache._choose_pages = hooked
+    meta = run_metadata(vars(args) | {"arm": ARM, "samples_from": "scripts/research/niah_ladder.py make_sample (passkey)"})
+    g = model.geometry()
+    for n in [int(r) for r in args.rungs.split(",")]:
+        phase["rung"] = str(n)
+        for i in range(args.samples):
+            ids, key, depth = make_sample(tok, n, sample_rng("passkey", n, i))
+            kv = engine.new_session_kv()
+            cut = (len(ids) - 1) // args.prefill_chunk * args.prefill_chunk  # the question's chunk is measured
+            engine.prefill(kv, ids[:cut])
+            phase["on"] = True
+            answer = []
+            for e in engine.generate(kv, ids, GenerateParams(max_tokens=args.answer_tokens)):
+                if hasattr(e, "token_id"):
+                    phase["decode"] = True
+                    answer.append(e.token_id)
+            phase["on"] = phase["decode"] = False
+            print(f"rung {n} sample {i}: key {key} answer {tok.decode(answer)!r}", flush=True)
+    out: dict = {}
+    for rung, cell in stats.items():
+        steps = max(cell["exact"].get("decode_steps", 0), 1)
+        row = {"pages": cell[shortlists[0]]["n_pages"], "decode_steps": steps,
+               "exact_select_s_per_step": cell["exact"]["select_s"] / steps, "shortlists": {}}
+        key_bytes = g.head_dim // 2 + 2  # int4 codes + fp16 scale per key
+        for s in shortlists:
+            c = cell[s]
+            pages = c["n_pages"]
+            row["shortlists"][str(s)] = {
+                "same_set": c["same"] / c["rows"], "pages_found": c["found"] / max(c["exact_pages"], 1),
+                "best_page_found": c["best_found"] / c["rows"],
+                "select_s_per_step": c["select_s"] / steps,
+                "bytes_read_per_layer_head": pages * g.head_dim * 2 * 2 + min(s, pages) * 64 * key_bytes,
+                "exact_bytes_read_per_layer_head": pages * 64 * key_bytes,
+            }
+        out[rung] = row
+    write_json(pathlib.Path(args.out), meta | {"rungs": out})
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
