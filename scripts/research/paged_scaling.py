@@ -1,0 +1,105 @@
+"""How `paged`'s per-step page choice and its bytes grow with the history (issue 29, item 2).
+
+A real PagedCache with the model's geometry (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64) is filled to
+each history length with random K/V through the cache's own API (prepare, update_and_fetch, commit: the rows
+are archived and their compact keys and page bounds made exactly as in serving; no model forward, so the
+history can reach 100k tokens in minutes). At each length one decode step's page choice runs for every layer
+with a random query, timed for exact scoring (`shortlist_pages` 0: every compact key read) and for each
+shortlist (page bounds read, then the shortlisted pages' keys), the variants interleaved per repeat. The
+choice's cost does not depend on what the keys hold (one query: a shortlist of S pages is S pages); which
+pages it finds does, and that is measured on real prompts by paged_shortlist.py and niah_ladder.py.
+
+Per length: bytes by tier (resident = sink + window slab; selection = what every step reads to choose: the
+compact keys, or the page bounds with a shortlist; stored = the page store, plus the compact keys with a
+shortlist) and the median seconds of one decode step's choice over all layers.
+
+    .venv/bin/python scripts/research/paged_scaling.py --lengths 1024,8192,32768,102400 --shortlists 32,64
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+
+OUT = ROOT / "results" / "research" / "paged_scaling.json"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="1024,8192,32768,102400")
+    ap.add_argument("--shortlists", default="32,64")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=30, help="SmolLM2-135M's geometry by default")
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+
+    import torch
+
+    from inference_engine.kv.factory import make_cache
+    from inference_engine.kv.layout import CacheGeometry
+    from inference_engine.kv.strategy import KVStrategy
+
+    torch.set_num_threads(args.threads)
+    shortlists = [int(s) for s in args.shortlists.split(",")]
+    lengths = sorted(int(n) for n in args.lengths.split(","))
+    geometry = CacheGeometry(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                             layer_windows=(None,) * args.layers, dtype=torch.float32, device="cpu")
+    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0])
+    # max_context past the longest history: the choice below the trained context, at true positions
+    cache = make_cache(strategy, geometry, max_step=args.chunk, max_context=lengths[-1] + args.chunk)
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {}
+    t_fill = time.perf_counter()
+    for n in lengths:
+        while cache.next_position < n:
+            t = min(args.chunk, n - cache.next_position)
+            cache.prepare(range(cache.next_position, cache.next_position + t))
+            for layer in range(args.layers):
+                k, v = (torch.randn(args.kv_heads, t, args.head_dim, generator=gen) for _ in range(2))
+                cache.update_and_fetch(layer, k, v)
+            cache.commit()
+        q = torch.randn(args.heads, 1, args.head_dim, generator=gen)
+        times: dict = {"exact": []} | {str(s): [] for s in shortlists}
+        for _ in range(args.repeats):
+            for name in times:  # interleaved: the same load for every variant
+                cache.shortlist = 0 if name == "exact" else int(name)
+                cache.prepare(range(n, n + 1))
+                plan = cache._step
+                t0 = time.perf_counter()
+                if plan is not None:
+                    for layer in range(args.layers):
+                        cache._choose_pages(layer, q, cache.store.k[layer], plan, None)
+                times[name].append(time.perf_counter() - t0)
+                cache.abort()
+        cache.shortlist = shortlists[0]
+        pages = cache.pages.rows // 64
+        out[str(n)] = {
+            "archived_positions": cache.pages.rows, "pages": pages,
+            "bytes": {"resident": cache.resident_nbytes, "page_bounds": cache.bounds.nbytes,
+                      "compact_keys": cache.keys.nbytes, "page_store": cache.pages.nbytes},
+            "tiers_with_shortlist": {"hot": cache.resident_nbytes + cache.bounds.nbytes,
+                                     "stored": cache.pages.nbytes + cache.keys.nbytes},
+            "tiers_exact": {"hot": cache.resident_nbytes + cache.keys.nbytes, "stored": cache.pages.nbytes},
+            "choice_s_per_decode_step": {k: statistics.median(v) for k, v in times.items()},
+        }
+        print(n, out[str(n)], flush=True)
+    meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8",
+                                      "kv": "random normal K/V (the choice's cost and bytes do not depend on them)",
+                                      "fill_s": time.perf_counter() - t_fill})
+    write_json(pathlib.Path(args.out), meta | {"lengths": out})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
