@@ -133,7 +133,9 @@ def main() -> int:
                 "same_set": c["same"] / c["rows"], "pages_found": c["found"] / max(c["exact_pages"], 1),
                 "best_page_found": c["best_found"] / c["rows"],
                 "select_s_per_step": c["select_s"] / steps,
-                "bytes_read_per_layer_head": pages * g.head_dim * 2 * 2 + min(s, pages) * 64 * key_bytes,
+                # at most S pages: no shortlist, every compact key read (the exact path)
+                "bytes_read_per_layer_head": (pages * g.head_dim * 2 * 2 + s * 64 * key_bytes if pages > s
+                                              else pages * 64 * key_bytes),
                 "exact_bytes_read_per_layer_head": pages * 64 * key_bytes,
             }
         out[rung] = row
