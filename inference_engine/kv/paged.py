@@ -538,9 +538,8 @@ class PagedCache(SinkWindowCache):
         short |= sl["part"]  # pages a query sees in part: always scored
         pages_u, valid_u = _rows_per_head(short.any(1))  # (Hkv, U): the union of the step's shortlists per head
         u = pages_u.shape[1]
-        heads = torch.arange(hkv, device=q.device)[:, None]
-        cu = codes.view(hkv, n_pages, p, -1)[heads, pages_u].reshape(hkv, u * p, -1)
-        su = sc.view(hkv, n_pages, p, 1)[heads, pages_u].reshape(hkv, u * p, 1)
+        rows = ((pages_u * p)[:, :, None] + torch.arange(p, device=q.device)).view(hkv, -1)  # (Hkv, U * P)
+        cu, su = (_head_rows(x, rows) for x in (codes, sc))
         scores = self.keys.codec.group_max_scores(q.reshape(hkv, g, t, d).float(), cu, su).view(hkv, t, u, p)
         scores.masked_fill_(~seen[:, pages_u].permute(1, 0, 2, 3), float("-inf"))  # (Hkv, T, U, P)
         mine = short.gather(-1, pages_u[:, None].expand(hkv, t, u)) & valid_u[:, None]  # (Hkv, T, U)
@@ -628,6 +627,15 @@ class PagedCache(SinkWindowCache):
         self.bounds.rows = 0  # derived from the keys: rebuilt, not saved
         self._update_bounds()
         self.evicted_total = int(meta["evicted_total"])
+
+
+def _head_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[h, rows[h]] for every head h: x (H, N, *trailing) with contiguous rows (a view into a larger table is
+    fine), rows (H, E) -> (H, E, *trailing), in one index_select over x's rows seen as one flat run."""
+    h, stride = x.shape[0], x.stride(0) // x.stride(1)
+    flat = x.as_strided(((h - 1) * stride + x.shape[1], *x.shape[2:]), x.stride()[1:])
+    return flat.index_select(0, (rows + torch.arange(h, device=rows.device)[:, None] * stride).flatten()).view(
+        h, rows.shape[1], *x.shape[2:])
 
 
 def _rows_per_head(need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,14 @@ Per length: bytes by tier (resident = sink + window slab; selection = what every
 compact keys, or the page bounds with a shortlist; stored = the page store, plus the compact keys with a
 shortlist) and the median seconds of one decode step's choice over all layers.
 
+With --model, the cache has that model's geometry and trained context, and each variant also times
+--decode-steps whole decode steps of the real model (its weights, --weights) over that synthetic history:
+forward + commit of one token, row-exact as the engine decodes, past the trained context in InfLLM's layout.
+What a decode step costs at 32k against 1k (issue 29: >= 0.8x) is read from these, side by side in one run.
+
     .venv/bin/python scripts/research/paged_scaling.py --lengths 1024,8192,32768,102400 --shortlists 32,64
+    .venv/bin/python scripts/research/paged_scaling.py --model smollm2-135m-instruct --weights int4 \
+        --lengths 1024,32768 --decode-steps 8
 """
 from __future__ import annotations
 
@@ -41,6 +48,9 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="", help="a model from the store: its geometry, context and decode steps")
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
 
@@ -53,11 +63,23 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     shortlists = [int(s) for s in args.shortlists.split(",")]
     lengths = sorted(int(n) for n in args.lengths.split(","))
-    geometry = CacheGeometry(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                             layer_windows=(None,) * args.layers, dtype=torch.float32, device="cpu")
+    model = None
+    if args.model:
+        from inference_engine.backends.torch.model import TorchCausalLM
+        from inference_engine.engine.steps import forward
+        from inference_engine.model_store import resolve_model
+
+        model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
+        geometry = model.geometry()
+        args.layers, args.kv_heads, args.head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
+        args.heads = model.spec.num_heads
+        context = model.spec.max_context
+    else:
+        geometry = CacheGeometry(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                                 layer_windows=(None,) * args.layers, dtype=torch.float32, device="cpu")
+        context = lengths[-1] + args.chunk  # past the longest history: every choice below it, at true positions
     strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0])
-    # max_context past the longest history: the choice below the trained context, at true positions
-    cache = make_cache(strategy, geometry, max_step=args.chunk, max_context=lengths[-1] + args.chunk)
+    cache = make_cache(strategy, geometry, max_step=args.chunk, max_context=context)
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
     t_fill = time.perf_counter()
@@ -82,6 +104,17 @@ def main() -> int:
                         cache._choose_pages(layer, q, cache.store.k[layer], plan, None)
                 times[name].append(time.perf_counter() - t0)
                 cache.abort()
+        steps: dict = {name: [] for name in times}
+        if model is not None:
+            token = model.tensor([17])
+            for _ in range(args.decode_steps):
+                for name in steps:
+                    cache.shortlist = 0 if name == "exact" else int(name)
+                    at = cache.next_position
+                    t0 = time.perf_counter()
+                    forward(model, token, range(at, at + 1), cache, logits="last", row_exact=True)
+                    cache.commit()
+                    steps[name].append(time.perf_counter() - t0)
         cache.shortlist = shortlists[0]
         pages = cache.pages.rows // 64
         out[str(n)] = {
@@ -93,8 +126,10 @@ def main() -> int:
             "tiers_exact": {"hot": cache.resident_nbytes + cache.keys.nbytes, "stored": cache.pages.nbytes},
             "choice_s_per_decode_step": {k: statistics.median(v) for k, v in times.items()},
         }
+        if model is not None:
+            out[str(n)]["decode_step_s"] = {k: statistics.median(v) for k, v in steps.items()}
         print(n, out[str(n)], flush=True)
-    meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8",
+    meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8", "max_context": context,
                                       "kv": "random normal K/V (the choice's cost and bytes do not depend on them)",
                                       "fill_s": time.perf_counter() - t_fill})
     write_json(pathlib.Path(args.out), meta | {"lengths": out})
