@@ -128,6 +128,7 @@ def main() -> int:
         }
         if model is not None:
             out[str(n)]["decode_step_s"] = {k: statistics.median(v) for k, v in steps.items()}
+            out[str(n)]["decode_step_s_mean"] = {k: statistics.mean(v) for k, v in steps.items()}
         print(n, out[str(n)], flush=True)
     meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8", "max_context": context,
                                       "kv": "random normal K/V (the choice's cost and bytes do not depend on them)",

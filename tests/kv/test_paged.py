@@ -123,10 +123,14 @@ def test_resident_bytes_are_flat_and_store_bytes_grow_by_pages():
     feed(m, cache, ids(200, seed=3), 16)
     assert cache.resident_nbytes == resident and cache.resident_positions == 4 + 16 - 1
     rows = cache.pages.rows
-    pages = -(-rows // 8)
-    assert cache.stored_nbytes == pages * 8 * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 > store
-    assert cache.selection_nbytes == pages * 8 * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
+    cap = cache.pages.capacity  # whole pages, grown by at least a quarter at a time: at most ~1.25x the rows held
+    assert cap % 8 == 0 and rows <= cap <= -(-rows * 5 // 4 // 8) * 8 + 8 and cache.keys.capacity == cap
+    assert cache.stored_nbytes == cap * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 > store
+    assert cache.selection_nbytes == cap * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
     assert cache.nbytes == cache.resident_nbytes + cache.selection_nbytes
+    again = new_cache(m, paged(window=16, page=8))
+    again.load_state(cache.state())
+    assert again.pages.capacity == -(-rows // 8) * 8  # rebuilt: its rows' pages exactly
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "kakeya_e8"])
