@@ -71,8 +71,11 @@ class PagedCache(SinkWindowCache):
         self.keys = RowTable(key_codec, stack=1, **dims)
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
         # (decoded), rounded outward to float16: `bounds` row j = page j, stack (max, min)
-        self.shortlist = strategy.shortlist_pages
-        self.bounds = RowTable(IdentityRows(g.head_dim, torch.float16), stack=2, **(dims | {"page": 64}))
+        self.shortlist = max(strategy.shortlist_pages, strategy.recall_pages) if strategy.shortlist_pages else 0
+        self.shortlist_from = max(strategy.shortlist_from, self.shortlist)  # candidate pages past which it applies
+        # rows here are pages: 64 at a time, no proportional growth (a copy of the table every 4,096 positions is cheap,
+        # and the bounds are hot bytes)
+        self.bounds = RowTable(IdentityRows(g.head_dim, torch.float16), stack=2, **(dims | {"page": 64}), grow=0.0)
         self.evicted_total = 0
         self.timings = {"score_s": 0.0, "fetch_s": 0.0, "attend_s": 0.0, "recalls": 0}  # cumulative, for the cost split
         self._step: Plan | None = None  # per-step host bookkeeping for recall (see prepare)
@@ -83,14 +86,20 @@ class PagedCache(SinkWindowCache):
         return self.store.nbytes
 
     @property
+    def shortlisting(self) -> bool:
+        """A decode step now chooses through the shortlist (more candidate pages than `shortlist_from`)."""
+        return bool(self.shortlist) and -(-self.keys.rows // self.page_size) > self.shortlist_from
+
+    @property
     def selection_nbytes(self) -> int:
-        """What every step reads to choose pages: the compact keys, or with a shortlist the page bounds (the
-        compact keys of the shortlisted pages are read from the stored tier)."""
-        return self.bounds.nbytes if self.shortlist else self.keys.nbytes
+        """What a step reads to choose pages (and the page bounds, kept hot): the compact keys, read whole
+        until the shortlist applies; from then on the bounds only (the shortlisted pages' compact keys are
+        read from the stored tier)."""
+        return self.bounds.nbytes + (0 if self.shortlisting else self.keys.nbytes)
 
     @property
     def stored_nbytes(self) -> int:
-        return self.pages.nbytes + (self.keys.nbytes if self.shortlist else 0)
+        return self.pages.nbytes + (self.keys.nbytes if self.shortlisting else 0)
 
     @property
     def nbytes(self) -> int:
@@ -448,7 +457,7 @@ class PagedCache(SinkWindowCache):
                 plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
             return plan[key]
         codec = self.keys.codec
-        if self.shortlist and n_pages > self.shortlist:
+        if self.shortlist and n_pages > self.shortlist_from:
             return self._choose_shortlisted(layer, q, k_all, plan, w)
         codes, sc = self._candidate_codes(layer, k_all, plan)
         scores = codec.group_max_scores(q.reshape(hkv, g, t, d).float(), codes, sc)  # (Hkv, T, span)

@@ -157,8 +157,8 @@ class RowTable(Generic[CodecT]):
     per-layer views), so an append writes every layer in one copy (`write_all`)."""
 
     def __init__(self, codec: CodecT, *, num_layers: int, num_kv_heads: int, head_dim: int, stack: int, page: int,
-                 device: str | torch.device):
-        self.codec, self.stack, self.page = codec, stack, page
+                 device: str | torch.device, grow: float = 0.25):
+        self.codec, self.stack, self.page, self.grow = codec, stack, page, grow
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.device = torch.device(device)
         self.layout = codec.payload_layout()
@@ -175,12 +175,12 @@ class RowTable(Generic[CodecT]):
         return sum(t.numel() * t.element_size() for t in self.data.values())
 
     def reserve(self, rows: int) -> None:
-        """Room for `rows` rows: the capacity grows by at least a quarter, in whole pages. Growing copies the
+        """Room for `rows` rows: the capacity grows by at least `grow` (a quarter), in whole pages. Growing copies the
         table (its rows axis is not the outermost), so a page at a time would copy the whole history every page
         a session decodes (0.8 s per 64 tokens at 32k for SmolLM2's fp32 page store): O(n^2) over a session."""
         if rows <= self.capacity:
             return
-        want = max(rows, self.capacity + self.capacity // 4)
+        want = max(rows, self.capacity + int(self.capacity * self.grow))
         cap = -(-want // self.page) * self.page
 
         def grown(x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,10 @@ class KVStrategy:
     recall_pages: int = 8
     page_compressor: str = "identity"
     page_key_bits: int = 4
-    shortlist_pages: int = 0  # paged: 0 = score every candidate key; N = rank pages by key bounds, score the top N
+    # paged: past `shortlist_from` candidate pages, a query ranks them by their key bounds and scores the keys of
+    # its best max(shortlist_pages, recall_pages) only (0 = always score every candidate key)
+    shortlist_pages: int = 64
+    shortlist_from: int = 256
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -58,9 +61,10 @@ class KVStrategy:
             raise ValueError(f"unknown page compressor {self.page_compressor!r}; choose one of {', '.join(PAGE_COMPRESSORS)}")
         if self.page_key_bits not in PAGE_KEY_BITS:
             raise ValueError(f"page_key_bits must be one of {PAGE_KEY_BITS}, got {self.page_key_bits!r}")
-        if not isinstance(self.shortlist_pages, int) or (self.shortlist_pages and self.shortlist_pages < self.recall_pages):
-            raise ValueError(f"shortlist_pages must be 0 (score every candidate) or an int >= recall_pages "
-                             f"({self.recall_pages}), got {self.shortlist_pages!r}")
+        for name in ("shortlist_pages", "shortlist_from"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an int >= 0 (shortlist_pages 0: score every candidate key), "
+                                 f"got {getattr(self, name)!r}")
 
     def describe(self) -> dict:
         """Parameters that shape this strategy, as strings (GetServerInfo reports them as a map)."""
@@ -74,8 +78,7 @@ class KVStrategy:
         if self.name == "paged":
             out |= {"page_size": str(self.page_size), "recall_pages": str(self.recall_pages),
                     "page_compressor": self.page_compressor, "page_key_bits": str(self.page_key_bits)}
-            if self.shortlist_pages:
-                out["shortlist_pages"] = str(self.shortlist_pages)
+            out |= {"shortlist_pages": str(self.shortlist_pages), "shortlist_from": str(self.shortlist_from)}
         return out
 
     @property

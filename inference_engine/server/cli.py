@@ -37,8 +37,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--page-compressor", default=d.page_compressor, choices=("identity", "int8", "kakeya_d4", "kakeya_e8"),
                    help="paged: how evicted pages are stored (decoded only when recalled)")
     p.add_argument("--page-shortlist", type=int, default=d.page_shortlist,
-                   help="paged: 0 = score every evicted key each step; N >= --recall-pages = rank pages by per-page key "
-                        "bounds and score the keys of the best N only (selection reads ~1/8 of the bytes per page)")
+                   help="paged: past --page-shortlist-from candidate pages, rank pages by per-page key bounds and score the "
+                        "keys of the best N only (at least --recall-pages; the bounds are ~1/8 of the keys' bytes); 0 = score "
+                        "every evicted key each step")
+    p.add_argument("--page-shortlist-from", type=int, default=d.page_shortlist_from,
+                   help="paged: candidate pages past which the shortlist applies (256 = 16k tokens with pages of 64: where it "
+                        "measured faster than scoring every key on the development CPU)")
     p.add_argument("--capacity", type=int, default=d.capacity,
                    help="max live sessions; beyond it the least recently used idle session is spilled to disk (--persist turn) "
                         "or, with --persist off, CreateSession is refused with RESOURCE_EXHAUSTED")
@@ -164,6 +168,7 @@ def serve_config(args) -> ServeConfig:
         recall_pages=args.recall_pages,
         page_compressor=args.page_compressor,
         page_shortlist=args.page_shortlist,
+        page_shortlist_from=args.page_shortlist_from,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,

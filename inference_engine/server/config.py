@@ -31,7 +31,8 @@ class ServeConfig:
     page_size: int = 64  # paged: tokens per page of evicted K/V
     recall_pages: int = 8  # paged: pages each query attends to besides sink and window
     page_compressor: str = "identity"  # paged: stored pages as identity | int8 | kakeya_d4 | kakeya_e8
-    page_shortlist: int = 0  # paged: 0 = score every candidate key per step; N = rank pages by key bounds, score N exactly
+    page_shortlist: int = 64  # paged: past page_shortlist_from candidate pages, rank pages by key bounds, score the best N
+    page_shortlist_from: int = 256  # paged: (0 with page_shortlist 0: every candidate key scored every step)
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off
@@ -114,7 +115,7 @@ class ServeConfig:
         strategy = registry.make_strategy(self.kv_strategy, self.sink, self.window, compressor=self.kv_compressor,
                                           kv_dtype=self.kv_dtype, q_range=self.kv_q_range, page_size=self.page_size,
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,
-                                          shortlist_pages=self.page_shortlist,
+                                          shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
 

@@ -92,8 +92,10 @@ ARMS = {
     "sink_window_4+1020+kv_int8": dict(kv_strategy="sink_window", sink=4, window=1020, kv_dtype="int8"),
     # paged (issue 15): window 508 keeps resident + selection under sink_window 4+1020's bytes up to 7.5k (docs/paged.md)
     "paged_4+508_p64_m8": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8),
-    "paged_4+508_p64_m8_s32": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=32),
-    "paged_4+508_p64_m8_s64": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=64),
+    "paged_4+508_p64_m8_s32": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=32,
+                                   page_shortlist_from=0),
+    "paged_4+508_p64_m8_s64": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=64,
+                                   page_shortlist_from=0),
     "paged_4+1020_p64_m8": dict(kv_strategy="paged", sink=4, window=1020, page_size=64, recall_pages=8),
     # the same 512 recalled rows in finer pages, and a narrower window with more recalled rows (chosen on --sample-set dev)
     "paged_4+508_p32_m16": dict(kv_strategy="paged", sink=4, window=508, page_size=32, recall_pages=16),

@@ -78,7 +78,7 @@ def main() -> int:
         geometry = CacheGeometry(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                                  layer_windows=(None,) * args.layers, dtype=torch.float32, device="cpu")
         context = lengths[-1] + args.chunk  # past the longest history: every choice below it, at true positions
-    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0])
+    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0], shortlist_from=0)
     cache = make_cache(strategy, geometry, max_step=args.chunk, max_context=context)
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
@@ -95,7 +95,7 @@ def main() -> int:
         times: dict = {"exact": []} | {str(s): [] for s in shortlists}
         for _ in range(args.repeats):
             for name in times:  # interleaved: the same load for every variant
-                cache.shortlist = 0 if name == "exact" else int(name)
+                cache.shortlist = cache.shortlist_from = 0 if name == "exact" else int(name)
                 cache.prepare(range(n, n + 1))
                 plan = cache._step
                 t0 = time.perf_counter()
@@ -109,13 +109,13 @@ def main() -> int:
             token = model.tensor([17])
             for _ in range(args.decode_steps):
                 for name in steps:
-                    cache.shortlist = 0 if name == "exact" else int(name)
+                    cache.shortlist = cache.shortlist_from = 0 if name == "exact" else int(name)
                     at = cache.next_position
                     t0 = time.perf_counter()
                     forward(model, token, range(at, at + 1), cache, logits="last", row_exact=True)
                     cache.commit()
                     steps[name].append(time.perf_counter() - t0)
-        cache.shortlist = shortlists[0]
+        cache.shortlist = cache.shortlist_from = shortlists[0]
         pages = cache.pages.rows // 64
         out[str(n)] = {
             "archived_positions": cache.pages.rows, "pages": pages,

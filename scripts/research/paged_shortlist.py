@@ -31,7 +31,7 @@ from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 from niah_ladder import make_sample, sample_rng  # noqa: E402
 
 OUT = ROOT / "results" / "research" / "paged_shortlist.json"
-ARM = dict(name="paged", sink=4, window=508, page_size=64, recall_pages=8)
+ARM = dict(name="paged", sink=4, window=508, page_size=64, recall_pages=8, shortlist_pages=0)  # exact choice
 
 
 def main() -> int:

@@ -126,7 +126,8 @@ def test_resident_bytes_are_flat_and_store_bytes_grow_by_pages():
     cap = cache.pages.capacity  # whole pages, grown by at least a quarter at a time: at most ~1.25x the rows held
     assert cap % 8 == 0 and rows <= cap <= -(-rows * 5 // 4 // 8) * 8 + 8 and cache.keys.capacity == cap
     assert cache.stored_nbytes == cap * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 > store
-    assert cache.selection_nbytes == cap * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
+    assert cache.keys.nbytes == cap * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
+    assert not cache.shortlisting and cache.selection_nbytes == cache.keys.nbytes + cache.bounds.nbytes  # keys read whole
     assert cache.nbytes == cache.resident_nbytes + cache.selection_nbytes
     again = new_cache(m, paged(window=16, page=8))
     again.load_state(cache.state())
@@ -326,9 +327,10 @@ def test_strategy_validates_and_describes_paging():
     assert KVStrategy("paged").bounded and not KVStrategy("paged").forgets
     assert dataclasses.replace(KVStrategy("paged"), page_key_bits=8).page_key_bits == 8
     with pytest.raises(ValueError, match="shortlist_pages"):
-        KVStrategy("paged", recall_pages=8, shortlist_pages=4)
+        KVStrategy("paged", shortlist_pages=-1)
     assert KVStrategy("paged", shortlist_pages=32).describe()["shortlist_pages"] == "32"
-    assert "shortlist_pages" not in KVStrategy("paged").describe()
+    assert KVStrategy("paged").describe()["shortlist_from"] == "256"
+    assert "shortlist_pages" not in KVStrategy("sink_window").describe()
 
 
 def test_kakeya_serve_builds_a_paged_engine():
@@ -378,9 +380,10 @@ def test_page_bounds_bound_every_key_of_their_page_and_survive_state():
     are rebuilt from the keys when a state is loaded."""
     m = model()
     g = m.geometry()
-    cache = new_cache(m, paged(shortlist_pages=3))
+    cache = new_cache(m, paged(shortlist_pages=3, shortlist_from=0))
     feed(m, cache, ids(200), 16)
     p = cache.page_size
+    assert cache.shortlisting
     assert cache.bounds.rows == cache.keys.rows // p > 3
     assert cache.selection_nbytes == cache.bounds.nbytes == cache.bounds.capacity * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 2
     assert cache.stored_nbytes == cache.pages.nbytes + cache.keys.nbytes
@@ -391,7 +394,7 @@ def test_page_bounds_bound_every_key_of_their_page_and_survive_state():
         exact = torch.einsum("hqd,hnpd->hqnp", q, keys).amax(-1)  # (Hkv, 5, pages): each page's best key
         bound = q.clamp(min=0) @ hi.transpose(1, 2) + q.clamp(max=0) @ lo.transpose(1, 2)
         assert bool((bound >= exact - 1e-4).all())
-    again = new_cache(m, paged(shortlist_pages=3))
+    again = new_cache(m, paged(shortlist_pages=3, shortlist_from=0))
     again.load_state(cache.state())
     assert again.bounds.rows == cache.bounds.rows
     assert torch.equal(again.bounds.data["rows"][:, :, :, : cache.bounds.rows], cache.bounds.data["rows"][:, :, :, : cache.bounds.rows])
@@ -402,22 +405,30 @@ def test_shortlisted_choice_does_not_depend_on_chunking():
     chunk's still-resident keys), and a query ranks only the pages it sees whole."""
     m = model()
     history = ids(150)
-    ref = feed(m, new_cache(m, paged(shortlist_pages=3)), history, 64)
+    ref = feed(m, new_cache(m, paged(shortlist_pages=3, shortlist_from=0)), history, 64)
     for chunk, row_exact in ((1, False), (7, False), (5, True)):
-        got = feed(m, new_cache(m, paged(shortlist_pages=3)), history, chunk, row_exact=row_exact)
+        got = feed(m, new_cache(m, paged(shortlist_pages=3, shortlist_from=0)), history, chunk, row_exact=row_exact)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_the_needle_page_is_recalled_through_the_shortlist():
     m = model()
-    cache = new_cache(m, paged(pages=1, shortlist_pages=2))
+    cache = new_cache(m, paged(pages=1, shortlist_pages=2, shortlist_from=6))
     feed(m, cache, ids(120), 16)
     layer, needle = 0, 30  # page (30 - 4) // 8 = 3 of 13
     k = cache.pages.read(layer)[0][:, needle - 4]
     g = m.spec.num_heads // m.spec.num_kv_heads
     q = (k * 50).repeat_interleave(g, 0)[:, None]
     cache.prepare(range(120, 121))
-    assert cache._step["n_pages"] > cache.shortlist
+    assert cache._step["n_pages"] > cache.shortlist_from
     sel = cache._choose(layer, q, cache.store.k[layer])
     cache.abort()
     assert sorted(set((sel[0, 0].nonzero().flatten() + 4).tolist())) == list(range(28, 36))
+
+
+def test_up_to_shortlist_from_pages_the_choice_is_exact():
+    m = model()
+    history = ids(150)  # 17 candidate pages at most
+    exact = feed(m, new_cache(m, paged(shortlist_pages=0)), history, 16)
+    torch.testing.assert_close(feed(m, new_cache(m, paged(shortlist_pages=3, shortlist_from=17)), history, 16), exact, rtol=0, atol=0)
+    assert not torch.equal(feed(m, new_cache(m, paged(shortlist_pages=3, shortlist_from=0)), history, 16), exact)
