@@ -232,5 +232,9 @@ def rotate_keys(model, layer: int, k, deltas):
     """RoPE rotation of positioned keys k (Hkv, E, D) by deltas (Hkv, E) positions: a key at p moves to p + delta
     (rotations compose). The paged strategy's recall past the trained context."""
     hkv, e, d = k.shape
-    cos, sin = model.rope(deltas.reshape(-1)).for_layer(model.spec, layer)  # (1, Hkv * E, D)
+    # few distinct moves (a recalled page's rows all move alike): the tables for those only, then gathered
+    moves, at = torch.unique(deltas.reshape(-1), return_inverse=True)
+    cos, sin = model.rope(moves).for_layer(model.spec, layer)  # (1, distinct moves, D)
+    if moves.numel() < at.numel():
+        cos, sin = cos.index_select(1, at), sin.index_select(1, at)  # (1, Hkv * E, D)
     return model.rotate(k.reshape(1, hkv * e, d), cos, sin).view(hkv, e, d)
