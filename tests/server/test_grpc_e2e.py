@@ -284,7 +284,9 @@ def test_paged_kv_tiers_resident_flat_selection_and_stored_grow():
     port = sock.getsockname()[1]
     sock.close()
     model = load_model(str(tiny_model_dir("llama")))
-    srv = start_server(Engine(model, KVStrategy("paged", 4, 32, page_size=8, recall_pages=2), prefill_chunk=16),
+    # shortlist_pages 0: selection is the compact keys alone (with a shortlist it also holds the page bounds,
+    # made 64 pages at a time; tests/kv/test_paged.py counts those)
+    srv = start_server(Engine(model, KVStrategy("paged", 4, 32, page_size=8, recall_pages=2, shortlist_pages=0), prefill_chunk=16),
                        metrics_port=port)
     try:
         with kakeya.Client(f"127.0.0.1:{srv.port}") as c:
