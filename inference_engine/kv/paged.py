@@ -493,11 +493,9 @@ class PagedCache(SinkWindowCache):
         x = self.keys.codec.decode({"codes": codes.reshape(-1, codes.shape[-1]), "scale": sc.reshape(-1, 1)})
         x = x.view(*lead, rows // self.page_size, self.page_size, -1)
         hi, lo = x.amax(-2), x.amin(-2)
-        hi16, lo16 = hi.half(), lo.half()
-        inf = torch.tensor(float("inf"), dtype=torch.float16, device=x.device)
-        hi16 = torch.where(hi16.float() < hi, torch.nextafter(hi16, inf), hi16)
-        lo16 = torch.where(lo16.float() > lo, torch.nextafter(lo16, -inf), lo16)
-        return torch.stack([hi16, lo16])
+        # outward before rounding to the nearest float16 (relative spacing 2^-10, subnormal spacing 2^-24): the
+        # float16 max is >= the max and the float16 min <= the min, on any device
+        return torch.stack([hi + hi.abs() * 2 ** -10 + 2 ** -24, lo - lo.abs() * 2 ** -10 - 2 ** -24]).half()
 
     def _update_bounds(self) -> None:
         """Bounds of the pages the key table completed since the last call (every layer at once)."""

@@ -32,7 +32,7 @@ class ServeConfig:
     recall_pages: int = 8  # paged: pages each query attends to besides sink and window
     page_compressor: str = "identity"  # paged: stored pages as identity | int8 | kakeya_d4 | kakeya_e8
     page_shortlist: int = 64  # paged: past page_shortlist_from candidate pages, rank pages by key bounds, score the best N
-    page_shortlist_from: int = 256  # paged: (0 with page_shortlist 0: every candidate key scored every step)
+    page_shortlist_from: int = 256  # paged: candidate pages past which the shortlist applies (page_shortlist 0: never)
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off

@@ -432,3 +432,15 @@ def test_up_to_shortlist_from_pages_the_choice_is_exact():
     exact = feed(m, new_cache(m, paged(shortlist_pages=0)), history, 16)
     torch.testing.assert_close(feed(m, new_cache(m, paged(shortlist_pages=3, shortlist_from=17)), history, 16), exact, rtol=0, atol=0)
     assert not torch.equal(feed(m, new_cache(m, paged(shortlist_pages=3, shortlist_from=0)), history, 16), exact)
+
+
+def test_page_bounds_round_outward_to_float16():
+    m = model()
+    cache = new_cache(m, paged(shortlist_pages=3, shortlist_from=0))
+    codec = cache.keys.codec
+    d = cache.geometry.head_dim
+    x = torch.randn(4, 8, d, generator=torch.Generator().manual_seed(2)) * torch.tensor([1e-6, 1.0, 30.0, 300.0])[:, None, None]
+    enc = codec.encode(x.reshape(-1, d))  # 4 pages of 8 keys, each at another scale
+    hi, lo = cache._page_bounds(enc["codes"].view(4, 8, -1), enc["scale"].view(4, 8, 1)).float()  # (4, 1, D) each
+    keys = codec.decode(enc).view(4, 8, d)
+    assert bool((hi[:, 0] >= keys.amax(1)).all()) and bool((lo[:, 0] <= keys.amin(1)).all())
