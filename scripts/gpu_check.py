@@ -546,6 +546,15 @@ def section_runs(check, models, prompts):
     out["paged_all_pages_vs_full"] = check.arm(lambda: with_arm(
         args, models, lambda arm: compare(arm.turn(ids, sc.run_tokens)["tokens"], plain["full"]) if "full" in plain else {},
         kv_strategy="paged", compile=mode, **(RUN_KV | {"recall_pages": 1024})))
+    # The page shortlist (on by default past 256 candidate pages) forced on at this short history: its path runs on
+    # this device; its tokens against exact choice's are recorded, not required (a shortlist may choose otherwise).
+    def shortlisted(arm):
+        r = arm.turn(ids, sc.run_tokens, keep=keep)
+        same = {"identical_to_exact_choice": r["tokens"] == plain["paged"]} if "paged" in plain else {}
+        return {k: v for k, v in r.items() if k != "tokens"} | {"generated": len(r["tokens"])} | same
+
+    out["paged_shortlist"] = check.arm(lambda: with_arm(
+        args, models, shortlisted, kv_strategy="paged", compile=mode, **(RUN_KV | {"page_shortlist": 2, "page_shortlist_from": 2})))
     for name in DRAFTERS:
         def run(arm):
             r = arm.turn(ids, sc.run_tokens)

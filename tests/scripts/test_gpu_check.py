@@ -47,6 +47,8 @@ def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
     paged = runs["strategies"]["paged"]
     assert paged["stored_bytes"] > 0 and paged["page_recalls"] > 0 and paged["dropped_tokens"] == 0
     assert runs["strategies"]["sink_window"]["dropped_tokens"] > 0  # the history really outgrew sink + window
+    shortlisted = runs["paged_shortlist"]  # the shortlist's path ran (its tokens may differ from exact choice's)
+    assert shortlisted["status"] == "ok" and shortlisted["page_recalls"] > 0 and "identical_to_exact_choice" in shortlisted
     ngram = runs["drafters"]["ngram"]
     assert ngram["status"] == "ok" and ngram["identical_to_plain_full"] is True
     for name in ("smollm2-135m-dflash", "smollm2-135m-dlm"):  # made for SmolLM2's vocabulary, not the tiny model's
