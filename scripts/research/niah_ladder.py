@@ -204,11 +204,13 @@ def make_task_sample(task: str, tok, n_tokens: int, rng: random.Random, args) ->
     raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
 
 
-def run_sample(client, sample: Sample):
-    """Play the sample's turns in one session; (final answer token ids, last result, session info)."""
+def run_sample(client, sample: Sample, piece: int):
+    """Play the sample's turns in one session, each turn's tokens in appends of at most `piece` (the server's
+    --max-append-tokens: a 32k prompt goes in pieces); (final answer token ids, last result, session info)."""
     with client.create_session() as s:
         for ids, n_gen in sample.turns:
-            s.append(ids)
+            for i in range(0, len(ids), piece):
+                s.append(ids[i:i + piece])
             toks = list(s.generate(max_tokens=n_gen))
         return toks, s.last_result, s.info()
 
@@ -344,13 +346,20 @@ def main() -> int:
                     results[arm]["rungs"][str(n)] = {"status": "skipped", "reason": "--skip"}
                     print(f"{arm} @ {n}: skipped", flush=True)
                     continue
+                limit_tokens = server.runtime.engine.history_limit()  # full: the trained context; None: no limit
+                longest = max(smp.prompt_tokens + sum(g for _, g in smp.turns) for smp in samples[n])
+                if limit_tokens is not None and longest > limit_tokens:
+                    results[arm]["rungs"][str(n)] = {"status": "skipped",
+                                                     "reason": f"past this arm's history limit of {limit_tokens} tokens"}
+                    print(f"{arm} @ {n}: skipped (history limit {limit_tokens})", flush=True)
+                    continue
                 hits, ttfts, rates, kv_bytes, tiers, rows = 0, [], [], [], [], []
                 if args.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
                 t_cell = time.perf_counter()
                 with PeakRSS() as mem:
                     for i, smp in enumerate(samples[n], start=args.first_sample):
-                        toks, r, info = run_sample(client, smp)
+                        toks, r, info = run_sample(client, smp, cfg.max_append_tokens)
                         kv_bytes.append(info.kv_live_bytes)
                         tiers.append((info.kv_resident_bytes, info.kv_selection_bytes, info.kv_stored_bytes))
                         answer = tok.decode(toks, skip_special_tokens=True)
