@@ -92,9 +92,9 @@ class PagedCache(SinkWindowCache):
 
     @property
     def selection_nbytes(self) -> int:
-        """What a step reads to choose pages (and the page bounds, kept hot): the compact keys, read whole
-        until the shortlist applies; from then on the bounds only (the shortlisted pages' compact keys are
-        read from the stored tier)."""
+        """What a step reads to choose pages: the compact keys, read whole until the shortlist applies; from
+        then on the page bounds (made then) only (the shortlisted pages' compact keys are read from the stored
+        tier)."""
         return self.bounds.nbytes + (0 if self.shortlisting else self.keys.nbytes)
 
     @property
@@ -598,7 +598,8 @@ class PagedCache(SinkWindowCache):
             self.keys.write_all(self.keys.rows, kv[:, :1])
             self.pages.rows += n
             self.keys.rows += n
-            self._update_bounds()
+            if self.shortlisting:  # made when the shortlist starts to apply (all pages at once), then page by page
+                self._update_bounds()
         return super()._evict_dead()
 
     def _read_all_layers(self, slots: np.ndarray) -> torch.Tensor:
@@ -632,7 +633,8 @@ class PagedCache(SinkWindowCache):
         self.pages.load_state({k.removeprefix("pages."): v for k, v in tensors.items() if k.startswith("pages.")}, rows)
         self.keys.load_state({k.removeprefix("keys."): v for k, v in tensors.items() if k.startswith("keys.")}, rows)
         self.bounds.rows = 0  # derived from the keys: rebuilt, not saved
-        self._update_bounds()
+        if self.shortlisting:
+            self._update_bounds()
         self.evicted_total = int(meta["evicted_total"])
 
 

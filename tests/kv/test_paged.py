@@ -127,7 +127,8 @@ def test_resident_bytes_are_flat_and_store_bytes_grow_by_pages():
     assert cap % 8 == 0 and rows <= cap <= -(-rows * 5 // 4 // 8) * 8 + 8 and cache.keys.capacity == cap
     assert cache.stored_nbytes == cap * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 > store
     assert cache.keys.nbytes == cap * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
-    assert not cache.shortlisting and cache.selection_nbytes == cache.keys.nbytes + cache.bounds.nbytes  # keys read whole
+    assert not cache.shortlisting and cache.bounds.nbytes == 0  # bounds are made once the shortlist applies
+    assert cache.selection_nbytes == cache.keys.nbytes  # until then every compact key is read each step
     assert cache.nbytes == cache.resident_nbytes + cache.selection_nbytes
     again = new_cache(m, paged(window=16, page=8))
     again.load_state(cache.state())
