@@ -12,6 +12,8 @@ time), the JSON rewritten after every one, so a run cut short keeps what it meas
   correctness     greedy tokens of `full` (fp32 weights, --compile off and auto) == transformers fp32 generate
   runs            every KV strategy (sink 4 / window 60 / pages of 16, so paged recalls pages) and drafter
   decode_batch1   one session's decode tok/s per strategy, --compile off and auto (the capture's gain)
+  profile         where a batch-1 decode token's time goes (torch.profiler): host ops and device kernel time per
+                  token for `full` and `paged`, and a chrome trace of a few `full` tokens with Python stacks
   transformers_*  the controls: eager generate, and static cache + torch.compile (in a subprocess with a
                   time limit: a compile cannot be interrupted in-process)
   aggregate       aggregate decode tok/s at 1, 4 and 16 concurrent sessions (--batching on)
@@ -95,8 +97,8 @@ FULL, QUICK = Scale(), Scale(prompts=2, correctness_tokens=8, speed_prompt=32, s
                              repeats=1, reserve=0.1, long_context=(120, 1.05), long_tokens=8)
 # The sections in run order, and the seconds each needs left in --budget-s to start (times Scale.reserve);
 # its arms check again. The compiled control's time limit leaves the later sections their minimum.
-SECTIONS = {"correctness": 45, "runs": 40, "decode_batch1": 45, "transformers_eager": 15, "transformers_static_compiled": 60,
-            "aggregate": 40, "ngram": 25, "paged_long": 30}
+SECTIONS = {"correctness": 45, "runs": 40, "decode_batch1": 45, "profile": 20, "transformers_eager": 15,
+            "transformers_static_compiled": 60, "aggregate": 40, "ngram": 25, "paged_long": 30}
 
 
 class Budget(Exception):
@@ -627,6 +629,102 @@ def section_decode_batch1(check, models, prompts):
     return out
 
 
+def section_profile(check, models, prompts):
+    """Where one batch-1 decode token's time goes, for `full` (row graphs on CUDA) and `paged` (piecewise), at the
+    fastest compile mode: torch.profiler over a turn of n tokens and over a turn of 1 (same prompt); the difference
+    over n - 1 is one decode token (bench_engine's rule), so the prompt's prefill drops out. Per token: wall, host
+    ops dispatched, their self CPU time, device (kernel) time, and the top ops by each. Then a chrome trace (gzip)
+    of a few `full` tokens with Python stacks, next to --out, for a person to open."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sc, args = check.scale, check.args
+    ids, n = prompts.of_length(sc.speed_prompt), sc.speed_tokens
+    mode = compile_modes()[-1]
+    cuda = args.device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out = {"prompt_tokens": len(ids), "tokens": n, "compile": mode, "activities": [str(a) for a in acts],
+           "rule": "(profile of a turn of n tokens - profile of a turn of 1) / (n - 1)", "arms": {}}
+
+    def table(prof) -> dict:
+        rows = {}
+        for e in prof.key_averages():
+            dev = getattr(e, "self_device_time_total", None)
+            if dev is None:
+                dev = getattr(e, "self_cuda_time_total", 0)
+            on_device = "CUDA" in str(getattr(e, "device_type", "")) or (dev and not e.self_cpu_time_total and e.count)
+            rows[e.key] = (e.count, float(e.self_cpu_time_total), float(dev or 0), bool(on_device))
+        return rows
+
+    def per_token(long, short) -> dict:
+        d = {k: ((v[0] - short.get(k, (0, 0, 0, 0))[0]) / (n - 1), (v[1] - short.get(k, (0, 0, 0, 0))[1]) / (n - 1),
+                 (v[2] - short.get(k, (0, 0, 0, 0))[2]) / (n - 1), v[3]) for k, v in long.items()}
+        host = {k: v for k, v in d.items() if not v[3]}
+        kernels = {k: v for k, v in d.items() if v[3]}
+
+        def top(rows, col, m):
+            best = sorted(rows.items(), key=lambda kv: -kv[1][col])[:m]
+            return [{"op": k[:120], "calls": round(v[0], 2), "self_cpu_us": round(v[1], 2), "device_us": round(v[2], 2)}
+                    for k, v in best if v[col] > 0]
+
+        return {"host_ops": round(sum(v[0] for v in host.values()), 1),
+                "host_self_cpu_ms": round(sum(v[1] for v in host.values()) / 1e3, 4),
+                "device_kernels": round(sum(v[0] for v in kernels.values()), 1),
+                "device_kernel_ms": round(sum(v[2] for v in kernels.values()) / 1e3, 4),
+                "top_host_ops_by_self_cpu": top(host, 1, 15), "top_kernels_by_device_time": top(kernels, 2, 10)}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def profiled(arm, prof, fn) -> None:
+        """fn (a turn, from this thread as the servicer's threads call) under prof, which is started and stopped
+        on the thread that runs the engine loop: the profiler records the ops of the thread that starts it."""
+        mt = arm.runtime.engine.loop.model_thread
+        on_loop = mt.call if mt is not None else (lambda f: f())
+        on_loop(prof.__enter__)
+        try:
+            fn()
+        finally:
+            on_loop(lambda: (sync(), prof.__exit__(None, None, None)))
+
+    def measure(arm) -> dict:
+        arm.turn(ids, n)  # warm: graphs recorded, buffers made
+        profs, walls = [], []
+        for k in (n, 1):
+            sync()
+            prof = profile(activities=acts)
+            profiled(arm, prof, lambda k=k: walls.append(arm.turn(ids, k)))
+            profs.append(table(prof))
+        long, short = walls
+        res = per_token(*profs)
+        res["wall_ms_per_token"] = round(1e3 * long["decode_s"] / max(1, n - 1), 4)  # the engine's own decode clock
+        res["unprofiled_decode_tok_s"] = round(arm.turn(ids, n)["decode_tok_s"] or 0, 2)
+        return res
+
+    for name in ("full", "paged"):
+        out["arms"][f"{name}/compile={mode}"] = check.arm(
+            lambda name=name: with_arm(args, models, measure, kv_strategy=name, compile=mode), 10)
+
+    def trace(arm) -> dict:
+        k = min(n, 16)
+        arm.turn(ids, k)
+        prof = profile(activities=acts, with_stack=True)
+        profiled(arm, prof, lambda: arm.turn(ids, k))
+        raw = pathlib.Path(args.out).with_name(pathlib.Path(args.out).stem + f"_trace_full_{k}tok.json")
+        prof.export_chrome_trace(str(raw))
+        import gzip
+
+        gz = raw.with_name(raw.name + ".gz")
+        with open(raw, "rb") as f, gzip.open(gz, "wb", compresslevel=6) as g:
+            shutil.copyfileobj(f, g)
+        raw.unlink()
+        return {"trace": gz.name, "tokens": k, "bytes": gz.stat().st_size, "with_stack": True}
+
+    out["trace"] = check.arm(lambda: with_arm(args, models, trace, kv_strategy="full", compile=mode), 10)
+    return out
+
+
 def section_aggregate(check, models, prompts):
     sc = check.scale
     levels = [int(x) for x in check.args.levels.split(",")]
@@ -1077,6 +1175,7 @@ def run_all(check: Check, args) -> None:
     steps = {"correctness": lambda: section_correctness(check, models, hf, prompts),
              "runs": lambda: section_runs(check, models, prompts),
              "decode_batch1": lambda: section_decode_batch1(check, models, prompts),
+             "profile": lambda: section_profile(check, models, prompts),
              "transformers_eager": lambda: section_transformers_eager(check, hf, prompts),
              "transformers_static_compiled": lambda: section_transformers_compiled(check, prompts),
              "aggregate": lambda: section_aggregate(check, models, prompts),

@@ -28,7 +28,7 @@ def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
     assert doc["command"].startswith("scripts/gpu_check.py ") and doc["commit"] and doc["complete"]
     assert doc["cpu"]["model"] and doc["versions"]["torch"] and doc["versions"]["transformers"]
     sections = doc["sections"]
-    assert set(sections) == {"correctness", "runs", "decode_batch1", "aggregate", "ngram", "transformers_eager",
+    assert set(sections) == {"correctness", "runs", "decode_batch1", "profile", "aggregate", "ngram", "transformers_eager",
                              "transformers_static_compiled", "paged_long"}
     assert all("wall_s" in s for s in sections.values())
     assert {k for k, s in sections.items() if s["status"] != "ok"} == {"transformers_static_compiled"}
@@ -61,6 +61,14 @@ def test_cpu_quick_run_checks_exactness_and_records_every_section(tmp_path):
     assert all(a["status"] == "ok" and a["decode_tok_s"] > 0 for k, a in arms.items() if k not in piecewise | compiled)
     assert all(arms[k]["status"] == "skipped" and "row graphs" in arms[k]["reason"] for k in piecewise)  # CUDA only
     assert all(arms[k]["status"] == "skipped" and "CUDA only" in arms[k]["reason"] for k in compiled)
+    # the profile records the loop thread's ops per decode token (started on that thread), and a chrome trace
+    prof = sections["profile"]
+    for arm in ("full", "paged"):
+        a = prof["arms"][f"{arm}/compile={modes[-1]}"]
+        assert a["status"] == "ok" and a["host_ops"] > 0 and a["host_self_cpu_ms"] > 0, a
+        assert a["top_host_ops_by_self_cpu"] and a["wall_ms_per_token"] > 0
+    trace = out.with_name(prof["trace"]["trace"])
+    assert prof["trace"]["status"] == "ok" and trace.exists() and trace.stat().st_size == prof["trace"]["bytes"]
     levels = sections["aggregate"]["levels"]
     assert set(levels) == {"1", "4", "16"} and sections["aggregate"]["arm"]["batching"] is True
     for n, level in levels.items():
