@@ -13,7 +13,8 @@ time), the JSON rewritten after every one, so a run cut short keeps what it meas
   runs            every KV strategy (sink 4 / window 60 / pages of 16, so paged recalls pages) and drafter
   decode_batch1   one session's decode tok/s per strategy, --compile off and auto (the capture's gain)
   profile         where a batch-1 decode token's time goes (torch.profiler): host ops and device kernel time per
-                  token for `full` and `paged`, and a chrome trace of a few `full` tokens with Python stacks
+                  token for `full` and `paged` (and `full` --compile on, CUDA), and a chrome trace of a few `full`
+                  tokens with Python stacks
   transformers_*  the controls: eager generate, and static cache + torch.compile (in a subprocess with a
                   time limit: a compile cannot be interrupted in-process)
   aggregate       aggregate decode tok/s at 1, 4 and 16 concurrent sessions (--batching on)
@@ -480,7 +481,9 @@ def section_correctness(check, models, hf, prompts):
     ref = [hf.generate(p, sc.correctness_tokens) for p in ids]
     out = {"prompts": len(ids), "tokens": sc.correctness_tokens, "prompt_tokens": [len(p) for p in ids],
            "reference": "transformers generate(do_sample=False), fp32, same device, eos ignored", "by_compile": {}}
-    for mode in compile_modes():
+    # --compile on (CUDA): inductor's kernels may order float sums differently; recorded, outside the target
+    on = ("on",) if compile_supported() and check.args.device.startswith("cuda") else ()
+    for mode in compile_modes() + on:
         def run(arm):
             rows = []
             for p, r in zip(ids, ref):
@@ -493,8 +496,10 @@ def section_correctness(check, models, hf, prompts):
             return {"per_prompt": rows, "all_identical": all(r["identical"] for r in rows)}
 
         out["by_compile"][mode] = check.arm(lambda run=run: with_arm(check.args, models, run, kv_strategy="full", compile=mode), 10)
-    arms = out["by_compile"].values()
+    arms = [a for m, a in out["by_compile"].items() if m in compile_modes()]
     out["all_identical"] = all(a.get("all_identical") for a in arms) and all(a["status"] == "ok" for a in arms)
+    if on:
+        out["compile_on_identical"] = out["by_compile"]["on"].get("all_identical")
     return out
 
 
@@ -639,7 +644,7 @@ def section_profile(check, models, prompts):
     from torch.profiler import ProfilerActivity, profile
 
     sc, args = check.scale, check.args
-    ids, n = prompts.of_length(sc.speed_prompt), sc.speed_tokens
+    ids, n = prompts.of_length(sc.speed_prompt), min(sc.speed_tokens, 32)  # the profiler's tables cost per kernel
     mode = compile_modes()[-1]
     cuda = args.device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -702,12 +707,13 @@ def section_profile(check, models, prompts):
         res["unprofiled_decode_tok_s"] = round(arm.turn(ids, n)["decode_tok_s"] or 0, 2)
         return res
 
-    for name in ("full", "paged"):
-        out["arms"][f"{name}/compile={mode}"] = check.arm(
-            lambda name=name: with_arm(args, models, measure, kv_strategy=name, compile=mode), 10)
+    arms = [("full", mode), ("paged", mode)] + ([("full", "on")] if compile_supported() and cuda else [])
+    for name, m in arms:
+        out["arms"][f"{name}/compile={m}"] = check.arm(
+            lambda name=name, m=m: with_arm(args, models, measure, kv_strategy=name, compile=m), 10)
 
     def trace(arm) -> dict:
-        k = min(n, 16)
+        k = min(n, 8)
         arm.turn(ids, k)
         prof = profile(activities=acts, with_stack=True)
         profiled(arm, prof, lambda: arm.turn(ids, k))

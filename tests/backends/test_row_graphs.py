@@ -135,3 +135,29 @@ def test_row_graphs_over_inductor_segments_generate_what_eager_pieces_do(tmp_pat
     want, _ = _run(Engine(plain, strategy, prefill_chunk=16), history, n=12)
     got, _ = _run(Engine(rows, strategy, prefill_chunk=16), history, n=12)
     assert got == want and rows.row_graphs.fns.compiled and rows.row_graphs.steps >= 11
+
+
+def test_attend_rows_is_sdpa_with_gqa_over_each_rows_slot():
+    """--compile on's attention in plain ops (row_graphs.attend_rows) computes what the eager step's
+    scaled_dot_product_attention(enable_gqa=True) does: each row over its own slot, its masked columns unseen."""
+    import torch.nn.functional as F
+
+    from inference_engine.backends.torch.row_graphs import attend_rows
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, slots, cols, keys, rows = 6, 2, 8, 4, 40, 32, 3
+    ak, av = torch.randn(slots, kv_heads, cols, d, generator=g), torch.randn(slots, kv_heads, cols, d, generator=g)
+    q = torch.randn(heads, rows, d, generator=g)
+    slot = torch.tensor([2, 0, 2])
+    bias = torch.zeros(rows, 1, 1, keys)
+    bias[0, ..., 20:] = float("-inf")  # row 0 sees its slot's first 20 columns
+    bias[2, ..., :5] = float("-inf")  # row 2 (same slot) not the first 5
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], ak[slot, :, :keys], av[slot, :, :keys],
+                                          attn_mask=bias, scale=0.3, enable_gqa=True)[:, :, 0].transpose(0, 1)
+    got = attend_rows(q, ak, av, slot, bias, keys, 0.3)
+    assert got.shape == (heads, rows, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # columns a row cannot see do not reach it
+    ak2 = ak.clone()
+    ak2[2, :, 25:keys] = 1e3
+    torch.testing.assert_close(attend_rows(q, ak2, av, slot, bias, keys, 0.3)[:, 0], got[:, 0])

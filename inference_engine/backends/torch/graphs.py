@@ -192,3 +192,13 @@ class Segments:
         self.compiled = compiled
         wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
         self.first, self.middle, self.last = wrap(_first), wrap(_middle), wrap(_last)
+        self.attend_rows = None  # row_graphs: the arena read and attention, compiled per (rows, keys) bucket
+        if compiled:
+            from inference_engine.backends.torch.row_graphs import attend_rows
+
+            # one compile per bucket of rows x keys (row_graphs.ROW_BUCKETS x KEY_BUCKETS): past dynamo's default
+            # limit of 8 per function it would silently run the rest eagerly
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 128))
+            self.attend_rows = wrap(attend_rows)

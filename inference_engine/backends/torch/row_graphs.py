@@ -19,7 +19,10 @@ scratch slot and see every column of it (finite values), and their outputs are n
 
 The dense work between attentions goes through graphs.Segments (the functions the piecewise step's CUDA
 graphs capture): eager pieces with --compile auto, inductor's fused kernels with --compile on (compiled
-once per bucket of rows, for every layer; then captured like the rest). On is not measured on a GPU yet.
+once per bucket of rows, for every layer; then captured like the rest). With --compile on the arena read
+and attention go through inductor too (`attend_rows`, plain ops, once per bucket of rows and keys): an H200
+profile of the `auto` step (results/gpu_check.json, section `profile`) counted ~1,400 kernels a token, the
+SDPA math path's ~10 a layer among them; the K/V writes stay eager index_put.
 
 Inputs are static buffers the step copies into (one int64 (4, B) block: ids, positions, slot, write
 column; one (B, 1, 1, K) mask); outputs are the graph's own tensors, copied out before the next replay.
@@ -101,9 +104,23 @@ class RowGraphs:
         return g.run(parts, rows)
 
 
+def attend_rows(q, ak, av, slot, bias, keys: int, scale: float):
+    """Each row alone over columns 0..keys-1 of its session's arena slot, in plain ops (inductor fuses them
+    where it cannot see into scaled_dot_product_attention's math path): q (H, B, D); ak, av (slots, Hkv,
+    rows, D); slot (B,); bias (B, 1, 1, keys) additive. Returns o (H, B, D). Query head h reads kv head
+    h // (H / Hkv), as enable_gqa does."""
+    h, b, d = q.shape
+    kk, vv = ak[slot, :, :keys], av[slot, :, :keys]  # (B, Hkv, keys, D)
+    g = h // kk.shape[1]
+    qg = q.transpose(0, 1).reshape(b, kk.shape[1], g, d)  # (B, Hkv, G, D)
+    p = torch.softmax(torch.matmul(qg, kk.transpose(-1, -2)) * scale + bias, dim=-1)  # (B, Hkv, G, keys)
+    return torch.matmul(p, vv).reshape(b, h, d).transpose(0, 1)
+
+
 class _RowGraph:
     def __init__(self, model, arena: KVArena, rows: int, keys: int, pool, fns: Segments):
         self.model, self.arena, self.rows, self.keys, self.fns = model, arena, rows, keys, fns
+        self.attend = fns.attend_rows
         dev = model.device
         self.host = torch.zeros(4, rows, dtype=torch.long)  # ids (set on the device), positions, slot, write column
         self.host_bias = torch.zeros(rows, 1, 1, keys, dtype=model.dtype)
@@ -146,9 +163,13 @@ class _RowGraph:
             ak, av = self.arena.k[i], self.arena.v[i]
             ak[slot, :, col] = k.transpose(0, 1)  # (B, Hkv, D) into each row's session slot at its column
             av[slot, :, col] = v.transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], ak[slot, :, :self.keys], av[slot, :, :self.keys],
-                                               attn_mask=self.bias, scale=s.attn_scale, enable_gqa=True)  # (B, H, 1, D)
-            o = o[:, :, 0].transpose(0, 1)
+            if self.attend is not None:  # --compile on: the read and attention as inductor's kernels
+                o = self.attend(q, ak, av, slot, self.bias, self.keys, s.attn_scale)
+            else:
+                o = F.scaled_dot_product_attention(q.transpose(0, 1)[:, :, None], ak[slot, :, :self.keys],
+                                                   av[slot, :, :self.keys], attn_mask=self.bias, scale=s.attn_scale,
+                                                   enable_gqa=True)  # (B, H, 1, D)
+                o = o[:, :, 0].transpose(0, 1)
             if i + 1 < n:
                 x, q, _, k, v = fns.middle(m, m.layers[i], m.layers[i + 1], x, o, *rope.for_layer(s, i + 1))
             else:
