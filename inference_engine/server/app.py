@@ -56,9 +56,15 @@ def _load_model(cfg: ServeConfig):
                      "use; batch 1 captured at start in %.2f s)", cfg.compile, "/".join(map(str, model.graphs.buckets)), t)
             # decode rows and verify blocks as whole-step graphs, attention included, over a K/V arena with a
             # slot for every session the daemon holds in memory (--capacity) and two for transient caches;
-            # --compile on: their dense work as inductor's fused kernels (not measured yet: auto leaves it out)
+            # their dense work and attention as inductor's fused kernels with --compile on, and with auto where
+            # triton is present: on an H200 that decoded 448.6 tok/s against 283.3 with eager pieces, the same
+            # tokens as transformers on 4 of 4 prompts (results/gpu_check.json); auto falls back to eager pieces
+            # if a compile fails
             if model.device.type == "cuda":
-                model.use_row_graphs(cfg.capacity + 2, compiled=cfg.compile == "on")
+                from inference_engine.backends.torch.graphs import inductor_available
+
+                compiled = cfg.compile == "on" or (cfg.compile == "auto" and inductor_available())
+                model.use_row_graphs(cfg.capacity + 2, compiled=compiled, fallback=cfg.compile == "auto")
         return model
     except ValueError as e:
         raise ConfigError(str(e)) from e

@@ -54,8 +54,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("KAKEYA_API_KEY"), help="require 'authorization: Bearer KEY' (env KAKEYA_API_KEY)")
     p.add_argument("--device", default=d.device, help="torch device: cpu or cuda")
     p.add_argument("--compile", default=d.compile, choices=("off", "auto", "on"),
-                   help="the step's dense work (everything but attention) as captured CUDA graphs, attention eager: "
-                        "auto = on with --device cuda (measured faster: scripts/gpu_check.py), off on the CPU; on = CUDA only")
+                   help="CUDA: decode rows and verify blocks as captured graphs of the whole step, the rest as graphs of "
+                        "the dense work; auto = with inductor's fused kernels where triton is present (measured faster: "
+                        "scripts/gpu_check.py), eager pieces if a compile fails; on = inductor always; off = eager. "
+                        "CPU: auto = off (inductor measured no faster there)")
     p.add_argument("--backend", default=d.backend, choices=("torch", "mlx"),
                    help="model backend: torch, or mlx (Apple's framework: Metal on Apple Silicon, CPU elsewhere; needs "
                         "pip install 'kakeya-runtime[mlx]'; strategies full, sink_window and paged (identity pages); see docs/mlx.md)")

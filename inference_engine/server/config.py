@@ -39,7 +39,7 @@ class ServeConfig:
     http_port: int = 0  # 0 = off (deprecated OpenAI-style shim)
     api_key: str | None = None
     device: str = "cpu"
-    compile: str = "auto"  # off | auto | on: the step as captured CUDA graphs (auto = on where it measures faster: CUDA)
+    compile: str = "auto"  # off | auto | on: the step as captured CUDA graphs, inductor-fused where triton is (auto: CUDA only)
     backend: str = "torch"  # torch | mlx (backends/mlx; needs the mlx extra)
     threads: int | str | None = None  # None = torch's choice, "auto" = fastest measured (engine/tuning.py)
     weights: str = "auto"  # fp32 | int8 | int4 | auto (int4 on cpu, fp32 elsewhere: scripts/bench_weights.py)

@@ -161,3 +161,31 @@ def test_attend_rows_is_sdpa_with_gqa_over_each_rows_slot():
     ak2 = ak.clone()
     ak2[2, :, 25:keys] = 1e3
     torch.testing.assert_close(attend_rows(q, ak2, av, slot, bias, keys, 0.3)[:, 0], got[:, 0])
+
+
+def test_auto_falls_back_to_eager_pieces_when_inductor_fails(monkeypatch):
+    """--compile auto on CUDA compiles the row step through inductor; a compile that fails there leaves the
+    row graphs on with eager pieces (the same tokens), where --compile on turns them off."""
+    from inference_engine.backends.torch import row_graphs
+
+    made = row_graphs._RowGraph.__init__
+
+    def fails_if_compiled(self, model, arena, rows, keys, pool, fns):
+        if fns.compiled:
+            raise RuntimeError("inductor: no triton")
+        made(self, model, arena, rows, keys, pool, fns)
+
+    monkeypatch.setattr(row_graphs._RowGraph, "__init__", fails_if_compiled)
+    plain = _model()
+    history = _prompt(40)
+    want, _ = _run(Engine(plain, KVStrategy("full"), prefill_chunk=16), history, n=12)
+    for fallback in (True, False):
+        rows = TorchCausalLM.load(tiny_model_dir("llama"))
+        rows.use_row_graphs(2, capture=False, compiled=True, fallback=fallback)
+        got, _ = _run(Engine(rows, KVStrategy("full"), prefill_chunk=16), history, n=12)
+        g = rows.row_graphs
+        assert got == want
+        if fallback:
+            assert g.failed is None and not g.fns.compiled and g.steps >= 11 and (1, 128) in g._graphs
+        else:
+            assert g.failed and "no triton" in g.failed and not g._graphs

@@ -184,6 +184,15 @@ def _qkv(m, L, x, cos, sin):
     return x, q, q_normed, m.position_k_layer(L, k, cos, sin), v
 
 
+def inductor_available() -> bool:
+    """Inductor can compile for CUDA here (it needs triton)."""
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return bool(has_triton())
+
+
 class Segments:
     """The three segment functions, eager or through torch.compile (inductor). A layer's weights are
     arguments, not constants, so each function compiles once for every layer, per bucket of rows."""

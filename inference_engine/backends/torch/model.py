@@ -131,14 +131,15 @@ class TorchCausalLM:
         return self.graphs is not None
 
     def use_row_graphs(self, sessions: int, *, capture: bool | None = None, compiled: bool = False,
-                       memory_share: float = 0.5) -> int:
+                       memory_share: float = 0.5, fallback: bool = False) -> int:
         """Decode rows and verify blocks as whole-step graphs (row_graphs.py) over a K/V arena of `sessions`
         slots of max_context rows (arena.py): every cache built from geometry() after this keeps its rows
         there while a slot is free. On CUDA at most `memory_share` of the free device memory goes to the
         arena (fewer slots if need be); capture: CUDA graphs (default: on CUDA), else the same body runs
         eagerly (the CPU, tests); compiled: the dense work between attentions as inductor's fused kernels
-        (graphs.Segments, compiled once per bucket of rows; --compile on). Returns the slots made (0: none,
-        the step stays piecewise)."""
+        (graphs.Segments, compiled once per bucket of rows; --compile on, and auto where triton is present);
+        fallback: a failed compile goes on with eager pieces (auto). Returns the slots made (0: none, the step
+        stays piecewise)."""
         from inference_engine.backends.torch.arena import KVArena
         from inference_engine.backends.torch.row_graphs import RowGraphs
 
@@ -161,7 +162,7 @@ class TorchCausalLM:
             from inference_engine.model_store.store import kakeya_home
 
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kakeya_home() / "inductor"))
-        self.row_graphs = RowGraphs(self, arena, capture=capture, compiled=compiled)
+        self.row_graphs = RowGraphs(self, arena, capture=capture, compiled=compiled, fallback=fallback)
         log.info("row graphs on: a K/V arena of %d sessions x %d rows (%.2f GB) on %s; steps %s%s", sessions, rows,
                  arena.nbytes / 1e9, self.device, "captured as CUDA graphs" if capture else "eager",
                  ", dense work compiled by inductor (per bucket of rows, on first use)" if compiled else "")

@@ -55,9 +55,12 @@ def _bucket(n: int, buckets) -> int | None:
 class RowGraphs:
     """Graphs of row steps by (rows, keys) bucket, made on first use; `run` declines what they cannot run."""
 
-    def __init__(self, model, arena: KVArena, *, capture: bool, compiled: bool = False):
+    def __init__(self, model, arena: KVArena, *, capture: bool, compiled: bool = False, fallback: bool = False):
+        """compiled: the dense work and attention through inductor; fallback: if a compile fails, go on with
+        eager pieces (--compile auto) rather than turning the graphs off."""
         self.model, self.arena, self.capture = model, arena, capture
         self.fns = Segments(compiled)
+        self.fallback = fallback and compiled
         self.key_buckets = tuple(b for b in KEY_BUCKETS if b < arena.rows) + (arena.rows,)
         self._graphs: dict[tuple[int, int], _RowGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -93,6 +96,11 @@ class RowGraphs:
             try:
                 g = _RowGraph(self.model, self.arena, rb, kb, self._pool, self.fns)
             except Exception as e:  # a capture that fails leaves the piecewise path, never a broken step
+                if self.fallback:  # --compile auto: inductor failed here; the eager pieces, captured, instead
+                    log.warning("row graphs: inductor failed for %d rows x %d keys (%s: %s); eager pieces from now on",
+                                rb, kb, type(e).__name__, e)
+                    self.fns, self.fallback, self._graphs = Segments(False), False, {}
+                    return self.run(parts)
                 self.failed = f"capturing {rb} rows x {kb} keys failed: {type(e).__name__}: {e}"
                 log.warning("row graphs off: %s", self.failed)
                 return None
