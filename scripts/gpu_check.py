@@ -610,6 +610,27 @@ def section_decode_batch1(check, models, prompts):
         full = out["arms"].get(f"{name}/compile={mode}", {})
         if arm.get("decode_tok_s") and full.get("decode_tok_s"):
             rows_gain[name] = round(full["decode_tok_s"] / arm["decode_tok_s"], 3)
+    # auto on CUDA runs the row graphs through inductor (where triton is): the same arms with eager pieces instead
+    fused_gain = {}
+    for name in ("full", "sink_window"):
+        def eager_pieces(name=name):
+            from inference_engine.backends.torch.graphs import Segments
+
+            graphs = getattr(models(mode), "row_graphs", None)
+            if graphs is None or not graphs.fns.compiled:
+                raise Skip("this model's row graphs run no inductor kernels (CUDA with triton, --compile auto/on)")
+            saved = graphs.fns, graphs._graphs
+            graphs.fns, graphs._graphs = Segments(False), {}
+            try:
+                return with_arm(check.args, models, run, kv_strategy=name, compile=mode)
+            finally:
+                graphs.fns, graphs._graphs = saved
+
+        arm = out["arms"][f"{name}/compile={mode}/inductor=off"] = check.arm(eager_pieces, 8)
+        fused = out["arms"].get(f"{name}/compile={mode}", {})
+        if arm.get("decode_tok_s") and fused.get("decode_tok_s"):
+            fused_gain[name] = round(fused["decode_tok_s"] / arm["decode_tok_s"], 3)
+    out["inductor_over_eager_pieces"] = fused_gain
     # --compile on (CUDA): the row graphs' dense work as inductor's fused kernels, inside the same capture
     on_gain = {}
     for name in ("full", "sink_window"):
@@ -1011,7 +1032,8 @@ def ratios_and_targets(doc: dict) -> None:
          "ngram_k4_speedup": s.get("ngram", {}).get("speedup"),
          "compile_auto_over_off": s.get("decode_batch1", {}).get("compile_auto_over_off"),
          "row_graphs_over_piecewise": s.get("decode_batch1", {}).get("row_graphs_over_piecewise"),
-         "compile_on_over_auto": s.get("decode_batch1", {}).get("compile_on_over_auto")}
+         "compile_on_over_auto": s.get("decode_batch1", {}).get("compile_on_over_auto"),
+         "inductor_over_eager_pieces": s.get("decode_batch1", {}).get("inductor_over_eager_pieces")}
     doc["ratios"] = r
     runs = s.get("runs", {})
     paged = runs.get("strategies", {}).get("paged", {})
