@@ -24,8 +24,11 @@ in position order right before the window, and to the sink right before those, s
 exceeds sink + window + recall_pages * page_size (checked against the trained context). Keys stay
 post-RoPE at their true positions in every tier; the recalled ones are rotated on recall (RoPE
 composes: rotating a key at p_k by d puts it at p_k + d), by the backend's `rotate_keys`. Below the
-trained context nothing changes: every query attends at true positions. Page choice scores at true
-positions on both sides of it.
+trained context nothing changes: every query attends at true positions. Page choice, too, scores at
+true positions below it; past it (`far_keys`), it scores every out-of-window key as if it sat at one
+in-range distance from the query (InfLLM gives its memory units one position as well): a second compact
+copy of each archived key, rotated back to position 0 from the exact page store (derived data, built at
+the first query past the context, not saved), scored against the query rotated to `far_distance`.
 Byte counts: `resident_nbytes` (sink + window slab; flat), `selection_nbytes` (compact keys;
 grows with the pages), `stored_nbytes` (page store). `nbytes` = resident + selection, what a
 session holds for attention every step; the page store is a cheaper tier.
@@ -69,6 +72,11 @@ class PagedCache(SinkWindowCache):
         # int4 / int8 names make a RowQuant, whose group_max_scores scores the candidates
         key_codec = cast(RowQuant, make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype))
         self.keys = RowTable(key_codec, stack=1, **dims)
+        # past the trained context: the same compact keys of every archived position, rotated to position 0
+        # (`_start_far_choice`), scored against queries rotated to far_distance: every candidate at that distance
+        self.far_keys: RowTable | None = None
+        self.far_distance = self.window + self.page_size
+        self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step past the context
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
         # (decoded), rounded outward to float16: `bounds` row j = page j, stack (max, min)
         self.shortlist = max(strategy.shortlist_pages, strategy.recall_pages) if strategy.shortlist_pages else 0
@@ -91,15 +99,21 @@ class PagedCache(SinkWindowCache):
         return bool(self.shortlist) and -(-self.keys.rows // self.page_size) > self.shortlist_from
 
     @property
+    def choice_keys(self) -> RowTable:
+        """The compact keys page choice scores: at true positions, or past the trained context `far_keys`."""
+        return self.far_keys if self.far_keys is not None else self.keys
+
+    @property
     def selection_nbytes(self) -> int:
-        """What a step reads to choose pages: the compact keys, read whole until the shortlist applies; from
-        then on the page bounds (made then) only (the shortlisted pages' compact keys are read from the stored
-        tier)."""
-        return self.bounds.nbytes + (0 if self.shortlisting else self.keys.nbytes)
+        """What a step reads to choose pages: the compact keys it scores, read whole until the shortlist applies;
+        from then on the page bounds (made then) only (the shortlisted pages' compact keys are read from the
+        stored tier)."""
+        return self.bounds.nbytes + (0 if self.shortlisting else self.choice_keys.nbytes)
 
     @property
     def stored_nbytes(self) -> int:
-        return self.pages.nbytes + (self.keys.nbytes if self.shortlisting else 0)
+        idle = self.keys.nbytes if self.far_keys is not None else 0  # true-position codes, kept for the saved state
+        return self.pages.nbytes + idle + (self.choice_keys.nbytes if self.shortlisting else 0)
 
     @property
     def nbytes(self) -> int:
@@ -155,7 +169,10 @@ class PagedCache(SinkWindowCache):
             if missing:
                 raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
             cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
-        return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols}
+        far = np.arange(first, first + t) >= self.max_context  # rows that choose through far_keys
+        return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols,
+                "first": first, "far": "all" if far.all() else ("some" if far.any() else "none"),
+                "far_rows": torch.from_numpy(far).to(dev)}
 
     @torch.inference_mode()
     def attend_with_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
@@ -182,6 +199,8 @@ class PagedCache(SinkWindowCache):
             q, k_all, v_all = (torch.from_numpy(np.array(x)) for x in (q, k_all, v_all))
         t0 = time.perf_counter()
         allowed = plan["allowed"][w]
+        if plan["far"] != "none" and rotate_keys is not None and self.far_keys is None:
+            self._start_far_choice(rotate_keys)
         idx, ok = self._choose_pages(layer, q, k_all, plan, w)  # (Hkv, T, M) page indices
         c = plan["c"]
         t1 = time.perf_counter()
@@ -456,29 +475,45 @@ class PagedCache(SinkWindowCache):
                 ok = F.pad(plan["allowed"][w], (0, span - c), value=False).view(t, n_pages, p).any(-1)  # (T, pages)
                 plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
             return plan[key]
-        codec = self.keys.codec
-        if self.shortlist and n_pages > self.shortlist_from:
+        far = plan["far"] if self.far_keys is not None else "none"
+        if self.shortlist and n_pages > self.shortlist_from and far != "some":
             return self._choose_shortlisted(layer, q, k_all, plan, w)
-        codes, sc = self._candidate_codes(layer, k_all, plan)
-        scores = codec.group_max_scores(q.reshape(hkv, g, t, d).float(), codes, sc)  # (Hkv, T, span)
+
+        def scored(far_side: bool) -> torch.Tensor:
+            codes, sc = self._candidate_codes(layer, k_all, plan, far_side)
+            qq = self._far_queries(layer, q, plan) if far_side else q
+            return self.keys.codec.group_max_scores(qq.reshape(hkv, g, t, d).float(), codes, sc)  # (Hkv, T, span)
+
+        if far == "some":  # a step across the trained context: each row scores as a one-row step at its position would
+            scores = torch.where(plan["far_rows"][None, :, None], scored(True), scored(False))
+        else:
+            scores = scored(far == "all")
         if span > c:
             scores[..., c:] = float("-inf")
         if not plan["free"][w]:
             scores[..., :c].masked_fill_(~plan["allowed"][w], float("-inf"))
         page_scores = scores.view(hkv, t, n_pages, p).amax(-1)  # (Hkv, T, pages): a page's best key
-        best, idx = page_scores.topk(min(self.recall_pages, n_pages), -1)
+        best, idx = _top(page_scores, min(self.recall_pages, n_pages), stable=far != "none")
         return idx, best > float("-inf")
 
-    def _candidate_codes(self, layer: int, k_all: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidate_codes(self, layer: int, k_all: torch.Tensor, plan: Plan,
+                         far: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Compact codes and scales (Hkv, span, ...) of the step's candidates laid out as whole pages: archived ones
-        as stored, still-resident ones encoded on the fly by the same codec; rows past C are spare (callers mask them)."""
+        as stored, still-resident ones encoded on the fly by the same codec; rows past C are spare (callers mask them).
+        far: from far_keys (each key rotated to position 0), the resident ones rotated likewise before encoding."""
         hkv, d = k_all.shape[0], k_all.shape[2]
         span, cols = plan["n_pages"] * self.page_size, plan["cols"]
+        table = self.far_keys if far and self.far_keys is not None else self.keys
         if cols is None:
-            stored = self.keys.whole_pages(layer, span)
+            stored = table.whole_pages(layer, span)
             return stored["codes"][0], stored["scale"][0]
-        stored = self.keys.payload(layer)
-        fresh = self.keys.codec.encode(k_all.index_select(1, cols).reshape(-1, d))
+        stored = table.payload(layer)
+        ks = k_all.index_select(1, cols)
+        if table is not self.keys:
+            assert self._rotate is not None  # set with far_keys
+            back = -torch.arange(self.archived_end, self.archived_end + cols.numel(), device=ks.device)
+            ks = self._rotate(layer, ks, back.expand(hkv, -1))
+        fresh = self.keys.codec.encode(ks.reshape(-1, d))
         nf = cols.numel()
         codes = torch.cat([stored["codes"][0], fresh["codes"].reshape(hkv, nf, -1)], 1)
         sc = torch.cat([stored["scale"][0], fresh["scale"].reshape(hkv, nf, 1)], 1)
@@ -503,11 +538,48 @@ class PagedCache(SinkWindowCache):
         if not self.shortlist or full <= done:
             return
         p = self.page_size
-        part = {name: x[:, 0, :, done * p: full * p] for name, x in self.keys.data.items()}  # (L, Hkv, n * P, ...)
+        part = {name: x[:, 0, :, done * p: full * p] for name, x in self.choice_keys.data.items()}  # (L, Hkv, n * P, ...)
         b = self._page_bounds(part["codes"], part["scale"])  # (2, L, Hkv, n, D)
         self.bounds.reserve(full)
         self.bounds.write_all(done, b.transpose(0, 1))
         self.bounds.rows = full
+
+    def _far_queries(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """q (H, T, D) at its rows' positions, rotated to far_distance: against far_keys (keys at position 0) every
+        candidate then scores at that one distance, inside the trained range."""
+        assert self._rotate is not None
+        h, t, d = q.shape
+        hkv = self.geometry.num_kv_heads
+        moves = self.far_distance - (plan["first"] + torch.arange(t, device=q.device))  # (T,)
+        return self._rotate(layer, q.reshape(hkv, -1, d), moves.repeat(h // hkv)[None].expand(hkv, -1)).view(h, t, d)
+
+    def _at_zero(self, k: torch.Tensor, start: int) -> torch.Tensor:
+        """k (L, 1, Hkv, n, D) post-RoPE at positions start.. -> rotated to position 0 (every layer)."""
+        assert self._rotate is not None
+        back = -torch.arange(start, start + k.shape[3], device=k.device).expand(k.shape[2], -1)
+        return torch.stack([self._rotate(i, k[i, 0], back) for i in range(k.shape[0])])[:, None]
+
+    def _start_far_choice(self, rotate_keys: RotateKeys) -> None:
+        """The first step past the trained context: far_keys made from the page store's exact keys, rotated to
+        position 0 and encoded (a page at a time per layer); the bounds rebuilt from them."""
+        self._rotate = rotate_keys
+        g = self.geometry
+        table = RowTable(self.keys.codec, stack=1, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                         head_dim=g.head_dim, page=self.page_size, device=g.device)
+        n = self.pages.rows
+        if n:
+            table.reserve(n)
+            step = 4096
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                rows = torch.arange(a, b, device=self.pages.device)
+                k = torch.stack([self.pages.read(i, rows)[0] for i in range(g.num_layers)])  # (L, Hkv, rows, D)
+                table.write_all(a, self._at_zero(k[:, None].to(g.dtype), self.sink + a))
+            table.rows = n
+        self.far_keys = table
+        self.bounds.rows = 0
+        if self.shortlisting:
+            self._update_bounds()
 
     def _choose_shortlisted(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan,
                             w: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -529,7 +601,10 @@ class PagedCache(SinkWindowCache):
                          "n_whole": int(ranked[-1]) + 1 if ranked.numel() else 0}
         sl = plan[key]
         seen, whole = sl["seen"], sl["whole"]
-        codes, sc = self._candidate_codes(layer, k_all, plan)  # (Hkv, span, ...)
+        far = plan["far"] == "all" and self.far_keys is not None  # ("some" takes the exact path)
+        codes, sc = self._candidate_codes(layer, k_all, plan, far)  # (Hkv, span, ...)
+        if far:
+            q = self._far_queries(layer, q, plan)
         nb, n_whole = min(self.bounds.rows, n_pages), sl["n_whole"]
         parts = [self.bounds.read(layer)[:, :, :nb]] if nb else []  # (2, Hkv, nb, D)
         if nb < n_whole:  # pages not (yet) complete in the key table: the same bounds, from the step's codes
@@ -540,7 +615,7 @@ class PagedCache(SinkWindowCache):
         qf = q.reshape(hkv, g * t, d).float()
         bound = torch.baddbmm(torch.bmm(qf.clamp(min=0), hi.transpose(1, 2)), qf.clamp(max=0), lo.transpose(1, 2))
         bound = bound.view(hkv, g, t, n_pages).amax(1).masked_fill_(~whole, float("-inf"))  # (Hkv, T, pages)
-        top, at = bound.topk(min(self.shortlist, n_pages), -1)
+        top, at = _top(bound, min(self.shortlist, n_pages), stable=far)
         short = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, at, top > float("-inf"))
         short |= sl["part"]  # pages a query sees in part: always scored
         pages_u, valid_u = _rows_per_head(short.any(1))  # (Hkv, U): the union of the step's shortlists per head
@@ -552,7 +627,7 @@ class PagedCache(SinkWindowCache):
         mine = short.gather(-1, pages_u[:, None].expand(hkv, t, u)) & valid_u[:, None]  # (Hkv, T, U)
         page_scores = scores.amax(-1).masked_fill_(~mine, float("-inf"))
         k = min(m, u)
-        best, at_u = page_scores.topk(k, -1)
+        best, at_u = _top(page_scores, k, stable=far)
         idx = pages_u.gather(1, at_u.view(hkv, -1)).view(hkv, t, k)
         ok = best > float("-inf")
         if k < min(m, n_pages):  # fewer pages in every shortlist than recall_pages: the rest chosen as nothing
@@ -596,6 +671,10 @@ class PagedCache(SinkWindowCache):
             kv = self._read_all_layers(order)  # (L, 2, Hkv, n, D)
             self.pages.write_all(self.pages.rows, kv)
             self.keys.write_all(self.keys.rows, kv[:, :1])
+            if self.far_keys is not None:
+                self.far_keys.reserve(self.far_keys.rows + n)
+                self.far_keys.write_all(self.far_keys.rows, self._at_zero(kv[:, :1], start))
+                self.far_keys.rows += n
             self.pages.rows += n
             self.keys.rows += n
             if self.shortlisting:  # made when the shortlist starts to apply (all pages at once), then page by page
@@ -633,9 +712,21 @@ class PagedCache(SinkWindowCache):
         self.pages.load_state({k.removeprefix("pages."): v for k, v in tensors.items() if k.startswith("pages.")}, rows)
         self.keys.load_state({k.removeprefix("keys."): v for k, v in tensors.items() if k.startswith("keys.")}, rows)
         self.bounds.rows = 0  # derived from the keys: rebuilt, not saved
-        if self.shortlisting:
+        self.far_keys = None  # derived too: rebuilt at the first step past the trained context
+        if self.shortlisting and self.next_position < self.max_context:
             self._update_bounds()
         self.evicted_total = int(meta["evicted_total"])
+
+
+def _top(x: torch.Tensor, k: int, stable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the last axis (values, indices). stable: ties go to the lower index, whatever the axis'
+    length (topk's order among ties depends on it). Past the trained context every candidate scores at one distance,
+    so equal keys (a repeated token's, at the first layer) tie exactly, and a verify block, which sees a page more
+    than its first rows' one-token steps, must break the tie as they do."""
+    if not stable:
+        return x.topk(k, -1)
+    vals, idx = x.sort(dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
 
 
 def _head_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

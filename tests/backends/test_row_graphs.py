@@ -138,11 +138,11 @@ def test_row_graphs_over_inductor_segments_generate_what_eager_pieces_do(tmp_pat
 
 
 def test_attend_rows_is_sdpa_with_gqa_over_each_rows_slot():
-    """--compile on's attention in plain ops (row_graphs.attend_rows) computes what the eager step's
+    """--compile on's attention in plain ops (attention.attend_rows) computes what the eager step's
     scaled_dot_product_attention(enable_gqa=True) does: each row over its own slot, its masked columns unseen."""
     import torch.nn.functional as F
 
-    from inference_engine.backends.torch.row_graphs import attend_rows
+    from inference_engine.backends.torch.attention import attend_rows
 
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, d, slots, cols, keys, rows = 6, 2, 8, 4, 40, 32, 3

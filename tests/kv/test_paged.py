@@ -252,6 +252,66 @@ def test_a_prefill_chunk_past_the_context_attends_as_its_rows_would_alone(monkey
     torch.testing.assert_close(batched, rows, rtol=1e-4, atol=1e-4)
 
 
+
+def test_past_the_context_page_choice_scores_every_candidate_at_one_distance():
+    """Below max_context page choice scores keys at their true positions (far_keys is never made). Past it,
+    far_keys holds each archived key rotated back to position 0 (from the exact page store), queries are rotated
+    to far_distance, and so a page's score does not depend on how far back it is: the top pages are those of
+    the keys as they would score at that one distance."""
+    from inference_engine.kv.paged import PagedCache
+
+    m = short_context_model()
+    g = m.geometry()
+    cache = new_cache(m, paged(), max_step=16)
+    feed(m, cache, ids(60, seed=5), 16)
+    assert cache.far_keys is None  # nothing past the context yet
+    feed(m, cache, ids(60, seed=6), 16)
+    far = cache.far_keys
+    assert far is not None and far.rows == cache.keys.rows == cache.pages.rows
+    n = cache.pages.rows
+    back = -torch.arange(cache.sink, cache.sink + n).expand(g.num_kv_heads, -1)
+    for layer in range(g.num_layers):
+        want = far.codec.encode(m.rotate_keys(layer, cache.pages.read(layer)[0], back).reshape(-1, g.head_dim))
+        got = far.payload(layer)
+        assert torch.equal(got["codes"][0, :, :n].reshape(want["codes"].shape), want["codes"])
+    # a decode step's choice: each page's best key at far_distance from the query
+    seen = {}
+    real = PagedCache._choose_pages
+
+    def spy(self, layer, q, k_all, plan, w):
+        return seen.setdefault(layer, (q.clone(), real(self, layer, q, k_all, plan, w)))[1]
+
+    PagedCache._choose_pages = spy
+    try:
+        feed(m, cache, ids(1, seed=7), 1, row_exact=True)
+    finally:
+        PagedCache._choose_pages = real
+    p = cache.next_position - 1
+    hkv, grp = g.num_kv_heads, m.spec.num_heads // g.num_kv_heads
+    for layer, (q, (idx, _ok)) in seen.items():
+        c = p - cache.window + 1 - cache.sink  # candidates [sink, p - window]
+        keys = far.read(layer)[0][:, :c]  # decoded far codes (Hkv, c, D)
+        qv = m.rotate_keys(layer, q.reshape(hkv, grp, g.head_dim), torch.full((hkv, grp), cache.far_distance - p))
+        scores = (qv @ keys.transpose(1, 2)).amax(1)  # (Hkv, c): max over the group's query heads
+        pages = torch.nn.functional.pad(scores, (0, -c % cache.page_size), value=float("-inf")).view(hkv, -1, cache.page_size).amax(-1)
+        want = pages.topk(cache.recall_pages, -1).indices.sort(-1).values
+        assert torch.equal(idx[:, 0].sort(-1).values, want), (layer, idx[:, 0], want)
+
+
+def test_past_the_context_a_resumed_session_chooses_as_one_that_never_left():
+    """far_keys is derived data (not saved): rebuilt from the page store at the first step after a load, it
+    makes the same choices, so the logits are the same bit for bit."""
+    m = short_context_model("int4")
+    history, more = ids(120, seed=8), ids(24, seed=9)
+    a = new_cache(m, paged(), max_step=16)
+    feed(m, a, history, 8)
+    assert a.far_keys is not None
+    b = new_cache(m, paged(), max_step=16)
+    b.load_state(a.state())
+    assert b.far_keys is None
+    assert torch.equal(feed(m, b, more, 1, row_exact=True), feed(m, a, more, 1, row_exact=True))
+    assert torch.equal(b.far_keys.payload(0)["codes"][..., : b.far_keys.rows, :], a.far_keys.payload(0)["codes"][..., : a.far_keys.rows, :])
+
 def test_past_the_context_the_layout_must_fit_inside_it():
     m = short_context_model()
     cache = new_cache(m, paged(window=40, page=8, pages=4), max_step=16)  # reaches 4 + 40 + 32 = 76 >= 64

@@ -238,3 +238,16 @@ def rotate_keys(model, layer: int, k, deltas):
     if moves.numel() < at.numel():
         cos, sin = cos.index_select(1, at), sin.index_select(1, at)  # (1, Hkv * E, D)
     return model.rotate(k.reshape(1, hkv * e, d), cos, sin).view(hkv, e, d)
+
+
+def attend_rows(q, ak, av, slot, bias, keys: int, scale: float):
+    """Each row alone over columns 0..keys-1 of its session's arena slot, in plain ops (inductor fuses them
+    where it cannot see into scaled_dot_product_attention's math path): q (H, B, D); ak, av (slots, Hkv,
+    rows, D); slot (B,); bias (B, 1, 1, keys) additive. Returns o (H, B, D). Query head h reads kv head
+    h // (H / Hkv), as enable_gqa does."""
+    h, b, d = q.shape
+    kk, vv = ak[slot, :, :keys], av[slot, :, :keys]  # (B, Hkv, keys, D)
+    g = h // kk.shape[1]
+    qg = q.transpose(0, 1).reshape(b, kk.shape[1], g, d)  # (B, Hkv, G, D)
+    p = torch.softmax(torch.matmul(qg, kk.transpose(-1, -2)) * scale + bias, dim=-1)  # (B, Hkv, G, keys)
+    return torch.matmul(p, vv).reshape(b, h, d).transpose(0, 1)

@@ -203,7 +203,7 @@ class Segments:
         self.first, self.middle, self.last = wrap(_first), wrap(_middle), wrap(_last)
         self.attend_rows = None  # row_graphs: the arena read and attention, compiled per (rows, keys) bucket
         if compiled:
-            from inference_engine.backends.torch.row_graphs import attend_rows
+            from inference_engine.backends.torch.attention import attend_rows
 
             # one compile per bucket of rows x keys (row_graphs.ROW_BUCKETS x KEY_BUCKETS): past dynamo's default
             # limit of 8 per function it would silently run the rest eagerly
