@@ -71,6 +71,14 @@ class Int8Linear:
     def dequantized(self) -> torch.Tensor:
         return self.q.float() * self.scales.float()[:, None]
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors it computes with (backends/torch/packed.py saves them; `from_state` takes them back)."""
+        return {"q": self.q, "scales": self.scales}
+
+    @classmethod
+    def from_state(cls, st: dict[str, torch.Tensor], b: torch.Tensor | None = None) -> "Int8Linear":
+        return cls(st["q"], st["scales"], b)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup from the same table), fp32."""
         return self.q[ids].float() * self.scales[ids].float()[:, None]
@@ -103,6 +111,22 @@ class Int4Linear:
         self.zero = zero.to(_COMPUTE).contiguous()
         self.scale_zero = torch.stack([self.scale, self.zero], -1).transpose(0, 1).contiguous()  # (K/32, N, 2)
         self.b = b
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors it computes with, packed (torch's int4pack layout: valid for the torch version and CPU that
+        made it; backends/torch/packed.py keys its file on those)."""
+        return {"packed": self.packed, "nibbles": self.nibbles, "scale": self.scale, "zero": self.zero,
+                "scale_zero": self.scale_zero}
+
+    @classmethod
+    def from_state(cls, st: dict[str, torch.Tensor], b: torch.Tensor | None = None) -> "Int4Linear":
+        """Back from `state()` without packing again."""
+        lin = cls.__new__(cls)
+        lin.packed, lin.nibbles, lin.scale, lin.zero, lin.scale_zero = (
+            st[k] for k in ("packed", "nibbles", "scale", "zero", "scale_zero"))
+        lin.shape = (lin.nibbles.shape[0], lin.nibbles.shape[1] * 2)
+        lin.b = b
+        return lin
 
     @classmethod
     def from_float(cls, w: torch.Tensor, b: torch.Tensor | None = None) -> "Int4Linear":
@@ -153,14 +177,26 @@ class RefinedHead:
     ranked in the top 16 every time). Logits outside the refined set are the 4-bit scores, so a
     sampled step (temperature > 0) never takes this path."""
 
-    def __init__(self, w: torch.Tensor, refine: int = 16, greedy_refine: int = 64):
+    def __init__(self, w: torch.Tensor, refine: int = 16, greedy_refine: int = 64, packed=None):
+        """packed: a backends/torch/packed.PackedWeights that keeps the quantized copies between loads."""
         self.w = w.float().contiguous()
-        self.approx = Int8Linear.from_float(self.w)
         self.refine = refine
         # shapes the int4 kernel cannot pack (input not whole groups of 32, rows not a multiple of 16: tiny
         # test models) keep the int8 scoring for greedy steps too
         n, k = self.w.shape
-        self.greedy_approx = Int4Linear.from_float(self.w) if k % GROUP == 0 and n % 16 == 0 else None
+
+        def made(name, kind, build):
+            st = packed.lookup(name) if packed is not None else None
+            if st is not None:
+                return kind.from_state(st)
+            lin = build()
+            if packed is not None:
+                packed.store(name, lin.state())
+            return lin
+
+        self.approx = made("head.int8", Int8Linear, lambda: Int8Linear.from_float(self.w))
+        self.greedy_approx = (made("head.int4", Int4Linear, lambda: Int4Linear.from_float(self.w))
+                              if k % GROUP == 0 and n % 16 == 0 else None)
         self.greedy_refine = greedy_refine
 
     def __call__(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:

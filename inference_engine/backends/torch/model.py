@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from inference_engine.backends.spec import ModelSpec, spec_from_config
 from inference_engine.backends.torch.attention import attend_decode_batch, attend_layout, rotate_keys
 from inference_engine.backends.torch.linear import (
-    DequantizedLinear, WEIGHT_FORMATS, DenseLinear, Int4Linear, Linear, RefinedHead, make_linear,
+    DequantizedLinear, WEIGHT_FORMATS, DenseLinear, Int4Linear, Int8Linear, Linear, RefinedHead, make_linear,
 )
 from inference_engine.kv.layout import CacheGeometry
 
@@ -63,9 +63,12 @@ class TorchCausalLM:
 
     backend_name = "torch"
 
-    def __init__(self, hf_model, spec: ModelSpec, model_id: str, *, weights: str = "fp32", blocks: dict | None = None):
+    def __init__(self, hf_model, spec: ModelSpec, model_id: str, *, weights: str = "fp32", blocks: dict | None = None,
+                 packed=None):
         """weights: fp32 | int8 | int4 (linear.py); blocks: the GGUF's Q4_1 blocks by HF weight name,
-        used by int4 instead of quantizing the fp32 weights again."""
+        used by int4 instead of quantizing the fp32 weights again; packed: a packed.PackedWeights holding the
+        quantized linears of an earlier load (used, and filled with what is packed now)."""
+        self._packed = packed
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
         self.path: pathlib.Path | None = None  # set by load(); tokenizer files live there
@@ -84,7 +87,7 @@ class TorchCausalLM:
         # quantized formats: int8 scoring, exact fp32 for the top candidates (linear.RefinedHead);
         # off the CPU the weight-only kernels are missing: quantized linears run dequantized in bf16
         self.kernels_row_independent = weights != "fp32" and self.device.type == "cpu"
-        self.head = RefinedHead(head_w) if self.kernels_row_independent else DenseLinear(head_w)
+        self.head = RefinedHead(head_w, packed=packed) if self.kernels_row_independent else DenseLinear(head_w)
         self.layers = []
         for i, hl in enumerate(inner.layers):
             a, m = hl.self_attn, hl.mlp
@@ -194,12 +197,19 @@ class TorchCausalLM:
         """One (possibly fused) linear layer: rows of `weights` stacked, in format `fmt` (quantized on
         the CPU; on another device a quantized format runs as its dequantized bf16 matrix)."""
         lin: Linear
+        kind: type[Int4Linear] | type[Int8Linear] | None = {"int4": Int4Linear, "int8": Int8Linear}.get(fmt)
+        # (a packed file exists for the CPU only: load() makes one there)
+        cached = self._packed.lookup(names[0]) if self._packed is not None and kind is not None else None
+        if cached is not None and kind is not None:
+            return kind.from_state(cached, None if bias is None else bias.cpu())
         if fmt == "int4" and all(n in blocks for n in names):
             q, d, m = (torch.cat(parts) for parts in zip(*(blocks[n] for n in names)))
             lin = Int4Linear.from_blocks(q, d, m, None if bias is None else bias.cpu())
         else:
             w = torch.cat([w.detach() for w in weights]).contiguous()
             lin = make_linear(fmt, w if fmt == "fp32" else w.cpu(), bias if fmt == "fp32" or bias is None else bias.cpu())
+        if self._packed is not None and isinstance(lin, (Int4Linear, Int8Linear)):
+            self._packed.store(names[0], lin.state())
         return lin if fmt == "fp32" or self.device.type == "cpu" else DequantizedLinear(lin, self.device)
 
     @classmethod
@@ -216,12 +226,28 @@ class TorchCausalLM:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
         meta = path / "kakeya_model.json"
         model_id = json.loads(meta.read_text()).get("name", path.name) if meta.exists() else path.name
-        blocks = None
-        if weights == "int4" and (path / "source.gguf").exists() and spec.model_type == "llama":
-            from inference_engine.model_store.gguf_blocks import q4_1_blocks
+        packed = None
+        if weights in ("int8", "int4") and str(device) == "cpu":  # the CPU kernels' packed layouts, kept between loads
+            from inference_engine.backends.torch.packed import PackedWeights
 
-            blocks = q4_1_blocks(path / "source.gguf", num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
-        model = cls(hf, spec, model_id, weights=weights, blocks=blocks)
+            packed = PackedWeights(path, weights)
+
+        def build(packed):
+            blocks = None
+            if weights == "int4" and (path / "source.gguf").exists() and spec.model_type == "llama" and not (packed and packed.loaded):
+                from inference_engine.model_store.gguf_blocks import q4_1_blocks
+
+                blocks = q4_1_blocks(path / "source.gguf", num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
+            return cls(hf, spec, model_id, weights=weights, blocks=blocks, packed=packed)
+
+        model = build(packed)
+        if packed is not None and packed.loaded and packed.misses:  # a file without every linear: pack them all again
+            log.warning("packed weights %s lack %d linear(s): packing again", packed.path, packed.misses)
+            packed.discard()
+            model = build(packed)
+        if packed is not None:
+            packed.save()
+            model._packed = None  # its tensors are the model's now
         model.path = path
         return model
 

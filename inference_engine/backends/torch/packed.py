@@ -1,0 +1,83 @@
+"""Quantized weights kept between loads: the int8 / int4 linears' tensors, packed, in one safetensors file next to
+the model (`.kakeya-packed-<format>.safetensors`), so a daemon start reads them instead of packing them again.
+
+Packing SmolLM2-135M's int4 weights (torch's int4pack layout, the head's int8 and int4 copies) took most of a
+daemon start on the 2-core box: the model load took 20.8 s without the file and 10.1 s with it (measured while
+another job held both cores; `_load_model` of the daemon's defaults, int4). torch's packed layout belongs to the torch version and
+the CPU it was made on, so the file records those and the model files' sizes and times; a load that finds
+another key packs again and writes the file anew. A directory that cannot be written is only logged: the
+weights are packed in memory as before.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import tempfile
+
+import torch
+
+log = logging.getLogger("kakeya")
+
+FORMAT = 1
+
+
+class PackedWeights:
+    def __init__(self, model_dir: pathlib.Path, weights: str):
+        self.path = pathlib.Path(model_dir) / f".kakeya-packed-{weights}.safetensors"
+        sources = sorted(p for p in pathlib.Path(model_dir).iterdir()
+                         if p.is_file() and p.suffix in (".gguf", ".safetensors") and not p.name.startswith(".kakeya-packed"))
+        self.key = json.dumps({"format": FORMAT, "weights": weights, "torch": torch.__version__,
+                               "cpu": torch.backends.cpu.get_cpu_capability(),
+                               "sources": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sources}}, sort_keys=True)
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.made: dict[str, torch.Tensor] = {}
+        self.hits = self.misses = 0
+        if self.path.exists():
+            try:
+                from safetensors import safe_open
+
+                with safe_open(str(self.path), framework="pt") as f:
+                    if (f.metadata() or {}).get("key") == self.key:
+                        # copies: the file's buffers are only 8-byte aligned, torch's kernels read their own allocations
+                        self.loaded = {k: f.get_tensor(k).clone() for k in f.keys()}
+                    else:
+                        log.info("packed weights %s were made for another torch, CPU or model file: packing again", self.path)
+            except Exception as e:  # noqa: BLE001 - a damaged cache only costs the packing
+                log.warning("packed weights %s unreadable (%s): packing again", self.path, e)
+
+    def discard(self) -> None:
+        """Forget the file's tensors (it will be written anew from what is packed next)."""
+        self.loaded, self.made, self.hits, self.misses = {}, {}, 0, 0
+
+    def lookup(self, name: str) -> dict[str, torch.Tensor] | None:
+        prefix = name + "/"
+        st = {k[len(prefix):]: v for k, v in self.loaded.items() if k.startswith(prefix)}
+        if st:
+            self.hits += 1
+            return st
+        self.misses += 1
+        return None
+
+    def store(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        self.made |= {f"{name}/{k}": v.contiguous() for k, v in state.items()}
+
+    def save(self) -> None:
+        """Write what was packed in this load (nothing when everything came from the file), atomically."""
+        if not self.made:
+            return
+        from safetensors.torch import save_file
+
+        tensors = self.loaded | self.made
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".kakeya-packed-", suffix=".tmp", dir=self.path.parent)
+            os.close(fd)
+            save_file(tensors, tmp, metadata={"key": self.key})
+            os.chmod(tmp, 0o644)  # readable like the rest of a shared model cache (mkstemp makes 0600)
+            os.replace(tmp, self.path)
+            log.info("packed weights saved to %s (%.0f MB)", self.path, self.path.stat().st_size / 1e6)
+        except OSError as e:
+            log.info("packed weights not saved (%s): the next load packs again", e)
+            if "tmp" in locals() and os.path.exists(tmp):
+                os.unlink(tmp)

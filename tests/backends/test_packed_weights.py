@@ -1,0 +1,61 @@
+"""The quantized linears' packed tensors are kept next to the model (backends/torch/packed.py): a second load
+reads them instead of packing again and computes the same logits bit for bit; a file made for other model
+files is packed again; a directory that cannot be written costs only the packing."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from factories import tiny_model_dir
+from inference_engine.backends.torch.model import TorchCausalLM
+from inference_engine.backends.torch.packed import PackedWeights
+
+
+def logits(m):
+    from inference_engine.engine.steps import forward
+    from inference_engine.kv.factory import make_cache
+    from inference_engine.kv.strategy import KVStrategy
+
+    cache = make_cache(KVStrategy("full"), m.geometry(), max_step=16, max_context=m.spec.max_context)
+    ids = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(0))
+    out, _ = forward(m, ids, range(12), cache)
+    return m.to_host(out)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_second_load_reads_the_packed_weights_and_computes_the_same(tmp_path, weights, monkeypatch):
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-packed-*"))
+    first = TorchCausalLM.load(d, weights=weights)
+    files = list(d.glob(".kakeya-packed-*.safetensors"))
+    assert [f.name for f in files] == [f".kakeya-packed-{weights}.safetensors"]
+    packed = PackedWeights(d, weights)
+    assert packed.loaded  # its key matches this torch, CPU and model files
+
+    built = []
+    real = PackedWeights.store
+    monkeypatch.setattr(PackedWeights, "store", lambda self, name, st: built.append(name) or real(self, name, st))
+    second = TorchCausalLM.load(d, weights=weights)
+    assert built == []  # nothing packed: every linear (and the head's quantized copies) came from the file
+    assert torch.equal(logits(second), logits(first))
+
+    st = d / "model.safetensors"
+    os.utime(st, ns=(st.stat().st_atime_ns, st.stat().st_mtime_ns + 10**9))  # the model file changed
+    assert not PackedWeights(d, weights).loaded
+    third = TorchCausalLM.load(d, weights=weights)
+    assert built and torch.equal(logits(third), logits(first))  # packed again, and written for the new key
+    assert PackedWeights(d, weights).loaded
+
+
+def test_a_read_only_model_directory_only_costs_the_packing(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-packed-*"))
+    d.chmod(0o555)
+    try:
+        m = TorchCausalLM.load(d, weights="int4")
+        assert not list(d.glob(".kakeya-packed-*")) and torch.isfinite(logits(m)).all()
+    finally:
+        d.chmod(0o755)
