@@ -18,11 +18,12 @@ through the same graph family. Padding rows (a step's rows up to the bucket) rea
 scratch slot and see every column of it (finite values), and their outputs are never read.
 
 The dense work between attentions goes through graphs.Segments (the functions the piecewise step's CUDA
-graphs capture): eager pieces with --compile auto, inductor's fused kernels with --compile on (compiled
-once per bucket of rows, for every layer; then captured like the rest). With --compile on the arena read
-and attention go through inductor too (`attend_rows`, plain ops, once per bucket of rows and keys): an H200
-profile of the `auto` step (results/gpu_check.json, section `profile`) counted ~1,400 kernels a token, the
-SDPA math path's ~10 a layer among them; the K/V writes stay eager index_put.
+graphs capture): inductor's fused kernels with --compile on, and with auto where triton is present (compiled
+once per bucket of rows, for every layer; then captured like the rest), else eager pieces. With inductor the
+arena read and attention go through it too (`attention.attend_rows`, plain ops, once per bucket of rows and
+keys): an H200 profile of the step with eager pieces (results/gpu_check.json, section `profile`) counted
+~1,400 kernels a token, SDPA's math path several a layer among them, against 560 with inductor's; the K/V
+writes stay eager index_put.
 
 Inputs are static buffers the step copies into (one int64 (4, B) block: ids, positions, slot, write
 column; one (B, 1, 1, K) mask); outputs are the graph's own tensors, copied out before the next replay.
