@@ -4,10 +4,14 @@
                attend, e.g. the K/V a research strategy keeps for its extra keys); flat in the
                history length for the bounded strategies
     selection  what queries score to choose pages (paged: compact keys); grows with the pages
-    stored     exact K/V of evicted positions kept outside the hot set (paged: the page store)
+    stored     warm: exact K/V of evicted positions kept outside the hot set in host RAM (paged: the
+               page store's pages in memory, at most `page_ram_mb` MB a session)
+    cold       on disk: the rest of those exact K/V (paged: the page store's pages past its RAM
+               budget, read back from a memory-mapped spill file); 0 without a disk tier
 
-A cache reports the tiers through `resident_nbytes` / `selection_nbytes` / `stored_nbytes`; one
-that has only `nbytes` keeps everything resident (selection 0, stored 0).
+A cache reports the tiers through `resident_nbytes` / `selection_nbytes` / `stored_nbytes` /
+`cold_nbytes` (each but the first optional, 0 when absent); one that has only `nbytes` keeps
+everything resident (selection, stored and cold 0).
 """
 from __future__ import annotations
 
@@ -20,9 +24,11 @@ class KVBytes:
     resident: int = 0
     selection: int = 0
     stored: int = 0
+    cold: int = 0
 
     def __add__(self, other: "KVBytes") -> "KVBytes":
-        return KVBytes(self.resident + other.resident, self.selection + other.selection, self.stored + other.stored)
+        return KVBytes(self.resident + other.resident, self.selection + other.selection, self.stored + other.stored,
+                       self.cold + other.cold)
 
 
 def kv_bytes(kv: object) -> KVBytes:
@@ -33,4 +39,5 @@ def kv_bytes(kv: object) -> KVBytes:
     resident = getattr(cache, "resident_nbytes", None)
     if resident is None:
         return KVBytes(int(cache.nbytes))
-    return KVBytes(int(resident), int(getattr(cache, "selection_nbytes", 0)), int(getattr(cache, "stored_nbytes", 0)))
+    return KVBytes(int(resident), int(getattr(cache, "selection_nbytes", 0)), int(getattr(cache, "stored_nbytes", 0)),
+                   int(getattr(cache, "cold_nbytes", 0)))

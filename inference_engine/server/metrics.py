@@ -25,7 +25,11 @@ class RuntimeMetrics:
         self.session_kv_selection_bytes = Gauge(
             "session_kv_selection_bytes", "Page-selection bytes (paged: compact keys) across allocated sessions.", registry=r)
         self.session_kv_stored_bytes = Gauge(
-            "session_kv_stored_bytes", "Page-store bytes (exact K/V of evicted positions) across allocated sessions.", registry=r)
+            "session_kv_stored_bytes", "Page-store bytes in host RAM (warm: exact K/V of evicted positions) across allocated "
+            "sessions.", registry=r)
+        self.session_kv_cold_bytes = Gauge(
+            "session_kv_cold_bytes", "Page-store bytes on disk (cold: exact K/V of evicted positions past --page-ram-mb, in "
+            "memory-mapped spill files) across allocated sessions.", registry=r)
         self.session_history_tokens = Histogram(
             "session_history_tokens", "Per-session history length at Generate time.", buckets=TOKEN_BUCKETS, registry=r
         )
@@ -88,7 +92,7 @@ class RuntimeMetrics:
             self.session_loads_total.labels(outcome=outcome)
 
     def track_kv_tiers(self, sessions: Callable[[], Iterable]) -> None:
-        """Read the three KV byte tiers of `sessions()` (objects with a `.kv`) at scrape time."""
+        """Read the four KV byte tiers of `sessions()` (objects with a `.kv`) at scrape time."""
 
         def total() -> KVBytes:
             return sum((kv_bytes(s.kv) for s in sessions()), KVBytes())
@@ -96,6 +100,7 @@ class RuntimeMetrics:
         self.session_kv_resident_bytes.set_function(lambda: total().resident)
         self.session_kv_selection_bytes.set_function(lambda: total().selection)
         self.session_kv_stored_bytes.set_function(lambda: total().stored)
+        self.session_kv_cold_bytes.set_function(lambda: total().cold)
 
     def serve(self, port: int, addr: str = "127.0.0.1"):
         return start_http_server(port, addr=addr, registry=self.registry)

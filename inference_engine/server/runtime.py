@@ -42,9 +42,10 @@ class SessionInfo:
     eos_token_ids: tuple
     kv_resident_bytes: int = 0  # the hot set (kv/byte_counts.py)
     kv_selection_bytes: int = 0  # what queries score to choose pages
-    kv_stored_bytes: int = 0  # exact K/V kept outside the hot set
+    kv_stored_bytes: int = 0  # exact K/V kept outside the hot set, in host RAM (warm)
     durable_length: int = 0  # history tokens on disk (what a crash keeps); 0 without persistence
     save_error: str = ""  # why this session's saves fail ("" while they do not)
+    kv_cold_bytes: int = 0  # exact K/V kept outside the hot set, on disk (paged: the spill file)
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,7 @@ class Runtime:
             kv_resident_bytes=tiers.resident,
             kv_selection_bytes=tiers.selection,
             kv_stored_bytes=tiers.stored,
+            kv_cold_bytes=tiers.cold,
             durable_length=s.durable_length,
             save_error=s.save_error,
         )

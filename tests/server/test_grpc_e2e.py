@@ -234,6 +234,7 @@ def test_metrics_endpoint_exposes_session_metrics():
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         for name in (
             "session_active", 'session_total{outcome="closed"}', "session_kv_live_bytes", "session_history_tokens_bucket",
+            "session_kv_resident_bytes", "session_kv_selection_bytes", "session_kv_stored_bytes", "session_kv_cold_bytes 0.0",
             "generate_prefill_tokens_bucket", "generate_prefill_duration_seconds_bucket", 'cache_invariant_violations_total{kind="inv1"}',
             'session_evicted_total{reason="lru"}', "generate_tokens_total 4.0", "generate_time_to_first_token_seconds_bucket",
             "generate_decode_tokens_per_second_bucket", "history_truncated_tokens_total",
@@ -270,19 +271,37 @@ def test_sink_window_kv_bytes_do_not_depend_on_history_length():
         srv.stop()
 
 
-def test_paged_kv_tiers_resident_flat_selection_and_stored_grow():
-    """paged 4 + 32, pages of 8: the hot set (resident) does not grow with the history; the compact keys
-    (selection) and the page store (stored) grow with the archived positions, through the RPC and /metrics."""
+KV_GAUGES = ("session_kv_resident_bytes", "session_kv_selection_bytes", "session_kv_stored_bytes", "session_kv_cold_bytes")
+
+
+def free_port() -> int:
     import socket
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kv_gauges(port: int) -> tuple:
+    """The four KV tier gauges of /metrics (resident, selection, stored, cold), in that order."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    got = {name: float(line.split()[1]) for line in text.splitlines() for name in KV_GAUGES if line.startswith(name + " ")}
+    return tuple(got[name] for name in KV_GAUGES)
+
+
+def tiers_of(info) -> tuple:
+    return (info.kv_resident_bytes, info.kv_selection_bytes, info.kv_stored_bytes, info.kv_cold_bytes)
+
+
+def test_paged_kv_tiers_resident_flat_selection_and_stored_grow():
+    """paged 4 + 32, pages of 8: the hot set (resident) does not grow with the history; the compact keys
+    (selection) and the page store (stored) grow with the archived positions, through the RPC and /metrics;
+    under its RAM budget (page_ram_mb's default, 128 MB) nothing is on disk (cold 0)."""
     from factories import load_model, tiny_model_dir
     from inference_engine.engine.generate import Engine
     from inference_engine.kv.strategy import KVStrategy
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     model = load_model(str(tiny_model_dir("llama")))
     # shortlist_pages 0: selection is the compact keys alone (with a shortlist it also holds the page bounds,
     # made 64 pages at a time; tests/kv/test_paged.py counts those)
@@ -295,17 +314,13 @@ def test_paged_kv_tiers_resident_flat_selection_and_stored_grow():
                 with c.create_session(history(n, n), ignore_eos=True) as s:
                     list(s.generate(max_tokens=2))
                     i = s.info()
-                    tiers[n] = (i.kv_resident_bytes, i.kv_selection_bytes, i.kv_stored_bytes)
+                    tiers[n] = tiers_of(i)
                     assert i.kv_live_bytes == i.kv_resident_bytes + i.kv_selection_bytes
                     assert i.dropped_tokens == 0  # archived, not dropped
+                    assert i.kv_cold_bytes == 0  # a few KB of pages: all in RAM
                     if n == 300:  # one session open: the gauges are its tiers
-                        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-                        got = {name: float(line.split()[1]) for line in text.splitlines() for name in
-                               ("session_kv_resident_bytes", "session_kv_selection_bytes", "session_kv_stored_bytes")
-                               if line.startswith(name + " ")}
-                        assert got == {"session_kv_resident_bytes": tiers[n][0], "session_kv_selection_bytes": tiers[n][1],
-                                       "session_kv_stored_bytes": tiers[n][2]}
-        (r1, sel1, st1), (r3, sel3, st3) = tiers[100], tiers[300]
+                        assert kv_gauges(port) == tiers[n]
+        (r1, sel1, st1, _), (r3, sel3, st3, _) = tiers[100], tiers[300]
         assert r1 == r3 > 0
         # every position out of the window is archived: (history + 1 - sink - window) rows, in whole pages
         assert 0 < sel1 < sel3 and 0 < st1 < st3
@@ -319,7 +334,7 @@ def test_non_paged_strategies_report_everything_resident(client):
     with client.create_session(history(80, 5), ignore_eos=True) as s:
         list(s.generate(max_tokens=2))
         i = s.info()
-        assert (i.kv_resident_bytes, i.kv_selection_bytes, i.kv_stored_bytes) == (i.kv_live_bytes, 0, 0)
+        assert tiers_of(i) == (i.kv_live_bytes, 0, 0, 0)
         assert i.kv_live_bytes > 0
 
 

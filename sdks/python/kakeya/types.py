@@ -78,8 +78,10 @@ class SessionInfo:
     eos_token_ids: tuple = field(default=())
     # KV bytes by tier (kv_live_bytes = resident + selection). Resident: the hot set (sink, window,
     # recalled pages), flat in the history length for bounded strategies. Selection: what queries
-    # score to choose pages (paged: compact keys). Stored: exact K/V of evicted positions kept outside
-    # the hot set (paged: the page store). Strategies without pages report selection = stored = 0.
+    # score to choose pages (paged: compact keys). Stored (warm): exact K/V of evicted positions kept
+    # outside the hot set in host RAM (paged: the page store, at most the daemon's --page-ram-mb a
+    # session). Cold: the rest of them, on disk (paged: pages past --page-ram-mb, in a memory-mapped
+    # spill file). Strategies without pages report selection = stored = cold = 0.
     kv_resident_bytes: int = 0
     kv_selection_bytes: int = 0
     kv_stored_bytes: int = 0
@@ -88,6 +90,7 @@ class SessionInfo:
     # fail ("" while they do not).
     durable_length: int = 0
     save_error: str = ""
+    kv_cold_bytes: int = 0
 
     @classmethod
     def from_pb(cls, r) -> "SessionInfo":

@@ -62,8 +62,16 @@ export interface SessionInfo {
   readonly kvResidentBytes: number;
   /** What queries score to choose pages (paged: compact keys); 0 for strategies without pages. */
   readonly kvSelectionBytes: number;
-  /** Exact K/V of evicted positions kept outside the hot set (paged: the page store); 0 otherwise. */
+  /**
+   * Warm: exact K/V of evicted positions kept outside the hot set in host RAM (paged: the page store,
+   * at most the daemon's --page-ram-mb of it per session); 0 otherwise.
+   */
   readonly kvStoredBytes: number;
+  /**
+   * Cold: exact K/V of evicted positions held on disk (paged: pages past --page-ram-mb, read back from
+   * a memory-mapped spill file); 0 while the page store fits its RAM budget, and for the other strategies.
+   */
+  readonly kvColdBytes: number;
   readonly idleSeconds: number;
   /** Positions dropped from attention over the session's lifetime. */
   readonly droppedTokens: number;

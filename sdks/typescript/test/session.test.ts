@@ -38,8 +38,8 @@ describe("session lifecycle", () => {
     expect(info).toMatchObject({ durableLength: PROMPT.length + 6, saveError: "" });
     expect(session.durableLength).toBe(PROMPT.length + 6);
     expect(info.kvLiveBytes).toBeGreaterThan(0);
-    // sink_window keeps everything in the hot set: no page selection data, no page store.
-    expect(info).toMatchObject({ kvResidentBytes: info.kvLiveBytes, kvSelectionBytes: 0, kvStoredBytes: 0 });
+    // sink_window keeps everything in the hot set: no page selection data, no page store in RAM or on disk.
+    expect(info).toMatchObject({ kvResidentBytes: info.kvLiveBytes, kvSelectionBytes: 0, kvStoredBytes: 0, kvColdBytes: 0 });
 
     // The next call prefills only what the previous one left pending plus the new tokens.
     await session.append([5, 6, 7]);
