@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from inference_engine.backends.torch.attention import attend_merged, attend_row_parts, attend_row_two_part, attention_lse
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
-from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, make_row_codec
+from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, make_page_table, make_row_codec
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import AppendOnly
 from inference_engine.kv.stores import SlabStore
@@ -67,8 +67,10 @@ class PagedCache(SinkWindowCache):
         self.groups = None  # query heads per KV head, known at the first recall
         dims: dict[str, Any] = dict(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                                     page=self.page_size, device=g.device)
-        self.pages = RowTable(make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=g.dtype,
-                                             q_range=strategy.q_range, device=g.device), stack=2, **dims)
+        # the page store: its newest pages within page_ram_mb in RAM, older ones in a spill file (0: all in RAM)
+        self.pages = make_page_table(make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=g.dtype,
+                                                    q_range=strategy.q_range, device=g.device),
+                                     ram_bytes=strategy.page_ram_mb * 2 ** 20, stack=2, **dims)
         # int4 / int8 names make a RowQuant, whose group_max_scores scores the candidates
         key_codec = cast(RowQuant, make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype))
         self.keys = RowTable(key_codec, stack=1, **dims)
@@ -114,6 +116,11 @@ class PagedCache(SinkWindowCache):
     def stored_nbytes(self) -> int:
         idle = self.keys.nbytes if self.far_keys is not None else 0  # true-position codes, kept for the saved state
         return self.pages.nbytes + idle + (self.choice_keys.nbytes if self.shortlisting else 0)
+
+    @property
+    def cold_nbytes(self) -> int:
+        """The page store's pages on disk (its spill file), past `page_ram_mb` of RAM."""
+        return self.pages.cold_nbytes
 
     @property
     def nbytes(self) -> int:
@@ -364,19 +371,22 @@ class PagedCache(SinkWindowCache):
 
     def _candidate_pages(self, layer: int, pages: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                          plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K/V (Hkv, T * M * P, D) of the chosen pages (Hkv, T, M) of many rows at once: the candidates laid
-        out once as whole pages (the page store's rows, then the still-resident ones through the page codec, as
-        `_rows_kv` reads them; zeros past C, which the page masks hide) and copied a page at a time."""
+        """Exact K/V (Hkv, T * M * P, D) of the chosen pages (Hkv, T, M) of many rows at once: each KV head's union of
+        the rows' pages read once (`_rows_kv`: archived rows from the page store, whichever tier holds them, still-
+        resident ones through the page codec; rows past C repeat the last candidate, which the page masks hide),
+        then copied a page at a time."""
         hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
-        n_st, n_pages = self.pages.rows, plan["n_pages"]
-        parts = [self.pages.read_pages(layer, -(-n_st // p) * p)[:, :, :n_st].to(k_all.dtype)] if n_st else []
-        cols = plan["cols"]
-        if cols is not None:
-            parts.append(self._as_stored(torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)]), k_all.dtype))
-        cand = parts[0] if len(parts) == 1 else torch.cat(parts, 2)  # (2, Hkv, C, D)
-        cand = F.pad(cand, (0, 0, 0, n_pages * p - cand.shape[2])).reshape(2, hkv * n_pages, p * d)
-        flat = (pages + torch.arange(hkv, device=pages.device)[:, None, None] * n_pages).flatten()
-        kv = cand.index_select(1, flat).view(2, hkv, -1, d)
+        n_pages = plan["n_pages"]
+        dev = pages.device
+        chosen = torch.zeros(hkv, n_pages, dtype=torch.bool, device=dev).scatter_(1, pages.flatten(1), True)
+        pages_u, valid_u = _rows_per_head(chosen)  # (Hkv, U): each head's chosen pages, ascending
+        u = pages_u.shape[1]
+        rows = ((pages_u * p)[:, :, None] + torch.arange(p, device=dev)).view(hkv, -1).clamp_(max=plan["c"] - 1)
+        k_u, v_u = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])  # (Hkv, U * P, D)
+        at = torch.zeros(hkv, n_pages + 1, dtype=torch.long, device=dev)  # page -> its place among the head's U
+        at.scatter_(1, torch.where(valid_u, pages_u, n_pages), torch.arange(u, device=dev).expand(hkv, -1))
+        flat = (at.gather(1, pages.flatten(1)) + torch.arange(hkv, device=dev)[:, None] * u).flatten()
+        kv = torch.stack([k_u, v_u]).view(2, hkv * u, p * d).index_select(1, flat).view(2, hkv, -1, d)
         return kv[0], kv[1]
 
     def virtual_deltas(self, pages: torch.Tensor, p: int) -> torch.Tensor:
@@ -428,10 +438,10 @@ class PagedCache(SinkWindowCache):
         return plan[key]
 
     def _page_rows(self, plan: Plan, device: torch.device) -> torch.Tensor:
-        """(Hkv * pages, P): page j of KV head h at row h * pages + j, holding the rows h * capacity +
-        j * P + (0 .. P-1) of the row table's (Hkv * capacity) flattened slab; made once a step."""
+        """(Hkv * pages, P): page j of KV head h at row h * pages + j, holding the rows h * stride +
+        j * P + (0 .. P-1) of the row table's flat rows (`row_stride`); made once a step."""
         if "page_rows" not in plan:
-            hkv, p, n_pages, cap = self.geometry.num_kv_heads, self.page_size, plan["n_pages"], self.pages.capacity
+            hkv, p, n_pages, cap = self.geometry.num_kv_heads, self.page_size, plan["n_pages"], self.pages.row_stride
             heads = torch.arange(hkv, device=device)
             plan["head_pages"] = (heads * n_pages)[:, None]
             plan["head_rows"] = (heads * cap)[:, None]

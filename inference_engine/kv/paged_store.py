@@ -15,6 +15,10 @@ its call: a key quantized in the page store equals the same key quantized on the
 """
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
+import weakref
 from typing import Generic, TypeVar
 
 import torch
@@ -189,13 +193,28 @@ class RowTable(Generic[CodecT]):
         self._set({name: grown(x) for name, x in self.data.items()})
         self.capacity = cap
 
+    @property
+    def row_stride(self) -> int:
+        """Row r of KV head h is flat row h * row_stride + r (`gather_flat`); fixed between appends."""
+        return self.capacity
+
+    @property
+    def cold_nbytes(self) -> int:
+        """Bytes of rows held on disk (a `SpillingRowTable`'s spill file); 0 here."""
+        return 0
+
     def write_all(self, start: int, rows: torch.Tensor) -> None:
         """Encode rows (L, S, Hkv, n, D) of every layer into rows start .. start + n - 1 (after
         `reserve`): one encode and one copy per payload name."""
-        n, d = rows.shape[3], rows.shape[4]
+        d = rows.shape[4]
         payload = self.codec.encode(rows.reshape(-1, d))
+        self._put(start, {name: payload[name].reshape(*rows.shape[:4], *shape) for name, (shape, _) in self.layout.items()})
+
+    def _put(self, start: int, payload: dict) -> None:
+        """Coded rows (L, S, Hkv, n, *trailing) per payload name into rows start .. start + n - 1."""
         for name, x in self.data.items():
-            x[:, :, :, start:start + n] = payload[name].reshape(*rows.shape[:4], *x.shape[4:]).to(x.device)
+            y = payload[name]
+            x[:, :, :, start:start + y.shape[3]] = y.to(x.device, x.dtype)
 
     def read(self, layer: int, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded rows (S, Hkv, len(idx), D) float32 (identity: the stored dtype); idx None = all rows."""
@@ -255,10 +274,214 @@ class RowTable(Generic[CodecT]):
         self._set(self._zeros(0))
         self.capacity = 0
         self.reserve(rows)
-        for name, x in self.data.items():
-            x[:, :, :, :rows] = tensors[name].to(x.device, x.dtype)
+        self._put(0, tensors)
         self.rows = rows
 
     def _zeros(self, capacity: int) -> dict:
         return {name: torch.zeros(self.num_layers, self.stack, self.num_kv_heads, capacity, *shape, dtype=dtype,
                                   device=self.device) for name, (shape, dtype) in self.layout.items()}
+
+
+_spill_dir: str | None = None  # set_spill_dir: where spill files go (None: the system temp directory)
+
+
+def set_spill_dir(path: str | None) -> None:
+    """Where `SpillingRowTable`s create their spill files from now on (made if missing); None: the system temp
+    directory. A process setting (the daemon's `--page-spill-dir`): spill files are unlinked as they are made."""
+    global _spill_dir
+    if path is not None:
+        os.makedirs(path, exist_ok=True)
+    _spill_dir = path
+
+
+def spill_dir() -> str:
+    return _spill_dir if _spill_dir is not None else tempfile.gettempdir()
+
+
+class SpillFile:
+    """Whole pages of one payload, (pages, *page_shape) of `dtype`, in an unlinked file of the spill directory,
+    memory-mapped (shared): nothing is left behind when the process ends. It grows by a quarter at a time:
+    the file is extended (sparse) and mapped again, nothing copied (its pages axis is the outermost)."""
+
+    def __init__(self, page_shape: tuple, dtype: torch.dtype):
+        self.page_shape, self.dtype = page_shape, dtype
+        self.page_bytes = int(torch.Size(page_shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        fd, path = tempfile.mkstemp(prefix="kakeya-pages-", suffix=".bin", dir=spill_dir())
+        os.unlink(path)
+        self.fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
+        self.pages = 0  # mapped
+        self.map: mmap.mmap | None = None
+        self.tensor = torch.empty(0, *page_shape, dtype=dtype)
+
+    def reserve(self, pages: int) -> None:
+        if pages <= self.pages:
+            return
+        want = max(pages, self.pages + self.pages // 4)
+        os.ftruncate(self.fd, want * self.page_bytes)
+        self.map = mmap.mmap(self.fd, want * self.page_bytes)  # the old map lives as long as tensors viewing it
+        self.tensor = torch.frombuffer(self.map, dtype=self.dtype).view(want, *self.page_shape)
+        self.pages = want
+
+
+class SpillingRowTable(RowTable[CodecT]):
+    """A RowTable that holds at most `ram_rows` rows (whole pages) in host RAM: the newest ones, in a ring (row r at
+    slot r % ram_rows once the table has outgrown it). Older pages move, a whole page at a time, to a spill file
+    (`SpillFile`, page-major: page j of every layer, K and V and KV head is one contiguous run) and are read from
+    its map when a query recalls them (the kernel's page cache keeps what it can; the file is the session's cold
+    tier). Every row is in exactly one tier: `nbytes` is the ring (RAM), `cold_nbytes` the spilled pages.
+
+    Reads (`read`, `gather`, `gather_flat`, `read_pages`) take any rows, from either tier, and decode them as
+    the RowTable does; writes append (`write_all` at `rows`). Until the ring is full it is a plain RowTable.
+    `state` / `load_state` keep RowTable's format (rows axis 3), so a session saved with one budget loads under
+    another."""
+
+    def __init__(self, codec: CodecT, *, ram_rows: int, **kw):
+        super().__init__(codec, **kw)
+        if ram_rows < self.page or ram_rows % self.page:
+            raise ValueError(f"a spilling table holds whole pages in RAM: ram_rows {ram_rows} is not a multiple of "
+                             f"the page ({self.page}) of at least one page")
+        self.ram_rows = ram_rows
+        self.cold_pages = 0  # pages [0, cold_pages) are in the spill file; rows [cold_pages * page, rows) in the ring
+        self.files: dict[str, SpillFile] = {}
+
+    @property
+    def first_ram_row(self) -> int:
+        return self.cold_pages * self.page
+
+    @property
+    def row_stride(self) -> int:
+        return max(self.capacity, -(-self.rows // self.page) * self.page)
+
+    @property
+    def cold_nbytes(self) -> int:
+        return self.cold_pages * sum(f.page_bytes for f in self.files.values())
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows: the ring grows as a RowTable does, up to `ram_rows`; past it, `_put` spills."""
+        if self.capacity >= self.ram_rows or rows <= self.capacity:
+            return
+        super().reserve(min(rows, self.ram_rows))
+        if self.capacity > self.ram_rows:  # grown by a quarter past the budget: cut back to it (no rows there yet)
+            self._set({name: x[:, :, :, :self.ram_rows].clone() for name, x in self.data.items()})
+            self.capacity = self.ram_rows
+
+    def _put(self, start: int, payload: dict) -> None:
+        if start != self.rows:
+            raise ValueError(f"a spilling table appends: its rows end at {self.rows}, not {start}")
+        n = next(iter(payload.values())).shape[3]
+        a = start
+        while a < start + n:  # a page (or the rest of one) at a time: a piece never wraps the ring
+            b = min(start + n, (a // self.page + 1) * self.page)
+            if b - self.first_ram_row > self.ram_rows:
+                self.reserve(self.ram_rows)
+                self._spill((b - self.first_ram_row - self.ram_rows + self.page - 1) // self.page)
+            else:
+                self.reserve(b)
+            slot = a % self.ram_rows if self.capacity == self.ram_rows else a
+            for name, x in self.data.items():
+                x[:, :, :, slot:slot + b - a] = payload[name][:, :, :, a - start:b - start].to(x.device, x.dtype)
+            a = b
+
+    def _spill(self, pages: int) -> None:
+        """Move the ring's oldest `pages` pages to the spill file."""
+        if not self.files:
+            self.files = {name: SpillFile((self.num_layers, self.stack, self.num_kv_heads, self.page, *shape), dtype)
+                          for name, (shape, dtype) in self.layout.items()}
+        for f in self.files.values():
+            f.reserve(self.cold_pages + pages)
+        for j in range(self.cold_pages, self.cold_pages + pages):
+            slot = (j * self.page) % self.ram_rows
+            for name, x in self.data.items():
+                self.files[name].tensor[j] = x[:, :, :, slot:slot + self.page]
+        self.cold_pages += pages
+
+    def _take(self, layer: int, heads: torch.Tensor, rows: torch.Tensor) -> dict:
+        """Coded rows (S, N, *trailing) per payload name: row rows[n] of KV head heads[n], from either tier."""
+        first = self.first_ram_row
+        slot = rows % self.ram_rows if self.capacity == self.ram_rows else rows
+        out = {}
+        cold = None if self.cold_pages == 0 else rows < first
+        some_cold = cold is not None and bool(cold.any())
+        all_cold = some_cold and bool(cold.all())
+        for name, x in self.slabs[layer].items():
+            warm = None
+            if not all_cold:
+                flat = heads * self.capacity + (slot if cold is None else torch.where(cold, 0, slot))
+                warm = x.flatten(1, 2).index_select(1, flat)  # (S, N, *trailing)
+            if some_cold:
+                f = self.files[name].tensor.select(1, layer)  # (pages, S, Hkv, P, *trailing): a view of the map
+                r = rows.clamp(max=first - 1) if warm is not None else rows
+                c = f[r // self.page, :, heads, r % self.page].transpose(0, 1)  # (S, N, *trailing)
+                if warm is not None:
+                    c = torch.where(cold.view(1, -1, *[1] * (c.dim() - 2)), c, warm)
+                warm = c
+            out[name] = warm
+        return out
+
+    def _decoded(self, layer: int, heads: torch.Tensor, rows: torch.Tensor, h: int) -> torch.Tensor:
+        part = self._take(layer, heads.flatten(), rows.flatten())
+        flat = {name: x.flatten(0, 1) for name, x in part.items()}
+        return self.codec.decode(flat).reshape(self.stack, h, -1, self.head_dim)
+
+    def read(self, layer: int, idx: torch.Tensor | None = None) -> torch.Tensor:
+        idx = torch.arange(self.rows, device=self.device) if idx is None else idx
+        hkv = self.num_kv_heads
+        heads = torch.arange(hkv, device=idx.device)[:, None].expand(hkv, idx.numel())
+        return self._decoded(layer, heads, idx.expand(hkv, -1), hkv)
+
+    def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        heads = torch.arange(self.num_kv_heads, device=rows.device)[:, None].expand_as(rows)
+        return self._decoded(layer, heads, rows, self.num_kv_heads)
+
+    def gather_flat(self, layer: int, flat_rows: torch.Tensor, heads: int) -> torch.Tensor:
+        stride = self.row_stride
+        return self._decoded(layer, flat_rows // stride, flat_rows % stride, heads)
+
+    def read_pages(self, layer: int, rows: int) -> torch.Tensor:
+        if self.cold_pages == 0 and self.rows <= self.capacity and rows <= self.capacity:
+            return super().read_pages(layer, rows)
+        return self.read(layer, torch.arange(rows, device=self.device).clamp_(max=max(self.rows - 1, 0)))
+
+    def whole_pages(self, layer: int, rows: int) -> dict:
+        if self.cold_pages:
+            raise ValueError("a spilled table is read by rows (gather), not as whole slabs")
+        return super().whole_pages(layer, rows)
+
+    def payload(self, layer: int) -> dict:
+        if self.cold_pages:
+            raise ValueError("a spilled table is read by rows (gather), not as whole slabs")
+        return super().payload(layer)
+
+    def state(self, start: int = 0) -> dict:
+        """RowTable's format: rows start .. rows - 1 (L, S, Hkv, n, *trailing), from both tiers (copies)."""
+        parts: dict[str, list] = {name: [] for name in self.layout}
+        a = start
+        while a < self.rows:
+            b = min(self.rows, (a // self.page + 1) * self.page)
+            for name in self.layout:
+                if a < self.first_ram_row:
+                    j = a // self.page
+                    part = self.files[name].tensor[j][:, :, :, a - j * self.page:b - j * self.page]
+                else:
+                    slot = a % self.ram_rows if self.capacity == self.ram_rows else a
+                    part = self.data[name][:, :, :, slot:slot + b - a]
+                parts[name].append(part)
+            a = b
+        return {name: (torch.cat(xs, 3) if xs else self.data[name][:, :, :, :0]).clone().cpu() for name, xs in parts.items()}
+
+    def load_state(self, tensors: dict, rows: int) -> None:
+        self.cold_pages = 0
+        self.files = {}
+        self.rows = 0
+        super().load_state(tensors, rows)
+
+
+def make_page_table(codec: CodecT, *, ram_bytes: float, **kw) -> RowTable[CodecT]:
+    """The page store's table: a `SpillingRowTable` holding at most `ram_bytes` of rows in RAM (whole pages, at least
+    one), or with ram_bytes 0 a RowTable that holds every row in RAM."""
+    if ram_bytes <= 0:
+        return RowTable(codec, **kw)
+    row_bytes = kw["num_layers"] * kw["stack"] * kw["num_kv_heads"] * codec.bytes_per_row
+    pages = max(1, int(ram_bytes // (row_bytes * kw["page"])))
+    return SpillingRowTable(codec, ram_rows=pages * kw["page"], **kw)

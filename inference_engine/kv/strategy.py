@@ -36,6 +36,9 @@ class KVStrategy:
     # its best max(shortlist_pages, recall_pages) only (0 = always score every candidate key)
     shortlist_pages: int = 64
     shortlist_from: int = 256
+    # paged: host RAM for the page store, per session, in MB (2^20 bytes): the newest pages that fit stay in RAM, older
+    # ones move to a memory-mapped spill file (paged_store.SpillingRowTable); 0 = every page in RAM
+    page_ram_mb: float = 128
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -66,6 +69,10 @@ class KVStrategy:
                 raise ValueError(f"{name} must be an int >= 0 (shortlist_pages 0: score every candidate key), "
                                  f"got {getattr(self, name)!r}")
 
+        if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, (int, float)) or not self.page_ram_mb >= 0:
+            raise ValueError(f"page_ram_mb must be a number >= 0 (MB of host RAM for a session's pages; 0: all in RAM), "
+                             f"got {self.page_ram_mb!r}")
+
     def describe(self) -> dict:
         """Parameters that shape this strategy, as strings (GetServerInfo reports them as a map)."""
         out = {"compressor": self.compressor}
@@ -78,7 +85,8 @@ class KVStrategy:
         if self.name == "paged":
             out |= {"page_size": str(self.page_size), "recall_pages": str(self.recall_pages),
                     "page_compressor": self.page_compressor, "page_key_bits": str(self.page_key_bits)}
-            out |= {"shortlist_pages": str(self.shortlist_pages), "shortlist_from": str(self.shortlist_from)}
+            out |= {"shortlist_pages": str(self.shortlist_pages), "shortlist_from": str(self.shortlist_from),
+                    "page_ram_mb": f"{self.page_ram_mb:g}"}
         return out
 
     @property

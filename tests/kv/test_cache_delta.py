@@ -25,6 +25,7 @@ STRATEGIES = {
     "dlm_restore": make_strategy("dlm_restore", SINK, WINDOW),  # a research strategy, found through the registry
     "paged": KVStrategy("paged", SINK, WINDOW, page_size=4, recall_pages=2),
     "paged_int8_pages": KVStrategy("paged", SINK, WINDOW, page_size=4, recall_pages=2, page_compressor="int8"),
+    "paged_spilled": KVStrategy("paged", SINK, WINDOW, page_size=4, recall_pages=2, page_ram_mb=1e-9),  # one page in RAM
     "full_kakeya_d4": KVStrategy("full", compressor="kakeya_d4"),
     "sink_window_kakeya_d4": KVStrategy("sink_window", SINK, WINDOW, compressor="kakeya_d4"),
 }

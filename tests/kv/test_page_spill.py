@@ -1,0 +1,129 @@
+"""paged's disk tier: past `page_ram_mb` the page store's oldest pages live in a memory-mapped spill file
+(`SpillingRowTable`); every read gives the bytes the all-in-RAM table gives, so results are identical."""
+import os
+
+import pytest
+import torch
+from kv.test_paged import ids, model, new_cache, paged, short_context_model
+
+from factories import feed
+from inference_engine.kv import paged_store
+from inference_engine.kv.byte_counts import kv_bytes
+from inference_engine.kv.paged_store import RowTable, SpillingRowTable, make_page_table, make_row_codec
+
+ONE_PAGE = 1e-9  # MB: make_page_table keeps at least one page in RAM, so this is a budget of one page
+
+
+@pytest.mark.parametrize("codec_name", ["identity", "int8", "kakeya_d4"])
+def test_a_spilling_table_reads_what_a_ram_table_reads(codec_name):
+    """Appends of every size (across page boundaries and the ring's wrap), then every read path and state():
+    equal to a RowTable's, bit for bit; a table loaded under a smaller budget too."""
+    codec = make_row_codec(codec_name, head_dim=8, dtype=torch.float32)
+    kw = dict(num_layers=2, num_kv_heads=3, head_dim=8, stack=2, page=4, device="cpu")
+    ram, spill = RowTable(codec, **kw), SpillingRowTable(codec, ram_rows=8, **kw)
+    gen = torch.Generator().manual_seed(0)
+    n = 0
+    for size in (1, 3, 5, 1, 1, 9, 2, 17, 1, 4):
+        x = torch.randn(2, 2, 3, size, 8, generator=gen)
+        for t in (ram, spill):
+            t.reserve(t.rows + size)
+            t.write_all(t.rows, x)
+            t.rows += size
+        n += size
+        assert spill.nbytes <= codec.bytes_per_row * 8 * 2 * 2 * 3  # the ring: 8 rows of 2 layers, K and V, 3 heads
+        for layer in range(2):
+            assert torch.equal(ram.read(layer), spill.read(layer))
+            idx = torch.randint(0, n, (3, 5), generator=gen)
+            assert torch.equal(ram.gather(layer, idx), spill.gather(layer, idx))
+            heads = torch.arange(3)[:, None]
+            assert torch.equal(ram.gather_flat(layer, (idx + heads * ram.row_stride).flatten(), 3),
+                               spill.gather_flat(layer, (idx + heads * spill.row_stride).flatten(), 3))
+            whole = -(-n // 4) * 4
+            assert torch.equal(ram.read_pages(layer, whole)[:, :, :n], spill.read_pages(layer, whole)[:, :, :n])
+        for start in (0, n // 2, n):
+            a, b = ram.state(start), spill.state(start)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert spill.cold_pages == (n - 8 + 3) // 4 and spill.cold_nbytes > 0  # whole pages spill; <= 8 rows stay in RAM
+    again = SpillingRowTable(codec, ram_rows=4, **kw)
+    again.load_state(ram.state(), ram.rows)
+    assert again.cold_pages == (n - 1) // 4 and all(torch.equal(ram.read(i), again.read(i)) for i in range(2))
+    with pytest.raises(ValueError, match="appends"):
+        spill.write_all(3, torch.zeros(2, 2, 3, 1, 8))
+
+
+def test_make_page_table_holds_whole_pages_within_the_budget():
+    codec = make_row_codec("identity", head_dim=8, dtype=torch.float32)
+    kw = dict(num_layers=2, num_kv_heads=3, head_dim=8, stack=2, page=4, device="cpu")
+    row = 2 * 2 * 3 * 8 * 4  # bytes a position: layers x (K, V) x heads x head_dim x fp32
+    assert type(make_page_table(codec, ram_bytes=0, **kw)) is RowTable
+    assert make_page_table(codec, ram_bytes=10 * 4 * row + 5, **kw).ram_rows == 40
+    assert make_page_table(codec, ram_bytes=1, **kw).ram_rows == 4  # at least one page
+
+
+def test_spill_files_go_to_the_spill_dir_and_leave_nothing_behind(tmp_path):
+    paged_store.set_spill_dir(str(tmp_path / "spill"))
+    try:
+        codec = make_row_codec("identity", head_dim=8, dtype=torch.float32)
+        t = SpillingRowTable(codec, ram_rows=4, num_layers=1, num_kv_heads=1, head_dim=8, stack=2, page=4, device="cpu")
+        t.reserve(12)
+        t.write_all(0, torch.ones(1, 2, 1, 12, 8))
+        t.rows = 12
+        assert t.cold_pages == 2 and os.listdir(tmp_path / "spill") == []  # unlinked as made: the map holds it
+        fds = {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")}
+        assert any(str(tmp_path / "spill") in f and "(deleted)" in f for f in fds)
+    finally:
+        paged_store.set_spill_dir(None)
+
+
+@pytest.mark.parametrize("chunk,row_exact", [(16, False), (1, True), (5, True)])
+def test_spilled_pages_give_the_same_logits(chunk, row_exact):
+    """A paged session with one page of RAM reads most recalled pages from the spill file: logits equal the
+    all-in-RAM session's bit for bit, the RAM tier stays at one page and the rest is cold."""
+    m = model()
+    history = ids(150, seed=11)
+    want = feed(m, new_cache(m, paged(page_ram_mb=0)), history, chunk, row_exact)
+    cache = new_cache(m, paged(page_ram_mb=ONE_PAGE))
+    got = feed(m, cache, history, chunk, row_exact)
+    assert torch.equal(got, want)
+    pages = cache.pages
+    assert pages.cold_pages == (pages.rows - 1) // 8  # every complete page but the newest
+    tiers = kv_bytes(cache)
+    assert tiers.stored == pages.nbytes <= pages.ram_rows * pages.num_layers * 2 * pages.num_kv_heads * pages.codec.bytes_per_row
+    assert tiers.cold == cache.cold_nbytes == pages.cold_pages * 8 * pages.num_layers * 2 * pages.num_kv_heads * pages.codec.bytes_per_row
+
+
+@pytest.mark.parametrize("chunk,row_exact", [(16, False), (5, True)])
+def test_spilled_pages_past_the_trained_context(chunk, row_exact):
+    """Past the trained context (far chunks, far_keys built from the page store's exact keys, rows moved into
+    InfLLM's layout) a spilled session gives the all-in-RAM session's logits bit for bit."""
+    m = short_context_model("int4")
+    history = ids(160, seed=12)
+    want = feed(m, new_cache(m, paged(page_ram_mb=0), max_step=16), history, chunk, row_exact)
+    cache = new_cache(m, paged(page_ram_mb=ONE_PAGE), max_step=16)
+    assert torch.equal(feed(m, cache, history, chunk, row_exact), want)
+    assert cache.far_keys is not None and cache.pages.cold_pages > 0
+
+
+def test_a_spilled_session_saves_and_resumes_under_any_budget():
+    """state() reads both tiers in RowTable's format: a session saved spilled continues token for token when
+    rebuilt with its pages all in RAM, and one saved in RAM when rebuilt spilled."""
+    m = model()
+    history, more = ids(120, seed=13), ids(20, seed=14)
+    spilled = new_cache(m, paged(page_ram_mb=ONE_PAGE))
+    in_ram = new_cache(m, paged(page_ram_mb=0))
+    for c in (spilled, in_ram):
+        feed(m, c, history, 16)
+    states = {0: spilled.state(), ONE_PAGE: in_ram.state()}  # each rebuilt under the other budget
+    want = feed(m, in_ram, more, 1, row_exact=True)
+    for budget, state in states.items():
+        again = new_cache(m, paged(page_ram_mb=budget))
+        again.load_state(state)
+        assert torch.equal(feed(m, again, more, 1, row_exact=True), want)
+        assert (again.pages.cold_nbytes > 0) == (budget > 0)
+
+
+def test_page_ram_mb_is_validated_and_described():
+    with pytest.raises(ValueError, match="page_ram_mb"):
+        paged(page_ram_mb=-1)
+    assert paged().page_ram_mb == 128 and paged().describe()["page_ram_mb"] == "128"
+    assert paged(page_ram_mb=0.5).describe()["page_ram_mb"] == "0.5"
