@@ -11,7 +11,7 @@ from inference_engine.server.runtime import Runtime
 
 # Config names stay importable from here (scripts and tests build servers through this module).
 __all__ = ["ConfigError", "RunningServer", "ServeConfig", "build_engine", "build_runtime", "check_exposure",
-           "load_model", "serve_forever", "split_bind", "start"]
+           "load_model", "serve_forever", "spill_dir", "split_bind", "start", "use_spill_dir"]
 
 log = logging.getLogger("kakeya")
 
@@ -257,6 +257,41 @@ def check_before_loading(cfg: ServeConfig) -> None:
             raise ConfigError(f"--state-dir {state_dir.root}: {e}") from e
 
 
+def spill_dir(cfg: ServeConfig) -> str | None:
+    """Where the paged page store's spill files go (its pages past --page-ram-mb): --page-spill-dir, else
+    <state dir>/spill when sessions are persisted, else None (the system temp dir)."""
+    import os
+
+    if cfg.page_spill_dir:
+        return os.path.expanduser(cfg.page_spill_dir)
+    if cfg.persist == "turn":
+        from inference_engine.persistence.state_dir import StateDir
+
+        return str(StateDir(cfg.state_dir).root / "spill")
+    return None
+
+
+def use_spill_dir(cfg: ServeConfig) -> str | None:
+    """Set the process's spill directory (kv/paged_store.set_spill_dir) to spill_dir(cfg), created and tried
+    with a scratch file first: a directory the daemon cannot write to is refused at start, not at the first
+    session that outgrows --page-ram-mb. Spill files are unlinked as they are created, so it stays empty."""
+    import os
+    import tempfile
+
+    from inference_engine.kv.paged_store import set_spill_dir
+
+    path = spill_dir(cfg)
+    try:
+        if path is not None:
+            os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix="kakeya-spill-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--page-spill-dir {path or tempfile.gettempdir()}: {e}; pass another --page-spill-dir") from e
+    set_spill_dir(path)
+    return path
+
+
 def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     """Serve `runtime` (built from `cfg` when not given: then every check that needs no model, and
     the port's bind, come before the model loads). gRPC and the wire stubs are imported here, not at
@@ -271,6 +306,7 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     check_exposure(cfg)
     if runtime is None:
         check_before_loading(cfg)
+        use_spill_dir(cfg)  # process-wide, set once: before the engine that spills is built
     interceptors: list[grpc.ServerInterceptor] = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=interceptors,
                          options=GRPC_SERVER_OPTIONS)

@@ -43,6 +43,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--page-shortlist-from", type=int, default=d.page_shortlist_from,
                    help="paged: candidate pages past which the shortlist applies (256 = 16k tokens with pages of 64: where it "
                         "measured faster than scoring every key on the development CPU)")
+    p.add_argument("--page-ram-mb", type=int, default=d.page_ram_mb, metavar="MB",
+                   help="paged: host RAM per session for the page store (the exact K/V of evicted positions); pages past "
+                        "it are kept in a memory-mapped spill file on disk and read from there when recalled; 0 = keep "
+                        "every page in RAM")
+    p.add_argument("--page-spill-dir", default=None, metavar="DIR",
+                   help="paged: where the page store's spill files are created (unlinked at once: nothing is left behind) "
+                        "(default: <state dir>/spill with --persist turn, else the system temp dir)")
     p.add_argument("--capacity", type=int, default=d.capacity,
                    help="max live sessions; beyond it the least recently used idle session is spilled to disk (--persist turn) "
                         "or, with --persist off, CreateSession is refused with RESOURCE_EXHAUSTED")
@@ -171,6 +178,8 @@ def serve_config(args) -> ServeConfig:
         page_compressor=args.page_compressor,
         page_shortlist=args.page_shortlist,
         page_shortlist_from=args.page_shortlist_from,
+        page_ram_mb=args.page_ram_mb,
+        page_spill_dir=args.page_spill_dir,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,

@@ -33,6 +33,8 @@ class ServeConfig:
     page_compressor: str = "identity"  # paged: stored pages as identity | int8 | kakeya_d4 | kakeya_e8
     page_shortlist: int = 64  # paged: past page_shortlist_from candidate pages, rank pages by key bounds, score the best N
     page_shortlist_from: int = 256  # paged: candidate pages past which the shortlist applies (page_shortlist 0: never)
+    page_ram_mb: int = 128  # paged: MB of a session's page store kept in host RAM; the rest in a spill file (0 = all in RAM)
+    page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off
@@ -84,6 +86,8 @@ class ServeConfig:
         for flag, n in (("--max-append-tokens", self.max_append_tokens), ("--max-pending-tokens", self.max_pending_tokens)):
             if n < 0:
                 raise ConfigError(f"{flag} takes a token count >= 0 (0 = no limit), got {n}")
+        if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, int) or self.page_ram_mb < 0:
+            raise ConfigError(f"--page-ram-mb takes a number of MB >= 0 (0 = keep every page in RAM), got {self.page_ram_mb!r}")
         if self.capacity < 1:
             raise ConfigError(f"--capacity takes a number of sessions >= 1, got {self.capacity}")
         if not self.idle_ttl >= 0:
@@ -116,6 +120,7 @@ class ServeConfig:
                                           kv_dtype=self.kv_dtype, q_range=self.kv_q_range, page_size=self.page_size,
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,
                                           shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
+                                          page_ram_mb=self.page_ram_mb,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
 

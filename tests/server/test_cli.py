@@ -35,3 +35,51 @@ def test_help_groups_the_research_flags_apart(capsys):
     assert flags(research) == {"--research-restore-from", "--research-restore-refresh", "--research-restore-pin",
                                "--research-restore-bias"}
     assert not {f for f in flags(product) if "restore" in f or f.startswith("--research")}
+
+
+def test_page_ram_and_spill_dir_flags_reach_the_config_and_the_paged_strategy():
+    d = serve_config(serve_args())
+    assert (d.page_ram_mb, d.page_spill_dir) == (128, None)
+    cfg = serve_config(serve_args("--kv-strategy", "paged", "--page-ram-mb", "0", "--page-spill-dir", "/somewhere"))
+    assert (cfg.page_ram_mb, cfg.page_spill_dir) == (0, "/somewhere")
+    assert cfg.strategy()[0].page_ram_mb == 0  # as page_shortlist -> shortlist_pages
+    assert serve_config(serve_args("--kv-strategy", "paged", "--page-ram-mb", "7")).strategy()[0].page_ram_mb == 7
+
+
+def test_negative_page_ram_is_refused_naming_the_flag():
+    from inference_engine.server.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--page-ram-mb"):
+        serve_config(serve_args("--kv-strategy", "paged", "--page-ram-mb", "-1")).validate()
+
+
+def test_help_says_what_the_page_ram_and_spill_flags_do(capsys):
+    with pytest.raises(SystemExit):
+        serve_args("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--page-ram-mb MB" in text and "memory-mapped spill file" in text and "0 = keep every page in RAM" in text
+    assert "--page-spill-dir DIR" in text and "<state dir>/spill" in text
+
+
+def test_spill_dir_default_is_under_the_state_dir_when_persisted_else_the_temp_dir(tmp_path):
+    from inference_engine.server.app import spill_dir
+
+    assert spill_dir(ServeConfig(state_dir=str(tmp_path), persist="turn")) == str(tmp_path / "spill")
+    assert spill_dir(ServeConfig(state_dir=str(tmp_path), persist="off")) is None  # the system temp dir
+    assert spill_dir(ServeConfig(state_dir=str(tmp_path), page_spill_dir=str(tmp_path / "x"))) == str(tmp_path / "x")
+
+
+def test_the_server_sets_the_spill_dir_once_creating_it(tmp_path, monkeypatch):
+    from inference_engine.kv import paged_store
+    from inference_engine.server.app import ConfigError, use_spill_dir
+
+    calls = []
+    monkeypatch.setattr(paged_store, "set_spill_dir", calls.append)
+    assert use_spill_dir(ServeConfig(state_dir=str(tmp_path), persist="turn")) == str(tmp_path / "spill")
+    assert (tmp_path / "spill").is_dir() and not list((tmp_path / "spill").iterdir())  # the write check left nothing
+    assert use_spill_dir(ServeConfig(persist="off")) is None
+    assert calls == [str(tmp_path / "spill"), None]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="--page-spill-dir"):  # refused at start, not at the first spill
+        use_spill_dir(ServeConfig(page_spill_dir=str(tmp_path / "file" / "spill")))
+    assert len(calls) == 2

@@ -330,6 +330,42 @@ def test_paged_kv_tiers_resident_flat_selection_and_stored_grow():
         srv.stop()
 
 
+def test_paged_page_store_past_its_ram_budget_goes_cold():
+    """page_ram_mb=1: a session whose page store outgrows 1 MB keeps at most 1 MB of it in RAM (stored, warm)
+    and the rest on disk (cold), through the RPC and /metrics; together they hold every archived position,
+    and it attends to them as a session with no disk tier (page_ram_mb=0) does."""
+    from factories import load_model, tiny_model_dir
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.strategy import KVStrategy
+
+    # 8 layers x 2 KV heads x 16 dims x K and V x fp32: 2 KB of exact K/V a position, so 1400 positions
+    # archive ~2.7 MB
+    model = load_model(str(tiny_model_dir("llama", num_hidden_layers=8)))
+    h = history(1400, 7)
+    tiers = {}
+    for ram_mb in (1, 0):
+        port = free_port()
+        strategy = KVStrategy("paged", 4, 32, page_size=8, recall_pages=2, shortlist_pages=0, page_ram_mb=ram_mb)
+        srv = start_server(Engine(model, strategy, prefill_chunk=256), metrics_port=port)
+        try:
+            with kakeya.Client(f"127.0.0.1:{srv.port}") as c, c.create_session(h, ignore_eos=True) as s:
+                toks = list(s.generate(max_tokens=2))
+                i = s.info()
+                tiers[ram_mb] = tiers_of(i)
+                archived = i.history_length - i.pending_tokens - 4 - 32  # positions out of sink + window
+                assert i.dropped_tokens == 0 and i.kv_live_bytes == i.kv_resident_bytes + i.kv_selection_bytes
+                assert kv_gauges(port) == tiers[ram_mb]  # one session open: the gauges are its tiers
+                tiers[ram_mb, "tokens"] = toks
+        finally:
+            srv.stop()
+    (r1, sel1, warm1, cold1), (r0, sel0, warm0, cold0) = tiers[1], tiers[0]
+    exact = archived * 8 * 2 * 16 * 2 * 4  # the archived positions' K/V bytes
+    assert cold0 == 0 and warm0 >= exact > 2 * 2**20  # no disk tier: the whole page store in RAM
+    assert 0 < warm1 <= 2**20 and cold1 > 2**20  # 1 MB in RAM, the rest on disk
+    assert warm1 + cold1 >= exact and (r1, sel1) == (r0, sel0)  # every archived position kept, in RAM or on disk
+    assert tiers[1, "tokens"] == tiers[0, "tokens"]  # pages read back from disk attend as the ones in RAM
+
+
 def test_non_paged_strategies_report_everything_resident(client):
     with client.create_session(history(80, 5), ignore_eos=True) as s:
         list(s.generate(max_tokens=2))

@@ -73,6 +73,14 @@ def test_a_side_port_in_use_is_refused_before_loading_the_model(tmp_path):
             assert r.returncode == 2 and f"{flag} {port}: cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr[-2000:]
 
 
+def test_a_spill_dir_that_cannot_be_made_is_refused_before_loading_the_model(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    r = _serve("--bind", "127.0.0.1:0", "--model", MISSING_MODEL, "--persist", "off", "--kv-strategy", "paged",
+               "--page-spill-dir", str(tmp_path / "a-file" / "spill"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"--page-spill-dir {tmp_path / 'a-file' / 'spill'}:" in r.stderr and MISSING_MODEL not in r.stderr
+
+
 def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
     cfg = ServeConfig(bind="127.0.0.1:0", model=MISSING_MODEL, persist="sometimes", state_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="--persist must be 'off' or 'turn'"):
@@ -91,6 +99,7 @@ def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
     (dict(prefill_chunk_shared=-1), "prefill_chunk_shared must be >= 0"),
     (dict(batching="sometimes"), "batching must be auto, on or off"),
     (dict(kv_strategy="paged", page_size=0), "page_size must be an int >= 1"),
+    (dict(kv_strategy="paged", page_ram_mb=-1), "--page-ram-mb takes a number of MB >= 0"),
     (dict(bind="nowhere"), "--bind must be HOST:PORT"),
 ])
 def test_serve_config_validate_names_the_option(kw, message):
