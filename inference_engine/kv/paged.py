@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from inference_engine.backends.torch.attention import attend_merged, attend_row_parts, attend_row_two_part, attention_lse
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
-from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, make_page_table, make_row_codec
+from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, SpillingRowTable, make_row_codec, ram_rows_for
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import AppendOnly
 from inference_engine.kv.stores import SlabStore
@@ -67,16 +67,20 @@ class PagedCache(SinkWindowCache):
         self.groups = None  # query heads per KV head, known at the first recall
         dims: dict[str, Any] = dict(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                                     page=self.page_size, device=g.device)
-        # the page store: its newest pages within page_ram_mb in RAM, older ones in a spill file (0: all in RAM)
-        self.pages = make_page_table(make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=g.dtype,
-                                                    q_range=strategy.q_range, device=g.device),
-                                     ram_bytes=strategy.page_ram_mb * 2 ** 20, stack=2, **dims)
+        page_codec = make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=g.dtype, q_range=strategy.q_range,
+                                    device=g.device)
         # int4 / int8 names make a RowQuant, whose group_max_scores scores the candidates
         key_codec = cast(RowQuant, make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype))
-        self.keys = RowTable(key_codec, stack=1, **dims)
+        # page_ram_mb of host RAM (0: no limit) holds the newest rows of the page store and, once the shortlist applies
+        # (the compact keys are then read for shortlisted pages only), of the compact keys and far_keys; older pages
+        # are in spill files (SpillingRowTable). One row count for the three: a row of each fits the budget.
+        row_bytes = g.num_layers * g.num_kv_heads * (2 * page_codec.bytes_per_row + 2 * key_codec.bytes_per_row)
+        self.ram_rows = ram_rows_for(strategy.page_ram_mb * 2 ** 20, row_bytes, self.page_size)
+        self.pages = SpillingRowTable(page_codec, ram_rows=self.ram_rows, stack=2, **dims)
+        self.keys = SpillingRowTable(key_codec, ram_rows=None, stack=1, **dims)  # limited when the shortlist applies
         # past the trained context: the same compact keys of every archived position, rotated to position 0
         # (`_start_far_choice`), scored against queries rotated to far_distance: every candidate at that distance
-        self.far_keys: RowTable | None = None
+        self.far_keys: SpillingRowTable | None = None
         self.far_distance = self.window + self.page_size
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step past the context
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
@@ -119,8 +123,9 @@ class PagedCache(SinkWindowCache):
 
     @property
     def cold_nbytes(self) -> int:
-        """The page store's pages on disk (its spill file), past `page_ram_mb` of RAM."""
-        return self.pages.cold_nbytes
+        """What the session holds on disk (spill files) past `page_ram_mb` of RAM: pages, and compact keys once the
+        shortlist applies."""
+        return sum(t.cold_nbytes for t in (self.pages, self.keys, self.far_keys) if t is not None)
 
     @property
     def nbytes(self) -> int:
@@ -511,13 +516,29 @@ class PagedCache(SinkWindowCache):
         """Compact codes and scales (Hkv, span, ...) of the step's candidates laid out as whole pages: archived ones
         as stored, still-resident ones encoded on the fly by the same codec; rows past C are spare (callers mask them).
         far: from far_keys (each key rotated to position 0), the resident ones rotated likewise before encoding."""
-        hkv, d = k_all.shape[0], k_all.shape[2]
+        hkv = k_all.shape[0]
         span, cols = plan["n_pages"] * self.page_size, plan["cols"]
-        table = self.far_keys if far and self.far_keys is not None else self.keys
+        table = self._code_table(far)
+        if table.spilled:
+            return self._codes_at(layer, k_all, plan, far, torch.arange(span, device=k_all.device).expand(hkv, -1))
         if cols is None:
             stored = table.whole_pages(layer, span)
             return stored["codes"][0], stored["scale"][0]
         stored = table.payload(layer)
+        fc, fs = self._fresh_codes(layer, k_all, cols, table)
+        codes = torch.cat([stored["codes"][0], fc], 1)
+        sc = torch.cat([stored["scale"][0], fs], 1)
+        pad = span - codes.shape[1]
+        return F.pad(codes, (0, 0, 0, pad)), F.pad(sc, (0, 0, 0, pad))
+
+    def _code_table(self, far: bool) -> SpillingRowTable:
+        return self.far_keys if far and self.far_keys is not None else self.keys
+
+    def _fresh_codes(self, layer: int, k_all: torch.Tensor, cols: torch.Tensor,
+                     table: RowTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact codes (Hkv, nf, Dc) and scales (Hkv, nf, 1) of the still-resident candidates (resident columns
+        `cols`, positions archived_end ..), as `table` would hold them once archived (far_keys: rotated to 0 first)."""
+        hkv, d = k_all.shape[0], k_all.shape[2]
         ks = k_all.index_select(1, cols)
         if table is not self.keys:
             assert self._rotate is not None  # set with far_keys
@@ -525,10 +546,28 @@ class PagedCache(SinkWindowCache):
             ks = self._rotate(layer, ks, back.expand(hkv, -1))
         fresh = self.keys.codec.encode(ks.reshape(-1, d))
         nf = cols.numel()
-        codes = torch.cat([stored["codes"][0], fresh["codes"].reshape(hkv, nf, -1)], 1)
-        sc = torch.cat([stored["scale"][0], fresh["scale"].reshape(hkv, nf, 1)], 1)
-        pad = span - codes.shape[1]
-        return F.pad(codes, (0, 0, 0, pad)), F.pad(sc, (0, 0, 0, pad))
+        return fresh["codes"].reshape(hkv, nf, -1), fresh["scale"].reshape(hkv, nf, 1)
+
+    def _codes_at(self, layer: int, k_all: torch.Tensor, plan: Plan, far: bool,
+                  rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compact codes (Hkv, E, Dc) and scales (Hkv, E, 1) of candidate rows[h] (Hkv, E) per KV head: archived ones
+        as stored (from either tier of the key table), still-resident ones encoded on the fly (`_fresh_codes`);
+        a row past both repeats the last one (callers mask it)."""
+        table = self._code_table(far)
+        n_st, cols = table.rows, plan["cols"]
+        codes = sc = None
+        if n_st:
+            got = table.take(layer, rows.clamp(max=n_st - 1))
+            codes, sc = got["codes"][0], got["scale"][0]
+        if cols is not None and (codes is None or bool((rows >= n_st).any())):
+            fc, fs = self._fresh_codes(layer, k_all, cols, table)
+            at = (rows - n_st).clamp(0, cols.numel() - 1)
+            fc, fs = _head_rows(fc, at), _head_rows(fs, at)
+            fresh = (rows >= n_st)[..., None]
+            codes = fc if codes is None else torch.where(fresh, fc, codes)
+            sc = fs if sc is None else torch.where(fresh, fs, sc)
+        assert codes is not None and sc is not None  # nothing archived means candidates are resident (cols)
+        return codes, sc
 
     def _page_bounds(self, codes: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
         """Per page of codes (..., n * P, Dc) / scales (..., n * P, 1): (2, ..., n, D) float16, the elementwise max
@@ -548,11 +587,20 @@ class PagedCache(SinkWindowCache):
         if not self.shortlist or full <= done:
             return
         p = self.page_size
-        part = {name: x[:, 0, :, done * p: full * p] for name, x in self.choice_keys.data.items()}  # (L, Hkv, n * P, ...)
+        part = {name: x[:, 0] for name, x in self.choice_keys.span(done * p, full * p).items()}  # (L, Hkv, n * P, ...)
         b = self._page_bounds(part["codes"], part["scale"])  # (2, L, Hkv, n, D)
         self.bounds.reserve(full)
         self.bounds.write_all(done, b.transpose(0, 1))
         self.bounds.rows = full
+        self._limit_keys()
+
+    def _limit_keys(self) -> None:
+        """Once the shortlist applies, a step reads the compact keys of its shortlisted pages only: the key tables
+        then hold at most `ram_rows` in RAM, as the page store does (their older pages spill)."""
+        if self.ram_rows is not None and self.shortlisting:
+            for t in (self.keys, self.far_keys):
+                if t is not None:
+                    t.limit(self.ram_rows)
 
     def _far_queries(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """q (H, T, D) at its rows' positions, rotated to far_distance: against far_keys (keys at position 0) every
@@ -574,18 +622,18 @@ class PagedCache(SinkWindowCache):
         position 0 and encoded (a page at a time per layer); the bounds rebuilt from them."""
         self._rotate = rotate_keys
         g = self.geometry
-        table = RowTable(self.keys.codec, stack=1, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-                         head_dim=g.head_dim, page=self.page_size, device=g.device)
+        table = SpillingRowTable(self.keys.codec, stack=1, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                                 head_dim=g.head_dim, page=self.page_size, device=g.device,
+                                 ram_rows=self.ram_rows if self.shortlisting else None)
         n = self.pages.rows
-        if n:
-            table.reserve(n)
-            step = 4096
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                rows = torch.arange(a, b, device=self.pages.device)
-                k = torch.stack([self.pages.read(i, rows)[0] for i in range(g.num_layers)])  # (L, Hkv, rows, D)
-                table.write_all(a, self._at_zero(k[:, None].to(g.dtype), self.sink + a))
-            table.rows = n
+        step = 4096
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            rows = torch.arange(a, b, device=self.pages.device)
+            k = torch.stack([self.pages.read(i, rows)[0] for i in range(g.num_layers)])  # (L, Hkv, rows, D)
+            table.reserve(b)
+            table.write_all(a, self._at_zero(k[:, None].to(g.dtype), self.sink + a))
+            table.rows = b
         self.far_keys = table
         self.bounds.rows = 0
         if self.shortlisting:
@@ -612,13 +660,13 @@ class PagedCache(SinkWindowCache):
         sl = plan[key]
         seen, whole = sl["seen"], sl["whole"]
         far = plan["far"] == "all" and self.far_keys is not None  # ("some" takes the exact path)
-        codes, sc = self._candidate_codes(layer, k_all, plan, far)  # (Hkv, span, ...)
         if far:
             q = self._far_queries(layer, q, plan)
         nb, n_whole = min(self.bounds.rows, n_pages), sl["n_whole"]
         parts = [self.bounds.read(layer)[:, :, :nb]] if nb else []  # (2, Hkv, nb, D)
         if nb < n_whole:  # pages not (yet) complete in the key table: the same bounds, from the step's codes
-            parts.append(self._page_bounds(codes[:, nb * p: n_whole * p], sc[:, nb * p: n_whole * p]))
+            recent = torch.arange(nb * p, n_whole * p, device=q.device).expand(hkv, -1)
+            parts.append(self._page_bounds(*self._codes_at(layer, k_all, plan, far, recent)))
         hi, lo = (x.float() for x in (parts[0] if len(parts) == 1 else torch.cat(parts, 2)))  # (Hkv, >= n_whole, D)
         if hi.shape[1] < n_pages:  # pages nobody sees whole: never ranked
             hi, lo = (F.pad(x, (0, 0, 0, n_pages - x.shape[1])) for x in (hi, lo))
@@ -631,14 +679,14 @@ class PagedCache(SinkWindowCache):
         pages_u, valid_u = _rows_per_head(short.any(1))  # (Hkv, U): the union of the step's shortlists per head
         u = pages_u.shape[1]
         rows = ((pages_u * p)[:, :, None] + torch.arange(p, device=q.device)).view(hkv, -1)  # (Hkv, U * P)
-        cu, su = (_head_rows(x, rows) for x in (codes, sc))
+        cu, su = self._codes_at(layer, k_all, plan, far, rows)
         scores = self.keys.codec.group_max_scores(q.reshape(hkv, g, t, d).float(), cu, su).view(hkv, t, u, p)
         scores.masked_fill_(~seen[:, pages_u].permute(1, 0, 2, 3), float("-inf"))  # (Hkv, T, U, P)
         mine = short.gather(-1, pages_u[:, None].expand(hkv, t, u)) & valid_u[:, None]  # (Hkv, T, U)
         page_scores = scores.amax(-1).masked_fill_(~mine, float("-inf"))
         k = min(m, u)
         best, at_u = _top(page_scores, k, stable=far)
-        idx = pages_u.gather(1, at_u.view(hkv, -1)).view(hkv, t, k)
+        idx = pages_u.gather(1, at_u.reshape(hkv, -1)).view(hkv, t, k)
         ok = best > float("-inf")
         if k < min(m, n_pages):  # fewer pages in every shortlist than recall_pages: the rest chosen as nothing
             idx, ok = F.pad(idx, (0, min(m, n_pages) - k)), F.pad(ok, (0, min(m, n_pages) - k), value=False)

@@ -19,7 +19,7 @@ import mmap
 import os
 import tempfile
 import weakref
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -203,6 +203,11 @@ class RowTable(Generic[CodecT]):
         """Bytes of rows held on disk (a `SpillingRowTable`'s spill file); 0 here."""
         return 0
 
+    @property
+    def spilled(self) -> bool:
+        """Rows are no longer at slot = row in one slab (`whole_pages` / `payload` refuse): read them by rows."""
+        return False
+
     def write_all(self, start: int, rows: torch.Tensor) -> None:
         """Encode rows (L, S, Hkv, n, D) of every layer into rows start .. start + n - 1 (after
         `reserve`): one encode and one copy per payload name."""
@@ -261,10 +266,21 @@ class RowTable(Generic[CodecT]):
         flat = {name: x.flatten(1, 2).index_select(1, flat_rows).flatten(0, 1) for name, x in self.slabs[layer].items()}
         return self.codec.decode(flat).reshape(self.stack, heads, -1, self.head_dim)
 
+    def take(self, layer: int, rows: torch.Tensor) -> dict:
+        """The stored payload (S, H, E, *trailing) per name of rows[h] (H, E) of KV head h, not decoded."""
+        h, e = rows.shape
+        flat = (rows + torch.arange(h, device=rows.device)[:, None] * self.capacity).flatten()
+        return {name: x.flatten(1, 2).index_select(1, flat).view(self.stack, h, e, *x.shape[3:])
+                for name, x in self.slabs[layer].items()}
+
+    def span(self, a: int, b: int) -> dict:
+        """Rows a .. b - 1 of every layer, (L, S, Hkv, b - a, *trailing) per payload name (views here)."""
+        return {name: x[:, :, :, a:b] for name, x in self.data.items()}
+
     def state(self, start: int = 0) -> dict:
         """The used rows' payload per name, (L, S, Hkv, rows - start, *trailing) on the CPU: rows
         `start` .. rows - 1 (a saver that holds the earlier ones asks for the new rows only); copies."""
-        return {name: x[:, :, :, start: self.rows].clone().cpu() for name, x in self.data.items()}
+        return {name: x.clone().cpu() for name, x in self.span(start, self.rows).items()}
 
     def load_state(self, tensors: dict, rows: int) -> None:
         want = {name: (self.num_layers, self.stack, self.num_kv_heads, rows, *shape) for name, (shape, _) in self.layout.items()}
@@ -327,23 +343,23 @@ class SpillFile:
 class SpillingRowTable(RowTable[CodecT]):
     """A RowTable that holds at most `ram_rows` rows (whole pages) in host RAM: the newest ones, in a ring (row r at
     slot r % ram_rows once the table has outgrown it). Older pages move, a whole page at a time, to a spill file
-    (`SpillFile`, page-major: page j of every layer, K and V and KV head is one contiguous run) and are read from
-    its map when a query recalls them (the kernel's page cache keeps what it can; the file is the session's cold
-    tier). Every row is in exactly one tier: `nbytes` is the ring (RAM), `cold_nbytes` the spilled pages.
+    (`SpillFile`, page-major: page j of every layer, stack entry and KV head is one contiguous run) and are read
+    from its map when a query recalls them (the kernel's page cache keeps what it can; the file is the session's
+    cold tier). Every row is in exactly one tier: `nbytes` is the ring (RAM), `cold_nbytes` the spilled pages.
+    ram_rows None: no limit yet (a RowTable) until `limit` sets one.
 
-    Reads (`read`, `gather`, `gather_flat`, `read_pages`) take any rows, from either tier, and decode them as
-    the RowTable does; writes append (`write_all` at `rows`). Until the ring is full it is a plain RowTable.
-    `state` / `load_state` keep RowTable's format (rows axis 3), so a session saved with one budget loads under
-    another."""
+    Reads (`read`, `gather`, `gather_flat`, `read_pages`, `take`, `span`) take any rows, from either tier, as the
+    RowTable gives them; writes append (`write_all` at `rows`). `whole_pages` / `payload` (views of the whole slab)
+    refuse once a page has spilled. `state` / `load_state` keep RowTable's format (rows axis 3), so a session saved
+    with one budget loads under another."""
 
-    def __init__(self, codec: CodecT, *, ram_rows: int, **kw):
+    def __init__(self, codec: CodecT, *, ram_rows: int | None, **kw: Any):
         super().__init__(codec, **kw)
-        if ram_rows < self.page or ram_rows % self.page:
-            raise ValueError(f"a spilling table holds whole pages in RAM: ram_rows {ram_rows} is not a multiple of "
-                             f"the page ({self.page}) of at least one page")
-        self.ram_rows = ram_rows
+        self.ram_rows: int | None = None
         self.cold_pages = 0  # pages [0, cold_pages) are in the spill file; rows [cold_pages * page, rows) in the ring
         self.files: dict[str, SpillFile] = {}
+        if ram_rows is not None:
+            self.limit(ram_rows)
 
     @property
     def first_ram_row(self) -> int:
@@ -357,8 +373,40 @@ class SpillingRowTable(RowTable[CodecT]):
     def cold_nbytes(self) -> int:
         return self.cold_pages * sum(f.page_bytes for f in self.files.values())
 
+    @property
+    def spilled(self) -> bool:
+        return bool(self.cold_pages) or self.wrapped
+
+    @property
+    def wrapped(self) -> bool:
+        """Rows sit at slot r % ram_rows (the ring is at its full size); else at slot r."""
+        return self.ram_rows is not None and self.capacity == self.ram_rows
+
+    def limit(self, ram_rows: int) -> None:
+        """Hold at most `ram_rows` rows (whole pages, at least one) in RAM from now on: the oldest pages past it
+        spill now, and the ring is laid out again at that size (rows r at slot r % ram_rows)."""
+        if ram_rows < self.page or ram_rows % self.page:
+            raise ValueError(f"a spilling table holds whole pages in RAM: ram_rows {ram_rows} is not a multiple of "
+                             f"the page ({self.page}) of at least one page")
+        if ram_rows == self.ram_rows:
+            return
+        if not self.spilled and self.rows <= ram_rows and self.capacity <= ram_rows:  # rows already at slot r % ram_rows
+            self.ram_rows = ram_rows
+            return
+        keep_from = max(self.first_ram_row, -(-(self.rows - ram_rows) // self.page) * self.page)
+        self._spill((keep_from - self.first_ram_row) // self.page)
+        kept = self.span(keep_from, self.rows)
+        old = self.rows
+        self.ram_rows, self.rows = ram_rows, keep_from
+        self._set(self._zeros(0))
+        self.capacity = 0
+        self._put(keep_from, kept)
+        self.rows = old
+
     def reserve(self, rows: int) -> None:
         """Room for `rows` rows: the ring grows as a RowTable does, up to `ram_rows`; past it, `_put` spills."""
+        if self.ram_rows is None:
+            return super().reserve(rows)
         if self.capacity >= self.ram_rows or rows <= self.capacity:
             return
         super().reserve(min(rows, self.ram_rows))
@@ -366,7 +414,12 @@ class SpillingRowTable(RowTable[CodecT]):
             self._set({name: x[:, :, :, :self.ram_rows].clone() for name, x in self.data.items()})
             self.capacity = self.ram_rows
 
+    def _slot(self, r: int) -> int:
+        return r % self.ram_rows if self.wrapped else r  # type: ignore[operator]
+
     def _put(self, start: int, payload: dict) -> None:
+        if self.ram_rows is None:
+            return super()._put(start, payload)
         if start != self.rows:
             raise ValueError(f"a spilling table appends: its rows end at {self.rows}, not {start}")
         n = next(iter(payload.values())).shape[3]
@@ -378,46 +431,54 @@ class SpillingRowTable(RowTable[CodecT]):
                 self._spill((b - self.first_ram_row - self.ram_rows + self.page - 1) // self.page)
             else:
                 self.reserve(b)
-            slot = a % self.ram_rows if self.capacity == self.ram_rows else a
+            slot = self._slot(a)
             for name, x in self.data.items():
                 x[:, :, :, slot:slot + b - a] = payload[name][:, :, :, a - start:b - start].to(x.device, x.dtype)
             a = b
 
     def _spill(self, pages: int) -> None:
-        """Move the ring's oldest `pages` pages to the spill file."""
+        """Move the ring's oldest `pages` (complete) pages to the spill file."""
+        if pages <= 0:
+            return
         if not self.files:
             self.files = {name: SpillFile((self.num_layers, self.stack, self.num_kv_heads, self.page, *shape), dtype)
                           for name, (shape, dtype) in self.layout.items()}
         for f in self.files.values():
             f.reserve(self.cold_pages + pages)
         for j in range(self.cold_pages, self.cold_pages + pages):
-            slot = (j * self.page) % self.ram_rows
+            slot = self._slot(j * self.page)
             for name, x in self.data.items():
-                self.files[name].tensor[j] = x[:, :, :, slot:slot + self.page]
+                self.files[name].tensor[j] = x[:, :, :, slot:slot + self.page].cpu()
         self.cold_pages += pages
 
     def _take(self, layer: int, heads: torch.Tensor, rows: torch.Tensor) -> dict:
         """Coded rows (S, N, *trailing) per payload name: row rows[n] of KV head heads[n], from either tier."""
         first = self.first_ram_row
-        slot = rows % self.ram_rows if self.capacity == self.ram_rows else rows
-        out = {}
+        slot = rows % self.ram_rows if self.wrapped else rows  # type: ignore[operator]
         cold = None if self.cold_pages == 0 else rows < first
         some_cold = cold is not None and bool(cold.any())
-        all_cold = some_cold and bool(cold.all())
+        all_cold = cold is not None and some_cold and bool(cold.all())
+        out = {}
         for name, x in self.slabs[layer].items():
-            warm = None
+            got = None
             if not all_cold:
                 flat = heads * self.capacity + (slot if cold is None else torch.where(cold, 0, slot))
-                warm = x.flatten(1, 2).index_select(1, flat)  # (S, N, *trailing)
+                got = x.flatten(1, 2).index_select(1, flat)  # (S, N, *trailing)
             if some_cold:
+                assert cold is not None
                 f = self.files[name].tensor.select(1, layer)  # (pages, S, Hkv, P, *trailing): a view of the map
-                r = rows.clamp(max=first - 1) if warm is not None else rows
-                c = f[r // self.page, :, heads, r % self.page].transpose(0, 1)  # (S, N, *trailing)
-                if warm is not None:
-                    c = torch.where(cold.view(1, -1, *[1] * (c.dim() - 2)), c, warm)
-                warm = c
-            out[name] = warm
+                r = (rows.clamp(max=first - 1) if got is not None else rows).cpu()
+                c = f[r // self.page, :, heads.cpu(), r % self.page].transpose(0, 1).to(x.device)  # (S, N, *trailing)
+                got = c if got is None else torch.where(cold.view(1, -1, *[1] * (c.dim() - 2)), c, got)
+            out[name] = got
         return out
+
+    def take(self, layer: int, rows: torch.Tensor) -> dict:
+        if not self.spilled:
+            return super().take(layer, rows)
+        h, e = rows.shape
+        heads = torch.arange(h, device=rows.device)[:, None].expand(h, e)
+        return {name: x.view(self.stack, h, e, *x.shape[2:]) for name, x in self._take(layer, heads.flatten(), rows.flatten()).items()}
 
     def _decoded(self, layer: int, heads: torch.Tensor, rows: torch.Tensor, h: int) -> torch.Tensor:
         part = self._take(layer, heads.flatten(), rows.flatten())
@@ -425,63 +486,67 @@ class SpillingRowTable(RowTable[CodecT]):
         return self.codec.decode(flat).reshape(self.stack, h, -1, self.head_dim)
 
     def read(self, layer: int, idx: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.spilled:
+            return super().read(layer, idx)
         idx = torch.arange(self.rows, device=self.device) if idx is None else idx
         hkv = self.num_kv_heads
         heads = torch.arange(hkv, device=idx.device)[:, None].expand(hkv, idx.numel())
         return self._decoded(layer, heads, idx.expand(hkv, -1), hkv)
 
     def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        if not self.spilled:
+            return super().gather(layer, rows)
         heads = torch.arange(self.num_kv_heads, device=rows.device)[:, None].expand_as(rows)
         return self._decoded(layer, heads, rows, self.num_kv_heads)
 
     def gather_flat(self, layer: int, flat_rows: torch.Tensor, heads: int) -> torch.Tensor:
+        if not self.spilled:
+            return super().gather_flat(layer, flat_rows, heads)
         stride = self.row_stride
         return self._decoded(layer, flat_rows // stride, flat_rows % stride, heads)
 
     def read_pages(self, layer: int, rows: int) -> torch.Tensor:
-        if self.cold_pages == 0 and self.rows <= self.capacity and rows <= self.capacity:
+        if not self.spilled and rows <= self.capacity:
             return super().read_pages(layer, rows)
         return self.read(layer, torch.arange(rows, device=self.device).clamp_(max=max(self.rows - 1, 0)))
 
     def whole_pages(self, layer: int, rows: int) -> dict:
-        if self.cold_pages:
-            raise ValueError("a spilled table is read by rows (gather), not as whole slabs")
+        if self.spilled:
+            raise ValueError("a spilled table is read by rows (take, gather), not as whole slabs")
         return super().whole_pages(layer, rows)
 
     def payload(self, layer: int) -> dict:
-        if self.cold_pages:
-            raise ValueError("a spilled table is read by rows (gather), not as whole slabs")
+        if self.spilled:
+            raise ValueError("a spilled table is read by rows (take, gather), not as whole slabs")
         return super().payload(layer)
 
-    def state(self, start: int = 0) -> dict:
-        """RowTable's format: rows start .. rows - 1 (L, S, Hkv, n, *trailing), from both tiers (copies)."""
+    def span(self, a: int, b: int) -> dict:
+        """RowTable's `span` from both tiers: pieces of at most a page, concatenated (a copy once anything spilled)."""
+        if not self.spilled:
+            return super().span(a, b)
         parts: dict[str, list] = {name: [] for name in self.layout}
-        a = start
-        while a < self.rows:
-            b = min(self.rows, (a // self.page + 1) * self.page)
+        while a < b:
+            e = min(b, (a // self.page + 1) * self.page)
             for name in self.layout:
                 if a < self.first_ram_row:
                     j = a // self.page
-                    part = self.files[name].tensor[j][:, :, :, a - j * self.page:b - j * self.page]
+                    parts[name].append(self.files[name].tensor[j][:, :, :, a - j * self.page:e - j * self.page].to(self.device))
                 else:
-                    slot = a % self.ram_rows if self.capacity == self.ram_rows else a
-                    part = self.data[name][:, :, :, slot:slot + b - a]
-                parts[name].append(part)
-            a = b
-        return {name: (torch.cat(xs, 3) if xs else self.data[name][:, :, :, :0]).clone().cpu() for name, xs in parts.items()}
+                    slot = self._slot(a)
+                    parts[name].append(self.data[name][:, :, :, slot:slot + e - a])
+            a = e
+        return {name: torch.cat(xs, 3) if xs else self.data[name][:, :, :, :0] for name, xs in parts.items()}
 
     def load_state(self, tensors: dict, rows: int) -> None:
-        self.cold_pages = 0
-        self.files = {}
-        self.rows = 0
+        limit, self.ram_rows = self.ram_rows, None
+        self.cold_pages, self.files, self.rows = 0, {}, 0
         super().load_state(tensors, rows)
+        if limit is not None:
+            self.limit(limit)
 
 
-def make_page_table(codec: CodecT, *, ram_bytes: float, **kw) -> RowTable[CodecT]:
-    """The page store's table: a `SpillingRowTable` holding at most `ram_bytes` of rows in RAM (whole pages, at least
-    one), or with ram_bytes 0 a RowTable that holds every row in RAM."""
+def ram_rows_for(ram_bytes: float, row_bytes: int, page: int) -> int | None:
+    """Whole pages of `row_bytes` a row within `ram_bytes` (at least one page); None for a budget of 0 (no limit)."""
     if ram_bytes <= 0:
-        return RowTable(codec, **kw)
-    row_bytes = kw["num_layers"] * kw["stack"] * kw["num_kv_heads"] * codec.bytes_per_row
-    pages = max(1, int(ram_bytes // (row_bytes * kw["page"])))
-    return SpillingRowTable(codec, ram_rows=pages * kw["page"], **kw)
+        return None
+    return max(1, int(ram_bytes // (row_bytes * page))) * page

@@ -9,9 +9,9 @@ from kv.test_paged import ids, model, new_cache, paged, short_context_model
 from factories import feed
 from inference_engine.kv import paged_store
 from inference_engine.kv.byte_counts import kv_bytes
-from inference_engine.kv.paged_store import RowTable, SpillingRowTable, make_page_table, make_row_codec
+from inference_engine.kv.paged_store import RowTable, SpillingRowTable, make_row_codec, ram_rows_for
 
-ONE_PAGE = 1e-9  # MB: make_page_table keeps at least one page in RAM, so this is a budget of one page
+ONE_PAGE = 1e-9  # MB: ram_rows_for keeps at least one page in RAM, so this is a budget of one page
 
 
 @pytest.mark.parametrize("codec_name", ["identity", "int8", "kakeya_d4"])
@@ -51,13 +51,39 @@ def test_a_spilling_table_reads_what_a_ram_table_reads(codec_name):
         spill.write_all(3, torch.zeros(2, 2, 3, 1, 8))
 
 
-def test_make_page_table_holds_whole_pages_within_the_budget():
-    codec = make_row_codec("identity", head_dim=8, dtype=torch.float32)
-    kw = dict(num_layers=2, num_kv_heads=3, head_dim=8, stack=2, page=4, device="cpu")
+def test_the_budget_is_whole_pages_of_rows():
     row = 2 * 2 * 3 * 8 * 4  # bytes a position: layers x (K, V) x heads x head_dim x fp32
-    assert type(make_page_table(codec, ram_bytes=0, **kw)) is RowTable
-    assert make_page_table(codec, ram_bytes=10 * 4 * row + 5, **kw).ram_rows == 40
-    assert make_page_table(codec, ram_bytes=1, **kw).ram_rows == 4  # at least one page
+    assert ram_rows_for(0, row, 4) is None  # no limit
+    assert ram_rows_for(10 * 4 * row + 5, row, 4) == 40
+    assert ram_rows_for(1, row, 4) == 4  # at least one page
+
+
+def test_a_table_limited_later_spills_its_oldest_pages_then():
+    """The compact keys' tables have no limit until the shortlist applies; `limit` then spills and lays the ring out
+    again: every read is unchanged, and appends go on."""
+    codec = make_row_codec("int4", head_dim=8, dtype=torch.float32)
+    kw = dict(num_layers=2, num_kv_heads=3, head_dim=8, stack=1, page=4, device="cpu")
+    ram, spill = RowTable(codec, **kw), SpillingRowTable(codec, ram_rows=None, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for size in (7, 30, 1, 1, 6, 9):
+        x = torch.randn(2, 1, 3, size, 8, generator=gen)
+        for t in (ram, spill):
+            t.reserve(t.rows + size)
+            t.write_all(t.rows, x)
+            t.rows += size
+        if spill.ram_rows is None and spill.rows > 30:
+            assert spill.cold_pages == 0
+            spill.limit(8)
+            assert spill.cold_pages == (spill.rows - 8 + 3) // 4 and spill.spilled
+            with pytest.raises(ValueError, match="by rows"):
+                spill.whole_pages(0, 8)
+        idx = torch.randint(0, ram.rows, (3, 6), generator=gen)
+        for layer in range(2):
+            assert torch.equal(ram.read(layer), spill.read(layer))
+            a, b = ram.take(layer, idx), spill.take(layer, idx)
+            assert all(torch.equal(a[k], b[k]) for k in a)
+            a, b = ram.span(3, ram.rows), spill.span(3, spill.rows)
+            assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_spill_files_go_to_the_spill_dir_and_leave_nothing_behind(tmp_path):
@@ -120,6 +146,23 @@ def test_a_spilled_session_saves_and_resumes_under_any_budget():
         again.load_state(state)
         assert torch.equal(feed(m, again, more, 1, row_exact=True), want)
         assert (again.pages.cold_nbytes > 0) == (budget > 0)
+
+
+@pytest.mark.parametrize("past_context", [False, True])
+def test_spilled_compact_keys_give_the_same_shortlisted_choice(past_context):
+    """Once the shortlist applies the compact keys (and past the context far_keys) keep one page in RAM too and are
+    read by rows from either tier: the same logits as the all-in-RAM session, bit for bit."""
+    m = short_context_model("int4") if past_context else model()
+    history = ids(200, seed=15)
+    st = dict(shortlist_pages=3, shortlist_from=4)
+    want = feed(m, new_cache(m, paged(page_ram_mb=0, **st), max_step=16), history, 5, True)
+    cache = new_cache(m, paged(page_ram_mb=ONE_PAGE, **st), max_step=16)
+    assert torch.equal(feed(m, cache, history, 5, True), want)
+    keys = cache.choice_keys
+    assert cache.shortlisting and keys.cold_pages > 0 and keys.ram_rows == cache.pages.ram_rows == 8
+    assert (cache.far_keys is not None) == past_context
+    assert cache.cold_nbytes == sum(t.cold_nbytes for t in (cache.pages, cache.keys, cache.far_keys) if t is not None)
+    assert cache.stored_nbytes <= 4 * 8 * m.spec.num_layers * m.spec.num_kv_heads * (2 * cache.pages.codec.bytes_per_row + 2 * 34)
 
 
 def test_page_ram_mb_is_validated_and_described():

@@ -421,7 +421,7 @@ def test_a_store_without_row_access_is_saved_whole_and_resumes(tmp_path, monkeyp
 def test_paged_archived_pages_are_append_segments(tmp_path, monkeypatch):
     """A paged session's archive grows with the history; a save writes only the rows archived since the last,
     and reads only those out of the cache (not a copy of the whole archive)."""
-    from inference_engine.kv.paged_store import RowTable, SpillingRowTable
+    from inference_engine.kv.paged_store import RowTable
 
     st = STRATEGIES["paged"]
     kept = runtime(tmp_path, st)
@@ -430,8 +430,8 @@ def test_paged_archived_pages_are_append_segments(tmp_path, monkeypatch):
     archived = s.kv.cache.pages.rows
     assert archived > 0
     read_from = []
-    for cls in (RowTable, SpillingRowTable):  # the keys' table, the page store's
-        monkeypatch.setattr(cls, "state", lambda self, start=0, state=cls.state: read_from.append(start) or state(self, start))
+    state = RowTable.state  # the page store's and the keys' (SpillingRowTables)
+    monkeypatch.setattr(RowTable, "state", lambda self, start=0: read_from.append(start) or state(self, start))
     for k in range(3):
         kept.append(s.id, ids(10, seed=k))
         read_from.clear()
