@@ -279,7 +279,7 @@ class PagedCache(SinkWindowCache):
                 pages = idx[:, j].sort(-1).values  # (Hkv, M): position order
                 flat = (pages + plan["head_pages"]).flatten()
                 if cols is None:  # every candidate archived; rows past C stay inside the table's whole pages
-                    kr, vr = self.pages.gather_flat(layer, table.index_select(0, flat).flatten(), hkv).to(k_all.dtype)
+                    kr, vr = self.pages.gather_pages(layer, pages).to(k_all.dtype)
                 else:
                     rows = table.index_select(0, flat).view(hkv, -1) - plan["head_rows"]
                     kr, vr = self._rows_kv(layer, rows.clamp(max=plan["c"] - 1), k_all, v_all, cols)
@@ -595,12 +595,14 @@ class PagedCache(SinkWindowCache):
         self._limit_keys()
 
     def _limit_keys(self) -> None:
-        """Once the shortlist applies, a step reads the compact keys of its shortlisted pages only: the key tables
-        then hold at most `ram_rows` in RAM, as the page store does (their older pages spill)."""
-        if self.ram_rows is not None and self.shortlisting:
-            for t in (self.keys, self.far_keys):
-                if t is not None:
-                    t.limit(self.ram_rows)
+        """Key tables no step reads whole hold at most `ram_rows` in RAM, as the page store does (their older pages
+        spill): once the shortlist applies (a step reads its shortlisted pages' keys only), the one choice scores,
+        and past the trained context the true-position keys (kept for the saved state, not read) from the start."""
+        if self.ram_rows is None:
+            return
+        for t in (self.keys, self.far_keys):
+            if t is not None and (self.shortlisting or (t is self.keys and self.far_keys is not None)):
+                t.limit(self.ram_rows)
 
     def _far_queries(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """q (H, T, D) at its rows' positions, rotated to far_distance: against far_keys (keys at position 0) every
@@ -635,6 +637,7 @@ class PagedCache(SinkWindowCache):
             table.write_all(a, self._at_zero(k[:, None].to(g.dtype), self.sink + a))
             table.rows = b
         self.far_keys = table
+        self._limit_keys()
         self.bounds.rows = 0
         if self.shortlisting:
             self._update_bounds()

@@ -277,6 +277,13 @@ class RowTable(Generic[CodecT]):
         """Rows a .. b - 1 of every layer, (L, S, Hkv, b - a, *trailing) per payload name (views here)."""
         return {name: x[:, :, :, a:b] for name, x in self.data.items()}
 
+    def gather_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Decoded rows (S, Hkv, M * P, D) of whole pages: pages[h] (Hkv, M) of KV head h, in the order given."""
+        h, p = pages.shape[0], self.page
+        heads = torch.arange(h, device=pages.device)[:, None, None]
+        rows = (pages * p)[:, :, None] + torch.arange(p, device=pages.device) + heads * self.row_stride
+        return self.gather_flat(layer, rows.flatten(), h)
+
     def state(self, start: int = 0) -> dict:
         """The used rows' payload per name, (L, S, Hkv, rows - start, *trailing) on the CPU: rows
         `start` .. rows - 1 (a saver that holds the earlier ones asks for the new rows only); copies."""
@@ -452,26 +459,68 @@ class SpillingRowTable(RowTable[CodecT]):
         self.cold_pages += pages
 
     def _take(self, layer: int, heads: torch.Tensor, rows: torch.Tensor) -> dict:
-        """Coded rows (S, N, *trailing) per payload name: row rows[n] of KV head heads[n], from either tier."""
-        first = self.first_ram_row
-        slot = rows % self.ram_rows if self.wrapped else rows  # type: ignore[operator]
-        cold = None if self.cold_pages == 0 else rows < first
-        some_cold = cold is not None and bool(cold.any())
-        all_cold = cold is not None and some_cold and bool(cold.all())
+        """Coded rows (S, N, *trailing) per payload name: row rows[n] of KV head heads[n], from either tier (one
+        index_select per tier over rows of the payload's trailing size, placed by index_copy)."""
+        n = rows.numel()
+        cold = rows < self.first_ram_row
+        ci = torch.nonzero(cold).flatten() if self.cold_pages else rows.new_empty(0)
+        wi = torch.nonzero(~cold).flatten() if ci.numel() else None  # None: every row warm
+        warm_flat = warm_rows = None
+        if wi is None or wi.numel():
+            r, h = (rows, heads) if wi is None else (rows[wi], heads[wi])
+            warm_rows = wi
+            warm_flat = h * self.capacity + (r % self.ram_rows if self.wrapped else r)  # type: ignore[operator]
+        cold_flat = None
+        if ci.numel():  # file row of (page, layer, s, head, offset) in the (pages * L * S * Hkv * P) flattened file
+            r, h = rows[ci].cpu(), heads[ci].cpu()
+            base = ((r // self.page) * self.num_layers + layer) * self.stack
+            s_ax = torch.arange(self.stack)[:, None]
+            cold_flat = ((base[None] + s_ax) * self.num_kv_heads + h[None]) * self.page + (r % self.page)[None]  # (S, n_cold)
         out = {}
         for name, x in self.slabs[layer].items():
-            got = None
-            if not all_cold:
-                flat = heads * self.capacity + (slot if cold is None else torch.where(cold, 0, slot))
-                got = x.flatten(1, 2).index_select(1, flat)  # (S, N, *trailing)
-            if some_cold:
-                assert cold is not None
-                f = self.files[name].tensor.select(1, layer)  # (pages, S, Hkv, P, *trailing): a view of the map
-                r = (rows.clamp(max=first - 1) if got is not None else rows).cpu()
-                c = f[r // self.page, :, heads.cpu(), r % self.page].transpose(0, 1).to(x.device)  # (S, N, *trailing)
-                got = c if got is None else torch.where(cold.view(1, -1, *[1] * (c.dim() - 2)), c, got)
+            warm = None if warm_flat is None else x.flatten(1, 2).index_select(1, warm_flat)  # (S, n_warm, *trailing)
+            if cold_flat is None:
+                out[name] = warm
+                continue
+            f = self.files[name].tensor
+            c = f.view(-1, *f.shape[5:]).index_select(0, cold_flat.flatten()).view(self.stack, -1, *f.shape[5:]).to(x.device)
+            if warm is None:
+                out[name] = c
+                continue
+            got = x.new_empty(self.stack, n, *x.shape[3:])
+            got.index_copy_(1, ci.to(x.device), c)
+            got.index_copy_(1, warm_rows, warm)
             out[name] = got
         return out
+
+    def gather_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """RowTable's `gather_pages` from both tiers: one block copy a page (P rows of a layer, stack entry and head:
+        contiguous in the ring and in the spill file)."""
+        if not self.spilled:
+            return super().gather_pages(layer, pages)
+        h, m = pages.shape
+        p, dev = self.page, pages.device
+        heads = torch.arange(h, device=dev)[:, None].expand(h, m).flatten()
+        j = pages.flatten()
+        cold = j < self.cold_pages
+        ci = torch.nonzero(cold).flatten()
+        wi = torch.nonzero(~cold).flatten()
+        s_ax = torch.arange(self.stack)[:, None]
+        out = {}
+        for name, x in self.slabs[layer].items():
+            tail = x.shape[3:]
+            got = x.new_empty(self.stack, h * m, p, *tail)
+            if wi.numel():  # ring block of page j: slots (j * P) % ram_rows .., a whole page (ram_rows is whole pages)
+                slot_page = (j[wi] * p) % self.ram_rows // p if self.wrapped else j[wi]  # type: ignore[operator]
+                ring = x.flatten(1, 2).unflatten(1, (-1, p))  # (S, Hkv * cap / P, P, *trailing)
+                got.index_copy_(1, wi, ring.index_select(1, heads[wi] * (self.capacity // p) + slot_page))
+            if ci.numel():  # file block (page, layer, s, head) of the (pages * L * S * Hkv) flattened file
+                f = self.files[name].tensor
+                blocks = ((j[ci].cpu()[None] * self.num_layers + layer) * self.stack + s_ax) * self.num_kv_heads + heads[ci].cpu()[None]
+                c = f.view(-1, p, *tail).index_select(0, blocks.flatten()).view(self.stack, -1, p, *tail)
+                got.index_copy_(1, ci, c.to(x.device))
+            out[name] = got.flatten(0, 2)
+        return self.codec.decode(out).reshape(self.stack, h, m * p, self.head_dim)
 
     def take(self, layer: int, rows: torch.Tensor) -> dict:
         if not self.spilled:

@@ -128,6 +128,7 @@ def test_spilled_pages_past_the_trained_context(chunk, row_exact):
     cache = new_cache(m, paged(page_ram_mb=ONE_PAGE), max_step=16)
     assert torch.equal(feed(m, cache, history, chunk, row_exact), want)
     assert cache.far_keys is not None and cache.pages.cold_pages > 0
+    assert cache.keys.cold_pages > 0  # the true-position keys: not read past the context, kept for the saved state
 
 
 def test_a_spilled_session_saves_and_resumes_under_any_budget():
