@@ -587,11 +587,12 @@ class PagedCache(SinkWindowCache):
         if not self.shortlist or full <= done:
             return
         p = self.page_size
-        part = {name: x[:, 0] for name, x in self.choice_keys.span(done * p, full * p).items()}  # (L, Hkv, n * P, ...)
-        b = self._page_bounds(part["codes"], part["scale"])  # (2, L, Hkv, n, D)
         self.bounds.reserve(full)
-        self.bounds.write_all(done, b.transpose(0, 1))
-        self.bounds.rows = full
+        for a in range(done, full, 256):  # 256 pages at a time: the decoded keys of a whole history would not fit
+            e = min(full, a + 256)
+            part = {name: x[:, 0] for name, x in self.choice_keys.span(a * p, e * p).items()}  # (L, Hkv, n * P, ...)
+            self.bounds.write_all(a, self._page_bounds(part["codes"], part["scale"]).transpose(0, 1))  # (L, 2, Hkv, n, D)
+            self.bounds.rows = e
         self._limit_keys()
 
     def _limit_keys(self) -> None:
@@ -682,7 +683,11 @@ class PagedCache(SinkWindowCache):
         pages_u, valid_u = _rows_per_head(short.any(1))  # (Hkv, U): the union of the step's shortlists per head
         u = pages_u.shape[1]
         rows = ((pages_u * p)[:, :, None] + torch.arange(p, device=q.device)).view(hkv, -1)  # (Hkv, U * P)
-        cu, su = self._codes_at(layer, k_all, plan, far, rows)
+        if plan["cols"] is None:  # every candidate archived: whole pages, one block copy each from either tier
+            got = self._code_table(far).take_pages(layer, pages_u)
+            cu, su = got["codes"][0], got["scale"][0]
+        else:
+            cu, su = self._codes_at(layer, k_all, plan, far, rows)
         scores = self.keys.codec.group_max_scores(q.reshape(hkv, g, t, d).float(), cu, su).view(hkv, t, u, p)
         scores.masked_fill_(~seen[:, pages_u].permute(1, 0, 2, 3), float("-inf"))  # (Hkv, T, U, P)
         mine = short.gather(-1, pages_u[:, None].expand(hkv, t, u)) & valid_u[:, None]  # (Hkv, T, U)

@@ -277,6 +277,12 @@ class RowTable(Generic[CodecT]):
         """Rows a .. b - 1 of every layer, (L, S, Hkv, b - a, *trailing) per payload name (views here)."""
         return {name: x[:, :, :, a:b] for name, x in self.data.items()}
 
+    def take_pages(self, layer: int, pages: torch.Tensor) -> dict:
+        """The stored payload (S, H, M * P, *trailing) per name of whole pages pages[h] (H, M) of KV head h, not
+        decoded (rows of a page past `rows` are spare: callers mask them)."""
+        p = self.page
+        return self.take(layer, ((pages * p)[:, :, None] + torch.arange(p, device=pages.device)).flatten(1))
+
     def gather_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """Decoded rows (S, Hkv, M * P, D) of whole pages: pages[h] (Hkv, M) of KV head h, in the order given."""
         h, p = pages.shape[0], self.page
@@ -493,11 +499,11 @@ class SpillingRowTable(RowTable[CodecT]):
             out[name] = got
         return out
 
-    def gather_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
-        """RowTable's `gather_pages` from both tiers: one block copy a page (P rows of a layer, stack entry and head:
+    def take_pages(self, layer: int, pages: torch.Tensor) -> dict:
+        """RowTable's `take_pages` from both tiers: one block copy a page (P rows of a layer, stack entry and head:
         contiguous in the ring and in the spill file)."""
         if not self.spilled:
-            return super().gather_pages(layer, pages)
+            return super().take_pages(layer, pages)
         h, m = pages.shape
         p, dev = self.page, pages.device
         heads = torch.arange(h, device=dev)[:, None].expand(h, m).flatten()
@@ -519,8 +525,15 @@ class SpillingRowTable(RowTable[CodecT]):
                 blocks = ((j[ci].cpu()[None] * self.num_layers + layer) * self.stack + s_ax) * self.num_kv_heads + heads[ci].cpu()[None]
                 c = f.view(-1, p, *tail).index_select(0, blocks.flatten()).view(self.stack, -1, p, *tail)
                 got.index_copy_(1, ci, c.to(x.device))
-            out[name] = got.flatten(0, 2)
-        return self.codec.decode(out).reshape(self.stack, h, m * p, self.head_dim)
+            out[name] = got.view(self.stack, h, m * p, *tail)
+        return out
+
+    def gather_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        if not self.spilled:
+            return super().gather_pages(layer, pages)
+        h, m = pages.shape
+        flat = {name: x.flatten(0, 2) for name, x in self.take_pages(layer, pages).items()}
+        return self.codec.decode(flat).reshape(self.stack, h, m * self.page, self.head_dim)
 
     def take(self, layer: int, rows: torch.Tensor) -> dict:
         if not self.spilled:

@@ -3,7 +3,8 @@
 Issue 29's target: at 32k and 100k tokens of history, hot (resident + selection) <= 64 MB and host RAM <= hot +
 `--page-ram-mb` (default 128), the rest on disk. Each variant runs in its own process (so its RSS is its own):
 
-  spill  page_ram_mb 128 (the default): the newest pages within the budget in RAM, older ones in spill files
+  spill  page_ram_mb 128 (the default; --page-ram-mb): the newest pages within the budget in RAM, older ones in
+         spill files
   ram    page_ram_mb 0: every page in RAM (what paged did before the disk tier), the control
 
 Each process loads the real model (its weights, --weights), notes its RSS, then fills one real PagedCache with random
@@ -84,7 +85,8 @@ def run_variant(args) -> dict:
     torch.set_num_threads(args.threads)
     model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
     g = model.geometry()
-    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, page_ram_mb=VARIANTS[args.variant])
+    budget = args.page_ram_mb if args.variant == "spill" else VARIANTS[args.variant]
+    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, page_ram_mb=budget)
     gen = torch.Generator().manual_seed(0)
     token = model.tensor([17])
 
@@ -153,6 +155,7 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--page-ram-mb", type=float, default=VARIANTS["spill"], help="the spill variant's budget")
     ap.add_argument("--variant", default="", help=argparse.SUPPRESS)  # internal: run one variant, JSON on stdout
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
