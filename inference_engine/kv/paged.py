@@ -73,9 +73,11 @@ class PagedCache(SinkWindowCache):
         key_codec = cast(RowQuant, make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype))
         # page_ram_mb of host RAM (0: no limit) holds the newest rows of the page store and, once the shortlist applies
         # (the compact keys are then read for shortlisted pages only), of the compact keys and far_keys; older pages
-        # are in spill files (SpillingRowTable). One row count for the three: a row of each fits the budget.
+        # are in spill files (SpillingRowTable). One row count for the three: a row of each fits the budget. It is a
+        # host-RAM budget: on an accelerator the tables are in device memory and it does not apply.
         row_bytes = g.num_layers * g.num_kv_heads * (2 * page_codec.bytes_per_row + 2 * key_codec.bytes_per_row)
-        self.ram_rows = ram_rows_for(strategy.page_ram_mb * 2 ** 20, row_bytes, self.page_size)
+        on_host = torch.device(g.device).type == "cpu"
+        self.ram_rows = ram_rows_for(strategy.page_ram_mb * 2 ** 20 if on_host else 0, row_bytes, self.page_size)
         self.pages = SpillingRowTable(page_codec, ram_rows=self.ram_rows, stack=2, **dims)
         self.keys = SpillingRowTable(key_codec, ram_rows=None, stack=1, **dims)  # limited when the shortlist applies
         # past the trained context: the same compact keys of every archived position, rotated to position 0
