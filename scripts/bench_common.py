@@ -89,6 +89,21 @@ def write_json(path: pathlib.Path, payload: dict) -> None:
     print(f"wrote {path}")
 
 
+def fill_with_random_kv(cache, n: int, chunk: int, generator) -> None:
+    """Append random normal K/V to a KV cache through its own API (prepare, update_and_fetch, commit; no model) until
+    it holds n positions, `chunk` at a time: archiving and bookkeeping run as in serving, in a fraction of the time."""
+    import torch
+
+    g = cache.geometry
+    while cache.next_position < n:
+        t = min(chunk, n - cache.next_position)
+        cache.prepare(range(cache.next_position, cache.next_position + t))
+        for layer in range(g.num_layers):
+            k, v = (torch.randn(g.num_kv_heads, t, g.head_dim, generator=generator) for _ in range(2))
+            cache.update_and_fetch(layer, k, v)
+        cache.commit()
+
+
 class PeakRSS:
     """Context manager sampling this process's RSS every `interval` s; .peak = max seen inside."""
 

@@ -40,7 +40,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from bench_common import ROOT, fill_with_random_kv, run_metadata, write_json  # noqa: E402
 
 OUT = ROOT / "results" / "research" / "paged_memory.json"
 VARIANTS = {"spill": 128, "ram": 0}  # page_ram_mb
@@ -91,13 +91,7 @@ def run_variant(args) -> dict:
     token = model.tensor([17])
 
     def fill(cache, n: int) -> None:
-        while cache.next_position < n:
-            t = min(args.chunk, n - cache.next_position)
-            cache.prepare(range(cache.next_position, cache.next_position + t))
-            for layer in range(g.num_layers):
-                k, v = (torch.randn(g.num_kv_heads, t, g.head_dim, generator=gen) for _ in range(2))
-                cache.update_and_fetch(layer, k, v)
-            cache.commit()
+        fill_with_random_kv(cache, n, args.chunk, gen)
 
     # the model's own first-use allocations (workspaces, kernels' caches) go to the baseline, not to the cache
     warm = make_cache(strategy, g, max_step=args.chunk, max_context=model.spec.max_context)

@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from bench_common import ROOT, fill_with_random_kv, run_metadata, write_json  # noqa: E402
 
 OUT = ROOT / "results" / "research" / "paged_scaling.json"
 
@@ -84,13 +84,7 @@ def main() -> int:
     out: dict = {}
     t_fill = time.perf_counter()
     for n in lengths:
-        while cache.next_position < n:
-            t = min(args.chunk, n - cache.next_position)
-            cache.prepare(range(cache.next_position, cache.next_position + t))
-            for layer in range(args.layers):
-                k, v = (torch.randn(args.kv_heads, t, args.head_dim, generator=gen) for _ in range(2))
-                cache.update_and_fetch(layer, k, v)
-            cache.commit()
+        fill_with_random_kv(cache, n, args.chunk, gen)
         q = torch.randn(args.heads, 1, args.head_dim, generator=gen)
         times: dict = {"exact": []} | {str(s): [] for s in shortlists}
         for _ in range(args.repeats):
