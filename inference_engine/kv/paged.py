@@ -777,6 +777,8 @@ class PagedCache(SinkWindowCache):
 
     def _load_extra_state(self, tensors: dict, meta: dict) -> None:
         rows = int(meta["archived_rows"])
+        if self.ram_rows is not None and self.shortlist and -(-rows // self.page_size) > self.shortlist_from:
+            self.keys.limit(self.ram_rows)  # the shortlist applies from the start: the keys stream in past the ring
         self.pages.load_state({k.removeprefix("pages."): v for k, v in tensors.items() if k.startswith("pages.")}, rows)
         self.keys.load_state({k.removeprefix("keys."): v for k, v in tensors.items() if k.startswith("keys.")}, rows)
         self.bounds.rows = 0  # derived from the keys: rebuilt, not saved

@@ -330,7 +330,7 @@ def spill_dir() -> str:
 class SpillFile:
     """Whole pages of one payload, (pages, *page_shape) of `dtype`, in an unlinked file of the spill directory,
     memory-mapped (shared): nothing is left behind when the process ends. It grows by a quarter at a time:
-    the file is extended (sparse) and mapped again, nothing copied (its pages axis is the outermost)."""
+    the file is extended, its blocks allocated, and mapped again, nothing copied (its pages axis is the outermost)."""
 
     def __init__(self, page_shape: tuple, dtype: torch.dtype):
         self.page_shape, self.dtype = page_shape, dtype
@@ -344,10 +344,16 @@ class SpillFile:
         self.tensor = torch.empty(0, *page_shape, dtype=dtype)
 
     def reserve(self, pages: int) -> None:
+        """Room for `pages` pages. The file's blocks are allocated here (posix_fallocate), not on first write through
+        the map: a full disk is an OSError now, not a SIGBUS that would kill the process at the write."""
         if pages <= self.pages:
             return
         want = max(pages, self.pages + self.pages // 4)
-        os.ftruncate(self.fd, want * self.page_bytes)
+        try:
+            os.posix_fallocate(self.fd, 0, want * self.page_bytes)
+        except OSError as e:
+            raise OSError(e.errno, f"the spill directory {spill_dir()} has no room for {want * self.page_bytes} bytes of "
+                                   f"pages ({e.strerror}); free space or move it (--page-spill-dir)") from e
         self.map = mmap.mmap(self.fd, want * self.page_bytes)  # the old map lives as long as tensors viewing it
         self.tensor = torch.frombuffer(self.map, dtype=self.dtype).view(want, *self.page_shape)
         self.pages = want
@@ -600,11 +606,10 @@ class SpillingRowTable(RowTable[CodecT]):
         return {name: torch.cat(xs, 3) if xs else self.data[name][:, :, :, :0] for name, xs in parts.items()}
 
     def load_state(self, tensors: dict, rows: int) -> None:
-        limit, self.ram_rows = self.ram_rows, None
+        """The rows stream in a page at a time through `_put`: past `ram_rows` the oldest spill as they arrive, so a
+        load holds no more in RAM than the ring (the tensors themselves are the segments' maps)."""
         self.cold_pages, self.files, self.rows = 0, {}, 0
         super().load_state(tensors, rows)
-        if limit is not None:
-            self.limit(limit)
 
 
 def ram_rows_for(ram_bytes: float, row_bytes: int, page: int) -> int | None:

@@ -69,7 +69,7 @@ class KVStrategy:
                 raise ValueError(f"{name} must be an int >= 0 (shortlist_pages 0: score every candidate key), "
                                  f"got {getattr(self, name)!r}")
 
-        if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, (int, float)) or not self.page_ram_mb >= 0:
+        if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, (int, float)) or not 0 <= self.page_ram_mb < 2 ** 40:
             raise ValueError(f"page_ram_mb must be a number >= 0 (MB of host RAM for a session's pages; 0: all in RAM), "
                              f"got {self.page_ram_mb!r}")
 

@@ -131,7 +131,27 @@ def test_spilled_pages_past_the_trained_context(chunk, row_exact):
     assert cache.keys.cold_pages > 0  # the true-position keys: not read past the context, kept for the saved state
 
 
-def test_a_spilled_session_saves_and_resumes_under_any_budget():
+def test_a_full_spill_disk_is_an_error_not_a_crash(monkeypatch, tmp_path):
+    """The spill file's blocks are allocated as it grows: no room is an OSError naming the directory and the flag."""
+    import errno
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    paged_store.set_spill_dir(str(tmp_path))
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    try:
+        codec = make_row_codec("identity", head_dim=8, dtype=torch.float32)
+        t = SpillingRowTable(codec, ram_rows=4, num_layers=1, num_kv_heads=1, head_dim=8, stack=2, page=4, device="cpu")
+        t.reserve(8)
+        with pytest.raises(OSError, match="no room.*--page-spill-dir") as e:
+            t.write_all(0, torch.ones(1, 2, 1, 8, 8))
+        assert e.value.errno == errno.ENOSPC and str(tmp_path) in str(e.value)
+    finally:
+        paged_store.set_spill_dir(None)
+
+
+def test_a_spilled_session_saves_and_resumes_under_any_budget(monkeypatch):
     """state() reads both tiers in RowTable's format: a session saved spilled continues token for token when
     rebuilt with its pages all in RAM, and one saved in RAM when rebuilt spilled."""
     m = model()
@@ -142,32 +162,40 @@ def test_a_spilled_session_saves_and_resumes_under_any_budget():
         feed(m, c, history, 16)
     states = {0: spilled.state(), ONE_PAGE: in_ram.state()}  # each rebuilt under the other budget
     want = feed(m, in_ram, more, 1, row_exact=True)
+    held = []  # the rows axis of every slab the page store (stack K, V) sets: a load streams through the ring
+    real_set = SpillingRowTable._set
+    monkeypatch.setattr(SpillingRowTable, "_set", lambda self, data: (self.stack == 2 and held.append(
+        next(iter(data.values())).shape[3])) or real_set(self, data))
     for budget, state in states.items():
         again = new_cache(m, paged(page_ram_mb=budget))
+        held.clear()
         again.load_state(state)
+        if budget:
+            assert max(held) <= again.pages.ram_rows < again.pages.rows
         assert torch.equal(feed(m, again, more, 1, row_exact=True), want)
         assert (again.pages.cold_nbytes > 0) == (budget > 0)
 
 
-@pytest.mark.parametrize("past_context", [False, True])
-def test_spilled_compact_keys_give_the_same_shortlisted_choice(past_context):
+@pytest.mark.parametrize("past_context,chunk", [(False, 5), (True, 5), (True, 1)])
+def test_spilled_compact_keys_give_the_same_shortlisted_choice(past_context, chunk):
     """Once the shortlist applies the compact keys (and past the context far_keys) keep one page in RAM too and are
     read by rows from either tier: the same logits as the all-in-RAM session, bit for bit."""
     m = short_context_model("int4") if past_context else model()
     history = ids(200, seed=15)
     st = dict(shortlist_pages=3, shortlist_from=4)
-    want = feed(m, new_cache(m, paged(page_ram_mb=0, **st), max_step=16), history, 5, True)
+    want = feed(m, new_cache(m, paged(page_ram_mb=0, **st), max_step=16), history, chunk, True)
     cache = new_cache(m, paged(page_ram_mb=ONE_PAGE, **st), max_step=16)
-    assert torch.equal(feed(m, cache, history, 5, True), want)
+    assert torch.equal(feed(m, cache, history, chunk, True), want)  # one-token steps: the keys read as page blocks
     keys = cache.choice_keys
     assert cache.shortlisting and keys.cold_pages > 0 and keys.ram_rows == cache.pages.ram_rows == 8
     assert (cache.far_keys is not None) == past_context
-    assert cache.cold_nbytes == sum(t.cold_nbytes for t in (cache.pages, cache.keys, cache.far_keys) if t is not None)
+    assert cache.cold_nbytes > cache.pages.cold_nbytes > 0  # the keys' spilled pages count as cold too
     assert cache.stored_nbytes <= 4 * 8 * m.spec.num_layers * m.spec.num_kv_heads * (2 * cache.pages.codec.bytes_per_row + 2 * 34)
 
 
 def test_page_ram_mb_is_validated_and_described():
-    with pytest.raises(ValueError, match="page_ram_mb"):
-        paged(page_ram_mb=-1)
+    for bad in (-1, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="page_ram_mb"):
+            paged(page_ram_mb=bad)
     assert paged().page_ram_mb == 128 and paged().describe()["page_ram_mb"] == "128"
     assert paged(page_ram_mb=0.5).describe()["page_ram_mb"] == "0.5"
