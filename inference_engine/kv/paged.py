@@ -43,7 +43,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inference_engine.backends.torch.attention import attend_merged, attend_row_parts, attend_row_two_part, attention_lse
+from inference_engine.backends.torch.attention import (attend_merged, attend_row_parts, attend_row_two_part, attention_lse,
+                                                       page_pair_mix, page_pair_scores, page_tiles)
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
 from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, SpillingRowTable, make_row_codec, ram_rows_for
@@ -333,8 +334,10 @@ class PagedCache(SinkWindowCache):
         position order right before its window, the sink right before them), every row at once. A page moves as
         a whole (one rotation for its P keys), and RoPE is a rotation: q . R(d) k = R(-d) q . k, so each row's
         queries are counter-rotated once per chosen page (G vectors) instead of its P keys being rotated
-        (the page store's keys are read as stored). Part one: each row over its pages' keys and the moved sink
-        (scores by batched products, one softmax); part two: every row over the resident slab under its mask
+        (the page store's keys are read as stored). Each KV head's chosen pages are read once (their union), and
+        the rows' (row, page) pairs are grouped by page (`page_tiles`): a row never copies the pages it reads.
+        Part one: each row over its pages' keys and the moved sink (scores by batched products per page tile, one
+        softmax); part two: every row over the resident slab under its mask
         (one attention call); merged by log-sum-exp. Not row-exact (a chunk's rows attend batched, as below the
         context); decode and verify rows keep `_attend_rows`. None: a row with at most `recall_pages` pages."""
         hkv, t = idx.shape[0], idx.shape[1]
@@ -345,13 +348,15 @@ class PagedCache(SinkWindowCache):
             return None
         dev = idx.device
         pages = idx.sort(-1).values  # (Hkv, T, M): position order
-        kr, vr = self._candidate_pages(layer, pages, k_all, v_all, plan)  # (Hkv, T * M * P, D)
+        k_u, v_u, pair_page = self._candidate_pages(layer, pages, k_all, v_all, plan)  # (Hkv * U, P, D) x2, (Hkv * T * M,)
+        slot, tile_page = page_tiles(pair_page, k_u.shape[0])  # the (row, page) pairs grouped by page
         positions = layout.first_position + torch.arange(t, device=dev)  # (T,)
         deltas = self._page_moves(pages, positions)  # (Hkv, T, M): each chosen page's move
         qh = q.reshape(hkv, g, t, d).transpose(1, 2)  # (Hkv, T, G, D)
         q_pages = rotate_keys(layer, qh[:, :, None].expand(hkv, t, m, g, d).reshape(hkv, -1, d),
                               (-deltas)[..., None].expand(hkv, t, m, g).reshape(hkv, -1)).view(hkv, t, m, g, d)
-        scores = torch.einsum("htmgd,htmpd->htgmp", q_pages, kr.view(hkv, t, m, p, d)).reshape(hkv, t, g, m * p) * scale
+        scores = page_pair_scores(q_pages.view(-1, g, d), slot, tile_page, k_u).view(hkv, t, m, g, p)
+        scores = scores.transpose(2, 3).reshape(hkv, t, g, m * p) * scale
         bias_r = vis["page_bias"][torch.arange(t, device=dev)[None, :, None], pages]  # (Hkv, T, M, P)
         scores = scores + bias_r.reshape(hkv, t, 1, m * p)
         bias_w = self._resident_bias(plan, layout, w, q.dtype)  # (T, N)
@@ -366,7 +371,8 @@ class PagedCache(SinkWindowCache):
             bias_w[:, sink_cols] = float("-inf")  # attended above, moved; the window stays where it is
         # one softmax over each row's page keys and moved sink (scores only concatenated: values stay apart)
         lse_r = torch.logsumexp(scores if sink_scores is None else torch.cat([scores, sink_scores], -1), -1)  # (Hkv, T, G)
-        o_r = torch.einsum("htge,hted->htgd", torch.exp(scores - lse_r[..., None]), vr.view(hkv, t, m * p, d))
+        weights = torch.exp(scores - lse_r[..., None]).view(hkv, t, g, m, p).transpose(2, 3).reshape(-1, g, p)
+        o_r = page_pair_mix(weights, slot, tile_page, v_u).view(hkv, t, m, g, d).sum(2)  # (Hkv, T, G, D)
         if sink_scores is not None:
             o_r = o_r + torch.einsum("htgs,hsd->htgd", torch.exp(sink_scores - lse_r[..., None]), v_all.index_select(1, sink_cols))
         o_w, lse_w = attention_lse(q.reshape(1, hkv, g * t, d), k_all[None], v_all[None], bias_w.repeat(g, 1)[None, None], scale)
@@ -377,11 +383,12 @@ class PagedCache(SinkWindowCache):
         return o.reshape(hkv * g, t, d).to(q.dtype)
 
     def _candidate_pages(self, layer: int, pages: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                         plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K/V (Hkv, T * M * P, D) of the chosen pages (Hkv, T, M) of many rows at once: each KV head's union of
-        the rows' pages read once (`_rows_kv`: archived rows from the page store, whichever tier holds them, still-
-        resident ones through the page codec; rows past C repeat the last candidate, which the page masks hide),
-        then copied a page at a time."""
+                         plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chosen pages (Hkv, T, M) of many rows at once, each KV head's union of them read once (`_rows_kv`:
+        archived rows from the page store, whichever tier holds them, still-resident ones through the page codec;
+        rows past C repeat the last candidate, which the page masks hide): exact K and V (Hkv * U, P, D), head h's
+        pages at h * U .. (U: the most any head chose), and each (head, row, page) pair's page among them
+        (Hkv * T * M,)."""
         hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
         n_pages = plan["n_pages"]
         dev = pages.device
@@ -392,9 +399,8 @@ class PagedCache(SinkWindowCache):
         k_u, v_u = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])  # (Hkv, U * P, D)
         at = torch.zeros(hkv, n_pages + 1, dtype=torch.long, device=dev)  # page -> its place among the head's U
         at.scatter_(1, torch.where(valid_u, pages_u, n_pages), torch.arange(u, device=dev).expand(hkv, -1))
-        flat = (at.gather(1, pages.flatten(1)) + torch.arange(hkv, device=dev)[:, None] * u).flatten()
-        kv = torch.stack([k_u, v_u]).view(2, hkv * u, p * d).index_select(1, flat).view(2, hkv, -1, d)
-        return kv[0], kv[1]
+        pair_page = (at.gather(1, pages.flatten(1)) + torch.arange(hkv, device=dev)[:, None] * u).flatten()
+        return k_u.reshape(hkv * u, p, d), v_u.reshape(hkv * u, p, d), pair_page
 
     def virtual_deltas(self, pages: torch.Tensor, p: int) -> torch.Tensor:
         """(Hkv, n * P) rotation per recalled row of a query at p: its page (pages (Hkv, n), in position order)

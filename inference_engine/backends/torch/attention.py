@@ -228,6 +228,42 @@ def attend_row_parts(qj, parts, scale):
     return sum(o * (lse - total).exp().nan_to_num(0.0)[..., None] for o, lse in zip(outs, lses))
 
 
+def page_tiles(pair_page, n_pages: int, size: int = 16):
+    """Pairs (a query row with one page it reads) grouped by page, `size` pairs to a tile: pair_page (N,) the page
+    of each pair -> slot (N,), each pair's row in a (tiles * size) grid, and tile_page (tiles,), each tile's page.
+    A page read by c pairs gets ceil(c / size) tiles, so a tile is one small matmul against one page's rows and no
+    pair copies the page it reads (a prefill chunk's rows share most of their pages). Made once, used by
+    `page_pair_scores` and `page_pair_mix`."""
+    n, dev = pair_page.numel(), pair_page.device
+    order = torch.argsort(pair_page, stable=True)
+    counts = torch.bincount(pair_page, minlength=n_pages)
+    tiles = (counts + size - 1) // size
+    first_tile, first_pair = torch.cumsum(tiles, 0) - tiles, torch.cumsum(counts, 0) - counts
+    by_page = pair_page[order]
+    rank = torch.arange(n, device=dev) - first_pair[by_page]  # a pair's place among its page's pairs
+    slot = torch.empty_like(order).index_copy_(0, order, (first_tile[by_page] + rank // size) * size + rank % size)
+    return slot, torch.repeat_interleave(torch.arange(n_pages, device=dev), tiles)
+
+
+def page_pair_scores(q, slot, tile_page, k_pages, size: int = 16):
+    """q (N, G, D) each pair's query vectors, k_pages (pages, P, D) -> (N, G, P): q . k over the P rows of the pair's
+    page (`page_tiles` with the same size gives slot and tile_page); empty grid rows compute zeros, never read."""
+    n, g, d = q.shape
+    nt = tile_page.numel()
+    grid = q.new_zeros(nt * size, g, d).index_copy_(0, slot, q)
+    s = torch.bmm(grid.view(nt, size * g, d), k_pages.index_select(0, tile_page).transpose(1, 2))
+    return s.view(nt * size, g, -1).index_select(0, slot)
+
+
+def page_pair_mix(w, slot, tile_page, v_pages, size: int = 16):
+    """w (N, G, P) each pair's weights over its page's rows, v_pages (pages, P, D) -> (N, G, D): w @ v per pair."""
+    n, g, p = w.shape
+    nt = tile_page.numel()
+    grid = w.new_zeros(nt * size, g, p).index_copy_(0, slot, w)
+    o = torch.bmm(grid.view(nt, size * g, p), v_pages.index_select(0, tile_page))
+    return o.view(nt * size, g, -1).index_select(0, slot)
+
+
 def rotate_keys(model, layer: int, k, deltas):
     """RoPE rotation of positioned keys k (Hkv, E, D) by deltas (Hkv, E) positions: a key at p moves to p + delta
     (rotations compose). The paged strategy's recall past the trained context."""
