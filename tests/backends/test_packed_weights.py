@@ -59,3 +59,23 @@ def test_a_read_only_model_directory_only_costs_the_packing(tmp_path):
         assert not list(d.glob(".kakeya-packed-*")) and torch.isfinite(logits(m)).all()
     finally:
         d.chmod(0o755)
+
+
+def test_the_file_is_read_as_safetensors_reads_it_aligned_and_a_truncated_one_is_packed_again(tmp_path):
+    from safetensors import safe_open
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-packed-*"))
+    TorchCausalLM.load(d, weights="int4")
+    path = d / ".kakeya-packed-int4.safetensors"
+    packed = PackedWeights(d, "int4")
+    with safe_open(str(path), framework="pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}
+    assert packed.loaded.keys() == want.keys()
+    for k, v in want.items():
+        got = packed.loaded[k]
+        assert got.dtype == v.dtype and torch.equal(got, v) and got.data_ptr() % 64 == 0, k
+    path.write_bytes(path.read_bytes()[:-100])  # cut inside the last tensor
+    assert not PackedWeights(d, "int4").loaded  # unreadable: logged, packed again
+    m = TorchCausalLM.load(d, weights="int4")
+    assert torch.isfinite(logits(m)).all() and PackedWeights(d, "int4").loaded  # and written anew
