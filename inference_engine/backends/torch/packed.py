@@ -104,7 +104,7 @@ def _read_if_key(path: pathlib.Path, key: str) -> dict[str, torch.Tensor] | None
             places.append(size)
             size += -(-(e["data_offsets"][1] - e["data_offsets"][0]) // _ALIGN) * _ALIGN
         buf = torch.empty(size, dtype=torch.uint8)
-        raw = memoryview(buf.numpy())
+        raw = memoryview(buf.numpy().data)
         out = {}
         for (name, e), at in zip(entries, places):
             a, b = e["data_offsets"]
