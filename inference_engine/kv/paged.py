@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inference_engine.backends.torch.attention import (attend_merged, attend_row_parts, attend_row_two_part, attention_lse,
+from inference_engine.backends.torch.attention import (attend_merged, attend_moved_row, attend_row_two_part, attention_lse,
                                                        page_pair_mix, page_pair_scores, page_tiles)
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
@@ -305,27 +305,30 @@ class PagedCache(SinkWindowCache):
                  bias_r: torch.Tensor | None, pages: torch.Tensor | None, p: int, k_all: torch.Tensor, v_all: torch.Tensor,
                  layout: AttentionLayout, bias_w: torch.Tensor, scale: float, rotate_keys: RotateKeys | None) -> torch.Tensor:
         """One query row at p >= max_context (InfLLM's layout): its window at true positions; its recalled
-        rows (pages (Hkv, n) in position order) rotated to sit in that order right before the window; the
-        sink rotated to sit right before them. Three attention parts merged by log-sum-exp."""
+        rows (pages (Hkv, n) in position order) as if they sat in that order right before the window; the
+        sink right before them. A page moves as a whole, so the row's G query vectors are counter-rotated once
+        per page (and once for the sink) instead of its keys being rotated (`attend_moved_row`)."""
         if rotate_keys is None:
             raise ValueError(f"position {p} is past the trained context of {self.max_context}: paged needs the backend's "
                              "rotate_keys there (the torch backend has it)")
+        hkv, g, d = qj.shape[1:]
+        q = qj[0]  # (Hkv, G, D)
         n = 0 if pages is None else pages.shape[1]
-        parts = []
+        moved = []
         if kr is not None:
-            assert pages is not None  # _attend_rows sets a row's pages with its recalled rows
-            parts.append((rotate_keys(layer, kr, self.virtual_deltas(pages, p)), vr, bias_r))
+            assert pages is not None and vr is not None  # _attend_rows sets a row's pages with its recalled rows
+            back = -self._page_moves(pages, torch.tensor(p, device=pages.device))  # (Hkv, n)
+            q_pages = rotate_keys(layer, q[:, None].expand(hkv, n, g, d).reshape(hkv, n * g, d),
+                                  back[..., None].expand(hkv, n, g).reshape(hkv, -1)).view(hkv, n, g, d)
+            moved.append((q_pages, kr, vr, None if bias_r is None else bias_r[0]))
         kp = layout.key_positions
         sink_cols = torch.nonzero((kp >= 0) & (kp < self.sink)).flatten()
         if sink_cols.numel():
-            first = self._sink_start(p, n)
-            ks = k_all.index_select(1, sink_cols)
-            moved = rotate_keys(layer, ks, torch.full(ks.shape[:2], first, dtype=torch.long, device=ks.device))
-            parts.append((moved, v_all.index_select(1, sink_cols), None))
+            q_sink = rotate_keys(layer, q, torch.full((hkv, g), -self._sink_start(p, n), dtype=torch.long, device=q.device))
+            moved.append((q_sink[:, None], k_all.index_select(1, sink_cols), v_all.index_select(1, sink_cols), None))
             bias_w = bias_w.clone()
             bias_w[sink_cols] = float("-inf")  # the sink is attended above, moved; the window stays where it is
-        parts.append((k_all, v_all, bias_w[None, None, None]))
-        return attend_row_parts(qj, parts, scale)
+        return attend_moved_row(qj, moved, k_all, v_all, bias_w, scale)
 
     def _attend_far_chunk(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layout: AttentionLayout,
                           plan: Plan, w: int | None, idx: torch.Tensor, scale: float,
@@ -401,11 +404,6 @@ class PagedCache(SinkWindowCache):
         at.scatter_(1, torch.where(valid_u, pages_u, n_pages), torch.arange(u, device=dev).expand(hkv, -1))
         pair_page = (at.gather(1, pages.flatten(1)) + torch.arange(hkv, device=dev)[:, None] * u).flatten()
         return k_u.reshape(hkv * u, p, d), v_u.reshape(hkv * u, p, d), pair_page
-
-    def virtual_deltas(self, pages: torch.Tensor, p: int) -> torch.Tensor:
-        """(Hkv, n * P) rotation per recalled row of a query at p: its page (pages (Hkv, n), in position order)
-        moves to the i-th of n page slots ending right before the query's window, rows in order within it."""
-        return self._page_moves(pages, torch.tensor(p, device=pages.device)).repeat_interleave(self.page_size, -1)
 
     def _page_moves(self, pages: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """How far each chosen page moves for a query at p (InfLLM's layout): pages (..., n) in position order,

@@ -321,14 +321,13 @@ def test_past_the_context_the_layout_must_fit_inside_it():
     assert cache.next_position == 64
 
 
-def test_virtual_deltas_put_the_pages_in_order_before_the_window():
+def test_page_moves_put_the_pages_in_order_before_the_window():
     m = short_context_model()
     cache = new_cache(m, paged(sink=4, window=12, page=8, pages=2))
     pages = torch.tensor([[1, 5], [0, 6]])  # per KV head, in position order
-    d = cache.virtual_deltas(pages, 100)
+    d = cache._page_moves(pages, torch.tensor(100))
     # slots: [100 - 12 - 16 + 1, ...] = 73..80 and 81..88; page j starts at 4 + 8 j
-    want = torch.tensor([[73 - 12] * 8 + [81 - 44] * 8, [73 - 4] * 8 + [81 - 52] * 8])
-    assert torch.equal(d, want)
+    assert torch.equal(d, torch.tensor([[73 - 12, 81 - 44], [73 - 4, 81 - 52]]))
 
 
 def test_rotate_keys_moves_a_positioned_key():
@@ -341,19 +340,33 @@ def test_rotate_keys_moves_a_positioned_key():
     torch.testing.assert_close(moved, at[(70, 200, 31)], rtol=1e-4, atol=1e-4)
 
 
-def test_attention_in_parts_equals_one_softmax():
-    from inference_engine.backends.torch.attention import attend_row_parts
+def test_a_moved_row_attends_as_one_softmax_over_its_keys_rotated():
+    """attend_moved_row counter-rotates the query per group of keys (q . R(d) k = R(-d) q . k): the same as one
+    softmax over the keys rotated by their moves, the window's keys as they are."""
+    from inference_engine.backends.torch.attention import attend_moved_row
 
+    m = short_context_model()
+    hkv, d = m.geometry().num_kv_heads, m.geometry().head_dim
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 2, 3, 16, generator=gen)
-    ks = [torch.randn(2, n, 16, generator=gen) for n in (5, 2, 7)]
-    vs = [torch.randn(2, n, 16, generator=gen) for n in (5, 2, 7)]
-    hide = torch.zeros(1, 1, 1, 7)
-    hide[..., 3:] = float("-inf")
-    got = attend_row_parts(q, [(ks[0], vs[0], None), (ks[1], vs[1], None), (ks[2], vs[2], hide)], 0.25)
-    k, v = torch.cat([ks[0], ks[1], ks[2][:, :3]], 1), torch.cat([vs[0], vs[1], vs[2][:, :3]], 1)
-    want = torch.softmax(q @ k[None].transpose(-1, -2) * 0.25, -1) @ v[None]
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    qj = torch.randn(1, hkv, 3, d, generator=gen)
+    kp, vp = torch.randn(hkv, 2 * 4, d, generator=gen), torch.randn(hkv, 2 * 4, d, generator=gen)  # 2 pages of 4
+    ks, vs = torch.randn(hkv, 2, d, generator=gen), torch.randn(hkv, 2, d, generator=gen)  # a sink of 2
+    kw, vw = torch.randn(hkv, 5, d, generator=gen), torch.randn(hkv, 5, d, generator=gen)  # the window
+    moves = torch.tensor([[-40, -9], [-33, -20]])[:hkv]  # per head and page
+    hide = torch.zeros(5)
+    hide[1] = float("-inf")  # a window column the row may not see
+    page_bias = torch.zeros(hkv, 1, 8)
+    page_bias[..., 7] = float("-inf")  # the last page's last row: past the row's candidates
+    q = qj[0]
+    q_pages = m.rotate_keys(0, q[:, None].expand(hkv, 2, 3, d).reshape(hkv, 6, d),
+                            (-moves)[..., None].expand(hkv, 2, 3).reshape(hkv, 6)).view(hkv, 2, 3, d)
+    q_sink = m.rotate_keys(0, q, torch.full((hkv, 3), 25))
+    got = attend_moved_row(qj, [(q_pages, kp, vp, page_bias), (q_sink[:, None], ks, vs, None)], kw, vw, hide, 0.25)
+    k = torch.cat([m.rotate_keys(0, kp, moves.repeat_interleave(4, 1)), m.rotate_keys(0, ks, torch.full((hkv, 2), -25)), kw], 1)
+    v = torch.cat([vp, vs, vw], 1)
+    bias = torch.cat([page_bias[:, 0], torch.zeros(hkv, 2), hide.expand(hkv, -1)], 1)[None, :, None]
+    want = torch.softmax(qj @ k[None].transpose(-1, -2) * 0.25 + bias, -1) @ v[None]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_engine_generates_past_the_trained_context_with_paged():

@@ -216,16 +216,31 @@ def attend_decode_batch(model, layer: int, q, kvs, layouts, scratch: dict) -> to
     return o[:, :, 0].transpose(0, 1)
 
 
-def attend_row_parts(qj, parts, scale):
-    """One query row, qj (1, Hkv, G, D), over several key sets [(k (Hkv, E, D), v, bias None or broadcastable
-    to (1, Hkv, G, E)), ...], merged by log-sum-exp (a part none of whose keys the row sees weighs 0)."""
-    outs, lses = [], []
-    for k, v, bias in parts:
-        o, lse = attention_lse(qj, k[None], v[None], bias, scale)
-        outs.append(o)
-        lses.append(lse)
-    total = functools.reduce(torch.logaddexp, lses)
-    return sum(o * (lse - total).exp().nan_to_num(0.0)[..., None] for o, lse in zip(outs, lses))
+def attend_moved_row(qj, moved, k_all, v_all, bias_w, scale):
+    """One query row whose recalled keys and sink sit at moved positions (past the trained context), qj (1, Hkv, G, D):
+    `moved` = [(q (Hkv, n, G, D), k (Hkv, n * E, D), v, bias None or broadcastable to (Hkv, G, n * E)), ...], each
+    part's keys in n groups of E, group i scored against q[:, i] (the row's query counter-rotated for that group's
+    move: q . R(d) k = R(-d) q . k, so G query vectors turn instead of E keys); then the window, qj over k_all, v_all
+    (Hkv, N, D) under bias_w (N,) at true positions. The moved parts' scores in float32 share one softmax; merged
+    with the window's by log-sum-exp. Returns (1, Hkv, G, D)."""
+    hkv, g, d = qj.shape[1:]
+    scores, values = [], []
+    for q, k, v, bias in moved:
+        n = q.shape[1]
+        sc = torch.matmul(q.float(), k.float().view(hkv, n, -1, d).transpose(-1, -2))  # (Hkv, n, G, E)
+        sc = sc.transpose(1, 2).reshape(hkv, g, -1) * scale
+        scores.append(sc if bias is None else sc + bias)
+        values.append(v.float())
+    ow, lw = attention_lse(qj, k_all[None], v_all[None], bias_w[None, None, None], scale)  # (1, Hkv, G, D), (1, Hkv, G)
+    if not scores:
+        return ow
+    s = torch.cat(scores, -1)
+    lr = torch.logsumexp(s, -1)  # (Hkv, G); -inf when the row sees none of the moved keys
+    pr = torch.exp(s - torch.where(torch.isfinite(lr), lr, 0.0)[..., None])
+    orr = torch.matmul(pr, torch.cat(values, 1))  # (Hkv, G, D)
+    lse = torch.logaddexp(lw[0], lr)
+    wr = torch.exp(lr - lse)[..., None]
+    return (ow[0].float() * (1 - wr) + orr * wr).to(qj.dtype)[None]
 
 
 def page_tiles(pair_page, n_pages: int, size: int = 16):
