@@ -27,8 +27,8 @@ composes: rotating a key at p_k by d puts it at p_k + d), by the backend's `rota
 trained context nothing changes: every query attends at true positions. Page choice, too, scores at
 true positions below it; past it (`far_keys`), it scores every out-of-window key as if it sat at one
 in-range distance from the query (InfLLM gives its memory units one position as well): a second compact
-copy of each archived key, rotated back to position 0 from the exact page store (derived data, built at
-the first query past the context, not saved), scored against the query rotated to `far_distance`.
+copy of each archived key rotated back to position 0 (kept from a session's first step, archived and saved with
+the page store, made from it for a state saved without them), scored against the query rotated to `far_distance`.
 Byte counts: `resident_nbytes` (sink + window slab; flat), `selection_nbytes` (compact keys;
 grows with the pages), `stored_nbytes` (page store). `nbytes` = resident + selection, what a
 session holds for attention every step; the page store is a cheaper tier.
@@ -53,8 +53,9 @@ from inference_engine.kv.slot_cache import AppendOnly
 from inference_engine.kv.stores import SlabStore
 from inference_engine.kv.strategy import KVStrategy
 
-# The backend's RoPE rotation of positioned keys: (layer, k (Hkv, E, D), deltas (Hkv, E)) -> rotated k.
-RotateKeys = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# The backend's RoPE rotation of positioned keys: (layer, k (Hkv, E, D), deltas (Hkv, E)) -> rotated k; layer None:
+# k (L, Hkv, E, D), every layer at once.
+RotateKeys = Callable[[int | None, torch.Tensor, torch.Tensor], torch.Tensor]
 # A step's host bookkeeping (_plan_step), shared by its layers: named entries, and per-window ones
 # made once a step (a (name, window) key).
 Plan = dict[str | tuple[str, int | None], Any]
@@ -80,12 +81,17 @@ class PagedCache(SinkWindowCache):
         on_host = torch.device(g.device).type == "cpu"
         self.ram_rows = ram_rows_for(strategy.page_ram_mb * 2 ** 20 if on_host else 0, row_bytes, self.page_size)
         self.pages = SpillingRowTable(page_codec, ram_rows=self.ram_rows, stack=2, **dims)
-        self.keys = SpillingRowTable(key_codec, ram_rows=None, stack=1, **dims)  # limited when the shortlist applies
-        # past the trained context: the same compact keys of every archived position, rotated to position 0
-        # (`_start_far_choice`), scored against queries rotated to far_distance: every candidate at that distance
-        self.far_keys: SpillingRowTable | None = None
+        self._key_table = lambda: SpillingRowTable(key_codec, ram_rows=None, stack=1, **dims)
+        self.keys = self._key_table()  # limited when the shortlist applies
+        # past the trained context: the same compact keys of every archived position, rotated to position 0, scored
+        # against queries rotated to far_distance: every candidate at that distance. Kept from the first step on (the
+        # first step brings the backend's rotation), archived and saved with the page store, so neither the first
+        # step past the context nor a resumed session builds them from the whole store; idle (spilled past
+        # page_ram_mb) until then (`far_active`).
+        self.far_keys = self._key_table()
+        self.far_active = False  # page choice past the trained context (through far_keys) has started
         self.far_distance = self.window + self.page_size
-        self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step past the context
+        self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
         # (decoded), rounded outward to float16: `bounds` row j = page j, stack (max, min)
         self.shortlist = max(strategy.shortlist_pages, strategy.recall_pages) if strategy.shortlist_pages else 0
@@ -110,7 +116,7 @@ class PagedCache(SinkWindowCache):
     @property
     def choice_keys(self) -> RowTable:
         """The compact keys page choice scores: at true positions, or past the trained context `far_keys`."""
-        return self.far_keys if self.far_keys is not None else self.keys
+        return self.far_keys if self.far_active else self.keys
 
     @property
     def selection_nbytes(self) -> int:
@@ -121,14 +127,14 @@ class PagedCache(SinkWindowCache):
 
     @property
     def stored_nbytes(self) -> int:
-        idle = self.keys.nbytes if self.far_keys is not None else 0  # true-position codes, kept for the saved state
-        return self.pages.nbytes + idle + (self.choice_keys.nbytes if self.shortlisting else 0)
+        idle = self.keys if self.far_active else self.far_keys  # the key table page choice does not read
+        return self.pages.nbytes + idle.nbytes + (self.choice_keys.nbytes if self.shortlisting else 0)
 
     @property
     def cold_nbytes(self) -> int:
         """What the session holds on disk (spill files) past `page_ram_mb` of RAM: pages, and compact keys once the
         shortlist applies."""
-        return sum(t.cold_nbytes for t in (self.pages, self.keys, self.far_keys) if t is not None)
+        return sum(t.cold_nbytes for t in (self.pages, self.keys, self.far_keys))
 
     @property
     def nbytes(self) -> int:
@@ -206,6 +212,8 @@ class PagedCache(SinkWindowCache):
         rotate_keys(layer, k (Hkv, E, D), deltas (Hkv, E)): the backend's RoPE rotation of positioned keys
         by `deltas` positions; queries past the trained context need it (they attend row by row, their
         recalled keys and the sink moved next to the window)."""
+        if rotate_keys is not None and self._rotate is None:
+            self._keep_far_keys(rotate_keys)
         w = self.geometry.layer_windows[layer]
         plan = self._step
         if plan is None or w not in plan["allowed"]:
@@ -214,8 +222,8 @@ class PagedCache(SinkWindowCache):
             q, k_all, v_all = (torch.from_numpy(np.array(x)) for x in (q, k_all, v_all))
         t0 = time.perf_counter()
         allowed = plan["allowed"][w]
-        if plan["far"] != "none" and rotate_keys is not None and self.far_keys is None:
-            self._start_far_choice(rotate_keys)
+        if plan["far"] != "none" and self._rotate is not None and not self.far_active:
+            self._start_far_choice()
         idx, ok = self._choose_pages(layer, q, k_all, plan, w)  # (Hkv, T, M) page indices
         c = plan["c"]
         t1 = time.perf_counter()
@@ -496,7 +504,7 @@ class PagedCache(SinkWindowCache):
                 ok = F.pad(plan["allowed"][w], (0, span - c), value=False).view(t, n_pages, p).any(-1)  # (T, pages)
                 plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
             return plan[key]
-        far = plan["far"] if self.far_keys is not None else "none"
+        far = plan["far"] if self.far_active else "none"
         if self.shortlist and n_pages > self.shortlist_from and far != "some":
             return self._choose_shortlisted(layer, q, k_all, plan, w)
 
@@ -538,7 +546,7 @@ class PagedCache(SinkWindowCache):
         return F.pad(codes, (0, 0, 0, pad)), F.pad(sc, (0, 0, 0, pad))
 
     def _code_table(self, far: bool) -> SpillingRowTable:
-        return self.far_keys if far and self.far_keys is not None else self.keys
+        return self.far_keys if far else self.keys
 
     def _fresh_codes(self, layer: int, k_all: torch.Tensor, cols: torch.Tensor,
                      table: RowTable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -603,12 +611,14 @@ class PagedCache(SinkWindowCache):
 
     def _limit_keys(self) -> None:
         """Key tables no step reads whole hold at most `ram_rows` in RAM, as the page store does (their older pages
-        spill): once the shortlist applies (a step reads its shortlisted pages' keys only), the one choice scores,
-        and past the trained context the true-position keys (kept for the saved state, not read) from the start."""
+        spill): the one page choice scores once the shortlist applies (a step reads its shortlisted pages' keys
+        only), and past the trained context the true-position keys (kept for the saved state) always. far_keys stay
+        in RAM below the context, idle (at most the context's rows: 25 MB for SmolLM2's 8,192), to be read whole
+        from its first step past it until the shortlist applies."""
         if self.ram_rows is None:
             return
         for t in (self.keys, self.far_keys):
-            if t is not None and (self.shortlisting or (t is self.keys and self.far_keys is not None)):
+            if self.shortlisting or (t is self.keys and self.far_active):
                 t.limit(self.ram_rows)
 
     def _far_queries(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -621,29 +631,35 @@ class PagedCache(SinkWindowCache):
         return self._rotate(layer, q.reshape(hkv, -1, d), moves.repeat(h // hkv)[None].expand(hkv, -1)).view(h, t, d)
 
     def _at_zero(self, k: torch.Tensor, start: int) -> torch.Tensor:
-        """k (L, 1, Hkv, n, D) post-RoPE at positions start.. -> rotated to position 0 (every layer)."""
+        """k (L, 1, Hkv, n, D) post-RoPE at positions start.. -> rotated to position 0 (every layer, one call)."""
         assert self._rotate is not None
         back = -torch.arange(start, start + k.shape[3], device=k.device).expand(k.shape[2], -1)
-        return torch.stack([self._rotate(i, k[i, 0], back) for i in range(k.shape[0])])[:, None]
+        return self._rotate(None, k[:, 0], back)[:, None]
 
-    def _start_far_choice(self, rotate_keys: RotateKeys) -> None:
-        """The first step past the trained context: far_keys made from the page store's exact keys, rotated to
-        position 0 and encoded (a page at a time per layer); the bounds rebuilt from them."""
+    def _keep_far_keys(self, rotate_keys: RotateKeys) -> None:
+        """The first step (the backend's rotation now known): far_keys brought up to the page store (nothing to do
+        for a new session; a whole store for one loaded from a state that did not hold them) and kept from now on."""
         self._rotate = rotate_keys
-        g = self.geometry
-        table = SpillingRowTable(self.keys.codec, stack=1, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-                                 head_dim=g.head_dim, page=self.page_size, device=g.device,
-                                 ram_rows=self.ram_rows if self.shortlisting else None)
-        n = self.pages.rows
-        step = 4096
-        for a in range(0, n, step):
-            b = min(n, a + step)
+        self._limit_keys()  # first: rows made now stream through the RAM ring (once the shortlist applies)
+        self._catch_up_far_keys()
+
+    def _catch_up_far_keys(self) -> None:
+        """far_keys rows for the page store's rows they lack, from its exact keys rotated to position 0 and encoded
+        (4,096 rows at a time per layer)."""
+        g, table, n = self.geometry, self.far_keys, self.pages.rows
+        for a in range(table.rows, n, 4096):
+            b = min(n, a + 4096)
             rows = torch.arange(a, b, device=self.pages.device)
             k = torch.stack([self.pages.read(i, rows)[0] for i in range(g.num_layers)])  # (L, Hkv, rows, D)
             table.reserve(b)
             table.write_all(a, self._at_zero(k[:, None].to(g.dtype), self.sink + a))
             table.rows = b
-        self.far_keys = table
+
+    def _start_far_choice(self) -> None:
+        """The first step past the trained context: page choice goes through far_keys (kept since the first step),
+        the bounds made again from them."""
+        self._catch_up_far_keys()
+        self.far_active = True
         self._limit_keys()
         self.bounds.rows = 0
         if self.shortlisting:
@@ -669,7 +685,7 @@ class PagedCache(SinkWindowCache):
                          "n_whole": int(ranked[-1]) + 1 if ranked.numel() else 0}
         sl = plan[key]
         seen, whole = sl["seen"], sl["whole"]
-        far = plan["far"] == "all" and self.far_keys is not None  # ("some" takes the exact path)
+        far = plan["far"] == "all" and self.far_active  # ("some" takes the exact path)
         if far:
             q = self._far_queries(layer, q, plan)
         nb, n_whole = min(self.bounds.rows, n_pages), sl["n_whole"]
@@ -741,9 +757,10 @@ class PagedCache(SinkWindowCache):
             self.pages.reserve(self.pages.rows + n)
             self.keys.reserve(self.keys.rows + n)
             kv = self._read_all_layers(order)  # (L, 2, Hkv, n, D)
+            far_in_step = self._rotate is not None and self.far_keys.rows == self.pages.rows  # else caught up later
             self.pages.write_all(self.pages.rows, kv)
             self.keys.write_all(self.keys.rows, kv[:, :1])
-            if self.far_keys is not None:
+            if far_in_step:
                 self.far_keys.reserve(self.far_keys.rows + n)
                 self.far_keys.write_all(self.far_keys.rows, self._at_zero(kv[:, :1], start))
                 self.far_keys.rows += n
@@ -771,12 +788,16 @@ class PagedCache(SinkWindowCache):
     # -- persistence ------------------------------------------------------------------------------
     # The archive only grows: `delta_state` carries the rows archived since a saver's last save only, so
     # a turn's save copies what the turn archived, not the whole archive.
-    APPEND_ONLY = AppendOnly("archived_rows", {"pages.": 3, "keys.": 3})  # RowTables: (L, stack, Hkv, rows, ...)
+    # far_keys are saved too when they are up to date (rows 0 .. archived_rows); a state whose segments hold fewer
+    # (some saves without them, or an older file) loads without them, and the first step makes them again.
+    APPEND_ONLY = AppendOnly("archived_rows", {"pages.": 3, "keys.": 3, "far_keys.": 3})  # RowTables: (L, stack, Hkv, rows, ...)
 
     def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
         start = min(appended_from, self.pages.rows)
         tensors = {f"pages.{k}": v for k, v in self.pages.state(start).items()}
         tensors |= {f"keys.{k}": v for k, v in self.keys.state(start).items()}
+        if self.far_keys.rows == self.pages.rows:  # up to date (not before a loaded session's first step, nor on MLX)
+            tensors |= {f"far_keys.{k}": v for k, v in self.far_keys.state(start).items()}
         return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows}
 
     def _load_extra_state(self, tensors: dict, meta: dict) -> None:
@@ -785,8 +806,15 @@ class PagedCache(SinkWindowCache):
             self.keys.limit(self.ram_rows)  # the shortlist applies from the start: the keys stream in past the ring
         self.pages.load_state({k.removeprefix("pages."): v for k, v in tensors.items() if k.startswith("pages.")}, rows)
         self.keys.load_state({k.removeprefix("keys."): v for k, v in tensors.items() if k.startswith("keys.")}, rows)
+        far = {k.removeprefix("far_keys."): v for k, v in tensors.items() if k.startswith("far_keys.")}
+        held = next(iter(far.values())).shape[3] if far else 0
+        self.far_keys = self._key_table()
+        if self.ram_rows is not None and self.shortlist and -(-rows // self.page_size) > self.shortlist_from:
+            self.far_keys.limit(self.ram_rows)  # as the keys: they stream in past the ring
+        if held == rows:  # else made again from the page store at the first step
+            self.far_keys.load_state(far, rows)
+        self.far_active = False  # page choice past the context starts again at the first step there
         self.bounds.rows = 0  # derived from the keys: rebuilt, not saved
-        self.far_keys = None  # derived too: rebuilt at the first step past the trained context
         if self.shortlisting and self.next_position < self.max_context:
             self._update_bounds()
         self.evicted_total = int(meta["evicted_total"])

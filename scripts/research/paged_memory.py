@@ -17,8 +17,13 @@ as in serving; no model forward, so the history reaches 100k tokens in minutes) 
     reclaimable; not the session's RAM);
   * --decode-steps whole decode steps of the real model over that history (forward + commit of one token,
     row-exact as the engine decodes; past the trained context in InfLLM's layout), median, after one untimed step
-    (the first step past the context builds far_keys); for `spill` also with its spill files dropped from the page
-    cache before every step (madvise + fsync + posix_fadvise DONTNEED): each recalled page read from the disk.
+    (its first step makes far_keys from the whole page store: the fill runs no model step); for `spill` also with its
+    spill files dropped from the page cache before every step (madvise + fsync + posix_fadvise DONTNEED): each
+    recalled page read from the disk.
+
+With --resume-step, also each length's first decode step after the session is saved and loaded into a new cache
+(after the RSS readings): with far_keys in the saved state, and without them (how states saved before far_keys
+were saved load: that step makes them from the whole page store), side by side.
 
 The query's recalled pages follow from random keys, so they are spread over the whole history (no locality: the
 worst case for a disk tier). Ratios side by side: decode spill / ram at each length, 32k / 1k per variant.
@@ -112,6 +117,25 @@ def run_variant(args) -> dict:
         cache.commit()
         return time.perf_counter() - t0
 
+    def resumed_step(live, keep_far_keys: bool) -> float:
+        """The first decode step of the session saved (`state()`) and loaded into a new cache, as a restarted daemon
+        resumes it: with far_keys in the state, or without them (a state saved before they were saved: the step
+        makes them from the page store)."""
+        st = live.state()
+        if not keep_far_keys:
+            st.tensors = {k: v for k, v in st.tensors.items() if not k.startswith("far_keys.")}
+        other = make_cache(strategy, g, max_step=args.chunk, max_context=model.spec.max_context)
+        other.load_state(st)
+        del st
+        at = other.next_position
+        t0 = time.perf_counter()
+        forward(model, token, range(at, at + 1), other, logits="last", row_exact=True)
+        other.commit()
+        dt = time.perf_counter() - t0
+        del other
+        gc.collect()
+        return dt
+
     for n in sorted(int(x) for x in args.lengths.split(",")):
         t_fill = time.perf_counter()
         fill(cache, n)
@@ -135,6 +159,9 @@ def run_variant(args) -> dict:
                 "rss": now, "rss_anon_of_cache": now["RssAnon"] - before["RssAnon"],
                 "rss_file_of_cache": now["RssFile"] - before["RssFile"],
                 "shortlisting": cache.shortlisting, "past_context": cache.next_position >= model.spec.max_context}
+        if args.resume_step:  # after the RSS readings: the copies a state makes are not the session's
+            row["resumed_first_step_s"] = resumed_step(cache, keep_far_keys=True)
+            row["resumed_first_step_s_without_far_keys"] = resumed_step(cache, keep_far_keys=False)
         out["lengths"][str(n)] = row
         print(args.variant, n, {k: v for k, v in row.items() if not k.endswith("_all")}, file=sys.stderr, flush=True)
     return out
@@ -150,6 +177,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--page-ram-mb", type=float, default=VARIANTS["spill"], help="the spill variant's budget")
+    ap.add_argument("--resume-step", action="store_true",
+                    help="also time each length's first decode step after a save and a load (with far_keys saved, and "
+                         "without them, as states saved before them load); after the RSS readings")
     ap.add_argument("--variant", default="", help=argparse.SUPPRESS)  # internal: run one variant, JSON on stdout
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
@@ -159,8 +189,9 @@ def main() -> int:
 
     variants = {}
     for name in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--variant", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                                               if k not in ("variant", "variants", "out")]
+        cmd = [sys.executable, __file__, "--variant", name] + [
+            f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+            if k not in ("variant", "variants", "out") and v is not False]
         done = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, text=True)
         variants[name] = json.loads(done.stdout.strip().splitlines()[-1])
     lengths = sorted(int(x) for x in args.lengths.split(","))

@@ -114,20 +114,23 @@ def test_spilled_pages_give_the_same_logits(chunk, row_exact):
     pages = cache.pages
     assert pages.cold_pages == (pages.rows - 1) // 8  # every complete page but the newest
     tiers = kv_bytes(cache)
-    assert tiers.stored == pages.nbytes <= pages.ram_rows * pages.num_layers * 2 * pages.num_kv_heads * pages.codec.bytes_per_row
+    far = cache.far_keys  # idle below the context, in RAM (at most the context's rows)
+    assert far.rows == pages.rows and far.cold_pages == 0
+    assert pages.nbytes <= pages.ram_rows * pages.num_layers * 2 * pages.num_kv_heads * pages.codec.bytes_per_row
+    assert tiers.stored == pages.nbytes + far.nbytes
     assert tiers.cold == cache.cold_nbytes == pages.cold_pages * 8 * pages.num_layers * 2 * pages.num_kv_heads * pages.codec.bytes_per_row
 
 
 @pytest.mark.parametrize("chunk,row_exact", [(16, False), (5, True)])
 def test_spilled_pages_past_the_trained_context(chunk, row_exact):
-    """Past the trained context (far chunks, far_keys built from the page store's exact keys, rows moved into
+    """Past the trained context (far chunks, far_keys kept from the page store's exact keys, rows moved into
     InfLLM's layout) a spilled session gives the all-in-RAM session's logits bit for bit."""
     m = short_context_model("int4")
     history = ids(160, seed=12)
     want = feed(m, new_cache(m, paged(page_ram_mb=0), max_step=16), history, chunk, row_exact)
     cache = new_cache(m, paged(page_ram_mb=ONE_PAGE), max_step=16)
     assert torch.equal(feed(m, cache, history, chunk, row_exact), want)
-    assert cache.far_keys is not None and cache.pages.cold_pages > 0
+    assert cache.far_active and cache.pages.cold_pages > 0
     assert cache.keys.cold_pages > 0  # the true-position keys: not read past the context, kept for the saved state
 
 
@@ -188,7 +191,8 @@ def test_spilled_compact_keys_give_the_same_shortlisted_choice(past_context, chu
     assert torch.equal(feed(m, cache, history, chunk, True), want)  # one-token steps: the keys read as page blocks
     keys = cache.choice_keys
     assert cache.shortlisting and keys.cold_pages > 0 and keys.ram_rows == cache.pages.ram_rows == 8
-    assert (cache.far_keys is not None) == past_context
+    assert cache.far_active == past_context
+    assert cache.far_keys.rows == cache.pages.rows and cache.far_keys.cold_pages > 0  # idle or choice: spilled once shortlisting
     assert cache.cold_nbytes > cache.pages.cold_nbytes > 0  # the keys' spilled pages count as cold too
     assert cache.stored_nbytes <= 4 * 8 * m.spec.num_layers * m.spec.num_kv_heads * (2 * cache.pages.codec.bytes_per_row + 2 * 34)
 

@@ -125,8 +125,9 @@ def test_resident_bytes_are_flat_and_store_bytes_grow_by_pages():
     rows = cache.pages.rows
     cap = cache.pages.capacity  # whole pages, grown by at least a quarter at a time: at most ~1.25x the rows held
     assert cap % 8 == 0 and rows <= cap <= -(-rows * 5 // 4 // 8) * 8 + 8 and cache.keys.capacity == cap
-    assert cache.stored_nbytes == cap * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 > store
-    assert cache.keys.nbytes == cap * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
+    code_bytes = cap * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
+    assert cache.keys.nbytes == cache.far_keys.nbytes == code_bytes  # far_keys: kept, idle below the context
+    assert cache.stored_nbytes == cap * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 + code_bytes > store
     assert not cache.shortlisting and cache.bounds.nbytes == 0  # bounds are made once the shortlist applies
     assert cache.selection_nbytes == cache.keys.nbytes  # until then every compact key is read each step
     assert cache.nbytes == cache.resident_nbytes + cache.selection_nbytes
@@ -254,8 +255,8 @@ def test_a_prefill_chunk_past_the_context_attends_as_its_rows_would_alone(monkey
 
 
 def test_past_the_context_page_choice_scores_every_candidate_at_one_distance():
-    """Below max_context page choice scores keys at their true positions (far_keys is never made). Past it,
-    far_keys holds each archived key rotated back to position 0 (from the exact page store), queries are rotated
+    """Below max_context page choice scores keys at their true positions (far_keys are kept, idle). Past it,
+    far_keys holds each archived key rotated back to position 0 (as the exact page store holds it), queries are rotated
     to far_distance, and so a page's score does not depend on how far back it is: the top pages are those of
     the keys as they would score at that one distance."""
     from inference_engine.kv.paged import PagedCache
@@ -264,10 +265,11 @@ def test_past_the_context_page_choice_scores_every_candidate_at_one_distance():
     g = m.geometry()
     cache = new_cache(m, paged(), max_step=16)
     feed(m, cache, ids(60, seed=5), 16)
-    assert cache.far_keys is None  # nothing past the context yet
+    assert not cache.far_active and cache.choice_keys is cache.keys  # nothing past the context yet
+    assert cache.far_keys.rows == cache.pages.rows > 0  # kept as positions are archived
     feed(m, cache, ids(60, seed=6), 16)
     far = cache.far_keys
-    assert far is not None and far.rows == cache.keys.rows == cache.pages.rows
+    assert cache.far_active and cache.choice_keys is far and far.rows == cache.keys.rows == cache.pages.rows
     n = cache.pages.rows
     back = -torch.arange(cache.sink, cache.sink + n).expand(g.num_kv_heads, -1)
     for layer in range(g.num_layers):
@@ -299,18 +301,41 @@ def test_past_the_context_page_choice_scores_every_candidate_at_one_distance():
 
 
 def test_past_the_context_a_resumed_session_chooses_as_one_that_never_left():
-    """far_keys is derived data (not saved): rebuilt from the page store at the first step after a load, it
-    makes the same choices, so the logits are the same bit for bit."""
+    """far_keys are saved with the page store: a loaded session holds them (nothing rebuilt), and makes the same
+    choices, so the logits are the same bit for bit. A state saved without them (an older file) makes them again
+    from the page store at its first step: the same rows, the same logits."""
+    from inference_engine.kv.paged import PagedCache
+
     m = short_context_model("int4")
     history, more = ids(120, seed=8), ids(24, seed=9)
     a = new_cache(m, paged(), max_step=16)
     feed(m, a, history, 8)
-    assert a.far_keys is not None
+    assert a.far_active and a.far_keys.rows == a.pages.rows
     b = new_cache(m, paged(), max_step=16)
     b.load_state(a.state())
-    assert b.far_keys is None
-    assert torch.equal(feed(m, b, more, 1, row_exact=True), feed(m, a, more, 1, row_exact=True))
-    assert torch.equal(b.far_keys.payload(0)["codes"][..., : b.far_keys.rows, :], a.far_keys.payload(0)["codes"][..., : a.far_keys.rows, :])
+    assert not b.far_active and b.far_keys.rows == a.far_keys.rows
+    built = []
+    real = PagedCache._catch_up_far_keys
+    PagedCache._catch_up_far_keys = lambda self: built.append(self.pages.rows - self.far_keys.rows) or real(self)
+    try:
+        c = new_cache(m, paged(), max_step=16)
+        st = a.state()  # a state is loaded once (a cache may keep views of it)
+        st.tensors = {k: v for k, v in st.tensors.items() if not k.startswith("far_keys.")}
+        c.load_state(st)
+        assert c.far_keys.rows == 0 and c.pages.rows > 0
+        rows = c.pages.rows
+        want = feed(m, a, more, 1, row_exact=True)
+        assert torch.equal(feed(m, b, more, 1, row_exact=True), want)
+        assert set(built) == {0}  # b: nothing to make
+        built.clear()
+        assert torch.equal(feed(m, c, more, 1, row_exact=True), want)
+        assert built[0] == rows and c.far_keys.rows == rows + 24  # c: the whole store at its first step
+    finally:
+        PagedCache._catch_up_far_keys = real
+    for x in (b, c):
+        n = x.far_keys.rows
+        assert n == a.far_keys.rows and torch.equal(x.far_keys.payload(0)["codes"][..., :n, :], a.far_keys.payload(0)["codes"][..., :n, :])
+
 
 def test_past_the_context_the_layout_must_fit_inside_it():
     m = short_context_model()
@@ -460,7 +485,7 @@ def test_page_bounds_bound_every_key_of_their_page_and_survive_state():
     assert cache.shortlisting
     assert cache.bounds.rows == cache.keys.rows // p > 3
     assert cache.selection_nbytes == cache.bounds.nbytes == cache.bounds.capacity * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 2
-    assert cache.stored_nbytes == cache.pages.nbytes + cache.keys.nbytes
+    assert cache.stored_nbytes == cache.pages.nbytes + cache.keys.nbytes + cache.far_keys.nbytes  # far_keys idle
     q = torch.randn(g.num_kv_heads, 5, g.head_dim, generator=torch.Generator().manual_seed(1))
     for layer in range(g.num_layers):
         hi, lo = cache.bounds.read(layer).float()  # (Hkv, pages, D)

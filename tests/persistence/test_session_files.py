@@ -430,13 +430,13 @@ def test_paged_archived_pages_are_append_segments(tmp_path, monkeypatch):
     archived = s.kv.cache.pages.rows
     assert archived > 0
     read_from = []
-    state = RowTable.state  # the page store's and the keys' (SpillingRowTables)
+    state = RowTable.state  # the page store's, the keys' and far_keys' (SpillingRowTables)
     monkeypatch.setattr(RowTable, "state", lambda self, start=0: read_from.append(start) or state(self, start))
     for k in range(3):
         kept.append(s.id, ids(10, seed=k))
         read_from.clear()
         turn(kept, s.id, 3)
-        assert read_from == [archived, archived]  # pages and keys, from the first row not saved yet
+        assert read_from == [archived] * 3  # pages, keys and far_keys, from the first row not saved yet
         body = manifest(tmp_path, s.id)
         last = [g for g in body["segments"] if g["kind"] == "append"][-1]
         assert (last["start"], last["end"]) == (archived, s.kv.cache.pages.rows)

@@ -16,7 +16,8 @@ def test_paged_memory_runs_both_variants_and_spills_past_the_budget(tmp_path):
     out = tmp_path / "paged_memory.json"
     model = tiny_model_dir("llama", max_position_embeddings=2048)
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--weights", "fp32", "--lengths", "700,2300",
-                        "--decode-steps", "1", "--chunk", "128", "--threads", "1", "--page-ram-mb", "0.1", "--out", str(out)],
+                        "--decode-steps", "1", "--chunk", "128", "--threads", "1", "--page-ram-mb", "0.1", "--resume-step",
+                        "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -30,5 +31,8 @@ def test_paged_memory_runs_both_variants_and_spills_past_the_budget(tmp_path):
         assert s["warm_ram"] <= budget and s["warm_ram"] + s["cold_disk"] >= a["warm_ram"] * 0.75  # all kept, by tier
     assert spill["lengths"]["2300"]["tiers"]["cold_disk"] > 0 and spill["lengths"]["2300"]["past_context"]
     assert "decode_step_s_spill_files_dropped" in spill["lengths"]["2300"]
+    for v in (spill, ram):  # a saved and loaded session's first step, with far_keys in its state and without
+        assert all(v["lengths"][n][k] > 0 for n in ("700", "2300")
+                   for k in ("resumed_first_step_s", "resumed_first_step_s_without_far_keys"))
     assert set(doc["ratios"]["spill_over_ram_decode_time"]) == {"700", "2300"}
     assert doc["issue_29_memory_target"]["2300"]["tiers_ram_le_hot_plus_budget"] is True

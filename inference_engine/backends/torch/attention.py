@@ -279,16 +279,23 @@ def page_pair_mix(w, slot, tile_page, v_pages, size: int = 16):
     return o.view(nt * size, g, -1).index_select(0, slot)
 
 
-def rotate_keys(model, layer: int, k, deltas):
+def rotate_keys(model, layer: int | None, k, deltas):
     """RoPE rotation of positioned keys k (Hkv, E, D) by deltas (Hkv, E) positions: a key at p moves to p + delta
-    (rotations compose). The paged strategy's recall past the trained context."""
-    hkv, e, d = k.shape
+    (rotations compose). The paged strategy's recall past the trained context. layer None: k (L, Hkv, E, D), every
+    layer by its own rope kind, the tables made once for all of them (what paged archives each step)."""
     # few distinct moves (a recalled page's rows all move alike): the tables for those only, then gathered
     moves, at = torch.unique(deltas.reshape(-1), return_inverse=True)
-    cos, sin = model.rope(moves).for_layer(model.spec, layer)  # (1, distinct moves, D)
+    rope = model.rope(moves)  # (1, distinct moves, D) per kind
     if moves.numel() < at.numel():
-        cos, sin = cos.index_select(1, at), sin.index_select(1, at)  # (1, Hkv * E, D)
-    return model.rotate(k.reshape(1, hkv * e, d), cos, sin).view(hkv, e, d)
+        rope = rope.select(at)  # (1, Hkv * E, D)
+    if layer is not None:
+        hkv, e, d = k.shape
+        return model.rotate(k.reshape(1, hkv * e, d), *rope.for_layer(model.spec, layer)).view(hkv, e, d)
+    n, hkv, e, d = k.shape
+    kinds = [model.spec.layer_rope[i] for i in range(n)]
+    if len(set(kinds)) == 1:
+        return model.rotate(k.reshape(n, hkv * e, d), *rope.tables[kinds[0]]).view(n, hkv, e, d)
+    return torch.stack([model.rotate(k[i].reshape(1, hkv * e, d), *rope.tables[kinds[i]]).view(hkv, e, d) for i in range(n)])
 
 
 def attend_rows(q, ak, av, slot, bias, keys: int, scale: float):

@@ -377,8 +377,9 @@ class TorchCausalLM:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_eps)
         return (y * w.float()).to(x.dtype) if self.spec.gemma_norms else w * y.to(x.dtype)
 
-    def rotate_keys(self, layer: int, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """Positioned keys k (Hkv, E, D) moved by deltas (Hkv, E) positions (paged recall past the trained context)."""
+    def rotate_keys(self, layer: int | None, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Positioned keys k (Hkv, E, D) moved by deltas (Hkv, E) positions (paged recall past the trained context);
+        layer None: k (L, Hkv, E, D), every layer."""
         return rotate_keys(self, layer, k, deltas)
 
     @staticmethod
