@@ -361,7 +361,7 @@ def main() -> int:
                     for i, smp in enumerate(samples[n], start=args.first_sample):
                         toks, r, info = run_sample(client, smp, cfg.max_append_tokens)
                         kv_bytes.append(info.kv_live_bytes)
-                        tiers.append((info.kv_resident_bytes, info.kv_selection_bytes, info.kv_stored_bytes))
+                        tiers.append((info.kv_resident_bytes, info.kv_selection_bytes, info.kv_stored_bytes, info.kv_cold_bytes))
                         answer = tok.decode(toks, skip_special_tokens=True)
                         key, depth = smp.key, smp.depth
                         hit = key in answer
@@ -380,10 +380,11 @@ def main() -> int:
                     "samples": done,
                     "recall": hits / done,
                     "kv_live_bytes_max": max(kv_bytes),
-                    # the three tiers (GetSessionInfo): hot set, page-selection data, page store
+                    # the tiers (GetSessionInfo): hot set, page-selection data, page store in RAM, on disk (spill files)
                     "kv_resident_bytes_max": max(t[0] for t in tiers),
                     "kv_selection_bytes_max": max(t[1] for t in tiers),
                     "kv_stored_bytes_max": max(t[2] for t in tiers),
+                    "kv_cold_bytes_max": max(t[3] for t in tiers),
                     "peak_rss_bytes": mem.peak,  # host memory of the process (server and harness)
                     **({"peak_accelerator_bytes": torch.cuda.max_memory_allocated()} if args.device.startswith("cuda") else {}),
                     "ttft_s_median": sorted(ttfts)[done // 2],
@@ -554,7 +555,7 @@ def join_cells(a: dict, b: dict) -> dict:
         "time_limit_s": (a["time_limit_s"] if len(a["provenance"]) > 1 else [a.get("time_limit_s")]) + [b.get("time_limit_s")],
         "rows": rows,
     }
-    for tier in ("kv_resident_bytes_max", "kv_selection_bytes_max", "kv_stored_bytes_max"):
+    for tier in ("kv_resident_bytes_max", "kv_selection_bytes_max", "kv_stored_bytes_max", "kv_cold_bytes_max"):
         if tier in a or tier in b:
             cell[tier] = max(a.get(tier, 0), b.get(tier, 0))
     if "peak_accelerator_bytes" in a or "peak_accelerator_bytes" in b:
