@@ -90,8 +90,8 @@ _ALIGN = 64  # torch's CPU allocations are 64-byte aligned; its kernels may assu
 def _read_if_key(path: pathlib.Path, key: str) -> dict[str, torch.Tensor] | None:
     """A packed file's tensors when its metadata key is `key` (else None), read with plain reads into one allocation,
     each tensor at a 64-byte aligned offset. The file's own offsets are only 8-byte aligned, and copying each tensor
-    out of a memory map (safetensors' get_tensor, then clone) faults the map in a page at a time: 4.5 s of a daemon
-    start for SmolLM2's 197 MB on the 2-core box, against 0.4 s for the reads. The layout is safetensors' documented
+    out of a memory map (safetensors' get_tensor, then clone) faults the map in a page at a time: for SmolLM2's 197 MB
+    on the loaded 2-core box, 4.5 s against 0.3 s for the reads (a one-off timing in a Python shell, not a bench). The layout is safetensors' documented
     one (an 8-byte little-endian header length, a JSON header, the data)."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
