@@ -281,6 +281,9 @@ def main() -> int:
     ap.add_argument("--out", default="", help=f"default: a run writes {PARTS.relative_to(ROOT)}/niah_ladder_part_<UTC date>.json, "
                                                 f"--merge writes {MERGED.relative_to(ROOT)}")
     ap.add_argument("--merge", default="", help="only combine these ladder part JSONs (comma-separated) into --out")
+    ap.add_argument("--merge-first-sample", type=int, default=0,
+                    help="with --merge: cells starting at this sample begin a sample set (a pre-registered re-run on "
+                         "samples never run before, e.g. 40), later ones continue them")
     ap.add_argument("--profiles", default="",
                     help="with --merge: profile_restore.py JSONs (comma-separated) whose per-rung decode-step time split "
                          "(proposer open / per-layer / f_θ trunk, attention, decompress, other; CPU seconds) is copied in")
@@ -288,7 +291,7 @@ def main() -> int:
     suffix = "" if args.task == "passkey" else f"_{args.task}"
     if args.merge:
         return merge(args.merge.split(","), args.out or MERGED.with_name(f"niah_ladder{suffix}.json"),
-                     [p for p in args.profiles.split(",") if p])
+                     [p for p in args.profiles.split(",") if p], args.merge_first_sample)
     args.out = args.out or str(PARTS / time.strftime(f"niah_ladder{suffix}_part_%Y%m%dT%H%M%SZ.json", time.gmtime()))
 
     import torch
@@ -570,8 +573,10 @@ def join_cells(a: dict, b: dict) -> dict:
     return cell
 
 
-def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
+def merge(parts: list[str], out, profiles: list[str] = (), first: int = 0) -> int:
     """Combine ladder parts run side by side or one after another (disjoint arms, --first-sample continuations).
+    Cells starting at sample `first` (0, or a sample set of its own: --merge-first-sample) begin a cell; later ones
+    continue one.
 
     An arm present in several parts keeps, per rung, the cell with the most samples (later parts win ties).
     Each cell records its device and `provenance`: per part it came from, the part's commit, dirty flag, device,
@@ -591,9 +596,9 @@ def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
                         {"samples": [first_sample(c), first_sample(c) + c["samples"] - 1]} if "samples" in c else {})]
                     if "restore_fidelity" in c:  # parts from before the field measured the same thing
                         c["restore_fidelity"].setdefault("scope", FIDELITY_SCOPE)
-                    if first_sample(c):  # a continuation: join it to the cell it continues
+                    if first_sample(c) != first:  # a continuation: join it to the cell it continues
                         base = by_device.get((arm, n), {}).get(c["device"])
-                        if base is None or first_sample(base) or base["samples"] != first_sample(c):
+                        if base is None or first_sample(base) != first or first + base["samples"] != first_sample(c):
                             print(f"merge: {p}: {arm} @ {n} starts at sample {first_sample(c)} and continues no earlier "
                                   f"cell on {c['device']}: left out", file=sys.stderr)
                             del r["rungs"][n]
@@ -616,7 +621,8 @@ def merge(parts: list[str], out, profiles: list[str] = ()) -> int:
                 old = have["rungs"].get(n)
                 if old is None or c.get("samples", -1) >= old.get("samples", -1):
                     have["rungs"][n] = c
-    meta = run_metadata({"parts": parts, "profiles": list(profiles), "eval_seed": EVAL_SEED, "filler": EVAL_FILLER,
+    meta = run_metadata({"parts": parts, "profiles": list(profiles), "merge_first_sample": first, "eval_seed": EVAL_SEED,
+                         "filler": EVAL_FILLER,
                          "needle": EVAL_NEEDLE, "question": EVAL_QUESTION})
     meta["parts"] = [part_provenance(p, d) | {"command": d.get("command"), "arms": list(d["arms"])} for p, d in zip(parts, docs)]
     # The same samples run on two devices (CPU and an accelerator): do the per-sample hits agree?
