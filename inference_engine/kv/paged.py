@@ -49,7 +49,7 @@ from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
 from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, SpillingRowTable, make_row_codec, ram_rows_for
 from inference_engine.kv.sink_window import SinkWindowCache
-from inference_engine.kv.slot_cache import AppendOnly
+from inference_engine.kv.slot_cache import AppendOnly, CacheDelta, SaveMark
 from inference_engine.kv.stores import SlabStore
 from inference_engine.kv.strategy import KVStrategy
 
@@ -86,10 +86,11 @@ class PagedCache(SinkWindowCache):
         # past the trained context: the same compact keys of every archived position, rotated to position 0, scored
         # against queries rotated to far_distance: every candidate at that distance. Kept from the first step on (the
         # first step brings the backend's rotation), archived and saved with the page store, so neither the first
-        # step past the context nor a resumed session builds them from the whole store; idle (spilled past
-        # page_ram_mb) until then (`far_active`).
+        # step past the context nor a resumed session builds them from the whole store; idle (in RAM, at most the
+        # context's rows, until the shortlist applies) until then (`far_active`).
         self.far_keys = self._key_table()
         self.far_active = False  # page choice past the trained context (through far_keys) has started
+        self._far_unsaved = False  # loaded without far_keys: a saver's segments lack them (delta_state)
         self.far_distance = self.window + self.page_size
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
@@ -425,6 +426,11 @@ class PagedCache(SinkWindowCache):
         """Where the sink starts, as seen from a query at p with n recalled pages (right before them)."""
         return p - self.window - n * self.page_size - self.sink + 1
 
+    def _stored_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys as the page store returns them (its codec's round trip; themselves for the exact `identity` one): what
+        far_keys are made from on every path (archived, still resident, or made again from the page store)."""
+        return k if isinstance(self.pages.codec, IdentityRows) else self._as_stored(k, k.dtype)
+
     def _as_stored(self, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Still-resident rows kv (2, Hkv, E, D) as the page store would return them once archived (its codec)."""
         codec = self.pages.codec
@@ -557,7 +563,7 @@ class PagedCache(SinkWindowCache):
         if table is not self.keys:
             assert self._rotate is not None  # set with far_keys
             back = -torch.arange(self.archived_end, self.archived_end + cols.numel(), device=ks.device)
-            ks = self._rotate(layer, ks, back.expand(hkv, -1))
+            ks = self._rotate(layer, self._stored_keys(ks), back.expand(hkv, -1))
         fresh = self.keys.codec.encode(ks.reshape(-1, d))
         nf = cols.numel()
         return fresh["codes"].reshape(hkv, nf, -1), fresh["scale"].reshape(hkv, nf, 1)
@@ -762,7 +768,7 @@ class PagedCache(SinkWindowCache):
             self.keys.write_all(self.keys.rows, kv[:, :1])
             if far_in_step:
                 self.far_keys.reserve(self.far_keys.rows + n)
-                self.far_keys.write_all(self.far_keys.rows, self._at_zero(kv[:, :1], start))
+                self.far_keys.write_all(self.far_keys.rows, self._at_zero(self._stored_keys(kv[:, :1]), start))
                 self.far_keys.rows += n
             self.pages.rows += n
             self.keys.rows += n
@@ -792,6 +798,16 @@ class PagedCache(SinkWindowCache):
     # (some saves without them, or an older file) loads without them, and the first step makes them again.
     APPEND_ONLY = AppendOnly("archived_rows", {"pages.": 3, "keys.": 3, "far_keys.": 3})  # RowTables: (L, stack, Hkv, rows, ...)
 
+    def delta_state(self, since: SaveMark | None = None) -> CacheDelta:
+        """As for any cache; but a saver holding append segments without far_keys (the session was loaded from a
+        state without them) gets every archived row again once far_keys are up to date, so its next load has them."""
+        if self._far_unsaved and since is not None and since.appended_rows and self.far_keys.rows == self.pages.rows:
+            since = SaveMark(since.rows_through, 0)
+        delta = super().delta_state(since)
+        if delta.appended is not None and delta.appended.start == 0 and any(k.startswith("far_keys.") for k in delta.appended.axes):
+            self._far_unsaved = False
+        return delta
+
     def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
         start = min(appended_from, self.pages.rows)
         tensors = {f"pages.{k}": v for k, v in self.pages.state(start).items()}
@@ -813,6 +829,7 @@ class PagedCache(SinkWindowCache):
             self.far_keys.limit(self.ram_rows)  # as the keys: they stream in past the ring
         if held == rows:  # else made again from the page store at the first step
             self.far_keys.load_state(far, rows)
+        self._far_unsaved = held != rows > 0
         self.far_active = False  # page choice past the context starts again at the first step there
         self.bounds.rows = 0  # derived from the keys: rebuilt, not saved
         if self.shortlisting and self.next_position < self.max_context:

@@ -300,25 +300,27 @@ def test_past_the_context_page_choice_scores_every_candidate_at_one_distance():
         assert torch.equal(idx[:, 0].sort(-1).values, want), (layer, idx[:, 0], want)
 
 
-def test_past_the_context_a_resumed_session_chooses_as_one_that_never_left():
+@pytest.mark.parametrize("pages_codec", ["identity", "int8"])
+def test_past_the_context_a_resumed_session_chooses_as_one_that_never_left(pages_codec):
     """far_keys are saved with the page store: a loaded session holds them (nothing rebuilt), and makes the same
     choices, so the logits are the same bit for bit. A state saved without them (an older file) makes them again
-    from the page store at its first step: the same rows, the same logits."""
+    from the page store at its first step: the same rows, the same logits, with a lossy page codec too (far_keys
+    are made from the keys as the page store returns them on every path)."""
     from inference_engine.kv.paged import PagedCache
 
     m = short_context_model("int4")
     history, more = ids(120, seed=8), ids(24, seed=9)
-    a = new_cache(m, paged(), max_step=16)
+    a = new_cache(m, paged(page_compressor=pages_codec), max_step=16)
     feed(m, a, history, 8)
     assert a.far_active and a.far_keys.rows == a.pages.rows
-    b = new_cache(m, paged(), max_step=16)
+    b = new_cache(m, paged(page_compressor=pages_codec), max_step=16)
     b.load_state(a.state())
     assert not b.far_active and b.far_keys.rows == a.far_keys.rows
     built = []
     real = PagedCache._catch_up_far_keys
     PagedCache._catch_up_far_keys = lambda self: built.append(self.pages.rows - self.far_keys.rows) or real(self)
     try:
-        c = new_cache(m, paged(), max_step=16)
+        c = new_cache(m, paged(page_compressor=pages_codec), max_step=16)
         st = a.state()  # a state is loaded once (a cache may keep views of it)
         st.tensors = {k: v for k, v in st.tensors.items() if not k.startswith("far_keys.")}
         c.load_state(st)
@@ -363,6 +365,21 @@ def test_rotate_keys_moves_a_positioned_key():
     at = {p: m.position_k(0, raw, m.rope(torch.tensor(p))) for p in ((5, 9, 30), (70, 200, 31))}
     moved = m.rotate_keys(0, at[(5, 9, 30)], torch.tensor([[65, 191, 1]]).expand(g.num_kv_heads, -1))
     torch.testing.assert_close(moved, at[(70, 200, 31)], rtol=1e-4, atol=1e-4)
+
+
+def test_rotate_keys_moves_each_key_by_its_own_delta_in_any_order():
+    """Distinct deltas out of order (unique() sorts them; one KV head, or a head's positions counting down) and
+    every layer at once (layer None) move each key as a rotation of that key alone does."""
+    m = short_context_model()
+    g = m.geometry()
+    k = torch.randn(g.num_layers, 1, 3, g.head_dim, generator=torch.Generator().manual_seed(2))
+    deltas = torch.tensor([[-10, -12, -11]])
+    for layer in range(g.num_layers):
+        got = m.rotate_keys(layer, k[layer], deltas)
+        for j in range(3):
+            torch.testing.assert_close(got[:, j], m.rotate_keys(layer, k[layer][:, j:j + 1], deltas[:, j:j + 1])[:, 0])
+    everyone = m.rotate_keys(None, k, deltas)
+    assert torch.equal(everyone, torch.stack([m.rotate_keys(i, k[i], deltas) for i in range(g.num_layers)]))
 
 
 def test_a_moved_row_attends_as_one_softmax_over_its_keys_rotated():

@@ -92,7 +92,9 @@ def test_a_paused_owner_is_fenced_and_the_history_is_the_new_owners(tmp_path):
             assert moved.history() == b_history
             assert _saved_history(state, s.id) == b_history
             owner = json.loads((StateDir(state).data_dir(s.id) / "owner.json").read_text())
-            assert owner["daemon_id"] == b_id and owner["generation"] == 2
+            # b's: generation 2, or later on a loaded box (b may claim again while its SDK call is retried, each
+            # claim a new generation of its own: seen once beside two CPU-bound jobs with a 1 s lease)
+            assert owner["daemon_id"] == b_id and owner["generation"] >= 2
     finally:
         for d in (a, b):
             d.stop()

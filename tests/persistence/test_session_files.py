@@ -461,3 +461,40 @@ def test_one_daemon_per_state_dir(tmp_path):
     assert build_persister(ServeConfig(state_dir=str(tmp_path), persist="off"), e) is None
     first._lock_file.close()  # the holder goes away (a killed daemon's lock goes with its process)
     build_persister(ServeConfig(state_dir=str(tmp_path)), e)._lock_file.close()
+
+
+def test_paged_far_keys_are_saved_again_after_a_load_without_them(tmp_path, monkeypatch):
+    """A session saved without far_keys (by a build before they were saved) makes them from its page store at its
+    first step after a load; its next save writes every archived row again, far_keys with them (its append segments
+    start over), so the load after that reads them instead of making them. The logits stay the never-stopped
+    session's."""
+    from inference_engine.kv.paged import PagedCache
+
+    st = STRATEGIES["paged"]
+    real_extra, real_load = PagedCache._extra_state, PagedCache._load_extra_state
+    loads = []
+
+    def spy_load(self, tensors, meta):
+        real_load(self, tensors, meta)
+        loads.append((self.pages.rows, self.far_keys.rows))
+
+    def older_build(self, appended_from):
+        tensors, meta = real_extra(self, appended_from)
+        return {k: v for k, v in tensors.items() if not k.startswith("far_keys.")}, meta
+
+    monkeypatch.setattr(PagedCache, "_load_extra_state", spy_load)
+    monkeypatch.setattr(PagedCache, "_extra_state", older_build)
+    root = tmp_path / "state"
+    kept = runtime(root, st)
+    s = kept.create_session(ids(60))
+    turn(kept, s.id, 3)
+    monkeypatch.setattr(PagedCache, "_extra_state", real_extra)
+    first = restarted(root, st)
+    assert turn(first, s.id, 5) == turn(kept, s.id, 5)  # far_keys made at the first step, then saved whole
+    archived = first.store.get(s.id).kv.cache.pages.rows
+    assert loads[-1][1] == 0 and [g["start"] for g in manifest(root.parent / "state-restart-0", s.id)["segments"]
+                                  if g["kind"] == "append"] == [0]
+    second = restarted(root.parent / "state-restart-0", st)
+    assert turn(second, s.id, 5) == turn(kept, s.id, 5)
+    assert loads[-1] == (archived, archived)  # read from the files this time
+    assert torch.equal(second.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)

@@ -285,9 +285,7 @@ def rotate_keys(model, layer: int | None, k, deltas):
     layer by its own rope kind, the tables made once for all of them (what paged archives each step)."""
     # few distinct moves (a recalled page's rows all move alike): the tables for those only, then gathered
     moves, at = torch.unique(deltas.reshape(-1), return_inverse=True)
-    rope = model.rope(moves)  # (1, distinct moves, D) per kind
-    if moves.numel() < at.numel():
-        rope = rope.select(at)  # (1, Hkv * E, D)
+    rope = model.rope(moves).select(at)  # (1, Hkv * E, D) per kind: unique sorts, so even distinct moves are gathered
     if layer is not None:
         hkv, e, d = k.shape
         return model.rotate(k.reshape(1, hkv * e, d), *rope.for_layer(model.spec, layer)).view(hkv, e, d)

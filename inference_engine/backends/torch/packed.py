@@ -83,7 +83,8 @@ class PackedWeights:
 
 # safetensors' dtype names (the format's header) for what a packed file holds
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, "BOOL": torch.bool,
-           "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
+           "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+           "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
 _ALIGN = 64  # torch's CPU allocations are 64-byte aligned; its kernels may assume it
 
 
@@ -91,8 +92,9 @@ def _read_if_key(path: pathlib.Path, key: str) -> dict[str, torch.Tensor] | None
     """A packed file's tensors when its metadata key is `key` (else None), read with plain reads into one allocation,
     each tensor at a 64-byte aligned offset. The file's own offsets are only 8-byte aligned, and copying each tensor
     out of a memory map (safetensors' get_tensor, then clone) faults the map in a page at a time: for SmolLM2's 197 MB
-    on the loaded 2-core box, 4.5 s against 0.3 s for the reads (a one-off timing in a Python shell, not a bench). The layout is safetensors' documented
-    one (an 8-byte little-endian header length, a JSON header, the data)."""
+    on the loaded 2-core box, 4.5 s against 0.3 s for the reads (a one-off timing in a Python shell, not a bench).
+    The layout is safetensors' documented one (an 8-byte little-endian header length, a JSON header, the data). A
+    dtype missing from `_DTYPES` makes the file unreadable here: packed again, as for a damaged file."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
