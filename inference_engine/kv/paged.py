@@ -86,8 +86,8 @@ class PagedCache(SinkWindowCache):
         # past the trained context: the same compact keys of every archived position, rotated to position 0, scored
         # against queries rotated to far_distance: every candidate at that distance. Kept from the first step on (the
         # first step brings the backend's rotation), archived and saved with the page store, so neither the first
-        # step past the context nor a resumed session builds them from the whole store; idle (in RAM, at most the
-        # context's rows, until the shortlist applies) until then (`far_active`).
+        # step past the context nor a resumed session builds them from the whole store; idle (within the RAM
+        # budget's ring, as the page store) until then (`far_active`).
         self.far_keys = self._key_table()
         self.far_active = False  # page choice past the trained context (through far_keys) has started
         self._far_unsaved = False  # loaded without far_keys: a saver's segments lack them (delta_state)
@@ -618,13 +618,13 @@ class PagedCache(SinkWindowCache):
     def _limit_keys(self) -> None:
         """Key tables no step reads whole hold at most `ram_rows` in RAM, as the page store does (their older pages
         spill): the one page choice scores once the shortlist applies (a step reads its shortlisted pages' keys
-        only), and past the trained context the true-position keys (kept for the saved state) always. far_keys stay
-        in RAM below the context, idle (at most the context's rows: 25 MB for SmolLM2's 8,192), to be read whole
-        from its first step past it until the shortlist applies."""
+        only), and the other always (far_keys below the trained context, idle; the true-position keys past it,
+        kept for the saved state). At the first step past the context far_keys are copied into one RAM table
+        (`_start_far_choice`), read whole until the shortlist applies."""
         if self.ram_rows is None:
             return
         for t in (self.keys, self.far_keys):
-            if self.shortlisting or (t is self.keys and self.far_active):
+            if self.shortlisting or t is not self.choice_keys:
                 t.limit(self.ram_rows)
 
     def _far_queries(self, layer: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -666,6 +666,10 @@ class PagedCache(SinkWindowCache):
         the bounds made again from them."""
         self._catch_up_far_keys()
         self.far_active = True
+        if not self.shortlisting:  # read whole from now on: one table in RAM (past the budget's ring until now)
+            far = self.far_keys
+            self.far_keys = self._key_table()
+            self.far_keys.load_state(far.span(0, far.rows), far.rows)
         self._limit_keys()
         self.bounds.rows = 0
         if self.shortlisting:
@@ -825,8 +829,8 @@ class PagedCache(SinkWindowCache):
         far = {k.removeprefix("far_keys."): v for k, v in tensors.items() if k.startswith("far_keys.")}
         held = next(iter(far.values())).shape[3] if far else 0
         self.far_keys = self._key_table()
-        if self.ram_rows is not None and self.shortlist and -(-rows // self.page_size) > self.shortlist_from:
-            self.far_keys.limit(self.ram_rows)  # as the keys: they stream in past the ring
+        if self.ram_rows is not None:
+            self.far_keys.limit(self.ram_rows)  # idle until the first step past the context: stream in past the ring
         if held == rows:  # else made again from the page store at the first step
             self.far_keys.load_state(far, rows)
         self._far_unsaved = held != rows > 0
