@@ -646,12 +646,12 @@ class PagedCache(SinkWindowCache):
         """The first step (the backend's rotation now known): far_keys brought up to the page store (nothing to do
         for a new session; a whole store for one loaded from a state that did not hold them) and kept from now on."""
         self._rotate = rotate_keys
-        self._limit_keys()  # first: rows made now stream through the RAM ring (once the shortlist applies)
+        self._limit_keys()  # first: rows made now stream through the RAM ring
         self._catch_up_far_keys()
 
     def _catch_up_far_keys(self) -> None:
-        """far_keys rows for the page store's rows they lack, from its exact keys rotated to position 0 and encoded
-        (4,096 rows at a time per layer)."""
+        """far_keys rows for the page store's rows they lack, from its keys as it returns them, rotated to position 0
+        and encoded (4,096 rows at a time per layer)."""
         g, table, n = self.geometry, self.far_keys, self.pages.rows
         for a in range(table.rows, n, 4096):
             b = min(n, a + 4096)
