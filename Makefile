@@ -11,9 +11,15 @@ MODEL   ?= smollm2-135m-instruct
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup proto model run test test-python lint-python typecheck test-ts lint-proto bench bench-deps clean proxy cluster validate-k8s
+.PHONY: setup native proto model run test test-python lint-python typecheck test-ts lint-proto bench bench-deps clean proxy cluster validate-k8s
 
-setup: $(STAMP) $(STUBS)
+setup: $(STAMP) $(STUBS) native
+
+# The native CPU row step (inference_engine/backends/torch/csrc/row_step.cpp): built once per machine and torch
+# version under $(KAKEYA_HOME)/native, loaded from there after; without a C++ compiler it says so and the
+# daemon runs its decode steps in Python.
+native: $(STAMP)
+	$(BIN)/python -m inference_engine.backends.torch.native
 
 # torch is pinned to the CPU build on local disk; any other spec can pull a multi-GB CUDA build.
 # Three distributions, installed editable: the wire stubs and shared rules (kakeya-wire), the SDK

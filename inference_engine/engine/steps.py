@@ -183,13 +183,44 @@ def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | Non
     if out is None:
         return None
     logits, hidden = out
+    for it in items:
+        it.cache.rows_written()
+    if logits is None:  # the backend left the head to us
+        return _row_logits(backend, items, hidden)
     results: list[ForwardResult] = []
     a = 0
     for it in items:
-        it.cache.rows_written()
         b, kind = a + it.t, it.inp.logits
         results.append((None if kind == "none" else logits[b - 1:b] if kind == "last" else logits[a:b], hidden[a:b]))
         a = b
+    return results
+
+
+def _row_logits(backend: Backend, items: list[_Item], hidden: Any) -> list[ForwardResult]:
+    """Each item's logits from the step's hidden rows: the rows they want through one head call when every
+    item takes the same kind of scoring (the head's kernels are row-independent on the backends that get
+    here, so a row's logits do not depend on the others'), else item by item."""
+    spans, a = [], 0
+    for it in items:
+        spans.append((a, a + it.t))
+        a += it.t
+    if len(items) == 1 or len({it.inp.greedy for it in items}) != 1:
+        return [_logits(backend, it.inp, hidden[a:b]) for it, (a, b) in zip(items, spans)]
+    pick: list[int] = []
+    for it, (a, b) in zip(items, spans):
+        kind = it.inp.logits
+        pick += [] if kind == "none" else [b - 1] if kind == "last" else list(range(a, b))
+    logits: Any = None
+    if pick:
+        rows = hidden if len(pick) == hidden.shape[0] else hidden[backend.tensor(pick)]
+        logits = backend.logits(rows, greedy=True) if items[0].inp.greedy else backend.logits(rows)
+    results: list[ForwardResult] = []
+    at = 0
+    for it, (a, b) in zip(items, spans):
+        kind = it.inp.logits
+        n = 0 if kind == "none" else 1 if kind == "last" else b - a
+        results.append((None if kind == "none" else logits[at:at + n], hidden[a:b]))
+        at += n
     return results
 
 

@@ -27,6 +27,7 @@ log = logging.getLogger("kakeya")
 
 if TYPE_CHECKING:
     from inference_engine.backends.torch.graphs import StepGraphs
+    from inference_engine.backends.torch.native import NativeRowStep
     from inference_engine.backends.torch.row_graphs import RowGraphs
 
 
@@ -109,6 +110,7 @@ class TorchCausalLM:
             self.layers.append(L)
         self.graphs: StepGraphs | None = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
         self.row_graphs: RowGraphs | None = None  # whole row steps as graphs over a K/V arena (use_row_graphs)
+        self.native_step: NativeRowStep | None = None  # CPU row steps in C++ (use_native_step)
 
     def use_step_graphs(self, mode: str) -> bool:
         """--compile: the step's dense work (everything but attention) as graphs.py segments.
@@ -122,6 +124,9 @@ class TorchCausalLM:
         from inference_engine.backends.torch.graphs import StepGraphs
 
         on_cuda = self.device.type == "cuda"
+        self.native_step = None
+        if mode == "auto" and not on_cuda:
+            self.use_native_step()
         if mode == "off" or (mode == "auto" and not on_cuda):
             self.graphs = None
         elif on_cuda:
@@ -171,9 +176,28 @@ class TorchCausalLM:
                  ", dense work compiled by inductor (per bucket of rows, on first use)" if compiled else "")
         return sessions
 
+    def use_native_step(self) -> bool:
+        """CPU row steps (decode rows, verify blocks over plain fp32 slabs) through the C++ extension
+        (csrc/row_step.cpp), built on first use and cached; False (logged) where the model or the machine
+        cannot take it: the Python pieces run every step then."""
+        from inference_engine.backends.torch import native
+
+        why = native.supports(self)
+        mod = native.load() if why is None else None
+        if mod is None:
+            log.info("native CPU row step off: %s", why or native.unavailable_reason())
+            self.native_step = None
+            return False
+        self.native_step = native.NativeRowStep(self, mod)
+        log.info("native CPU row step on: decode rows and verify blocks run every layer in one C++ call")
+        return True
+
     def row_step(self, parts: list):
-        """A row-exact step (parts: per session (ids, layout, store)) through the row graphs, or None (not for them)."""
-        return self.row_graphs.run(parts) if self.row_graphs is not None else None
+        """A row-exact step (parts: per session (ids, layout, store)) through the row graphs or the native CPU
+        step, or None (not for them). Returns (logits or None, hidden): None logits = the caller takes them."""
+        if self.row_graphs is not None:
+            return self.row_graphs.run(parts)
+        return self.native_step.run(parts) if self.native_step is not None else None
 
     @property
     def batches_decode_attention(self) -> bool:
@@ -187,6 +211,8 @@ class TorchCausalLM:
     def describe_step(self) -> dict:
         """How a step's dense work runs (--compile): eager pieces, or graphs.StepGraphs.describe()."""
         out = {"step": "eager"} if self.graphs is None else self.graphs.describe()
+        if self.native_step is not None:
+            out |= {"row_step": "native (C++)", "native_steps": self.native_step.steps}
         return out | (self.row_graphs.describe() if self.row_graphs is not None else {})
 
     def step_runner(self, rows: int):

@@ -1,0 +1,197 @@
+"""The CPU row step as a small C++ extension (csrc/row_step.cpp): decode rows and verify blocks through every
+layer in one call, the matmuls through torch's weight-only kernels, the rest as plain loops.
+
+Built with torch.utils.cpp_extension on first use (`python -m inference_engine.backends.torch.native`
+builds it ahead, as `make setup` does) with -O3 -march=native, and cached under
+$KAKEYA_HOME/native/<key>, the key covering the source, torch's version and the CPU's model and flags:
+a restart loads it in well under a second; a build takes ~30-60 s on 2 cores. Without a C++ compiler,
+or if the build fails, the step stays in Python (logged once) and nothing else changes.
+
+Which steps it takes (`NativeRowStep.run` returns None for the rest, which run as before):
+  - a Llama-family model (no qk-norm, Gemma norms, biases or sliding-window layers), SiLU MLP, on the
+    CPU with int8 or int4 weights (their kernels are row-independent; fp32 dense GEMM is not);
+  - every row row-exact (decode rows, verify blocks), no captured layers, no recalled pages, extra keys
+    or sink re-anchoring (engine/steps._row_step checks those);
+  - every session's K/V in a plain fp32 slab store (kv/stores.SlabStore), keys read as its first N slots.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import threading
+import time
+
+import numpy as np
+import torch
+
+log = logging.getLogger("kakeya")
+
+SOURCE = pathlib.Path(__file__).with_name("csrc") / "row_step.cpp"
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+build_seconds: float | None = None  # the last build's (or load's) seconds, for logs and benches
+
+
+def _cpu_key() -> str:
+    """The CPU's model and flags (-march=native code runs only where it was built)."""
+    model, flags = platform.processor(), ""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}|{flags}"
+
+
+def build_dir() -> pathlib.Path:
+    from inference_engine.model_store.store import kakeya_home
+
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_key().encode())
+    return kakeya_home() / "native" / f"row_step-{h.hexdigest()[:16]}"
+
+
+def load(verbose: bool = False):
+    """The built extension module, building it if needed; None if it cannot be built here (the reason is logged)."""
+    global _module, _failed, build_seconds
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        if os.environ.get("KAKEYA_NATIVE", "1") == "0":
+            _failed = "KAKEYA_NATIVE=0"
+            return None
+        d = build_dir()
+        cached = (d / "kakeya_row_step.so").exists()
+        t0 = time.perf_counter()
+        try:
+            from torch.utils import cpp_extension
+
+            d.mkdir(parents=True, exist_ok=True)
+            if not cached:
+                log.info("building the native CPU row step (C++, once per machine and torch version) in %s", d)
+            _module = cpp_extension.load(name="kakeya_row_step", sources=[str(SOURCE)], build_directory=str(d),
+                                         extra_cflags=["-O3", "-march=native"], verbose=verbose)
+        except Exception as e:  # no compiler, headers or a failed build: the Python step stays
+            _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            log.warning("native CPU row step unavailable (%s); decode steps run in Python", _failed)
+            return None
+        build_seconds = time.perf_counter() - t0
+        log.info("native CPU row step %s in %.1f s", "loaded" if cached else "built", build_seconds)
+        return _module
+
+
+def unavailable_reason() -> str | None:
+    return _failed
+
+
+def supports(model) -> str | None:
+    """Why this model cannot take the native row step, or None if it can."""
+    from inference_engine.backends.torch.linear import Int4Linear, Int8Linear
+
+    s = model.spec
+    if model.device.type != "cpu":
+        return "not on the CPU"
+    if not getattr(model, "kernels_row_independent", False):
+        return f"{model.weights} weights (the native step needs int8 or int4: row-independent kernels)"
+    if s.gemma_norms or s.qk_norm or any(w is not None for w in s.layer_windows) or s.embed_scale != 1.0:
+        return "not a plain Llama-family model"
+    if set(s.layer_rope) != {"default"} or model.dtype != torch.float32:
+        return "rope kinds or dtype"
+    if not isinstance(model.act, torch.nn.SiLU) and type(model.act).__name__ not in ("SiLUActivation", "SiLU"):
+        return f"activation {type(model.act).__name__}"
+    if s.head_dim % 16 or s.hidden_size % 16:
+        return "head_dim and hidden must be multiples of 16"
+    for L in model.layers:
+        for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down):
+            if not isinstance(lin, (Int4Linear, Int8Linear)) or lin.b is not None:
+                return "a linear layer with a bias or another format"
+    return None
+
+
+class NativeRowStep:
+    """The model's weights handed to the C++ RowStep once; `run(parts)` as backend.row_step."""
+
+    def __init__(self, model, module):
+        from inference_engine.backends.torch.linear import Int4Linear
+
+        s = model.spec
+        self.model = model
+        kinds, tensors = [], []
+        for L in model.layers:
+            tensors += [L.ln_in.float().contiguous(), L.ln_post_attn.float().contiguous()]
+            for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down):
+                if isinstance(lin, Int4Linear):
+                    kinds.append(2)
+                    tensors += [lin.packed, lin.scale_zero]
+                else:
+                    kinds.append(1)
+                    tensors += [lin.q, lin.scales]
+        tensors.append(model.final_norm_weight.float().contiguous())
+        down = model.layers[0].w_down
+        inter = down.shape[1] if isinstance(down, Int4Linear) else down.q.shape[1]
+        scale = s.attn_scale if s.attn_scale is not None else s.head_dim ** -0.5
+        self.step = module.RowStep(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, inter, float(s.rms_eps),
+                                   float(scale), kinds, tensors)
+        self.steps = 0  # steps run natively (reported)
+
+    def run(self, parts: list) -> tuple[None, torch.Tensor] | None:
+        """parts: per session (ids (T,), layout, store) of a row-exact step. Returns (None, hidden (R, hidden)):
+        the final-normed hidden states of the R rows in order (the caller takes logits from them), the rows' k, v
+        written into every layer's slab; or None: not a step for it (the Python pieces run it)."""
+        from inference_engine.kv.stores import SlabStore
+
+        for _, layout, store in parts:
+            if (type(store) is not SlabStore or layout.key_slots is not None or layout.whole_rows
+                    or layout.host_masks is None or None not in layout.host_masks or layout.host_slots is None
+                    or not store.k or store.k[0].dtype != torch.float32):
+                return None
+        m = self.model
+        n_max = max(layout.key_positions.numel() for _, layout, _ in parts)
+        rows = sum(layout.positions.numel() for _, layout, _ in parts)
+        mask = np.zeros((rows, n_max), dtype=bool)
+        meta = np.empty((3, rows), dtype=np.int64)  # session, slot, keys
+        r = 0
+        for i, (_, layout, _) in enumerate(parts):
+            t, hm = layout.positions.numel(), layout.host_masks[None]
+            mask[r:r + t, :hm.shape[1]] = hm
+            meta[0, r:r + t] = i
+            meta[1, r:r + t] = layout.host_slots
+            meta[2, r:r + t] = layout.key_positions.numel()
+            r += t
+        if len(parts) == 1:
+            ids, positions = parts[0][0], parts[0][1].positions
+        else:
+            ids = torch.cat([p[0] for p in parts])
+            positions = torch.cat([p[1].positions for p in parts])
+        cos, sin = m.rope(positions).tables["default"]
+        x = m.embed_ids(ids)
+        meta_t = torch.from_numpy(meta)
+        hidden = self.step.run(x, cos[0], sin[0], [store.k for _, _, store in parts], [store.v for _, _, store in parts],
+                               meta_t[0], meta_t[1], torch.from_numpy(mask), meta_t[2])
+        self.steps += 1
+        return None, hidden
+
+
+def main() -> int:
+    """Build (or load) the extension now and say where and how long: `make setup` runs this."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mod = load(verbose=False)
+    if mod is None:
+        print(f"native CPU row step: not built ({_failed}); the Python step is used")
+        return 0
+    print(f"native CPU row step ready in {build_dir()} ({build_seconds:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

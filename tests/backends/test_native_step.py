@@ -1,0 +1,149 @@
+"""The native CPU row step (backends/torch/native.py, csrc/row_step.cpp): decode rows and verify blocks in one
+C++ call compute what the Python pieces compute (to float rounding), keep the engine's bit-equalities among
+themselves (a verify block's rows = one-token steps; a session batched = the session alone), and decline what
+they do not cover, which then runs in Python."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from factories import tiny_model_dir
+from inference_engine.backends.torch import native
+from inference_engine.backends.torch.model import TorchCausalLM
+from inference_engine.engine import steps
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.generate import Engine
+from inference_engine.engine.requests import GenerateParams, SamplingParams
+from inference_engine.kv.strategy import KVStrategy
+
+
+def _module():
+    mod = native.load()
+    if mod is None:
+        if shutil.which("c++") or os.environ.get("CI"):
+            pytest.fail(f"the native row step did not build here: {native.unavailable_reason()}")
+        pytest.skip("no C++ compiler")
+    return mod
+
+
+def _model(weights="int4"):
+    _module()
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights=weights)
+    assert m.use_native_step() is True
+    return m
+
+
+def _prompt(n, seed=0):
+    return torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+STRATEGIES = [KVStrategy("full"), KVStrategy("sink_window", 4, 12)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_native_decode_matches_the_python_pieces(strategy, weights):
+    m = _model(weights)
+    nat = m.native_step
+    engine = Engine(m, strategy, prefill_chunk=16)
+    kvs = [engine.new_session_kv() for _ in range(2)]
+    for kv in kvs:
+        engine.prefill(kv, _prompt(40))
+    before = nat.steps
+    for tok in _prompt(30, seed=1):  # past sink_window's ring: its slots wrap
+        m.native_step = nat
+        steps.decode_step(m, kvs[0], tok)
+        m.native_step = None
+        steps.decode_step(m, kvs[1], tok)
+        a, b = kvs[0].last_logits, kvs[1].last_logits
+        assert torch.allclose(a, b, atol=2e-3, rtol=0), (a - b).abs().max()
+        assert int(a.argmax()) == int(b.argmax())
+    assert nat.steps - before == 30  # every step of the first session ran natively
+    for layer in range(m.spec.num_layers):  # the K/V each wrote agree too
+        assert torch.allclose(kvs[0].cache.store.k[layer], kvs[1].cache.store.k[layer], atol=1e-4)
+        assert torch.allclose(kvs[0].cache.store.v[layer], kvs[1].cache.store.v[layer], atol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_a_native_verify_block_equals_native_one_token_steps(strategy):
+    m = _model()
+    engine = Engine(m, strategy, prefill_chunk=16)
+    a, b, c = (engine.new_session_kv() for _ in range(3))
+    for kv in (a, b, c):
+        engine.prefill(kv, _prompt(30))
+    token, drafts = 17, []
+    for _ in range(4):  # the verifier's own greedy continuation: every draft is accepted, every row compared
+        steps.decode_step(m, c, drafts[-1] if drafts else token)
+        drafts.append(int(c.last_logits.argmax()))
+    before = m.native_step.steps
+    res = steps.verify_block(m, a, token, drafts, SamplingParams(), None, budget=10)
+    assert m.native_step.steps == before + 1 and res.accepted == 4
+    rows = []
+    for tok in [token, *drafts]:
+        steps.decode_step(m, b, tok)
+        rows.append(b.last_logits)
+    assert torch.equal(a.last_logits, rows[-1])
+    assert a.cache.next_position == b.cache.next_position
+    for layer in range(m.spec.num_layers):
+        assert torch.equal(a.cache.store.k[layer], b.cache.store.k[layer])
+        assert torch.equal(a.cache.store.v[layer], b.cache.store.v[layer])
+
+
+def test_a_session_batched_natively_gets_what_it_gets_alone():
+    m = _model()
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
+    alone, batched, other = (engine.new_session_kv() for _ in range(3))
+    engine.prefill(alone, _prompt(20))
+    engine.prefill(batched, _prompt(20))
+    engine.prefill(other, _prompt(33, seed=5))
+    for tok in _prompt(10, seed=2):
+        steps.decode_step(m, alone, tok, greedy=True)
+        tasks = [steps.decode_step_task(m, batched, tok, greedy=True), steps.decode_step_task(m, other, tok + 1, greedy=True)]
+        inputs = [t.send(None) for t in tasks]
+        outs = steps.forward_batch(m, inputs)
+        for t, o in zip(tasks, outs):
+            with pytest.raises(StopIteration):
+                t.send(o)
+        assert torch.equal(alone.last_logits, batched.last_logits)
+
+
+def test_the_engine_generates_the_same_tokens_with_and_without_it():
+    m = _model()
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
+
+    def run():
+        evs = engine.generate(engine.new_session_kv(), _prompt(25), GenerateParams(max_tokens=20))
+        return [e.token_id for e in evs if isinstance(e, TokenGenerated)]
+
+    nat = m.native_step
+    with_native = run()
+    assert nat.steps >= 19
+    m.native_step = None
+    assert run() == with_native
+
+
+def test_what_it_does_not_cover_declines():
+    _module()
+    fp32 = TorchCausalLM.load(tiny_model_dir("llama"))
+    assert "fp32" in native.supports(fp32) and fp32.use_native_step() is False and fp32.native_step is None
+    qwen3 = TorchCausalLM.load(tiny_model_dir("qwen3"), weights="int4")  # q/k norms
+    assert native.supports(qwen3) is not None
+    # a store that is not a plain fp32 slab (int8 K/V) runs in Python: the step still works, natively 0 times
+    m = _model()
+    for strategy in (KVStrategy("full", kv_dtype="int8"), KVStrategy("paged", 4, 12, page_size=4, recall_pages=2)):
+        engine = Engine(m, strategy, prefill_chunk=16)
+        kv = engine.new_session_kv()
+        engine.prefill(kv, _prompt(40))
+        before = m.native_step.steps
+        steps.decode_step(m, kv, 5)
+        assert m.native_step.steps == before, strategy
+
+
+def test_compile_auto_turns_it_on_on_the_cpu_and_off_keeps_python():
+    _module()
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
+    m.use_step_graphs("auto")
+    assert m.native_step is not None and m.describe_step()["row_step"] == "native (C++)"
+    m.use_step_graphs("off")
+    assert m.native_step is None
