@@ -4,6 +4,9 @@ Arms (same machine, same thread count, greedy, eos ignored):
   kakeya-<fmt>   `kakeya serve --kv-strategy full --weights <fmt> --persist off --compile off` in its own
                  process, driven only through the Python SDK over gRPC (one arm per entry of --formats;
                  `int4+kv_int8` adds `--kv-dtype int8`)
+  kakeya-<fmt>-auto  the same with `--compile auto` (the default): on the CPU the native row step
+                 (backends/torch/native.py: decode rows and verify blocks through every layer in one C++
+                 call), loaded from its build cache under $KAKEYA_HOME/native (`make setup` builds it)
   kakeya-<fmt>-compile  the same with `--compile on` (inductor's segments on the CPU, CUDA graphs on a GPU);
                  its daemon starts twice: once with an empty compile cache (cold), then with the cache the
                  first start filled (warm, the one measured). Each arm records its seconds to READY.
@@ -46,7 +49,7 @@ def parse_args(argv=None):
     ap.add_argument("--append", type=int, default=200)
     ap.add_argument("--generate", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", default="off,on", help="--compile modes of the daemon, one arm per format and mode")
+    ap.add_argument("--compile", default="off,auto,on", help="--compile modes of the daemon, one arm per format and mode")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_engine.json"))
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
     for fmt in args.formats.split(","):
         weights, _, kv_dtype = fmt.partition("+kv_")  # e.g. int4+kv_int8: int4 weights, int8 resident K/V
         for mode in args.compile.split(","):
-            name, start = f"kakeya-{fmt}" + ("-compile" if mode == "on" else ""), {}
+            name, start = f"kakeya-{fmt}" + {"off": "", "auto": "-auto", "on": "-compile"}[mode], {}
             cache = None
             if mode == "on":
                 import tempfile

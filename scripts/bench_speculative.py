@@ -88,7 +88,7 @@ def main() -> int:
     ap.add_argument("--prompts-per-style", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-strategy", default="sink_window")
-    ap.add_argument("--compile", default="off", choices=("off", "on"),
+    ap.add_argument("--compile", default="off", choices=("off", "auto", "on"),
                     help="the step's dense work through inductor's segments (on) or eager (off: the CPU default)")
     ap.add_argument("--out", default=str(ROOT / "results" / "speculative.json"))
     ap.add_argument("--v2-drafter", default="smollm2-135m-dflash", help="the drafter issue 18's targets are checked on")

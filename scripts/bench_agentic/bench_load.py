@@ -6,6 +6,8 @@ Arms, one after another on the same machine and thread count:
   kakeya-batching-on   `kakeya serve --weights <fmt> --batching on` (other flags default: capacity 16,
                        sessions persisted per turn to a temporary --state-dir), driven through the Python SDK
   kakeya-batching-off  the same daemon with --batching off (one session's step per forward)
+  kakeya-batching-on-auto  batching on with --compile auto (the daemon's default; on the CPU the native row step:
+                       backends/torch/native.py); the arms without the suffix run --compile off
   kakeya-batching-on-chunkN  batching on with --prefill-chunk N (smaller chunks bound the inter-token
                        latency others see while an append lands, at some prefill cost)
   llama.cpp-batched    llama.cpp on the same GGUF with n sequences in one context (n_seq_max = n), each
@@ -384,8 +386,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="batching-on,batching-off,batching-on-chunk32,llama.cpp-batched,llama.cpp",
-                    help="batching-on|batching-off[-chunkN][-compile] (kakeya serve, --prefill-chunk N, --compile on; "
-                         "otherwise --compile off), llama.cpp-batched (n "
+                    help="batching-on|batching-off[-chunkN][-compile|-auto] (kakeya serve, --prefill-chunk N, --compile on "
+                         "or auto (on the CPU: the native row step); otherwise --compile off), llama.cpp-batched (n "
                          "sequences in one context, batched decode) and llama.cpp (one Llama object per session, one "
                          "call at a time)")
     ap.add_argument("--decode-tokens", type=int, default=48,
@@ -409,9 +411,12 @@ def main() -> int:
         if arm.startswith("batching-"):
             import tempfile
 
-            rest, compiled = (arm[: -len("-compile")], True) if arm.endswith("-compile") else (arm, False)
+            rest, compile_mode = arm, "off"
+            for suffix, m in (("-compile", "on"), ("-auto", "auto")):
+                if arm.endswith(suffix):
+                    rest, compile_mode = arm[: -len(suffix)], m
             mode, _, chunk = rest.removeprefix("batching-").partition("-chunk")
-            res["compile"] = "on" if compiled else "off"
+            res["compile"] = compile_mode
             d = Daemon(args.model, args.weights, mode, args.threads, tempfile.mkdtemp(prefix="kakeya-load-"),
                        prefill_chunk=int(chunk) if chunk else None, compile=res["compile"])
             try:
