@@ -21,6 +21,8 @@ numerics change with the number of rows per call and flipped near-tie tokens bet
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -198,11 +200,12 @@ class RefinedHead:
         self.greedy_approx = (made("head.int4", Int4Linear, lambda: Int4Linear.from_float(self.w))
                               if k % GROUP == 0 and n % 16 == 0 else None)
         self.greedy_refine = greedy_refine
+        self.greedy_kernel = None  # x -> 4-bit scores of greedy_approx's weights by another kernel (native.py), or None
 
     def __call__(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
-        approx: Int4Linear | Int8Linear
+        approx: Any
         if greedy and self.greedy_approx is not None:
-            approx, r = self.greedy_approx, min(self.greedy_refine, self.w.shape[0])
+            approx, r = self.greedy_kernel or self.greedy_approx, min(self.greedy_refine, self.w.shape[0])
         else:
             approx, r = self.approx, self.refine
         y = approx(x).float()

@@ -124,7 +124,7 @@ class TorchCausalLM:
         from inference_engine.backends.torch.graphs import StepGraphs
 
         on_cuda = self.device.type == "cuda"
-        self.native_step = None
+        self.use_native_step(False)
         if mode == "auto" and not on_cuda:
             self.use_native_step()
         if mode == "off" or (mode == "auto" and not on_cuda):
@@ -176,20 +176,26 @@ class TorchCausalLM:
                  ", dense work compiled by inductor (per bucket of rows, on first use)" if compiled else "")
         return sessions
 
-    def use_native_step(self) -> bool:
+    def use_native_step(self, on: bool = True, *, q4: bool = True) -> bool:
         """CPU row steps (decode rows, verify blocks over plain fp32 slabs) through the C++ extension
         (csrc/row_step.cpp), built on first use and cached; False (logged) where the model or the machine
-        cannot take it: the Python pieces run every step then."""
+        cannot take it: the Python pieces run every step then. q4: int4 linears (and the head's greedy scoring)
+        through the extension's int4 x int8 kernel where the CPU has one (native.NativeRowStep). on=False: off."""
         from inference_engine.backends.torch import native
 
+        if isinstance(self.head, RefinedHead):
+            self.head.greedy_kernel = None
+        self.native_step = None
+        if not on:
+            return False
         why = native.supports(self)
         mod = native.load() if why is None else None
         if mod is None:
             log.info("native CPU row step off: %s", why or native.unavailable_reason())
-            self.native_step = None
             return False
-        self.native_step = native.NativeRowStep(self, mod)
-        log.info("native CPU row step on: decode rows and verify blocks run every layer in one C++ call")
+        self.native_step = native.NativeRowStep(self, mod, q4=q4)
+        log.info("native CPU row step on: decode rows and verify blocks run every layer in one C++ call%s",
+                 "; int4 matmuls through its int4 x int8 kernel" if self.native_step.q4 else "")
         return True
 
     def row_step(self, parts: list):
@@ -212,7 +218,8 @@ class TorchCausalLM:
         """How a step's dense work runs (--compile): eager pieces, or graphs.StepGraphs.describe()."""
         out = {"step": "eager"} if self.graphs is None else self.graphs.describe()
         if self.native_step is not None:
-            out |= {"row_step": "native (C++)", "native_steps": self.native_step.steps}
+            out |= {"row_step": "native (C++)" + (", int4 x int8 kernel" if self.native_step.q4 else ""),
+                    "native_steps": self.native_step.steps}
         return out | (self.row_graphs.describe() if self.row_graphs is not None else {})
 
     def step_runner(self, rows: int):

@@ -2,7 +2,7 @@
 layer in one call, the matmuls through torch's weight-only kernels, the rest as plain loops.
 
 Built with torch.utils.cpp_extension on first use (`python -m inference_engine.backends.torch.native`
-builds it ahead, as `make setup` does) with -O3 -march=native, and cached under
+builds it ahead, as `make setup` does) with -O3 -march=native -fno-math-errno, and cached under
 $KAKEYA_HOME/native/<key>, the key covering the source, torch's version and the CPU's model and flags:
 a restart loads it in well under a second; a build takes ~30-60 s on 2 cores. Without a C++ compiler,
 or if the build fails, the step stays in Python (logged once) and nothing else changes.
@@ -55,7 +55,8 @@ def build_dir() -> pathlib.Path:
     from inference_engine.model_store.store import kakeya_home
 
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for f in sorted(SOURCE.parent.iterdir()):  # the source and the headers it includes
+        h.update(f.name.encode() + f.read_bytes())
     h.update(torch.__version__.encode())
     h.update(_cpu_key().encode())
     return kakeya_home() / "native" / f"row_step-{h.hexdigest()[:16]}"
@@ -80,7 +81,7 @@ def load(verbose: bool = False):
             if not cached:
                 log.info("building the native CPU row step (C++, once per machine and torch version) in %s", d)
             _module = cpp_extension.load(name="kakeya_row_step", sources=[str(SOURCE)], build_directory=str(d),
-                                         extra_cflags=["-O3", "-march=native"], verbose=verbose)
+                                         extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=verbose)
         except Exception as e:  # no compiler, headers or a failed build: the Python step stays
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             log.warning("native CPU row step unavailable (%s); decode steps run in Python", _failed)
@@ -109,8 +110,8 @@ def supports(model) -> str | None:
         return "rope kinds or dtype"
     if not isinstance(model.act, torch.nn.SiLU) and type(model.act).__name__ not in ("SiLUActivation", "SiLU"):
         return f"activation {type(model.act).__name__}"
-    if s.head_dim % 16 or s.hidden_size % 16:
-        return "head_dim and hidden must be multiples of 16"
+    if s.head_dim not in (16, 32, 64, 128) or s.hidden_size % 16:
+        return "head_dim must be 16, 32, 64 or 128 and hidden a multiple of 16"
     for L in model.layers:
         for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down):
             if not isinstance(lin, (Int4Linear, Int8Linear)) or lin.b is not None:
@@ -119,18 +120,27 @@ def supports(model) -> str | None:
 
 
 class NativeRowStep:
-    """The model's weights handed to the C++ RowStep once; `run(parts)` as backend.row_step."""
+    """The model's weights handed to the C++ RowStep once; `run(parts)` as backend.row_step.
 
-    def __init__(self, model, module):
-        from inference_engine.backends.torch.linear import Int4Linear
+    int4 linears run through the extension's own int4 x int8 kernel (csrc/q4_matmul.h: integer dot products,
+    AVX-512 VNNI or AVX2; 3-4x torch's int4 kernel for one row here, results/research/native_step.json) where the
+    CPU has one, repacked once at start (`q4=False` keeps torch's kernel). The head's greedy scoring (linear.RefinedHead,
+    the 4-bit pass before its exact top 64) takes the same kernel."""
+
+    def __init__(self, model, module, *, q4: bool = True):
+        from inference_engine.backends.torch.linear import Int4Linear, RefinedHead
 
         s = model.spec
         self.model = model
+        self.q4 = bool(q4 and module.q4_isa() > 0)
         kinds, tensors = [], []
         for L in model.layers:
             tensors += [L.ln_in.float().contiguous(), L.ln_post_attn.float().contiguous()]
             for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down):
-                if isinstance(lin, Int4Linear):
+                if isinstance(lin, Int4Linear) and self.q4:
+                    kinds.append(3)
+                    tensors += [q4_pack(module, lin), torch.empty(0)]
+                elif isinstance(lin, Int4Linear):
                     kinds.append(2)
                     tensors += [lin.packed, lin.scale_zero]
                 else:
@@ -142,6 +152,10 @@ class NativeRowStep:
         scale = s.attn_scale if s.attn_scale is not None else s.head_dim ** -0.5
         self.step = module.RowStep(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, inter, float(s.rms_eps),
                                    float(scale), kinds, tensors)
+        head = model.head
+        if self.q4 and isinstance(head, RefinedHead) and isinstance(head.greedy_approx, Int4Linear):
+            packed = q4_pack(module, head.greedy_approx)
+            head.greedy_kernel = lambda x: module.q4_matmul(x.float().contiguous(), packed)
         self.steps = 0  # steps run natively (reported)
 
     def run(self, parts: list) -> tuple[None, torch.Tensor] | None:
@@ -180,6 +194,12 @@ class NativeRowStep:
                                meta_t[0], meta_t[1], torch.from_numpy(mask), meta_t[2])
         self.steps += 1
         return None, hidden
+
+
+def q4_pack(module, lin) -> torch.Tensor:
+    """An Int4Linear's codes and groups (w = (q - 8) * scale + zero = q * d + m) as the extension's q4x16 blocks."""
+    d = lin.scale.float()
+    return module.q4_pack(lin.codes().to(torch.uint8).contiguous(), d, lin.zero.float() - 8 * d)
 
 
 def main() -> int:

@@ -20,36 +20,107 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "q4_matmul.h"
 
 namespace {
 
 constexpr int kLanes = 16;  // fixed accumulator lanes: the sums' order never depends on the machine's vector width
 
-enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kQ4x16 = 3 };
 
 struct Linear {
   int64_t kind = kDense;
-  at::Tensor a, b;  // dense: w (N, K); int8: q (N, K), scales (N,) bf16; int4: packed, scale_zero (K/32, N, 2) bf16
+  // dense: w (N, K); int8: q (N, K), scales (N,) bf16; int4: torch's packed, scale_zero (K/32, N, 2) bf16;
+  // q4x16: q4::pack's blocks (fp32 activations in, quantized to int8 inside; fp32 out)
+  at::Tensor a, b;
 
-  bool bf16_input() const { return kind != kDense; }
+  bool bf16_input() const { return kind == kInt8 || kind == kInt4; }
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
       case kInt4: return at::_weight_int4pack_mm_for_cpu(x, a, 32, b);
       case kInt8: return at::_weight_int8pack_mm(x, a, b);
+      case kQ4x16: return q4::matmul(x, a);
       default: return at::linear(x, a);
     }
   }
 };
 
+// exp(x) in plain float arithmetic (Cephes' expf polynomial after a round-to-even range reduction, ~1 ulp; inputs
+// clamped to [-87.3, 88.3]): no libm call, so the loops that use it vectorize, and its bits depend on x alone.
+inline float exp_f(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  const float n = __builtin_rintf(x * 1.44269504088896341f);  // to nearest even (the default rounding mode)
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {  // n % kLanes == 0
   float acc[kLanes] = {0};
   for (int64_t i = 0; i < n; i += kLanes)
     for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = 0.f;
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
+  for (int w = kLanes / 2; w > 0; w /= 2)  // a fixed pairwise tree (vector adds), not a serial chain
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
+}
+
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef float v4f __attribute__((vector_size(16), aligned(4)));
+
+// dot of D floats (D % 16 == 0) in 16 lanes, then a fixed tree over the lanes, kept in registers.
+template <int D>
+inline float dot_d(const float* a, const float* b) {
+  v16f acc = *reinterpret_cast<const v16f*>(a) * *reinterpret_cast<const v16f*>(b);
+  for (int i = 16; i < D; i += 16) acc += *reinterpret_cast<const v16f*>(a + i) * *reinterpret_cast<const v16f*>(b + i);
+  const v8f h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4f h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// One query row of one head over the visible columns of its session's slab (kb, vb: (capacity, D) of this KV head),
+// in column order: scores, their max, exp, the sum and the weighted V. `scores` holds n floats. D known at compile
+// time keeps the output accumulators in registers.
+template <int D>
+inline void attend_row(const float* __restrict qh, const float* __restrict kb, const float* __restrict vb,
+                       const bool* __restrict m, int64_t n, float scale, float* __restrict scores, float* __restrict out) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float sc = m[j] ? dot_d<D>(qh, kb + j * D) * scale : -INFINITY;
+    scores[j] = sc;
+    mx = sc > mx ? sc : mx;
+  }
+  float acc[D];
+  for (int d = 0; d < D; ++d) acc[d] = 0.f;
+  if (mx != -INFINITY) {  // a row that sees nothing (never a real one) gets zeros
+    for (int64_t j = 0; j < n; ++j) scores[j] = exp_f(scores[j] - mx);  // masked: exp of a clamped -inf, unused
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!m[j]) continue;
+      const float p = scores[j];
+      sum += p;
+      const float* v = vb + j * D;
+      for (int d = 0; d < D; ++d) acc[d] += p * v[d];
+    }
+    const float rs = 1.f / sum;
+    for (int d = 0; d < D; ++d) acc[d] *= rs;
+  }
+  for (int d = 0; d < D; ++d) out[d] = acc[d];
 }
 
 inline float sum_squares(const float* a, int64_t n) { return dot(a, a, n); }
@@ -89,6 +160,62 @@ at::Tensor linear_input(const float* src, const float* scale, const float* w, in
   return out;
 }
 
+// The G query heads that share a KV head (GQA), one query row, over the visible columns of its session's slab:
+// each key and value is read once for all G heads. Per head the same order as attend_row: scores in column order,
+// their max, exp, then the sum and weighted V in column order.
+template <int D, int G>
+inline void attend_group(const float* __restrict q, const float* __restrict kb, const float* __restrict vb,
+                         const bool* __restrict m, int64_t n, float scale, float* __restrict scores, float* __restrict out) {
+  constexpr int V = D / 16;
+  float mx[G];
+  for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!m[j]) {
+      for (int g = 0; g < G; ++g) scores[g * n + j] = -INFINITY;
+      continue;
+    }
+    for (int g = 0; g < G; ++g) {
+      const float sc = dot_d<D>(q + g * D, kb + j * D) * scale;
+      scores[g * n + j] = sc;
+      mx[g] = sc > mx[g] ? sc : mx[g];
+    }
+  }
+  v16f acc[G][V];
+  float sum[G];
+  for (int g = 0; g < G; ++g) {
+    sum[g] = 0.f;
+    for (int i = 0; i < V; ++i) acc[g][i] = v16f{};
+    float* sg = scores + g * n;
+    const float top = mx[g] == -INFINITY ? 0.f : mx[g];
+    for (int64_t j = 0; j < n; ++j) sg[j] = exp_f(sg[j] - top);  // masked: exp of a clamped -inf, never read
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (!m[j]) continue;
+    const v16f* v = reinterpret_cast<const v16f*>(vb + j * D);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * n + j];
+      sum[g] += p;
+      for (int i = 0; i < V; ++i) acc[g][i] += p * v[i];
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float rs = mx[g] == -INFINITY ? 0.f : 1.f / sum[g];  // a head that sees nothing (never a real row): zeros
+    for (int i = 0; i < V; ++i) *reinterpret_cast<v16f*>(out + g * D + 16 * i) = acc[g][i] * rs;
+  }
+}
+
+template <int D>
+inline bool attend_group_d(int64_t G, const float* q, const float* kb, const float* vb, const bool* m, int64_t n,
+                           float scale, float* scores, float* out) {
+  switch (G) {
+    case 1: attend_group<D, 1>(q, kb, vb, m, n, scale, scores, out); return true;
+    case 2: attend_group<D, 2>(q, kb, vb, m, n, scale, scores, out); return true;
+    case 3: attend_group<D, 3>(q, kb, vb, m, n, scale, scores, out); return true;
+    case 4: attend_group<D, 4>(q, kb, vb, m, n, scale, scores, out); return true;
+    default: return false;
+  }
+}
+
 class RowStep {
  public:
   RowStep(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double attn_scale,
@@ -96,7 +223,8 @@ class RowStep {
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), inter_(inter),
         eps_(static_cast<float>(eps)), scale_(static_cast<float>(attn_scale)) {
     // per layer: ln_in, ln_post_attn, then (a, b) for wqkv, wo, w_gate_up, w_down (kinds: 4 per layer); last: final norm
-    TORCH_CHECK(head_dim % kLanes == 0 && hidden % kLanes == 0, "row step: head_dim and hidden must be multiples of 16");
+    TORCH_CHECK((head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128) && hidden % kLanes == 0,
+                "row step: head_dim must be 16, 32, 64 or 128 and hidden a multiple of 16");
     TORCH_CHECK(heads % kv_heads == 0, "row step: heads must be a multiple of kv_heads");
     TORCH_CHECK(kinds.size() % 4 == 0 && tensors.size() == kinds.size() / 4 * 10 + 1, "row step: bad weight list");
     layers_ = static_cast<int64_t>(kinds.size() / 4);
@@ -186,29 +314,20 @@ class RowStep {
           const float* kb = ks.data_ptr<float>() + h * cap * D;
           const float* vb = vs.data_ptr<float>() + h * cap * D;
           const bool* m = mask_p + r * N;
-          scores.assign(G * n, 0.f);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qh = &q[(r * H + h * G + g) * D];
-            float* sc = &scores[g * n];
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < n; ++j) {
-              if (!m[j]) continue;
-              sc[j] = dot(qh, kb + j * D, D) * scale_;
-              mx = sc[j] > mx ? sc[j] : mx;
-            }
-            float* out = &att[(r * H + h * G + g) * D];
-            for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-            if (mx == -INFINITY) continue;  // sees nothing (never for a real row): zeros
-            float sum = 0.f;
-            for (int64_t j = 0; j < n; ++j) {
-              if (!m[j]) continue;
-              const float p = std::exp(sc[j] - mx);
-              sum += p;
-              const float* v = vb + j * D;
-              for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
-            }
-            const float rs = 1.f / sum;
-            for (int64_t d = 0; d < D; ++d) out[d] *= rs;
+          scores.resize(G * n);
+          const float* qg = &q[(r * H + h * G) * D];
+          float* og = &att[(r * H + h * G) * D];
+          bool done = D == 64    ? attend_group_d<64>(G, qg, kb, vb, m, n, scale_, scores.data(), og)
+                      : D == 128 ? attend_group_d<128>(G, qg, kb, vb, m, n, scale_, scores.data(), og)
+                      : D == 32  ? attend_group_d<32>(G, qg, kb, vb, m, n, scale_, scores.data(), og)
+                                 : attend_group_d<16>(G, qg, kb, vb, m, n, scale_, scores.data(), og);
+          for (int64_t g = 0; !done && g < G; ++g) {  // more than 4 query heads per KV head: head by head
+            const float* qh = qg + g * D;
+            float* out = og + g * D;
+            if (D == 64) attend_row<64>(qh, kb, vb, m, n, scale_, scores.data(), out);
+            else if (D == 128) attend_row<128>(qh, kb, vb, m, n, scale_, scores.data(), out);
+            else if (D == 32) attend_row<32>(qh, kb, vb, m, n, scale_, scores.data(), out);
+            else attend_row<16>(qh, kb, vb, m, n, scale_, scores.data(), out);
           }
         }
       });
@@ -222,7 +341,7 @@ class RowStep {
       for (int64_t r = 0; r < R; ++r)
         for (int64_t i = 0; i < inter_; ++i) {
           const float g = gup[r * 2 * inter_ + i], u = gup[r * 2 * inter_ + inter_ + i];
-          act[r * inter_ + i] = g / (1.f + std::exp(-g)) * u;
+          act[r * inter_ + i] = g / (1.f + exp_f(-g)) * u;
         }
       add_into(xp, as_float(wdown(linear_input(act.data(), nullptr, nullptr, R, inter_, wdown.bf16_input(), opts))),
                R * hidden_);
@@ -264,6 +383,10 @@ class RowStep {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_pack", &q4::pack, "codes (N, K) uint8, d, m (N, K/32) -> q4x16 blocks");
+  m.def("q4_matmul", &q4::matmul, "x (M, K) fp32 @ q4x16 blocks -> (M, N) fp32; isa 0 = best, 1 AVX2, 2 AVX-512 VNNI",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("isa") = 0, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q4_isa", [] { return static_cast<int64_t>(q4::best_isa()); }, "0 none (no q4 kernel here), 1 AVX2, 2 AVX-512 VNNI");
   pybind11::class_<RowStep>(m, "RowStep")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, std::vector<int64_t>,
                           std::vector<at::Tensor>>())

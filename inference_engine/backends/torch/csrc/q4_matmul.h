@@ -1,0 +1,223 @@
+// Int4 weights (Q4_1 groups of 32) x int8-quantized activations, with integer dot products, as llama.cpp does on
+// x86: AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw + vpmaddwd). Included by row_step.cpp. Written for this project.
+//
+// Why: torch's _weight_int4pack_mm_for_cpu with bf16 activations costs ~2.6x one row's time for 5 rows (a verify
+// block) and is far from the weight bytes' memory bound for one. Here a weight block is unpacked once and used for
+// every row of the call, so extra rows cost little more than their integer dot products.
+//
+// Layout ("q4x16"): columns in blocks of 16; for block b and group g (32 inputs) 320 bytes:
+//   256 bytes of codes: four 64-byte vectors P_p (p = 0..3); byte 4j + i of P_p holds column j's code for input
+//       8p + i in its low nibble and for input 8p + 4 + i in its high nibble (i = 0..3): a 64-byte vector of low
+//       (high) nibbles is exactly vpdpbusd's operand for four consecutive inputs of 16 columns;
+//   32 bytes: d of the 16 columns (fp16), 32 bytes: m (fp16); the weight is w = q * d + m.
+// Activations: per row and group, qx = round(x * 127 / amax) in -127..127 and xs = amax / 127;
+//   y[r, n] = sum_g fma-chain of (float(dot(q, qx)) * (d * xs)) then (m * xsum), xsum = xs * sum(qx).
+//
+// Exactness: integer dot products are exact, and every output element goes through the same float operations in
+// the same order whatever the number of rows, the row's place in the call, the thread or the ISA (AVX-512 and
+// AVX2 give the same bits: tests/backends/test_native_step.py). So rows are independent: a verify block's rows
+// equal one-row calls, a session batched with others gets what it gets alone.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define KAKEYA_X86 1
+#else
+#define KAKEYA_X86 0
+#endif
+
+namespace q4 {
+
+constexpr int64_t kCols = 16, kGroup = 32, kCodeBytes = 256, kBlockBytes = 320;
+enum Isa : int64_t { kNone = 0, kAvx2 = 1, kVnni512 = 2 };
+
+inline Isa best_isa() {
+#if KAKEYA_X86
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
+      return kVnni512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return kAvx2;
+    return kNone;
+  }();
+  return isa;
+#else
+  return kNone;
+#endif
+}
+
+// codes (N, K) uint8 0..15, d and m (N, K/32) fp32 -> (N/16, K/32, 320) uint8
+inline at::Tensor pack(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "q4 pack: codes must be (N, K) uint8");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(n % kCols == 0 && k % kGroup == 0, "q4 pack: N must be a multiple of 16 and K of 32");
+  auto c = codes.contiguous();
+  auto df = d.to(at::kFloat).contiguous(), mf = m.to(at::kFloat).contiguous();
+  const int64_t groups = k / kGroup;
+  auto out = at::empty({n / kCols, groups, kBlockBytes}, codes.options().dtype(at::kByte));
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  const float* dp = df.data_ptr<float>();
+  const float* mp = mf.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < n / kCols; ++b)
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* blk = op + (b * groups + g) * kBlockBytes;
+      for (int p = 0; p < 4; ++p)
+        for (int j = 0; j < kCols; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t* col = cp + (b * kCols + j) * k + g * kGroup;
+            blk[p * 64 + 4 * j + i] = static_cast<uint8_t>((col[8 * p + i] & 15) | ((col[8 * p + 4 + i] & 15) << 4));
+          }
+      auto* dh = reinterpret_cast<c10::Half*>(blk + kCodeBytes);
+      auto* mh = reinterpret_cast<c10::Half*>(blk + kCodeBytes + 32);
+      for (int j = 0; j < kCols; ++j) {
+        dh[j] = c10::Half(dp[(b * kCols + j) * groups + g]);
+        mh[j] = c10::Half(mp[(b * kCols + j) * groups + g]);
+      }
+    }
+  return out;
+}
+
+// x (M, K) fp32 -> qx (M, K) int8, xs (M, G), xsum (M, G)
+inline void quantize(const float* x, int64_t rows, int64_t k, int8_t* qx, float* xs, float* xsum) {
+  const int64_t groups = k / kGroup;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* src = x + r * k + g * kGroup;
+      float amax = 0.f;
+      for (int i = 0; i < kGroup; ++i) {
+        const float a = src[i] < 0.f ? -src[i] : src[i];
+        amax = a > amax ? a : amax;
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* dst = qx + r * k + g * kGroup;
+      int sum = 0;
+      for (int i = 0; i < kGroup; ++i) {  // round half to even, as nearbyint in the default rounding mode
+        float q = __builtin_rintf(src[i] * inv);
+        q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
+        dst[i] = static_cast<int8_t>(q);
+        sum += static_cast<int>(q);
+      }
+      xs[r * groups + g] = amax / 127.f;
+      xsum[r * groups + g] = xs[r * groups + g] * static_cast<float>(sum);
+    }
+}
+
+#if KAKEYA_X86
+constexpr int kRowTile = 8;
+
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void block_vnni(
+    const uint8_t* w, int64_t groups, const int8_t* qx, const float* xs, const float* xsum, int64_t rows, int64_t k,
+    float* y, int64_t n, int64_t col0) {
+  const __m512i lo_mask = _mm512_set1_epi8(15);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+    const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
+    __m512 acc[kRowTile];
+    for (int r = 0; r < kRowTile; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = w + g * kBlockBytes;
+      __m512i wq[8];
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(blk + p * 64);
+        wq[2 * p] = _mm512_and_si512(v, lo_mask);
+        wq[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes + 32)));
+      for (int r = 0; r < nr; ++r) {
+        const int8_t* xr = qx + (r0 + r) * k + g * kGroup;
+        __m512i dot = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c) {  // chunk c: inputs 4c..4c+3 = wq[(c / 2) * 2 + c % 2] (p = c / 2, high = c % 2)
+          int32_t four;
+          std::memcpy(&four, xr + 4 * c, 4);
+          dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(four));
+        }
+        const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(t), acc[r]);
+      }
+    }
+    for (int r = 0; r < nr; ++r) _mm512_storeu_ps(y + (r0 + r) * n + col0, acc[r]);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w, int64_t groups, const int8_t* qx,
+                                                                  const float* xs, const float* xsum, int64_t rows,
+                                                                  int64_t k, float* y, int64_t n, int64_t col0) {
+  const __m256i lo_mask = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {  // columns 8 * half .. 8 * half + 7: the 32-byte halves of each vector
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
+      __m256 acc[kRowTile];
+      for (int r = 0; r < kRowTile; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* blk = w + g * kBlockBytes;
+        __m256i wq[8];
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 64 + half * 32));
+          wq[2 * p] = _mm256_and_si256(v, lo_mask);
+          wq[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + half * 16)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + 32 + half * 16)));
+        for (int r = 0; r < nr; ++r) {
+          const int8_t* xr = qx + (r0 + r) * k + g * kGroup;
+          __m256i dot = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            int32_t four;
+            std::memcpy(&four, xr + 4 * c, 4);
+            // u8 x s8 pairs into int16 (|15 * 127 * 2| fits), pairs of those into int32: the 4-sums vpdpbusd makes
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(four)), ones));
+          }
+          const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[r]);
+        }
+      }
+      for (int r = 0; r < nr; ++r) _mm256_storeu_ps(y + (r0 + r) * n + col0 + half * 8, acc[r]);
+    }
+  }
+}
+#endif
+
+// x (M, K) fp32 contiguous, w from pack() for N columns -> y (M, N) fp32. isa: kNone picks the best this CPU has.
+inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa = kNone) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4 matmul: x must be (M, K) fp32");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kBlockBytes, "q4 matmul: w must come from q4 pack");
+  const int64_t rows = x.size(0), k = x.size(1), groups = w.size(1), n = w.size(0) * kCols;
+  TORCH_CHECK(groups * kGroup == k, "q4 matmul: x has ", k, " inputs, the weights ", groups * kGroup);
+  const Isa use = isa == kNone ? best_isa() : static_cast<Isa>(isa);
+  TORCH_CHECK(use != kNone && use <= best_isa(), "q4 matmul: this CPU lacks AVX2 (or the ISA asked for)");
+  auto xc = x.contiguous();
+  auto qx = at::empty({rows, k}, x.options().dtype(at::kChar));
+  auto scales = at::empty({2, rows, groups}, x.options());
+  float* xs = scales.data_ptr<float>();
+  float* xsum = xs + rows * groups;
+  quantize(xc.data_ptr<float>(), rows, k, qx.data_ptr<int8_t>(), xs, xsum);
+  auto y = at::empty({rows, n}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int8_t* qp = qx.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = n / kCols;
+#if KAKEYA_X86
+  // grain: a thread takes at least 16 column blocks (small matrices stay on one thread)
+  at::parallel_for(0, blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const uint8_t* wb = wp + b * groups * kBlockBytes;
+      if (use == kVnni512) block_vnni(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols);
+      else block_avx2(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols);
+    }
+  });
+#endif
+  return y;
+}
+
+}  // namespace q4
