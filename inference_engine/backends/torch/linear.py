@@ -200,7 +200,7 @@ class RefinedHead:
         self.greedy_approx = (made("head.int4", Int4Linear, lambda: Int4Linear.from_float(self.w))
                               if k % GROUP == 0 and n % 16 == 0 else None)
         self.greedy_refine = greedy_refine
-        self.greedy_kernel = None  # x -> 4-bit scores of greedy_approx's weights by another kernel (native.py), or None
+        self.greedy_kernel: Any = None  # x -> 4-bit scores of greedy_approx's weights by another kernel (native.py), or None
 
     def __call__(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         approx: Any
