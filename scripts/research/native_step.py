@@ -1,0 +1,184 @@
+"""The native CPU row step (inference_engine/backends/torch/native.py) against the Python pieces, side by side.
+
+Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.decode_step`, greedy scoring):
+  python         the layer pieces driven from Python (--compile off)
+  native-torchk  the native row step with torch's int4 kernel (_weight_int4pack_mm_for_cpu, bf16 activations) inside
+  native-q4      the native row step with its own int4 x int8 kernel (csrc/q4_matmul.h) for the layers and the
+                 head's greedy scoring (--compile auto, the default)
+Measured:
+  1. quality: teacher-forced top-1 agreement with fp32 (bench_weights.py's held-out prompts and fp32's greedy
+     continuations, --tokens positions each), every position a decode step of the arm; the gate the weight
+     formats pass: >= 99 %. Also the int4 prefill path (one forward per sequence), as bench_weights measures it.
+  2. decode: median ms per step after --contexts tokens, per --threads, arms interleaved in rounds.
+  3. the kernel: torch's int4 kernel vs the q4 kernel on SmolLM2's matrices for 1..16 rows (a verify block is 5).
+Writes results/research/native_step.json.
+
+    python scripts/research/native_step.py --threads 1,2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+
+ARMS = ("python", "native-torchk", "native-q4")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=40, help="held-out prompts (half chat, half code)")
+    ap.add_argument("--tokens", type=int, default=64, help="teacher-forced positions per prompt")
+    ap.add_argument("--contexts", default="128,1024,4096")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", default="1,2,5,8,16", help="rows per call in the kernel comparison")
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "results" / "research" / "native_step.json"))
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from bench_weights import full_logits, held_out
+    from inference_engine.backends.torch import native
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine import steps
+    from inference_engine.engine.events import TokenGenerated
+    from inference_engine.engine.generate import Engine
+    from inference_engine.engine.requests import GenerateParams
+    from inference_engine.kv.strategy import KVStrategy
+    from inference_engine.model_store import resolve_model
+
+    meta = run_metadata(vars(args))
+    threads = [int(t) for t in args.threads.split(",")]
+    torch.set_num_threads(threads[0])
+    path = resolve_model(args.model)
+    mod = native.load()
+    if mod is None:
+        raise SystemExit(f"the native row step did not build here: {native.unavailable_reason()}")
+    m = TorchCausalLM.load(path, weights="int4")
+    setups = {"python": (None, None)}
+    m.use_native_step(q4=False)
+    setups["native-torchk"] = (m.native_step, None)
+    m.use_native_step(q4=True)
+    setups["native-q4"] = (m.native_step, m.head.greedy_kernel)
+
+    def use(arm):
+        m.native_step, m.head.greedy_kernel = setups[arm]
+
+    out = meta | {"q4_isa": {0: "none", 1: "AVX2", 2: "AVX-512 VNNI"}[mod.q4_isa()], "build_dir": str(native.build_dir())}
+
+    # 1. quality
+    if not args.skip_quality:
+        tok = AutoTokenizer.from_pretrained(path)
+        prompts, _ = held_out(tok, args.prompts, 0, 0)
+        ref = TorchCausalLM.load(path, weights="fp32")
+        ref_engine = Engine(ref, KVStrategy("full"), prefill_chunk=256)
+        seqs = []
+        for p in prompts:
+            cont = [e.token_id for e in ref_engine.generate(ref_engine.new_session_kv(), p, GenerateParams(max_tokens=args.tokens))
+                    if isinstance(e, TokenGenerated)]
+            want = full_logits(ref, p + cont)[len(p) - 1: len(p) - 1 + len(cont)].argmax(-1).tolist()
+            seqs.append((p, cont, want))
+        del ref, ref_engine
+        engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
+        quality = {}
+        for arm in ARMS:
+            use(arm)
+            agree = total = 0
+            for p, cont, want in seqs:
+                kv = engine.new_session_kv()
+                engine.prefill(kv, p[:-1])
+                for i, t in enumerate([p[-1], *cont[:-1]]):
+                    steps.decode_step(m, kv, t, greedy=True)
+                    agree += int(kv.last_logits.argmax()) == want[i]
+                    total += 1
+            quality[arm] = {"top1_agreement_with_fp32": round(agree / total, 5), "positions": total,
+                            "passes_99_gate": agree / total >= 0.99}
+            print(arm, quality[arm], flush=True)
+        use("python")
+        agree = total = 0
+        for p, cont, want in seqs:
+            got = full_logits(m, p + cont)[len(p) - 1: len(p) - 1 + len(cont)].argmax(-1).tolist()
+            agree += sum(a == b for a, b in zip(got, want))
+            total += len(want)
+        quality["int4-prefill-path"] = {"top1_agreement_with_fp32": round(agree / total, 5), "positions": total}
+        out["quality"] = quality
+
+    # 2. decode
+    contexts = [int(c) for c in args.contexts.split(",")]
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
+    decode = {}
+    for nt in threads:
+        torch.set_num_threads(nt)
+        sessions = {}
+        for arm in ARMS:
+            use(arm)
+            for c in contexts:
+                kv = engine.new_session_kv()
+                engine.prefill(kv, [(7 * i + 3) % 1000 + 100 for i in range(c)])
+                steps.decode_step(m, kv, 1234, greedy=True)
+                sessions[arm, c] = kv
+        times: dict = {key: [] for key in sessions}
+        for _ in range(args.rounds):
+            for (arm, c), kv in sessions.items():
+                use(arm)
+                for _ in range(args.steps):
+                    t = time.perf_counter()
+                    steps.decode_step(m, kv, int(kv.last_logits.argmax()), greedy=True)
+                    times[arm, c].append(time.perf_counter() - t)
+        row = {}
+        for c in contexts:
+            ms = {arm: round(statistics.median(times[arm, c]) * 1e3, 3) for arm in ARMS}
+            row[str(c)] = {"step_ms_median": ms, "native_q4_speedup_vs_python": round(ms["python"] / ms["native-q4"], 3),
+                           "native_torchk_speedup_vs_python": round(ms["python"] / ms["native-torchk"], 3)}
+            print(f"threads {nt} ctx {c}", row[str(c)], flush=True)
+        decode[str(nt)] = row
+    out["decode"] = decode
+
+    # 3. the kernel
+    from inference_engine.backends.torch.linear import Int4Linear
+
+    L = m.layers[0]
+    shapes = {"qkv": L.wqkv, "o": L.wo, "gate_up": L.w_gate_up, "down": L.w_down, "head": m.head.greedy_approx}
+    kernel = {}
+    for nt in threads:
+        torch.set_num_threads(nt)
+        for name, lin in shapes.items():
+            assert isinstance(lin, Int4Linear)
+            packed = native.q4_pack(mod, lin)
+            n, k = lin.shape
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                reps = 20 if n > 10000 else 200
+                res = {}
+                for label, fn in (("torch_us", lambda: lin(x)), ("q4_us", lambda: mod.q4_matmul(x, packed))):
+                    for _ in range(5):
+                        fn()
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        fn()
+                    res[label] = round((time.perf_counter() - t) / reps * 1e6, 1)
+                want = x @ lin.dequantized().T
+                res["q4_max_rel_err"] = round(float((mod.q4_matmul(x, packed) - want).abs().max() / want.abs().max()), 5)
+                res["torch_max_rel_err"] = round(float((lin(x) - want).abs().max() / want.abs().max()), 5)
+                res["speedup"] = round(res["torch_us"] / res["q4_us"], 3)
+                kernel[f"t{nt} {name} {n}x{k} rows={rows}"] = res
+                print(nt, name, rows, res, flush=True)
+    out["kernel"] = kernel
+    write_json(pathlib.Path(args.out), out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
