@@ -199,3 +199,26 @@ def test_native_decode_with_the_q4_kernel_stays_close_to_the_python_pieces():
         assert (a - b).abs().max() <= 0.1 * b.abs().max(), (a - b).abs().max()
         agree += int(a.argmax()) == int(b.argmax())
     assert agree >= 25, agree
+
+
+def test_long_rows_split_into_chunks_stay_exact_across_blocks_and_threads():
+    """Past 256 columns a row's attention runs in fixed chunks of columns, shared among threads and merged in order:
+    a verify block still equals one-token steps, and the thread count does not change a bit."""
+    m = _model()
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=128)
+    a, b, c = (engine.new_session_kv() for _ in range(3))
+    for kv in (a, b, c):
+        engine.prefill(kv, _prompt(600, seed=3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        steps.decode_step(m, c, 11)
+        torch.set_num_threads(2)
+        steps.decode_step(m, b, 11)
+        assert torch.equal(b.last_logits, c.last_logits)
+        drafts = [int(b.last_logits.argmax())]
+        steps.decode_step(m, b, drafts[0])
+        res = steps.verify_block(m, a, 11, drafts, SamplingParams(), None, budget=4)
+        assert res.accepted == 1 and torch.equal(a.last_logits, b.last_logits)
+    finally:
+        torch.set_num_threads(threads)

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -93,36 +94,6 @@ inline float dot_d(const float* a, const float* b) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-// One query row of one head over the visible columns of its session's slab (kb, vb: (capacity, D) of this KV head),
-// in column order: scores, their max, exp, the sum and the weighted V. `scores` holds n floats. D known at compile
-// time keeps the output accumulators in registers.
-template <int D>
-inline void attend_row(const float* __restrict qh, const float* __restrict kb, const float* __restrict vb,
-                       const bool* __restrict m, int64_t n, float scale, float* __restrict scores, float* __restrict out) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    const float sc = m[j] ? dot_d<D>(qh, kb + j * D) * scale : -INFINITY;
-    scores[j] = sc;
-    mx = sc > mx ? sc : mx;
-  }
-  float acc[D];
-  for (int d = 0; d < D; ++d) acc[d] = 0.f;
-  if (mx != -INFINITY) {  // a row that sees nothing (never a real one) gets zeros
-    for (int64_t j = 0; j < n; ++j) scores[j] = exp_f(scores[j] - mx);  // masked: exp of a clamped -inf, unused
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
-      if (!m[j]) continue;
-      const float p = scores[j];
-      sum += p;
-      const float* v = vb + j * D;
-      for (int d = 0; d < D; ++d) acc[d] += p * v[d];
-    }
-    const float rs = 1.f / sum;
-    for (int d = 0; d < D; ++d) acc[d] *= rs;
-  }
-  for (int d = 0; d < D; ++d) out[d] = acc[d];
-}
-
 inline float sum_squares(const float* a, int64_t n) { return dot(a, a, n); }
 
 // A (R, N) bf16 or fp32 matmul output as fp32 (R, N).
@@ -160,22 +131,31 @@ at::Tensor linear_input(const float* src, const float* scale, const float* w, in
   return out;
 }
 
-// The G query heads that share a KV head (GQA), one query row, over the visible columns of its session's slab:
-// each key and value is read once for all G heads. Per head the same order as attend_row: scores in column order,
-// their max, exp, then the sum and weighted V in column order.
+// Attention of one query row is split into chunks of kChunk columns, fixed by column index: a chunk's partial
+// result (its max score, the sum of exp(score - max) and the exp-weighted sum of V, per head) is computed alone,
+// then the row's chunks are merged in column order. Chunks are what threads share out; since their bounds never
+// depend on the row's column count, the thread count or the other rows, a verify block's rows still equal one-token
+// steps bit for bit. One chunk (up to kChunk columns) merges to exactly its own acc / sum.
+constexpr int64_t kChunk = 256;
+
+// The G query heads that share a KV head (GQA), one query row, over columns [j0, j1) of its session's slab, visible
+// ones only (each key and value read once for all G heads): per head, scores in column order, their max, exp, then
+// the sum and the weighted V in column order. part: per head [max, sum, acc (D)].
 template <int D, int G>
-inline void attend_group(const float* __restrict q, const float* __restrict kb, const float* __restrict vb,
-                         const bool* __restrict m, int64_t n, float scale, float* __restrict scores, float* __restrict out) {
+inline void attend_chunk(const float* __restrict q, const float* __restrict kb, const float* __restrict vb,
+                         const bool* __restrict m, int64_t j0, int64_t j1, float scale, float* __restrict scores,
+                         float* __restrict part) {
   constexpr int V = D / 16;
+  const int64_t n = j1 - j0;
   float mx[G];
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
-    if (!m[j]) {
+    if (!m[j0 + j]) {
       for (int g = 0; g < G; ++g) scores[g * n + j] = -INFINITY;
       continue;
     }
     for (int g = 0; g < G; ++g) {
-      const float sc = dot_d<D>(q + g * D, kb + j * D) * scale;
+      const float sc = dot_d<D>(q + g * D, kb + (j0 + j) * D) * scale;
       scores[g * n + j] = sc;
       mx[g] = sc > mx[g] ? sc : mx[g];
     }
@@ -190,8 +170,8 @@ inline void attend_group(const float* __restrict q, const float* __restrict kb, 
     for (int64_t j = 0; j < n; ++j) sg[j] = exp_f(sg[j] - top);  // masked: exp of a clamped -inf, never read
   }
   for (int64_t j = 0; j < n; ++j) {
-    if (!m[j]) continue;
-    const v16f* v = reinterpret_cast<const v16f*>(vb + j * D);
+    if (!m[j0 + j]) continue;
+    const v16f* v = reinterpret_cast<const v16f*>(vb + (j0 + j) * D);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * n + j];
       sum[g] += p;
@@ -199,21 +179,58 @@ inline void attend_group(const float* __restrict q, const float* __restrict kb, 
     }
   }
   for (int g = 0; g < G; ++g) {
-    const float rs = mx[g] == -INFINITY ? 0.f : 1.f / sum[g];  // a head that sees nothing (never a real row): zeros
-    for (int i = 0; i < V; ++i) *reinterpret_cast<v16f*>(out + g * D + 16 * i) = acc[g][i] * rs;
+    float* pg = part + g * (D + 2);
+    pg[0] = mx[g];
+    pg[1] = sum[g];
+    for (int i = 0; i < V; ++i) *reinterpret_cast<v16f*>(pg + 2 + 16 * i) = acc[g][i];
   }
 }
 
+// the chunk for G query heads; G past 8 head by head (G = 1 each)
 template <int D>
-inline bool attend_group_d(int64_t G, const float* q, const float* kb, const float* vb, const bool* m, int64_t n,
-                           float scale, float* scores, float* out) {
+inline void attend_chunk_d(int64_t G, const float* q, const float* kb, const float* vb, const bool* m, int64_t j0,
+                           int64_t j1, float scale, float* scores, float* part) {
   switch (G) {
-    case 1: attend_group<D, 1>(q, kb, vb, m, n, scale, scores, out); return true;
-    case 2: attend_group<D, 2>(q, kb, vb, m, n, scale, scores, out); return true;
-    case 3: attend_group<D, 3>(q, kb, vb, m, n, scale, scores, out); return true;
-    case 4: attend_group<D, 4>(q, kb, vb, m, n, scale, scores, out); return true;
-    default: return false;
+    case 1: return attend_chunk<D, 1>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 2: return attend_chunk<D, 2>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 3: return attend_chunk<D, 3>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 4: return attend_chunk<D, 4>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 5: return attend_chunk<D, 5>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 6: return attend_chunk<D, 6>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 7: return attend_chunk<D, 7>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 8: return attend_chunk<D, 8>(q, kb, vb, m, j0, j1, scale, scores, part);
+    default:
+      for (int64_t g = 0; g < G; ++g) attend_chunk<D, 1>(q + g * D, kb, vb, m, j0, j1, scale, scores, part + g * (D + 2));
   }
+}
+
+inline void attend_chunk_any(int64_t D, int64_t G, const float* q, const float* kb, const float* vb, const bool* m,
+                             int64_t j0, int64_t j1, float scale, float* scores, float* part) {
+  switch (D) {
+    case 16: return attend_chunk_d<16>(G, q, kb, vb, m, j0, j1, scale, scores, part);
+    case 32: return attend_chunk_d<32>(G, q, kb, vb, m, j0, j1, scale, scores, part);
+    case 64: return attend_chunk_d<64>(G, q, kb, vb, m, j0, j1, scale, scores, part);
+    default: return attend_chunk_d<128>(G, q, kb, vb, m, j0, j1, scale, scores, part);
+  }
+}
+
+// A head's chunks (parts[c], c in column order) -> its output: weights exp(max_c - max), the sums and accs merged in
+// chunk order, divided once.
+inline void merge_chunks(const float* parts, int64_t chunks, int64_t stride, int64_t D, float* out) {
+  float top = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) top = parts[c * stride] > top ? parts[c * stride] : top;
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+  if (top == -INFINITY) return;  // sees nothing (never a real row): zeros
+  float total = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = parts + c * stride;
+    if (p[0] == -INFINITY) continue;
+    const float w = exp_f(p[0] - top);
+    total += p[1] * w;
+    for (int64_t d = 0; d < D; ++d) out[d] += p[2 + d] * w;
+  }
+  const float rs = 1.f / total;
+  for (int64_t d = 0; d < D; ++d) out[d] *= rs;
 }
 
 class RowStep {
@@ -269,7 +286,7 @@ class RowStep {
     }
     const auto opts = x.options();
     float* xp = x.data_ptr<float>();
-    std::vector<float> inv(R), q(R * H * D), att(R * H * D);
+    std::vector<float> inv(R), q(R * H * D), att(R * H * D), parts;
     const float* cp = cs.data_ptr<float>();
     const float* sp = sn.data_ptr<float>();
     const int64_t half = D / 2, nq = H * D, nkv = Hkv * D;
@@ -299,38 +316,40 @@ class RowStep {
           for (int64_t d = 0; d < D; ++d) vdst[d] = v[d];
         }
       }
-      // attention: each (row, kv head) alone over the row's visible columns, in column order
-      const int64_t work = R * Hkv;
+      // attention: each (row, kv head, chunk of columns) alone, then each row's chunks merged in column order
+      std::vector<int64_t> first(R + 1, 0);  // row r's tasks: [first[r], first[r + 1]), Hkv x its chunks
       int64_t cols = 0;
-      for (int64_t r = 0; r < R; ++r) cols += nk_p[r];
-      const int64_t grain = cols * H * D < (1 << 18) ? work : 1;  // small steps stay on this thread
-      at::parallel_for(0, work, grain, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores;
-        for (int64_t w = lo; w < hi; ++w) {
-          const int64_t r = w / Hkv, h = w % Hkv, n = nk_p[r];
+      for (int64_t r = 0; r < R; ++r) {
+        first[r + 1] = first[r] + Hkv * ((nk_p[r] + kChunk - 1) / kChunk);
+        cols += nk_p[r];
+      }
+      const int64_t tasks = first[R], stride = D + 2;
+      parts.resize(tasks * G * stride);
+      // small steps stay on this thread
+      const int64_t grain = cols * H * D < (1 << 18) ? std::max<int64_t>(tasks, 1) : 1;
+      at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
+        std::vector<float> scores(G * kChunk);
+        int64_t r = 0;
+        for (int64_t t = lo; t < hi; ++t) {
+          while (t >= first[r + 1]) ++r;
+          const int64_t idx = t - first[r], nch = (first[r + 1] - first[r]) / Hkv;
+          const int64_t h = idx / nch, c = idx % nch;
           const auto& ks = k_slabs[sess_p[r]][l];
           const auto& vs = v_slabs[sess_p[r]][l];
           const int64_t cap = ks.size(1);
-          const float* kb = ks.data_ptr<float>() + h * cap * D;
-          const float* vb = vs.data_ptr<float>() + h * cap * D;
-          const bool* m = mask_p + r * N;
-          scores.resize(G * n);
-          const float* qg = &q[(r * H + h * G) * D];
-          float* og = &att[(r * H + h * G) * D];
-          bool done = D == 64    ? attend_group_d<64>(G, qg, kb, vb, m, n, scale_, scores.data(), og)
-                      : D == 128 ? attend_group_d<128>(G, qg, kb, vb, m, n, scale_, scores.data(), og)
-                      : D == 32  ? attend_group_d<32>(G, qg, kb, vb, m, n, scale_, scores.data(), og)
-                                 : attend_group_d<16>(G, qg, kb, vb, m, n, scale_, scores.data(), og);
-          for (int64_t g = 0; !done && g < G; ++g) {  // more than 4 query heads per KV head: head by head
-            const float* qh = qg + g * D;
-            float* out = og + g * D;
-            if (D == 64) attend_row<64>(qh, kb, vb, m, n, scale_, scores.data(), out);
-            else if (D == 128) attend_row<128>(qh, kb, vb, m, n, scale_, scores.data(), out);
-            else if (D == 32) attend_row<32>(qh, kb, vb, m, n, scale_, scores.data(), out);
-            else attend_row<16>(qh, kb, vb, m, n, scale_, scores.data(), out);
-          }
+          const int64_t j0 = c * kChunk, j1 = std::min(nk_p[r], j0 + kChunk);
+          attend_chunk_any(D, G, &q[(r * H + h * G) * D], ks.data_ptr<float>() + h * cap * D,
+                           vs.data_ptr<float>() + h * cap * D, mask_p + r * N, j0, j1, scale_, scores.data(),
+                           &parts[t * G * stride]);
         }
       });
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t nch = (first[r + 1] - first[r]) / Hkv;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t g = 0; g < G; ++g)
+            merge_chunks(&parts[((first[r] + h * nch) * G + g) * stride], nch, G * stride, D,
+                         &att[(r * H + h * G + g) * D]);
+      }
       // output projection + residual
       add_into(xp, as_float(wo(linear_input(att.data(), nullptr, nullptr, R, nq, wo.bf16_input(), opts))), R * hidden_);
       // post-attention norm -> gate/up -> SiLU(gate) * up -> down + residual
