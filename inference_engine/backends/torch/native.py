@@ -1,10 +1,11 @@
 """The CPU row step as a small C++ extension (csrc/row_step.cpp): decode rows and verify blocks through every
-layer in one call, the matmuls through torch's weight-only kernels, the rest as plain loops.
+layer in one call; int4 matmuls through its own int4 x int8 kernel (csrc/q4_matmul.h) where the CPU has AVX2
+or AVX-512 VNNI, int8 ones through torch's weight-only kernel; the rest as plain loops.
 
 Built with torch.utils.cpp_extension on first use (`python -m inference_engine.backends.torch.native`
 builds it ahead, as `make setup` does) with -O3 -march=native -fno-math-errno, and cached under
-$KAKEYA_HOME/native/<key>, the key covering the source, torch's version and the CPU's model and flags:
-a restart loads it in well under a second; a build takes ~30-60 s on 2 cores. Without a C++ compiler,
+$KAKEYA_HOME/native/<key>, the key covering the source (its path and bytes), torch's version and the CPU's
+model and flags: a restart loads it in well under a second; a build takes ~30-60 s on 2 cores. Without a C++ compiler,
 or if the build fails, the step stays in Python (logged once) and nothing else changes.
 
 Which steps it takes (`NativeRowStep.run` returns None for the rest, which run as before):
@@ -54,7 +55,7 @@ def _cpu_key() -> str:
 def build_dir() -> pathlib.Path:
     from inference_engine.model_store.store import kakeya_home
 
-    h = hashlib.sha256()
+    h = hashlib.sha256(str(SOURCE).encode())  # the build tracks its sources' paths: one build per checkout
     for f in sorted(SOURCE.parent.iterdir()):  # the source and the headers it includes
         h.update(f.name.encode() + f.read_bytes())
     h.update(torch.__version__.encode())
