@@ -6,7 +6,8 @@ Arms (same machine, same thread count, greedy, eos ignored):
                  `int4+kv_int8` adds `--kv-dtype int8`)
   kakeya-<fmt>-auto  the same with `--compile auto` (the default): on the CPU the native row step
                  (backends/torch/native.py: decode rows and verify blocks through every layer in one C++
-                 call), loaded from its build cache under $KAKEYA_HOME/native (`make setup` builds it)
+                 call); like -compile its daemon starts twice, first with an empty build cache
+                 ($KAKEYA_NATIVE_DIR: it builds the extension), then warm (measured)
   kakeya-<fmt>-compile  the same with `--compile on` (inductor's segments on the CPU, CUDA graphs on a GPU);
                  its daemon starts twice: once with an empty compile cache (cold), then with the cache the
                  first start filled (warm, the one measured). Each arm records its seconds to READY.
@@ -70,7 +71,8 @@ class Daemon:
         cmd = [str(ROOT / ".venv" / "bin" / "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
                "--kv-strategy", "full", "--weights", weights, "--kv-dtype", kv_dtype, "--threads", str(threads),
                "--capacity", "64", "--persist", "off", "--compile", compile]
-        env = dict(os.environ) | ({"TORCHINDUCTOR_CACHE_DIR": compile_cache} if compile_cache else {})
+        env = dict(os.environ) | ({"TORCHINDUCTOR_CACHE_DIR": compile_cache, "KAKEYA_NATIVE_DIR": compile_cache}
+                                  if compile_cache else {})
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         line = self.proc.stdout.readline()
@@ -174,15 +176,15 @@ def main(argv=None) -> int:
         for mode in args.compile.split(","):
             name, start = f"kakeya-{fmt}" + {"off": "", "auto": "-auto", "on": "-compile"}[mode], {}
             cache = None
-            if mode == "on":
+            if mode in ("on", "auto"):  # cold: an empty compile cache (inductor's, or the native step's build)
                 import tempfile
 
-                cache = tempfile.mkdtemp(prefix="kakeya-bench-inductor-")
+                cache = tempfile.mkdtemp(prefix=f"kakeya-bench-{mode}-")
                 cold = Daemon(args.model, weights, args.threads, kv_dtype or "fp32", mode, cache)
                 start["ready_cold_s"] = round(cold.ready_s, 2)
                 cold.close()
             d = Daemon(args.model, weights, args.threads, kv_dtype or "fp32", mode, cache)
-            start["ready_s" if mode != "on" else "ready_warm_s"] = round(d.ready_s, 2)
+            start["ready_s" if mode == "off" else "ready_warm_s"] = round(d.ready_s, 2)
             try:
                 arms[name] = {"compile": mode, **start, **kakeya_arm(d, args)}
             finally:

@@ -53,6 +53,7 @@ def _cpu_key() -> str:
 
 
 def build_dir() -> pathlib.Path:
+    """$KAKEYA_NATIVE_DIR (benches time a cold start with an empty one) or $KAKEYA_HOME/native, then the key."""
     from inference_engine.model_store.store import kakeya_home
 
     h = hashlib.sha256(str(SOURCE).encode())  # the build tracks its sources' paths: one build per checkout
@@ -60,7 +61,8 @@ def build_dir() -> pathlib.Path:
         h.update(f.name.encode() + f.read_bytes())
     h.update(torch.__version__.encode())
     h.update(_cpu_key().encode())
-    return kakeya_home() / "native" / f"row_step-{h.hexdigest()[:16]}"
+    root = pathlib.Path(os.environ["KAKEYA_NATIVE_DIR"]) if os.environ.get("KAKEYA_NATIVE_DIR") else kakeya_home() / "native"
+    return root / f"row_step-{h.hexdigest()[:16]}"
 
 
 def load(verbose: bool = False):
