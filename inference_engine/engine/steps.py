@@ -116,6 +116,22 @@ def _forward_items(backend: Backend, items: list[_Item]) -> list[ForwardResult]:
     fused = _row_step(backend, items)
     if fused is not None:
         return fused
+    # A step that mixes rows the backend's fused row step takes (decode rows, verify blocks) with others (a prefill
+    # chunk, a paged session's rows): the former still go through it, so a session's row step runs the same kernels
+    # whatever else shares its forward (its output stays what it is alone), the rest through the layer loop.
+    exact = [i for i, it in enumerate(items) if _row_eligible(it)]
+    if exact and len(exact) < len(items):
+        fused = _row_step(backend, [items[i] for i in exact])
+        if fused is not None:
+            taken = set(exact)
+            rest = iter(_forward_plain(backend, [it for i, it in enumerate(items) if i not in taken]))
+            done = iter(fused)
+            return [next(done) if i in taken else next(rest) for i in range(len(items))]
+    return _forward_plain(backend, items)
+
+
+def _forward_plain(backend: Backend, items: list[_Item]) -> list[ForwardResult]:
+    """The layer loop over every item's rows: the backend's pieces, attention per session."""
     if len(items) == 1:  # the common case: no concatenation, the tensors as they are
         it = items[0]
         ids, rope, bounds = it.inp.ids, backend.rope(it.layout.positions), None
@@ -176,8 +192,7 @@ def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | Non
     as one captured graph over its K/V arena), which writes every layer's rows into the caches' stores itself.
     None: not such a step, or the backend declined it."""
     row_step = getattr(backend, "row_step", None)
-    if row_step is None or not all(it.inp.row_exact and not it.inp.capture and it.extra is None and it.sink_rope is None
-                                   and it.paged is None for it in items):
+    if row_step is None or not all(_row_eligible(it) for it in items):
         return None
     out = row_step([(it.inp.ids, it.layout, it.cache.store) for it in items])
     if out is None:
@@ -194,6 +209,11 @@ def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | Non
         results.append((None if kind == "none" else logits[b - 1:b] if kind == "last" else logits[a:b], hidden[a:b]))
         a = b
     return results
+
+
+def _row_eligible(it: _Item) -> bool:
+    """A row-exact item over plain slabs: no captured layers, recalled pages, extra keys or sink re-anchoring."""
+    return it.inp.row_exact and not it.inp.capture and it.extra is None and it.sink_rope is None and it.paged is None
 
 
 def _row_logits(backend: Backend, items: list[_Item], hidden: Any) -> list[ForwardResult]:

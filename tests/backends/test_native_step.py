@@ -222,3 +222,25 @@ def test_long_rows_split_into_chunks_stay_exact_across_blocks_and_threads():
         assert res.accepted == 1 and torch.equal(a.last_logits, b.last_logits)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_decode_row_sharing_its_forward_with_a_prefill_chunk_still_runs_natively():
+    """The engine loop puts a prefill chunk and other sessions' decode rows in one forward: the decode rows still take
+    the native step (so a session's tokens do not depend on what else is in flight), the chunk the Python pieces."""
+    m = _model()
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
+    alone, batched, other = (engine.new_session_kv() for _ in range(3))
+    engine.prefill(alone, _prompt(20))
+    engine.prefill(batched, _prompt(20))
+    for i, tok in enumerate(_prompt(6, seed=4)):
+        steps.decode_step(m, alone, tok, greedy=True)
+        before = m.native_step.steps
+        tasks = [steps.decode_step_task(m, batched, tok, greedy=True),
+                 steps.prefill_chunk_task(m, other, _prompt(12, seed=10 + i))]
+        outs = steps.forward_batch(m, [t.send(None) for t in tasks])
+        for t, o in zip(tasks, outs):
+            with pytest.raises(StopIteration):
+                t.send(o)
+        assert m.native_step.steps == before + 1
+        assert torch.equal(alone.last_logits, batched.last_logits)
+    assert other.cache.next_position == 72
