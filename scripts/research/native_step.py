@@ -3,14 +3,15 @@
 Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.decode_step`, greedy scoring):
   python         the layer pieces driven from Python (--compile off)
   native-torchk  the native row step with torch's int4 kernel (_weight_int4pack_mm_for_cpu, bf16 activations) inside
-  native-q4      the native row step with its own int4 x int8 kernel (csrc/q4_matmul.h) for the layers and the
-                 head's greedy scoring (--compile auto, the default)
+  native-q4      the native row step with its own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes)
+                 for the layers and the head's greedy scoring (one plane there) (--compile auto, the default)
 Measured:
   1. quality: teacher-forced top-1 agreement with fp32 (bench_weights.py's held-out prompts and fp32's greedy
      continuations, --tokens positions each), every position a decode step of the arm; the gate the weight
      formats pass: >= 99 %. Also the int4 prefill path (one forward per sequence), as bench_weights measures it.
   2. decode: median ms per step after --contexts tokens, per --threads, arms interleaved in rounds.
-  3. the kernel: torch's int4 kernel vs the q4 kernel on SmolLM2's matrices for 1..16 rows (a verify block is 5).
+  3. the kernel: torch's int4 kernel vs the q4 kernel (two planes; one plane too) on SmolLM2's matrices for 1..16
+     rows (a verify block is 5).
 Writes results/research/native_step.json.
 
     python scripts/research/native_step.py --threads 1,2
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
                 x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
                 reps = 20 if n > 10000 else 200
                 res = {}
-                for label, fn in (("torch_us", lambda: lin(x)), ("q4_us", lambda: mod.q4_matmul(x, packed))):
+                for label, fn in (("torch_us", lambda: lin(x)), ("q4_us", lambda: mod.q4_matmul(x, packed)),
+                                  ("q4_one_plane_us", lambda: mod.q4_matmul(x, packed, 0, 1))):
                     for _ in range(5):
                         fn()
                     t = time.perf_counter()
@@ -171,6 +173,8 @@ def main(argv=None) -> int:
                     res[label] = round((time.perf_counter() - t) / reps * 1e6, 1)
                 want = x @ lin.dequantized().T
                 res["q4_max_rel_err"] = round(float((mod.q4_matmul(x, packed) - want).abs().max() / want.abs().max()), 5)
+                res["q4_one_plane_max_rel_err"] = round(float((mod.q4_matmul(x, packed, 0, 1) - want).abs().max()
+                                                              / want.abs().max()), 5)
                 res["torch_max_rel_err"] = round(float((lin(x) - want).abs().max() / want.abs().max()), 5)
                 res["speedup"] = round(res["torch_us"] / res["q4_us"], 3)
                 kernel[f"t{nt} {name} {n}x{k} rows={rows}"] = res

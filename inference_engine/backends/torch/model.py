@@ -180,7 +180,7 @@ class TorchCausalLM:
         """CPU row steps (decode rows, verify blocks over plain fp32 slabs) through the C++ extension
         (csrc/row_step.cpp), built on first use and cached; False (logged) where the model or the machine
         cannot take it: the Python pieces run every step then. q4: int4 linears (and the head's greedy scoring)
-        through the extension's int4 x int8 kernel where the CPU has one (native.NativeRowStep). on=False: off."""
+        through the extension's int4 kernel (two int8 activation planes) where the CPU has one (native.NativeRowStep). on=False: off."""
         from inference_engine.backends.torch import native
 
         if isinstance(self.head, RefinedHead):
@@ -195,7 +195,7 @@ class TorchCausalLM:
             return False
         self.native_step = native.NativeRowStep(self, mod, q4=q4)
         log.info("native CPU row step on: decode rows and verify blocks run every layer in one C++ call%s",
-                 "; int4 matmuls through its int4 x int8 kernel" if self.native_step.q4 else "")
+                 "; int4 matmuls through its own int4 kernel" if self.native_step.q4 else "")
         return True
 
     def row_step(self, parts: list):
@@ -218,7 +218,7 @@ class TorchCausalLM:
         """How a step's dense work runs (--compile): eager pieces, or graphs.StepGraphs.describe()."""
         out = {"step": "eager"} if self.graphs is None else self.graphs.describe()
         if self.native_step is not None:
-            out |= {"row_step": "native (C++)" + (", int4 x int8 kernel" if self.native_step.q4 else ""),
+            out |= {"row_step": "native (C++)" + (", own int4 kernel" if self.native_step.q4 else ""),
                     "native_steps": self.native_step.steps}
         return out | (self.row_graphs.describe() if self.row_graphs is not None else {})
 

@@ -1,5 +1,5 @@
 """The CPU row step as a small C++ extension (csrc/row_step.cpp): decode rows and verify blocks through every
-layer in one call; int4 matmuls through its own int4 x int8 kernel (csrc/q4_matmul.h) where the CPU has AVX2
+layer in one call; int4 matmuls through its own int4 kernel (csrc/q4_matmul.h) where the CPU has AVX2
 or AVX-512 VNNI, int8 ones through torch's weight-only kernel; the rest as plain loops.
 
 Built with torch.utils.cpp_extension on first use (`python -m inference_engine.backends.torch.native`
@@ -125,10 +125,10 @@ def supports(model) -> str | None:
 class NativeRowStep:
     """The model's weights handed to the C++ RowStep once; `run(parts)` as backend.row_step.
 
-    int4 linears run through the extension's own int4 x int8 kernel (csrc/q4_matmul.h: integer dot products,
-    AVX-512 VNNI or AVX2; 3-4x torch's int4 kernel for one row here, results/research/native_step.json) where the
-    CPU has one, repacked once at start (`q4=False` keeps torch's kernel). The head's greedy scoring (linear.RefinedHead,
-    the 4-bit pass before its exact top 64) takes the same kernel."""
+    int4 linears run through the extension's own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes,
+    integer dot products, AVX-512 VNNI or AVX2; results/research/native_step.json) where the CPU has one, repacked
+    once at start (`q4=False` keeps torch's kernel). The head's greedy scoring (linear.RefinedHead, the 4-bit pass
+    before its exact top 64) takes the same kernel with one plane."""
 
     def __init__(self, model, module, *, q4: bool = True):
         from inference_engine.backends.torch.linear import Int4Linear, RefinedHead
@@ -158,7 +158,8 @@ class NativeRowStep:
         head = model.head
         if self.q4 and isinstance(head, RefinedHead) and isinstance(head.greedy_approx, Int4Linear):
             packed = q4_pack(module, head.greedy_approx)
-            head.greedy_kernel = lambda x: module.q4_matmul(x.float().contiguous(), packed)
+            # one int8 plane: only which 64 candidates the exact fp32 rescoring sees depends on it
+            head.greedy_kernel = lambda x: module.q4_matmul(x.float().contiguous(), packed, 0, 1)
         self.steps = 0  # steps run natively (reported)
 
     def run(self, parts: list) -> tuple[None, torch.Tensor] | None:

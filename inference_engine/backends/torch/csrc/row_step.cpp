@@ -283,6 +283,11 @@ class RowStep {
     for (size_t s = 0; s < k_slabs.size(); ++s) {
       TORCH_CHECK(static_cast<int64_t>(k_slabs[s].size()) == layers_ && static_cast<int64_t>(v_slabs[s].size()) == layers_,
                   "row step: one slab per layer");
+      for (int64_t l = 0; l < layers_; ++l)
+        for (const at::Tensor* t : {&k_slabs[s][l], &v_slabs[s][l]})
+          TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == at::kFloat &&
+                          t->is_contiguous() && t->size(1) == k_slabs[s][l].size(1),
+                      "row step: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
     }
     const auto opts = x.options();
     float* xp = x.data_ptr<float>();
@@ -403,8 +408,11 @@ class RowStep {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_pack", &q4::pack, "codes (N, K) uint8, d, m (N, K/32) -> q4x16 blocks");
-  m.def("q4_matmul", &q4::matmul, "x (M, K) fp32 @ q4x16 blocks -> (M, N) fp32; isa 0 = best, 1 AVX2, 2 AVX-512 VNNI",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("isa") = 0, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q4_matmul", &q4::matmul,
+        "x (M, K) fp32 @ q4x16 blocks -> (M, N) fp32; isa 0 = best, 1 AVX2, 2 AVX-512 VNNI; planes 2 (~16-bit "
+        "activations) or 1 (int8)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("isa") = 0, pybind11::arg("planes") = 2,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_isa", [] { return static_cast<int64_t>(q4::best_isa()); }, "0 none (no q4 kernel here), 1 AVX2, 2 AVX-512 VNNI");
   pybind11::class_<RowStep>(m, "RowStep")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, std::vector<int64_t>,
