@@ -5,6 +5,7 @@ Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.
   native-torchk  the native row step with torch's int4 kernel (_weight_int4pack_mm_for_cpu, bf16 activations) inside
   native-q4      the native row step with its own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes)
                  for the layers and the head's greedy scoring (one plane there) (--compile auto, the default)
+  native-q4-one-plane  the same with one int8 plane in the layers too (int8 activations, as llama.cpp's Q8)
 Measured:
   1. quality: teacher-forced top-1 agreement with fp32 (bench_weights.py's held-out prompts and fp32's greedy
      continuations, --tokens positions each), every position a decode step of the arm; the gate the weight
@@ -30,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
-ARMS = ("python", "native-torchk", "native-q4")
+ARMS = ("python", "native-torchk", "native-q4", "native-q4-one-plane")
 
 
 def main(argv=None) -> int:
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     setups = {"python": (None, None)}
     m.use_native_step(q4=False)
     setups["native-torchk"] = (m.native_step, None)
+    m.use_native_step(q4=True, planes=1)
+    setups["native-q4-one-plane"] = (m.native_step, m.head.greedy_kernel)
     m.use_native_step(q4=True)
     setups["native-q4"] = (m.native_step, m.head.greedy_kernel)
 
@@ -142,6 +145,7 @@ def main(argv=None) -> int:
         for c in contexts:
             ms = {arm: round(statistics.median(times[arm, c]) * 1e3, 3) for arm in ARMS}
             row[str(c)] = {"step_ms_median": ms, "native_q4_speedup_vs_python": round(ms["python"] / ms["native-q4"], 3),
+                           "native_q4_one_plane_speedup_vs_python": round(ms["python"] / ms["native-q4-one-plane"], 3),
                            "native_torchk_speedup_vs_python": round(ms["python"] / ms["native-torchk"], 3)}
             print(f"threads {nt} ctx {c}", row[str(c)], flush=True)
         decode[str(nt)] = row

@@ -248,3 +248,18 @@ def test_a_decode_row_sharing_its_forward_with_a_prefill_chunk_still_runs_native
         assert m.native_step.steps == before + 1
         assert torch.equal(alone.last_logits, batched.last_logits)
     assert other.cache.next_position == 72
+
+
+def test_one_activation_plane_in_the_layers_is_a_research_arm_that_still_runs_exact_verify_blocks():
+    _module()
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
+    assert m.use_native_step(planes=1) is True
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
+    a, b = engine.new_session_kv(), engine.new_session_kv()
+    for kv in (a, b):
+        engine.prefill(kv, _prompt(30))
+    steps.decode_step(m, b, 17)
+    drafts = [int(b.last_logits.argmax())]
+    steps.decode_step(m, b, drafts[0])
+    res = steps.verify_block(m, a, 17, drafts, SamplingParams(), None, budget=4)
+    assert res.accepted == 1 and torch.equal(a.last_logits, b.last_logits)

@@ -176,7 +176,7 @@ class TorchCausalLM:
                  ", dense work compiled by inductor (per bucket of rows, on first use)" if compiled else "")
         return sessions
 
-    def use_native_step(self, on: bool = True, *, q4: bool = True) -> bool:
+    def use_native_step(self, on: bool = True, *, q4: bool = True, planes: int = 2) -> bool:
         """CPU row steps (decode rows, verify blocks over plain fp32 slabs) through the C++ extension
         (csrc/row_step.cpp), built on first use and cached; False (logged) where the model or the machine
         cannot take it: the Python pieces run every step then. q4: int4 linears (and the head's greedy scoring)
@@ -193,7 +193,7 @@ class TorchCausalLM:
         if mod is None:
             log.info("native CPU row step off: %s", why or native.unavailable_reason())
             return False
-        self.native_step = native.NativeRowStep(self, mod, q4=q4)
+        self.native_step = native.NativeRowStep(self, mod, q4=q4, planes=planes)
         log.info("native CPU row step on: decode rows and verify blocks run every layer in one C++ call%s",
                  "; int4 matmuls through its own int4 kernel" if self.native_step.q4 else "")
         return True

@@ -130,7 +130,8 @@ class NativeRowStep:
     once at start (`q4=False` keeps torch's kernel). The head's greedy scoring (linear.RefinedHead, the 4-bit pass
     before its exact top 64) takes the same kernel with one plane."""
 
-    def __init__(self, model, module, *, q4: bool = True):
+    def __init__(self, model, module, *, q4: bool = True, planes: int = 2):
+        """planes: the int4 kernel's activation planes in the layers (2: ~16 bits, the default; 1: int8, research)."""
         from inference_engine.backends.torch.linear import Int4Linear, RefinedHead
 
         s = model.spec
@@ -141,7 +142,7 @@ class NativeRowStep:
             tensors += [L.ln_in.float().contiguous(), L.ln_post_attn.float().contiguous()]
             for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down):
                 if isinstance(lin, Int4Linear) and self.q4:
-                    kinds.append(3)
+                    kinds.append(3 if planes == 2 else 4)
                     tensors += [q4_pack(module, lin), torch.empty(0)]
                 elif isinstance(lin, Int4Linear):
                     kinds.append(2)

@@ -30,12 +30,12 @@ namespace {
 
 constexpr int kLanes = 16;  // fixed accumulator lanes: the sums' order never depends on the machine's vector width
 
-enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kQ4x16 = 3 };
+enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kQ4x16 = 3, kQ4x16OnePlane = 4 };
 
 struct Linear {
   int64_t kind = kDense;
   // dense: w (N, K); int8: q (N, K), scales (N,) bf16; int4: torch's packed, scale_zero (K/32, N, 2) bf16;
-  // q4x16: q4::pack's blocks (fp32 activations in, quantized to int8 inside; fp32 out)
+  // q4x16: q4::pack's blocks (fp32 activations in, quantized inside to two int8 planes, or one; fp32 out)
   at::Tensor a, b;
 
   bool bf16_input() const { return kind == kInt8 || kind == kInt4; }
@@ -45,6 +45,7 @@ struct Linear {
       case kInt4: return at::_weight_int4pack_mm_for_cpu(x, a, 32, b);
       case kInt8: return at::_weight_int8pack_mm(x, a, b);
       case kQ4x16: return q4::matmul(x, a);
+      case kQ4x16OnePlane: return q4::matmul(x, a, q4::kNone, 1);
       default: return at::linear(x, a);
     }
   }
