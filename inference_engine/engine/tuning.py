@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,38 @@ def fastest_thread_count(model: Backend, candidates: list[int] | None = None,
     if best is None:
         raise ValueError("no thread count was timed")
     return best, timings
+
+
+def native_step_pays(model: Any, threads: int | None = None, timed_steps: int = 8) -> tuple[bool, dict[str, float]]:
+    """`--compile auto` on the CPU: whether the backend's native row step (backends/torch/native.py) decodes faster
+    than its Python pieces on this machine, at `threads`: 2 warm-up and `timed_steps` decode steps each on a scratch
+    `full` cache, interleaved one by one; (native faster, {"native": median s, "python": median s}). model: a torch
+    backend (TorchCausalLM: its `native_step` is what is switched)."""
+    native = getattr(model, "native_step", None)
+    if native is None:
+        return False, {}
+    before = torch.get_num_threads()
+    times: dict[str, list[float]] = {"native": [], "python": []}
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        kvs = {}
+        for arm in times:
+            kvs[arm] = SessionKV(make_cache(KVStrategy("full"), model.geometry(), max_step=64,
+                                            max_context=model.spec.max_context))
+            steps.prefill_chunk(model, kvs[arm], list(range(10, 42)))
+        for i in range(2 + timed_steps):
+            for arm, kv in kvs.items():
+                model.native_step = native if arm == "native" else None
+                t = time.perf_counter()
+                steps.decode_step(model, kv, 100 + i, greedy=True)
+                if i >= 2:
+                    times[arm].append(time.perf_counter() - t)
+    finally:
+        model.native_step = native
+        torch.set_num_threads(before)
+    med = {arm: statistics.median(ts) for arm, ts in times.items()}
+    return med["native"] < med["python"], med
 
 
 def warm_up(engine: Engine, tokens: int = 16) -> float:

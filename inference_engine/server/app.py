@@ -141,6 +141,14 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
         raise ConfigError(f"--threads takes a count >= 1 or auto, got {cfg.threads!r}")
     else:
         threads = cfg.threads
+    if getattr(model, "native_step", None) is not None:  # --compile auto on the CPU: kept where it measures faster
+        from inference_engine.engine.tuning import native_step_pays
+
+        pays, med = native_step_pays(model, threads)
+        log.info("--compile auto: the native CPU row step %s (median decode step %.2f ms, the Python pieces %.2f ms)",
+                 "kept" if pays else "off: slower here", 1000 * med["native"], 1000 * med["python"])
+        if not pays:
+            model.use_native_step(False)
     try:
         return Engine(model, strategy, prefill_chunk=cfg.prefill_chunk, max_threads=threads,
                       drafter=drafter, spec_k=cfg.spec_k if drafter is not None else 0, drafter_name=cfg.drafter or "",

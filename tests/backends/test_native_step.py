@@ -263,3 +263,16 @@ def test_one_activation_plane_in_the_layers_is_a_research_arm_that_still_runs_ex
     steps.decode_step(m, b, drafts[0])
     res = steps.verify_block(m, a, 17, drafts, SamplingParams(), None, budget=4)
     assert res.accepted == 1 and torch.equal(a.last_logits, b.last_logits)
+
+
+def test_compile_auto_keeps_it_only_where_it_measures_faster():
+    from inference_engine.engine.tuning import native_step_pays
+
+    m = _model()
+    nat = m.native_step
+    before = nat.steps
+    pays, med = native_step_pays(m, threads=1, timed_steps=3)
+    assert isinstance(pays, bool) and set(med) == {"native", "python"} and all(v > 0 for v in med.values())
+    assert m.native_step is nat and nat.steps - before == 5  # both arms ran; the model is left as it was
+    m.use_native_step(False)
+    assert native_step_pays(m) == (False, {})
