@@ -3,7 +3,8 @@ layer in one call; int4 matmuls through its own int4 kernel (csrc/q4_matmul.h) w
 or AVX-512 VNNI, int8 ones through torch's weight-only kernel; the rest as plain loops.
 
 Built with torch.utils.cpp_extension on first use (`python -m inference_engine.backends.torch.native`
-builds it ahead, as `make setup` does) with -O3 -march=native -fno-math-errno, and cached under
+builds it ahead, as `make setup` does) with -O3 -march=native -fno-math-errno -fopenmp (at::parallel_for is a
+header: without -fopenmp its loops run on one thread), and cached under
 $KAKEYA_HOME/native/<key>, the key covering the source (its path and bytes), torch's version and the CPU's
 model and flags: a restart loads it in well under a second; a build takes ~30-60 s on 2 cores. Without a C++ compiler,
 or if the build fails, the step stays in Python (logged once) and nothing else changes.
@@ -31,6 +32,7 @@ import torch
 log = logging.getLogger("kakeya")
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "row_step.cpp"
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -57,6 +59,7 @@ def build_dir() -> pathlib.Path:
     from inference_engine.model_store.store import kakeya_home
 
     h = hashlib.sha256(str(SOURCE).encode())  # the build tracks its sources' paths: one build per checkout
+    h.update(" ".join(CFLAGS).encode())
     for f in sorted(SOURCE.parent.iterdir()):  # the source and the headers it includes
         h.update(f.name.encode() + f.read_bytes())
     h.update(torch.__version__.encode())
@@ -84,7 +87,8 @@ def load(verbose: bool = False):
             if not cached:
                 log.info("building the native CPU row step (C++, once per machine and torch version) in %s", d)
             _module = cpp_extension.load(name="kakeya_row_step", sources=[str(SOURCE)], build_directory=str(d),
-                                         extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=verbose)
+                                         extra_cflags=CFLAGS,
+                                         extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as e:  # no compiler, headers or a failed build: the Python step stays
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             log.warning("native CPU row step unavailable (%s); decode steps run in Python", _failed)
