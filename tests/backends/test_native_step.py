@@ -2,7 +2,6 @@
 C++ call compute what the Python pieces compute (to float rounding), keep the engine's bit-equalities among
 themselves (a verify block's rows = one-token steps; a session batched = the session alone), and decline what
 they do not cover, which then runs in Python."""
-import os
 import shutil
 
 import pytest
@@ -21,9 +20,9 @@ from inference_engine.kv.strategy import KVStrategy
 def _module():
     mod = native.load()
     if mod is None:
-        if shutil.which("c++") or os.environ.get("CI"):
+        if shutil.which("c++") or shutil.which("g++"):  # a compiler that could not build it is a failure
             pytest.fail(f"the native row step did not build here: {native.unavailable_reason()}")
-        pytest.skip("no C++ compiler")
+        pytest.skip("no C++ compiler: the daemon runs every step in Python here")
     return mod
 
 
