@@ -119,7 +119,7 @@ def _forward_items(backend: Backend, items: list[_Item]) -> list[ForwardResult]:
     # A step that mixes rows the backend's fused row step takes (decode rows, verify blocks) with others (a prefill
     # chunk, a paged session's rows): the former still go through it, so a session's row step runs the same kernels
     # whatever else shares its forward (its output stays what it is alone), the rest through the layer loop.
-    exact = [i for i, it in enumerate(items) if _row_eligible(it)]
+    exact = [i for i, it in enumerate(items) if _row_eligible(backend, it)]
     if exact and len(exact) < len(items):
         fused = _row_step(backend, [items[i] for i in exact])
         if fused is not None:
@@ -187,12 +187,13 @@ def _forward_plain(backend: Backend, items: list[_Item]) -> list[ForwardResult]:
 
 
 def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | None:
-    """A step of decode rows and verify blocks only, over plain slabs (no recalled pages, extra keys or sink
-    re-anchoring), as the backend's fused row step if it has one (backends/torch/row_graphs.py: the whole step
-    as one captured graph over its K/V arena), which writes every layer's rows into the caches' stores itself.
+    """A step of decode rows and verify blocks only (and prefill chunks, where the backend's row step takes
+    them), over plain slabs (no recalled pages, extra keys or sink re-anchoring), as the backend's fused row
+    step if it has one (backends/torch/row_graphs.py: the whole step as one captured graph over its K/V arena;
+    backends/torch/native.py: one C++ call), which writes every layer's rows into the caches' stores itself.
     None: not such a step, or the backend declined it."""
     row_step = getattr(backend, "row_step", None)
-    if row_step is None or not all(_row_eligible(it) for it in items):
+    if row_step is None or not all(_row_eligible(backend, it) for it in items):
         return None
     out = row_step([(it.inp.ids, it.layout, it.cache.store) for it in items])
     if out is None:
@@ -211,9 +212,12 @@ def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | Non
     return results
 
 
-def _row_eligible(it: _Item) -> bool:
-    """A row-exact item over plain slabs: no captured layers, recalled pages, extra keys or sink re-anchoring."""
-    return it.inp.row_exact and not it.inp.capture and it.extra is None and it.sink_rope is None and it.paged is None
+def _row_eligible(backend: Backend, it: _Item) -> bool:
+    """An item for the backend's fused row step: row-exact (or a prefill chunk, where that step takes them: its
+    rows then attend as one-token steps would, so a prompt's K/V is what decoding it token by token writes), over
+    plain slabs: no captured layers, recalled pages, extra keys or sink re-anchoring."""
+    return ((it.inp.row_exact or getattr(backend, "row_step_takes_prefill", False)) and not it.inp.capture
+            and it.extra is None and it.sink_rope is None and it.paged is None)
 
 
 def _row_logits(backend: Backend, items: list[_Item], hidden: Any) -> list[ForwardResult]:

@@ -6,6 +6,8 @@ Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.
   native-q4      the native row step with its own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes)
                  for the layers and the head's greedy scoring (one plane there) (--compile auto, the default)
   native-q4-one-plane  the same with one int8 plane in the layers too (int8 activations, as llama.cpp's Q8)
+  planes-ABCD    (--plane-arms, quality only) activation planes per matrix kind: wqkv A, wo B, w_gate_up C,
+                 w_down D (e.g. 1112: two planes in w_down only), to see whether some matrices can take one
 Measured:
   1. quality: teacher-forced top-1 agreement with fp32 (bench_weights.py's held-out prompts and fp32's greedy
      continuations, --tokens positions each), every position a decode step of the arm; the gate the weight
@@ -45,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default="1,2,5,8,16", help="rows per call in the kernel comparison")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-kernel", action="store_true")
+    ap.add_argument("--plane-arms", default="", help="extra quality arms, planes per matrix kind, e.g. 1112,1122")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "native_step.json"))
     args = ap.parse_args(argv)
 
@@ -77,6 +82,12 @@ def main(argv=None) -> int:
     m.use_native_step(q4=True)
     setups["native-q4"] = (m.native_step, m.head.greedy_kernel)
 
+    plane_arms = [f"planes-{a}" for a in args.plane_arms.split(",") if a]
+    for arm in plane_arms:
+        m.use_native_step(q4=True, planes=tuple(int(c) for c in arm.removeprefix("planes-")))
+        setups[arm] = (m.native_step, m.head.greedy_kernel)
+    m.native_step, m.head.greedy_kernel = setups["native-q4"]
+
     def use(arm):
         m.native_step, m.head.greedy_kernel = setups[arm]
 
@@ -97,7 +108,7 @@ def main(argv=None) -> int:
         del ref, ref_engine
         engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
         quality = {}
-        for arm in ARMS:
+        for arm in (*ARMS, *plane_arms):
             use(arm)
             agree = total = 0
             for p, cont, want in seqs:
@@ -120,70 +131,72 @@ def main(argv=None) -> int:
         out["quality"] = quality
 
     # 2. decode
-    contexts = [int(c) for c in args.contexts.split(",")]
-    engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
-    decode = {}
-    for nt in threads:
-        torch.set_num_threads(nt)
-        sessions = {}
-        for arm in ARMS:
-            use(arm)
-            for c in contexts:
-                kv = engine.new_session_kv()
-                engine.prefill(kv, [(7 * i + 3) % 1000 + 100 for i in range(c)])
-                steps.decode_step(m, kv, 1234, greedy=True)
-                sessions[arm, c] = kv
-        times: dict = {key: [] for key in sessions}
-        for _ in range(args.rounds):
-            for (arm, c), kv in sessions.items():
+    if not args.skip_decode:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
+        decode = {}
+        for nt in threads:
+            torch.set_num_threads(nt)
+            sessions = {}
+            for arm in ARMS:
                 use(arm)
-                for _ in range(args.steps):
-                    t = time.perf_counter()
-                    steps.decode_step(m, kv, int(kv.last_logits.argmax()), greedy=True)
-                    times[arm, c].append(time.perf_counter() - t)
-        row = {}
-        for c in contexts:
-            ms = {arm: round(statistics.median(times[arm, c]) * 1e3, 3) for arm in ARMS}
-            row[str(c)] = {"step_ms_median": ms, "native_q4_speedup_vs_python": round(ms["python"] / ms["native-q4"], 3),
-                           "native_q4_one_plane_speedup_vs_python": round(ms["python"] / ms["native-q4-one-plane"], 3),
-                           "native_torchk_speedup_vs_python": round(ms["python"] / ms["native-torchk"], 3)}
-            print(f"threads {nt} ctx {c}", row[str(c)], flush=True)
-        decode[str(nt)] = row
-    out["decode"] = decode
+                for c in contexts:
+                    kv = engine.new_session_kv()
+                    engine.prefill(kv, [(7 * i + 3) % 1000 + 100 for i in range(c)])
+                    steps.decode_step(m, kv, 1234, greedy=True)
+                    sessions[arm, c] = kv
+            times: dict = {key: [] for key in sessions}
+            for _ in range(args.rounds):
+                for (arm, c), kv in sessions.items():
+                    use(arm)
+                    for _ in range(args.steps):
+                        t = time.perf_counter()
+                        steps.decode_step(m, kv, int(kv.last_logits.argmax()), greedy=True)
+                        times[arm, c].append(time.perf_counter() - t)
+            row = {}
+            for c in contexts:
+                ms = {arm: round(statistics.median(times[arm, c]) * 1e3, 3) for arm in ARMS}
+                row[str(c)] = {"step_ms_median": ms, "native_q4_speedup_vs_python": round(ms["python"] / ms["native-q4"], 3),
+                               "native_q4_one_plane_speedup_vs_python": round(ms["python"] / ms["native-q4-one-plane"], 3),
+                               "native_torchk_speedup_vs_python": round(ms["python"] / ms["native-torchk"], 3)}
+                print(f"threads {nt} ctx {c}", row[str(c)], flush=True)
+            decode[str(nt)] = row
+        out["decode"] = decode
 
     # 3. the kernel
-    from inference_engine.backends.torch.linear import Int4Linear
+    if not args.skip_kernel:
+        from inference_engine.backends.torch.linear import Int4Linear
 
-    L = m.layers[0]
-    shapes = {"qkv": L.wqkv, "o": L.wo, "gate_up": L.w_gate_up, "down": L.w_down, "head": m.head.greedy_approx}
-    kernel = {}
-    for nt in threads:
-        torch.set_num_threads(nt)
-        for name, lin in shapes.items():
-            assert isinstance(lin, Int4Linear)
-            packed = native.q4_pack(mod, lin)
-            n, k = lin.shape
-            for rows in (int(r) for r in args.rows.split(",")):
-                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-                reps = 20 if n > 10000 else 200
-                res = {}
-                for label, fn in (("torch_us", lambda: lin(x)), ("q4_us", lambda: mod.q4_matmul(x, packed)),
-                                  ("q4_one_plane_us", lambda: mod.q4_matmul(x, packed, 0, 1))):
-                    for _ in range(5):
-                        fn()
-                    t = time.perf_counter()
-                    for _ in range(reps):
-                        fn()
-                    res[label] = round((time.perf_counter() - t) / reps * 1e6, 1)
-                want = x @ lin.dequantized().T
-                res["q4_max_rel_err"] = round(float((mod.q4_matmul(x, packed) - want).abs().max() / want.abs().max()), 5)
-                res["q4_one_plane_max_rel_err"] = round(float((mod.q4_matmul(x, packed, 0, 1) - want).abs().max()
-                                                              / want.abs().max()), 5)
-                res["torch_max_rel_err"] = round(float((lin(x) - want).abs().max() / want.abs().max()), 5)
-                res["speedup"] = round(res["torch_us"] / res["q4_us"], 3)
-                kernel[f"t{nt} {name} {n}x{k} rows={rows}"] = res
-                print(nt, name, rows, res, flush=True)
-    out["kernel"] = kernel
+        L = m.layers[0]
+        shapes = {"qkv": L.wqkv, "o": L.wo, "gate_up": L.w_gate_up, "down": L.w_down, "head": m.head.greedy_approx}
+        kernel = {}
+        for nt in threads:
+            torch.set_num_threads(nt)
+            for name, lin in shapes.items():
+                assert isinstance(lin, Int4Linear)
+                packed = native.q4_pack(mod, lin)
+                n, k = lin.shape
+                for rows in (int(r) for r in args.rows.split(",")):
+                    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                    reps = 20 if n > 10000 else 200
+                    res = {}
+                    for label, fn in (("torch_us", lambda: lin(x)), ("q4_us", lambda: mod.q4_matmul(x, packed)),
+                                      ("q4_one_plane_us", lambda: mod.q4_matmul(x, packed, 0, 1))):
+                        for _ in range(5):
+                            fn()
+                        t = time.perf_counter()
+                        for _ in range(reps):
+                            fn()
+                        res[label] = round((time.perf_counter() - t) / reps * 1e6, 1)
+                    want = x @ lin.dequantized().T
+                    res["q4_max_rel_err"] = round(float((mod.q4_matmul(x, packed) - want).abs().max() / want.abs().max()), 5)
+                    res["q4_one_plane_max_rel_err"] = round(float((mod.q4_matmul(x, packed, 0, 1) - want).abs().max()
+                                                                  / want.abs().max()), 5)
+                    res["torch_max_rel_err"] = round(float((lin(x) - want).abs().max() / want.abs().max()), 5)
+                    res["speedup"] = round(res["torch_us"] / res["q4_us"], 3)
+                    kernel[f"t{nt} {name} {n}x{k} rows={rows}"] = res
+                    print(nt, name, rows, res, flush=True)
+        out["kernel"] = kernel
     write_json(pathlib.Path(args.out), out)
     return 0
 

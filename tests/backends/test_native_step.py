@@ -4,6 +4,7 @@ themselves (a verify block's rows = one-token steps; a session batched = the ses
 they do not cover, which then runs in Python."""
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,7 +58,9 @@ def test_native_decode_matches_the_python_pieces(strategy, weights):
         m.native_step = None
         steps.decode_step(m, kvs[1], tok)
         a, b = kvs[0].last_logits, kvs[1].last_logits
-        assert torch.allclose(a, b, atol=2e-3, rtol=0), (a - b).abs().max()
+        # the kernels round activations to bf16: a hidden state 1e-7 apart can flip one element's rounding, which
+        # moves logits by one bf16 step of that input times its weights (seen: 0.016 once in 30 steps; else 0)
+        assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
         assert int(a.argmax()) == int(b.argmax())
     assert nat.steps - before == 30  # every step of the first session ran natively
     for layer in range(m.spec.num_layers):  # the K/V each wrote agree too
@@ -227,10 +230,14 @@ def test_long_rows_split_into_chunks_stay_exact_across_blocks_and_threads():
         torch.set_num_threads(threads)
 
 
-def test_a_decode_row_sharing_its_forward_with_a_prefill_chunk_still_runs_natively():
+@pytest.mark.parametrize("prefill_native", [True, False], ids=["chunk-native", "chunk-python"])
+def test_a_decode_row_sharing_its_forward_with_a_prefill_chunk_still_runs_natively(prefill_native):
     """The engine loop puts a prefill chunk and other sessions' decode rows in one forward: the decode rows still take
-    the native step (so a session's tokens do not depend on what else is in flight), the chunk the Python pieces."""
+    the native step (so a session's tokens do not depend on what else is in flight), the chunk with them (one call)
+    or, with the step's prefill off, through the Python pieces."""
     m = _model()
+    m.native_step.prefill = prefill_native
+    assert m.row_step_takes_prefill is prefill_native
     engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
     alone, batched, other = (engine.new_session_kv() for _ in range(3))
     engine.prefill(alone, _prompt(20))
@@ -247,6 +254,56 @@ def test_a_decode_row_sharing_its_forward_with_a_prefill_chunk_still_runs_native
         assert m.native_step.steps == before + 1
         assert torch.equal(alone.last_logits, batched.last_logits)
     assert other.cache.next_position == 72
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_a_prompt_prefilled_natively_writes_what_decoding_it_token_by_token_writes(strategy):
+    """Prefill chunks take the native step (model.row_step_takes_prefill): their rows attend as one-token steps, so
+    however a prompt is chunked (within one cache geometry: sink_window's ring is sized by the engine's prefill
+    chunk), its K/V and the logits after it are bit for bit those of feeding it one token at a time - past
+    sink_window's ring too."""
+    m = _model()
+    assert m.row_step_takes_prefill
+    prompt = _prompt(45, seed=7)
+    engine = Engine(m, strategy, prefill_chunk=16)
+
+    def fed(piece):
+        kv = engine.new_session_kv()
+        before = m.native_step.steps
+        for i in range(0, len(prompt), piece):
+            if piece == 1:
+                steps.decode_step(m, kv, prompt[i])
+            else:
+                steps.prefill_chunk(m, kv, prompt[i:i + piece])
+        assert m.native_step.steps - before == -(-len(prompt) // piece)  # every chunk ran natively
+        return kv
+
+    one = fed(1)
+    for piece in (16, 7):
+        kv = fed(piece)
+        assert torch.equal(kv.last_logits, one.last_logits), piece
+        assert np.array_equal(kv.cache.store.pos, one.cache.store.pos)
+        for layer in range(m.spec.num_layers):
+            assert torch.equal(kv.cache.store.k[layer], one.cache.store.k[layer])
+            assert torch.equal(kv.cache.store.v[layer], one.cache.store.v[layer])
+
+
+def test_per_matrix_activation_planes():
+    """planes per matrix kind (wqkv, wo, w_gate_up, w_down): each choice runs through the native step and reaches the
+    kernel (a mixed choice's logits differ from all-two's), and a bad spec is a clear error."""
+    _module()
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
+    logits = {}
+    for planes in (2, 1, (1, 1, 1, 2)):
+        assert m.use_native_step(planes=planes) is True
+        kv = engine.new_session_kv()
+        engine.prefill(kv, _prompt(30))
+        steps.decode_step(m, kv, 17)
+        logits[planes] = kv.last_logits
+    assert not torch.equal(logits[1], logits[2]) and not torch.equal(logits[(1, 1, 1, 2)], logits[2])
+    with pytest.raises(ValueError, match="planes must be"):
+        m.use_native_step(planes=(1, 2))
 
 
 def test_one_activation_plane_in_the_layers_is_a_research_arm_that_still_runs_exact_verify_blocks():
@@ -272,6 +329,6 @@ def test_compile_auto_keeps_it_only_where_it_measures_faster():
     before = nat.steps
     pays, med = native_step_pays(m, threads=1, timed_steps=3)
     assert isinstance(pays, bool) and set(med) == {"native", "python"} and all(v > 0 for v in med.values())
-    assert m.native_step is nat and nat.steps - before == 5  # both arms ran; the model is left as it was
+    assert m.native_step is nat and nat.steps - before == 6  # its prefill and 5 decode steps; the model is left as it was
     m.use_native_step(False)
     assert native_step_pays(m) == (False, {})

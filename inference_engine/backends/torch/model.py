@@ -176,7 +176,7 @@ class TorchCausalLM:
                  ", dense work compiled by inductor (per bucket of rows, on first use)" if compiled else "")
         return sessions
 
-    def use_native_step(self, on: bool = True, *, q4: bool = True, planes: int = 2) -> bool:
+    def use_native_step(self, on: bool = True, *, q4: bool = True, planes: int | tuple[int, int, int, int] = 2) -> bool:
         """CPU row steps (decode rows, verify blocks over plain fp32 slabs) through the C++ extension
         (csrc/row_step.cpp), built on first use and cached; False (logged) where the model or the machine
         cannot take it: the Python pieces run every step then. q4: int4 linears (and the head's greedy scoring)
@@ -204,6 +204,13 @@ class TorchCausalLM:
         if self.row_graphs is not None:
             return self.row_graphs.run(parts)
         return self.native_step.run(parts) if self.native_step is not None else None
+
+    @property
+    def row_step_takes_prefill(self) -> bool:
+        """Prefill chunks go through the row step too (engine/steps._row_eligible): the native CPU step's rows
+        are independent by construction and its int4 kernel is faster than torch's for any number of rows
+        (results/research/native_prefill.json); CUDA's row graphs are captured for small row counts only."""
+        return self.native_step is not None and self.native_step.prefill
 
     @property
     def batches_decode_attention(self) -> bool:

@@ -134,19 +134,23 @@ class NativeRowStep:
     once at start (`q4=False` keeps torch's kernel). The head's greedy scoring (linear.RefinedHead, the 4-bit pass
     before its exact top 64) takes the same kernel with one plane."""
 
-    def __init__(self, model, module, *, q4: bool = True, planes: int = 2):
-        """planes: the int4 kernel's activation planes in the layers (2: ~16 bits, the default; 1: int8, research)."""
+    def __init__(self, model, module, *, q4: bool = True, planes: int | tuple[int, int, int, int] = 2):
+        """planes: the int4 kernel's activation planes in the layers (2: ~16 bits, the default; 1: int8, research),
+        or one per matrix kind (wqkv, wo, w_gate_up, w_down)."""
         from inference_engine.backends.torch.linear import Int4Linear, RefinedHead
 
         s = model.spec
         self.model = model
         self.q4 = bool(q4 and module.q4_isa() > 0)
         kinds, tensors = [], []
+        per_kind = (planes,) * 4 if isinstance(planes, int) else tuple(planes)
+        if len(per_kind) != 4 or any(p not in (1, 2) for p in per_kind):
+            raise ValueError(f"planes must be 1, 2 or four of them (wqkv, wo, w_gate_up, w_down), got {planes!r}")
         for L in model.layers:
             tensors += [L.ln_in.float().contiguous(), L.ln_post_attn.float().contiguous()]
-            for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down):
+            for lin, p in zip((L.wqkv, L.wo, L.w_gate_up, L.w_down), per_kind):
                 if isinstance(lin, Int4Linear) and self.q4:
-                    kinds.append(3 if planes == 2 else 4)
+                    kinds.append(3 if p == 2 else 4)
                     tensors += [q4_pack(module, lin), torch.empty(0)]
                 elif isinstance(lin, Int4Linear):
                     kinds.append(2)
@@ -166,6 +170,7 @@ class NativeRowStep:
             # one int8 plane: only which 64 candidates the exact fp32 rescoring sees depends on it
             head.greedy_kernel = lambda x: module.q4_matmul(x.float().contiguous(), packed, 0, 1)
         self.steps = 0  # steps run natively (reported)
+        self.prefill = True  # prefill chunks too (model.row_step_takes_prefill); research scripts turn it off
 
     def run(self, parts: list) -> tuple[None, torch.Tensor] | None:
         """parts: per session (ids (T,), layout, store) of a row-exact step. Returns (None, hidden (R, hidden)):
