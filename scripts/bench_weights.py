@@ -63,6 +63,29 @@ def held_out(tokenizer, n_prompts: int, n_docs: int, ppl_tokens: int):
     return prompts, docs
 
 
+def fp32_references(path, n_prompts: int, tokens: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """The held-out prompts with fp32's greedy continuation (`tokens` long) and fp32's teacher-forced argmax at each
+    of its positions: [(prompt, continuation, want)], what top-1 agreement with fp32 is measured against."""
+    from transformers import AutoTokenizer
+
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine.events import TokenGenerated
+    from inference_engine.engine.generate import Engine
+    from inference_engine.engine.requests import GenerateParams
+    from inference_engine.kv.strategy import KVStrategy
+
+    prompts, _ = held_out(AutoTokenizer.from_pretrained(path), n_prompts, 0, 0)
+    ref = TorchCausalLM.load(path, weights="fp32")
+    engine = Engine(ref, KVStrategy("full"), prefill_chunk=256)
+    seqs = []
+    for p in prompts:
+        cont = [e.token_id for e in engine.generate(engine.new_session_kv(), p, GenerateParams(max_tokens=tokens))
+                if isinstance(e, TokenGenerated)]
+        want = full_logits(ref, p + cont)[len(p) - 1: len(p) - 1 + len(cont)].argmax(-1).tolist()
+        seqs.append((p, cont, want))
+    return seqs
+
+
 def full_logits(model, ids: list[int]) -> torch.Tensor:
     from inference_engine.engine.steps import forward
     from inference_engine.kv.factory import make_cache

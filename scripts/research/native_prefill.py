@@ -142,24 +142,10 @@ def main(argv=None) -> int:
 
     # 3. quality
     if not args.skip_quality:
-        from transformers import AutoTokenizer
-
-        from bench_weights import full_logits, held_out
-        from inference_engine.engine.events import TokenGenerated
-        from inference_engine.engine.requests import GenerateParams
+        from bench_weights import fp32_references, full_logits
 
         torch.set_num_threads(threads[-1])
-        tok = AutoTokenizer.from_pretrained(path)
-        prompts, _ = held_out(tok, args.prompts, 0, 0)
-        ref = TorchCausalLM.load(path, weights="fp32")
-        ref_engine = Engine(ref, KVStrategy("full"), prefill_chunk=256)
-        seqs = []
-        for p in prompts:
-            cont = [e.token_id for e in ref_engine.generate(ref_engine.new_session_kv(), p, GenerateParams(max_tokens=args.tokens))
-                    if isinstance(e, TokenGenerated)]
-            want = full_logits(ref, p + cont)[len(p) - 1: len(p) - 1 + len(cont)].argmax(-1).tolist()
-            seqs.append((p, cont, want))
-        del ref, ref_engine
+        seqs = fp32_references(path, args.prompts, args.tokens)
         quality = {}
         for arm in ARMS:
             use(arm)

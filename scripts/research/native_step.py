@@ -54,15 +54,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from transformers import AutoTokenizer
 
-    from bench_weights import full_logits, held_out
+    from bench_weights import fp32_references, full_logits
     from inference_engine.backends.torch import native
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.engine import steps
-    from inference_engine.engine.events import TokenGenerated
     from inference_engine.engine.generate import Engine
-    from inference_engine.engine.requests import GenerateParams
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
 
@@ -95,17 +92,7 @@ def main(argv=None) -> int:
 
     # 1. quality
     if not args.skip_quality:
-        tok = AutoTokenizer.from_pretrained(path)
-        prompts, _ = held_out(tok, args.prompts, 0, 0)
-        ref = TorchCausalLM.load(path, weights="fp32")
-        ref_engine = Engine(ref, KVStrategy("full"), prefill_chunk=256)
-        seqs = []
-        for p in prompts:
-            cont = [e.token_id for e in ref_engine.generate(ref_engine.new_session_kv(), p, GenerateParams(max_tokens=args.tokens))
-                    if isinstance(e, TokenGenerated)]
-            want = full_logits(ref, p + cont)[len(p) - 1: len(p) - 1 + len(cont)].argmax(-1).tolist()
-            seqs.append((p, cont, want))
-        del ref, ref_engine
+        seqs = fp32_references(path, args.prompts, args.tokens)
         engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
         quality = {}
         for arm in (*ARMS, *plane_arms):
