@@ -288,6 +288,22 @@ def test_a_prompt_prefilled_natively_writes_what_decoding_it_token_by_token_writ
             assert torch.equal(kv.cache.store.v[layer], one.cache.store.v[layer])
 
 
+def test_a_prefill_chunk_longer_than_a_row_block_stays_exact():
+    """The step attends in blocks of 64 rows (csrc/row_step.cpp kRowBlock): a 150-token chunk spans three, and its rows
+    still equal one-token steps bit for bit."""
+    m = _model()
+    prompt = _prompt(150, seed=3)
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=150)
+    whole, one = engine.new_session_kv(), engine.new_session_kv()
+    steps.prefill_chunk(m, whole, prompt)
+    for tok in prompt:
+        steps.decode_step(m, one, tok)
+    assert torch.equal(whole.last_logits, one.last_logits)
+    for layer in range(m.spec.num_layers):
+        assert torch.equal(whole.cache.store.k[layer], one.cache.store.k[layer])
+        assert torch.equal(whole.cache.store.v[layer], one.cache.store.v[layer])
+
+
 def test_per_matrix_activation_planes():
     """planes per matrix kind (wqkv, wo, w_gate_up, w_down): each choice runs through the native step and reaches the
     kernel (a mixed choice's logits differ from all-two's), and a bad spec is a clear error."""

@@ -138,6 +138,9 @@ at::Tensor linear_input(const float* src, const float* scale, const float* w, in
 // depend on the row's column count, the thread count or the other rows, a verify block's rows still equal one-token
 // steps bit for bit. One chunk (up to kChunk columns) merges to exactly its own acc / sum.
 constexpr int64_t kChunk = 256;
+// Rows whose attention runs together (threads share out their chunks): bounds the partial results a long prefill
+// chunk keeps at once (64 rows x Hkv x N / 256 chunks x G heads x (D + 2) floats: 5 MB for SmolLM2 at 8k).
+constexpr int64_t kRowBlock = 64;
 
 // The G query heads that share a KV head (GQA), one query row, over columns [j0, j1) of its session's slab, visible
 // ones only (each key and value read once for all G heads): per head, scores in column order, their max, exp, then
@@ -322,39 +325,45 @@ class RowStep {
           for (int64_t d = 0; d < D; ++d) vdst[d] = v[d];
         }
       }
-      // attention: each (row, kv head, chunk of columns) alone, then each row's chunks merged in column order
-      std::vector<int64_t> first(R + 1, 0);  // row r's tasks: [first[r], first[r + 1]), Hkv x its chunks
-      int64_t cols = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        first[r + 1] = first[r] + Hkv * ((nk_p[r] + kChunk - 1) / kChunk);
-        cols += nk_p[r];
-      }
-      const int64_t tasks = first[R], stride = D + 2;
-      parts.resize(tasks * G * stride);
-      // small steps stay on this thread
-      const int64_t grain = cols * H * D < (1 << 18) ? std::max<int64_t>(tasks, 1) : 1;
-      at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores(G * kChunk);
-        int64_t r = 0;
-        for (int64_t t = lo; t < hi; ++t) {
-          while (t >= first[r + 1]) ++r;
-          const int64_t idx = t - first[r], nch = (first[r + 1] - first[r]) / Hkv;
-          const int64_t h = idx / nch, c = idx % nch;
-          const auto& ks = k_slabs[sess_p[r]][l];
-          const auto& vs = v_slabs[sess_p[r]][l];
-          const int64_t cap = ks.size(1);
-          const int64_t j0 = c * kChunk, j1 = std::min(nk_p[r], j0 + kChunk);
-          attend_chunk_any(D, G, &q[(r * H + h * G) * D], ks.data_ptr<float>() + h * cap * D,
-                           vs.data_ptr<float>() + h * cap * D, mask_p + r * N, j0, j1, scale_, scores.data(),
-                           &parts[t * G * stride]);
+      // attention: each (row, kv head, chunk of columns) alone, then each row's chunks merged in column order; rows
+      // in blocks of kRowBlock, so a long prefill chunk's partial results stay small (a row's result does not depend
+      // on its block)
+      for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+        const int64_t rb = std::min(R - r0, kRowBlock);
+        std::vector<int64_t> first(rb + 1, 0);  // block row i's tasks: [first[i], first[i + 1]), Hkv x its chunks
+        int64_t cols = 0;
+        for (int64_t i = 0; i < rb; ++i) {
+          first[i + 1] = first[i] + Hkv * ((nk_p[r0 + i] + kChunk - 1) / kChunk);
+          cols += nk_p[r0 + i];
         }
-      });
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t nch = (first[r + 1] - first[r]) / Hkv;
-        for (int64_t h = 0; h < Hkv; ++h)
-          for (int64_t g = 0; g < G; ++g)
-            merge_chunks(&parts[((first[r] + h * nch) * G + g) * stride], nch, G * stride, D,
-                         &att[(r * H + h * G + g) * D]);
+        const int64_t tasks = first[rb], stride = D + 2;
+        parts.resize(tasks * G * stride);
+        // small steps stay on this thread
+        const int64_t grain = cols * H * D < (1 << 18) ? std::max<int64_t>(tasks, 1) : 1;
+        at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
+          std::vector<float> scores(G * kChunk);
+          int64_t i = 0;
+          for (int64_t t = lo; t < hi; ++t) {
+            while (t >= first[i + 1]) ++i;
+            const int64_t r = r0 + i;
+            const int64_t idx = t - first[i], nch = (first[i + 1] - first[i]) / Hkv;
+            const int64_t h = idx / nch, c = idx % nch;
+            const auto& ks = k_slabs[sess_p[r]][l];
+            const auto& vs = v_slabs[sess_p[r]][l];
+            const int64_t cap = ks.size(1);
+            const int64_t j0 = c * kChunk, j1 = std::min(nk_p[r], j0 + kChunk);
+            attend_chunk_any(D, G, &q[(r * H + h * G) * D], ks.data_ptr<float>() + h * cap * D,
+                             vs.data_ptr<float>() + h * cap * D, mask_p + r * N, j0, j1, scale_, scores.data(),
+                             &parts[t * G * stride]);
+          }
+        });
+        for (int64_t i = 0; i < rb; ++i) {
+          const int64_t r = r0 + i, nch = (first[i + 1] - first[i]) / Hkv;
+          for (int64_t h = 0; h < Hkv; ++h)
+            for (int64_t g = 0; g < G; ++g)
+              merge_chunks(&parts[((first[i] + h * nch) * G + g) * stride], nch, G * stride, D,
+                           &att[(r * H + h * G + g) * D]);
+        }
       }
       // output projection + residual
       add_into(xp, as_float(wo(linear_input(att.data(), nullptr, nullptr, R, nq, wo.bf16_input(), opts))), R * hidden_);
