@@ -15,6 +15,8 @@ Measured:
   2. decode: median ms per step after --contexts tokens, per --threads, arms interleaved in rounds.
   3. the kernel: torch's int4 kernel vs the q4 kernel (two planes; one plane too) on SmolLM2's matrices for 1..16
      rows (a verify block is 5).
+  4. (--prefetch B1,B2,..) the q4 kernel's prefetch distance: every layer's matmuls in turn for --rows rows, so the
+     weights stream from memory as in a step, per --threads, distances interleaved in --rounds (median ms).
 Writes results/research/native_step.json.
 
     python scripts/research/native_step.py --threads 1,2
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-kernel", action="store_true")
+    ap.add_argument("--prefetch", default="", help="prefetch distances in bytes to compare, e.g. 0,1024,2048,3072")
     ap.add_argument("--plane-arms", default="", help="extra quality arms, planes per matrix kind, e.g. 1112,1122")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "native_step.json"))
     args = ap.parse_args(argv)
@@ -184,6 +187,29 @@ def main(argv=None) -> int:
                     kernel[f"t{nt} {name} {n}x{k} rows={rows}"] = res
                     print(nt, name, rows, res, flush=True)
         out["kernel"] = kernel
+    # 4. prefetch distance, weights streamed
+    if args.prefetch:
+        packs = [native.q4_pack(mod, lin) for L in m.layers for lin in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
+        default = mod.q4_prefetch()
+        distances = [int(b) for b in args.prefetch.split(",")]
+        streamed: dict = {"default_bytes": default, "weights_mb": round(sum(p.numel() for p in packs) / 2 ** 20, 1)}
+        for nt in threads:
+            torch.set_num_threads(nt)
+            times: dict = {}
+            for _ in range(args.rounds * 2):
+                for b in distances:
+                    mod.q4_prefetch(b)
+                    for rows in (int(r) for r in args.rows.split(",")):
+                        xs = {p.size(1) * 32: torch.randn(rows, p.size(1) * 32) for p in packs}
+                        t = time.perf_counter()
+                        for p in packs:
+                            mod.q4_matmul(xs[p.size(1) * 32], p)
+                        times.setdefault((b, rows), []).append(time.perf_counter() - t)
+            row = {f"rows={r} prefetch={b}": round(statistics.median(v) * 1e3, 3) for (b, r), v in sorted(times.items())}
+            streamed[f"t{nt}"] = row
+            print(nt, row, flush=True)
+        mod.q4_prefetch(default)
+        out["prefetch_streamed_ms"] = streamed
     write_json(pathlib.Path(args.out), out)
     return 0
 

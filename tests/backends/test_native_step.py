@@ -304,6 +304,27 @@ def test_a_prefill_chunk_longer_than_a_row_block_stays_exact():
         assert torch.equal(whole.cache.store.v[layer], one.cache.store.v[layer])
 
 
+def test_the_kernels_prefetch_distance_never_changes_a_bit():
+    mod = _module()
+    from inference_engine.backends.torch.linear import Int4Linear
+
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
+    lin = m.layers[0].w_gate_up
+    assert isinstance(lin, Int4Linear)
+    packed = native.q4_pack(mod, lin)
+    x = torch.randn(5, lin.shape[1], generator=torch.Generator().manual_seed(0))
+    default = mod.q4_prefetch()
+    assert default == 2048
+    try:
+        outs = []
+        for ahead in (0, 64, default, 1 << 20):  # past the weights' end too: the kernel stops short of it
+            assert mod.q4_prefetch(ahead) in (default, 0, 64, 2048)
+            outs.append(mod.q4_matmul(x, packed))
+        assert all(torch.equal(o, outs[0]) for o in outs)
+    finally:
+        mod.q4_prefetch(default)
+
+
 def test_per_matrix_activation_planes():
     """planes per matrix kind (wqkv, wo, w_gate_up, w_down): each choice runs through the native step and reaches the
     kernel (a mixed choice's logits differ from all-two's), and a bad spec is a clear error."""

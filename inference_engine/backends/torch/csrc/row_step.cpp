@@ -423,6 +423,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "activations) or 1 (int8)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("isa") = 0, pybind11::arg("planes") = 2,
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("q4_prefetch", [](int64_t bytes) {
+    const int64_t was = q4::prefetch_ahead();
+    if (bytes >= 0) q4::prefetch_ahead() = bytes;
+    return was;
+  }, "bytes ahead the int4 kernel prefetches (0 = none); returns the previous value (-1: only read it)",
+        pybind11::arg("bytes") = -1);
   m.def("q4_isa", [] { return static_cast<int64_t>(q4::best_isa()); }, "0 none (no q4 kernel here), 1 AVX2, 2 AVX-512 VNNI");
   pybind11::class_<RowStep>(m, "RowStep")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, std::vector<int64_t>,
