@@ -1,6 +1,7 @@
 """Assemble and run the daemon: model -> engine -> runtime -> gRPC (+ metrics, + HTTP shim)."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import threading
@@ -375,6 +376,8 @@ def serve_forever(cfg: ServeConfig) -> int:
         f", metrics on :{cfg.metrics_port}/metrics" if cfg.metrics_port else "",
     )
     print(f"READY {running.port}", flush=True)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr (a daemon that hangs can say where)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -95,8 +95,13 @@ def _terminate(p):
     try:
         p.wait(timeout=180)
     except subprocess.TimeoutExpired:
+        log = pathlib.Path(p.log_path)
+        p.send_signal(signal.SIGUSR1)  # the daemon dumps every thread's stack into its log (faulthandler)
+        deadline = time.monotonic() + 30
+        while "serve_forever" not in log.read_text() and time.monotonic() < deadline:
+            threading.Event().wait(0.1)
         p.kill()
-        pytest.fail("the daemon did not exit on SIGTERM; its log ends:\n" + pathlib.Path(p.log_path).read_text()[-3000:])
+        pytest.fail("the daemon did not exit on SIGTERM; its log ends:\n" + log.read_text()[-6000:])
 
 
 def test_kill_9_the_daemon_and_every_session_continues(tmp_path):

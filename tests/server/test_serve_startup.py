@@ -111,3 +111,34 @@ def test_serve_config_validate_names_the_option(kw, message):
 def test_the_defaults_validate():
     ServeConfig().validate()
     ServeConfig(kv_strategy="paged", drafter="ngram", threads="auto", idle_ttl=0).validate()  # 0 = never expire
+
+
+def test_sigusr1_dumps_every_threads_stack_and_sigterm_still_stops_it(tmp_path):
+    """`kill -USR1` makes a running daemon write its threads' stacks to stderr (how a hung daemon says where it is);
+    it keeps serving, and SIGTERM then stops it cleanly."""
+    import signal
+    import threading
+    import time
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), HF_HUB_OFFLINE="1")
+    log = tmp_path / "daemon.log"
+    with open(log, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "inference_engine.server.cli", "serve", "--threads", "1", "--model",
+                              str(tiny_model_dir("llama")), "--bind", "127.0.0.1:0", "--weights", "fp32", "--persist", "off"],
+                             stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("READY"), line
+        p.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 60
+        while "serve_forever" not in log.read_text():  # the main thread's stack, waiting for a signal
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            threading.Event().wait(0.05)
+        assert "most recent call first" in log.read_text() and "model_thread.py" in log.read_text()
+        with kakeya.Client(f"127.0.0.1:{line.split()[1]}") as c:  # still serving
+            assert c.create_session([5, 6, 7]).history() == [5, 6, 7]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=180) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
