@@ -367,6 +367,8 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
 
 
 def serve_forever(cfg: ServeConfig) -> int:
+    # `kill -USR1 <pid>` writes every thread's stack to stderr (a daemon that hangs can say where); set before READY
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     running = start(cfg)
     info = running.runtime.server_info()
     params = " ".join(f"{k}={v}" for k, v in sorted(info.kv_params.items()))
@@ -376,8 +378,6 @@ def serve_forever(cfg: ServeConfig) -> int:
         f", metrics on :{cfg.metrics_port}/metrics" if cfg.metrics_port else "",
     )
     print(f"READY {running.port}", flush=True)
-    # `kill -USR1 <pid>` writes every thread's stack to stderr (a daemon that hangs can say where)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
