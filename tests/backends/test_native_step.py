@@ -186,6 +186,41 @@ def test_the_q4_kernel_computes_the_int4_weights_within_int8_activation_rounding
         mod.q4_matmul(torch.randn(2, 64), packed)
 
 
+def _quantize_reference(x: torch.Tensor, planes: int):
+    """The activation quantization q4_matmul.h documents, in torch: per row and group of 32, t = x * (127 / amax),
+    qx1 = round half to even, clamped to +-127; qx2 = the same of (t - qx1) * 256; scale and scale * sum(256 qx1 + qx2)."""
+    g = x.reshape(x.size(0), -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    t = g * inv
+    q1 = torch.round(t).clamp(-127, 127)
+    whole, qs = q1.to(torch.int64), [q1]
+    if planes == 2:
+        q2 = torch.round((t - q1) * 256.0).clamp(-127, 127)
+        qs.append(q2)
+        whole = whole * 256 + q2.to(torch.int64)
+    scale = amax[..., 0] / 127.0 / (256.0 if planes == 2 else 1.0)
+    qx = torch.stack([q.reshape(x.shape) for q in qs], 1).to(torch.int8)
+    return qx, scale, scale * whole.sum(-1).to(torch.float32)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_the_kernels_activation_quantization_is_the_documented_one_bit_for_bit(planes):
+    mod = _module()
+    if mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here: the native step keeps torch's int4 kernel")
+    gen = torch.Generator().manual_seed(planes)
+    x = torch.randn(5, 1536, generator=gen) * torch.logspace(-3, 2, 1536)[torch.randperm(1536, generator=gen)]
+    x[1, 32:64] = 0.0  # a group of zeros: scale 0, codes 0
+    # ties (amax 127, so t = x): round half to even in the first plane (+-0.5, 1.5, -2.5) and the second (k / 512)
+    x[2, 64:96] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5, 1 / 512, 3 / 512, -5 / 512] * 4)
+    x[3, 0] = 1e30  # one huge value: the rest of its group rounds to 0 or +-1
+    want = _quantize_reference(x, planes)
+    got = mod.q4_quantize(x, planes)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_native_decode_with_the_q4_kernel_stays_close_to_the_python_pieces():
     m = _model()
     assert m.native_step.q4
