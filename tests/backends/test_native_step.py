@@ -27,6 +27,18 @@ def _module():
     return mod
 
 
+@pytest.fixture(params=[0, 1], ids=["attention-vec16", "attention-avx2"])
+def attention(request):
+    """Each attention chunk code this CPU can run (csrc/row_step.cpp: the 16-lane vector code, and the AVX2 one that
+    runs where the build has AVX2 and no AVX-512), so both are checked on any x86 machine."""
+    mod = _module()
+    if request.param == 1 and mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here")
+    was = mod.row_attention(request.param)
+    yield request.param
+    mod.row_attention(was)
+
+
 def _model(weights="int4", q4=True):
     _module()
     m = TorchCausalLM.load(tiny_model_dir("llama"), weights=weights)
@@ -43,7 +55,7 @@ STRATEGIES = [KVStrategy("full"), KVStrategy("sink_window", 4, 12)]
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_native_decode_matches_the_python_pieces(strategy, weights):
+def test_native_decode_matches_the_python_pieces(strategy, weights, attention):
     """With torch's own kernels inside (q4 off) the native step computes what the Python pieces do, to float rounding."""
     m = _model(weights, q4=False)
     nat = m.native_step
@@ -69,7 +81,7 @@ def test_native_decode_matches_the_python_pieces(strategy, weights):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
-def test_a_native_verify_block_equals_native_one_token_steps(strategy):
+def test_a_native_verify_block_equals_native_one_token_steps(strategy, attention):
     m = _model()
     engine = Engine(m, strategy, prefill_chunk=16)
     a, b, c = (engine.new_session_kv() for _ in range(3))
@@ -93,7 +105,29 @@ def test_a_native_verify_block_equals_native_one_token_steps(strategy):
         assert torch.equal(a.cache.store.v[layer], b.cache.store.v[layer])
 
 
-def test_a_session_batched_natively_gets_what_it_gets_alone():
+def test_the_two_attention_codes_agree_to_float_rounding():
+    mod = _module()
+    if mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here")
+    m = _model()
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=64)
+    was = mod.row_attention()
+    logits = []
+    try:
+        for kernel in (0, 1):
+            mod.row_attention(kernel)
+            kv = engine.new_session_kv()
+            engine.prefill(kv, _prompt(300, seed=9))  # past one chunk of 256 columns, a tail that is not whole vectors
+            steps.decode_step(m, kv, 5)
+            logits.append(kv.last_logits)
+    finally:
+        mod.row_attention(was)
+    assert torch.allclose(logits[0], logits[1], atol=1e-3 * float(logits[0].abs().max()), rtol=0)
+    with pytest.raises(RuntimeError, match="row_attention"):
+        mod.row_attention(2)
+
+
+def test_a_session_batched_natively_gets_what_it_gets_alone(attention):
     m = _model()
     engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
     alone, batched, other = (engine.new_session_kv() for _ in range(3))
@@ -242,7 +276,7 @@ def test_native_decode_with_the_q4_kernel_stays_close_to_the_python_pieces():
     assert agree >= 25, agree
 
 
-def test_long_rows_split_into_chunks_stay_exact_across_blocks_and_threads():
+def test_long_rows_split_into_chunks_stay_exact_across_blocks_and_threads(attention):
     """Past 256 columns a row's attention runs in fixed chunks of columns, shared among threads and merged in order:
     a verify block still equals one-token steps, and the thread count does not change a bit."""
     m = _model()
@@ -292,7 +326,7 @@ def test_a_decode_row_sharing_its_forward_with_a_prefill_chunk_still_runs_native
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
-def test_a_prompt_prefilled_natively_writes_what_decoding_it_token_by_token_writes(strategy):
+def test_a_prompt_prefilled_natively_writes_what_decoding_it_token_by_token_writes(strategy, attention):
     """Prefill chunks take the native step (model.row_step_takes_prefill): their rows attend as one-token steps, so
     however a prompt is chunked (within one cache geometry: sink_window's ring is sized by the engine's prefill
     chunk), its K/V and the logits after it are bit for bit those of feeding it one token at a time - past

@@ -190,15 +190,17 @@ inline void attend_chunk(const float* __restrict q, const float* __restrict kb, 
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// The same chunk on a CPU with AVX2 and no AVX-512 (this file is built with -march=native), in 8-float vectors.
+#if KAKEYA_X86
+// The same chunk in explicit AVX2 8-float vectors: what runs where the build (-march=native) has AVX2 and no AVX-512.
 // GCC lowers the 64-byte v16f code above to 32-byte halves with most accumulators spilled to the stack and a scalar
 // exp, which made attention ~70 % of a decode step at 4k on an AVX2 EPYC. Here: scores with two accumulators per
 // dot, exp 8 columns at a time (the chunk's scores padded to whole vectors, so every column's exp is the same vector
 // code whatever its place), and the weighted V in blocks of columns of D sized so the G heads' accumulators stay in
 // registers. A row's arithmetic still depends on nothing but its own columns, so rows stay exact; the bits differ
-// from the AVX-512 build's (different sum orders), which no result compares across machines.
-inline __m256 exp8(__m256 x) {  // exp_f's steps, lane by lane
+// from the 16-lane code's (different sum orders), which no result compares across machines. Built on every x86 CPU
+// (the functions carry their own target), so the tests check both kernels wherever AVX2 runs (`row_attention`).
+#define KAKEYA_AVX2_FN __attribute__((target("avx2,fma")))
+KAKEYA_AVX2_FN inline __m256 exp8(__m256 x) {  // exp_f's steps, lane by lane
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -215,14 +217,14 @@ inline __m256 exp8(__m256 x) {  // exp_f's steps, lane by lane
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-inline float hsum8(__m256 v) {  // a fixed tree
+KAKEYA_AVX2_FN inline float hsum8(__m256 v) {  // a fixed tree
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
 template <int D>
-inline float dot8(const float* __restrict a, const float* __restrict b) {
+KAKEYA_AVX2_FN inline float dot8(const float* __restrict a, const float* __restrict b) {
   if constexpr (D == 16) {
     return hsum8(_mm256_fmadd_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8),
                                  _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b))));
@@ -245,7 +247,7 @@ constexpr int pv_block(int D, int G) {
 }
 
 template <int D, int G>
-inline void attend_chunk_avx2(const float* __restrict q, const float* __restrict kb, const float* __restrict vb,
+KAKEYA_AVX2_FN void attend_chunk_avx2(const float* __restrict q, const float* __restrict kb, const float* __restrict vb,
                               const bool* __restrict m, int64_t j0, int64_t j1, float scale, float* __restrict scores,
                               float* __restrict part) {
   const int64_t n = j1 - j0, n8 = (n + 7) / 8 * 8;  // scores: G rows of stride kChunk (>= n8)
@@ -297,10 +299,30 @@ inline void attend_chunk_avx2(const float* __restrict q, const float* __restrict
     part[g * (D + 2) + 1] = sum[g];
   }
 }
-#define KAKEYA_ATTEND attend_chunk_avx2
-#else
-#define KAKEYA_ATTEND attend_chunk
 #endif
+
+// Which attention chunk code runs: 0 the 16-lane vector code, 1 the AVX2 one. Default: AVX2 where the build has it
+// and no AVX-512 (there the 16-lane code compiles to whole 64-byte registers); `row_attention` sets it (tests, research).
+inline int64_t& attention_kernel() {
+  static int64_t kernel = [] {
+#if KAKEYA_X86 && !defined(__AVX512F__)
+    return static_cast<int64_t>(q4::best_isa() != q4::kNone);
+#else
+    return static_cast<int64_t>(0);
+#endif
+  }();
+  return kernel;
+}
+
+template <int D, int G>
+inline void attend_chunk_pick(const float* q, const float* kb, const float* vb, const bool* m, int64_t j0, int64_t j1,
+                              float scale, float* scores, float* part) {
+#if KAKEYA_X86
+  if (attention_kernel() == 1) return attend_chunk_avx2<D, G>(q, kb, vb, m, j0, j1, scale, scores, part);
+#endif
+  attend_chunk<D, G>(q, kb, vb, m, j0, j1, scale, scores, part);
+}
+#define KAKEYA_ATTEND attend_chunk_pick
 
 // the chunk for G query heads; G past 8 head by head (G = 1 each)
 template <int D>
@@ -554,6 +576,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return was;
   }, "bytes ahead the int4 kernel prefetches (0 = none); returns the previous value (-1: only read it)",
         pybind11::arg("bytes") = -1);
+  m.def("row_attention", [](int64_t kernel) {
+    const int64_t was = attention_kernel();
+    if (kernel >= 0) {
+      TORCH_CHECK(kernel == 0 || (kernel == 1 && q4::best_isa() != q4::kNone),
+                  "row_attention: 0 (16-lane code) or 1 (AVX2, on a CPU that has it)");
+      attention_kernel() = kernel;
+    }
+    return was;
+  }, "the attention chunk code the row step runs: 0 the 16-lane vector code, 1 AVX2; returns the previous one "
+     "(-1: only read it)", pybind11::arg("kernel") = -1);
   m.def("q4_isa", [] { return static_cast<int64_t>(q4::best_isa()); }, "0 none (no q4 kernel here), 1 AVX2, 2 AVX-512 VNNI");
   pybind11::class_<RowStep>(m, "RowStep")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, std::vector<int64_t>,
