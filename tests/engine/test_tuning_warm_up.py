@@ -26,3 +26,22 @@ def test_warm_up_leaves_generation_unchanged(strategy):
     e = Engine(m, strategy, prefill_chunk=8)
     assert warm_up(e, tokens=24) > 0  # 24 tokens: past the window of sink_window / paged, so recall runs too
     assert [tokens(e, history, s) for s in samplings] == cold
+
+
+def test_start_up_objects_are_frozen_out_of_later_collections():
+    """server/app.freeze_startup_objects, which warm() calls before READY: what start-up made (here the tiny model
+    and this process's modules) leaves the objects a collection walks; what is made afterwards is collected."""
+    import gc
+
+    from inference_engine.server.app import freeze_startup_objects
+
+    m = load_model(str(tiny_model_dir("llama")))
+    try:
+        assert freeze_startup_objects() >= 0
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000
+        assert not any(o is m for o in gc.get_objects())  # the model is out of the tracked generations
+        later = [[]]
+        assert any(o is later for o in gc.get_objects())  # new objects are tracked as before
+    finally:
+        gc.unfreeze()
