@@ -180,15 +180,14 @@ def warm(engine, persister) -> None:
     log.info("warm-up forward: %.2f s", warm_up(engine))
     if persister is not None:
         persister.prepare_loads()
-    freeze_startup_objects()
 
 
 def freeze_startup_objects() -> float:
-    """Move what start-up made (the model, its libraries' modules: ~390k objects with SmolLM2 and transformers
-    loaded) into Python's permanent generation. A full collection walked them all, ~240 ms on the CPU we measure on,
-    holding the GIL on whichever thread allocated (often the model thread, mid-turn): a latency spike every so
-    often that nothing in the step explains. Later collections walk only what serving allocates. Returns the
-    seconds the last full collection took."""
+    """`kakeya serve`, before READY: move what start-up made (the model, its libraries' modules: ~390k objects
+    with SmolLM2 and transformers loaded) into Python's permanent generation. A full collection walked them all,
+    ~240 ms on the CPU we measure on, holding the GIL on whichever thread allocated (often the model thread,
+    mid-turn): a latency spike every so often that nothing in the step explains. Later collections walk only
+    what serving allocates. Returns the seconds the last full collection took."""
     import gc
     import time
 
@@ -389,6 +388,7 @@ def serve_forever(cfg: ServeConfig) -> int:
     # `kill -USR1 <pid>` writes every thread's stack to stderr (a daemon that hangs can say where); set before READY
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     running = start(cfg)
+    freeze_startup_objects()  # the daemon process only: an embedding process (the tests) keeps its collector as is
     info = running.runtime.server_info()
     params = " ".join(f"{k}={v}" for k, v in sorted(info.kv_params.items()))
     log.info(

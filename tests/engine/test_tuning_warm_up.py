@@ -29,7 +29,7 @@ def test_warm_up_leaves_generation_unchanged(strategy):
 
 
 def test_start_up_objects_are_frozen_out_of_later_collections():
-    """server/app.freeze_startup_objects, which warm() calls before READY: what start-up made (here the tiny model
+    """server/app.freeze_startup_objects, which `kakeya serve` calls before READY: what start-up made (here the tiny model
     and this process's modules) leaves the objects a collection walks; what is made afterwards is collected."""
     import gc
 
