@@ -49,8 +49,11 @@ run: setup model
 
 test: setup model proxy lint-python typecheck test-python test-ts lint-proto
 
+# two workers (pytest-xdist), a test file per worker at a time: the suite took 12:45 on one process on a 2-core
+# AVX2 EPYC, 7:22 on two (both 1068 passed); PYTEST_WORKERS=0 runs it in this process
+PYTEST_WORKERS ?= 2
 test-python: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Lint only ([tool.ruff] in pyproject.toml); the tree is not reformatted.
 lint-python: setup

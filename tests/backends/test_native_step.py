@@ -116,6 +116,7 @@ def test_the_two_attention_codes_agree_to_float_rounding():
     try:
         for kernel in (0, 1):
             mod.row_attention(kernel)
+            assert mod.row_attention() == kernel
             kv = engine.new_session_kv()
             engine.prefill(kv, _prompt(300, seed=9))  # past one chunk of 256 columns, a tail that is not whole vectors
             steps.decode_step(m, kv, 5)
