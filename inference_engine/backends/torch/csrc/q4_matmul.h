@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -293,6 +294,20 @@ __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w
 }
 #endif
 
+// x (M, K) fp32 -> (planes (M, P, K) int8, scales (2, M, K/32) fp32: per group the scale s, then s * sum)
+inline std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t planes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kGroup == 0,
+              "q4 quantize: x must be (M, K) fp32, K a multiple of 32");
+  TORCH_CHECK(planes == 1 || planes == 2, "q4 quantize: planes must be 1 or 2");
+  auto xc = x.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
+  auto qx = at::empty({rows, planes, k}, x.options().dtype(at::kChar));
+  auto scales = at::empty({2, rows, groups}, x.options());
+  quantize(xc.data_ptr<float>(), rows, k, static_cast<int>(planes), qx.data_ptr<int8_t>(), scales.data_ptr<float>(),
+           scales.data_ptr<float>() + rows * groups);
+  return {qx, scales};
+}
+
 // x (M, K) fp32 contiguous, w from pack() for N columns -> y (M, N) fp32. isa: kNone picks the best this CPU has;
 // planes: 2 (~16-bit activations, the layers) or 1 (int8, the head's approximate greedy scoring).
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa = kNone, int64_t planes = 2) {
@@ -302,13 +317,10 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
   TORCH_CHECK(groups * kGroup == k, "q4 matmul: x has ", k, " inputs, the weights ", groups * kGroup);
   const Isa use = isa == kNone ? best_isa() : static_cast<Isa>(isa);
   TORCH_CHECK(use != kNone && use <= best_isa(), "q4 matmul: this CPU lacks AVX2 (or the ISA asked for)");
-  auto xc = x.contiguous();
   TORCH_CHECK(planes == 1 || planes == 2, "q4 matmul: planes must be 1 or 2");
-  auto qx = at::empty({rows, planes, k}, x.options().dtype(at::kChar));
-  auto scales = at::empty({2, rows, groups}, x.options());
-  float* xs = scales.data_ptr<float>();
-  float* xsum = xs + rows * groups;
-  quantize(xc.data_ptr<float>(), rows, k, static_cast<int>(planes), qx.data_ptr<int8_t>(), xs, xsum);
+  const auto [qx, scales] = quantize(x, planes);
+  const float* xs = scales.data_ptr<float>();
+  const float* xsum = xs + rows * groups;
   auto y = at::empty({rows, n}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int8_t* qp = qx.data_ptr<int8_t>();

@@ -322,23 +322,22 @@ inline void attend_chunk_pick(const float* q, const float* kb, const float* vb, 
 #endif
   attend_chunk<D, G>(q, kb, vb, m, j0, j1, scale, scores, part);
 }
-#define KAKEYA_ATTEND attend_chunk_pick
 
 // the chunk for G query heads; G past 8 head by head (G = 1 each)
 template <int D>
 inline void attend_chunk_d(int64_t G, const float* q, const float* kb, const float* vb, const bool* m, int64_t j0,
                            int64_t j1, float scale, float* scores, float* part) {
   switch (G) {
-    case 1: return KAKEYA_ATTEND<D, 1>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 2: return KAKEYA_ATTEND<D, 2>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 3: return KAKEYA_ATTEND<D, 3>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 4: return KAKEYA_ATTEND<D, 4>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 5: return KAKEYA_ATTEND<D, 5>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 6: return KAKEYA_ATTEND<D, 6>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 7: return KAKEYA_ATTEND<D, 7>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 8: return KAKEYA_ATTEND<D, 8>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 1: return attend_chunk_pick<D, 1>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 2: return attend_chunk_pick<D, 2>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 3: return attend_chunk_pick<D, 3>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 4: return attend_chunk_pick<D, 4>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 5: return attend_chunk_pick<D, 5>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 6: return attend_chunk_pick<D, 6>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 7: return attend_chunk_pick<D, 7>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 8: return attend_chunk_pick<D, 8>(q, kb, vb, m, j0, j1, scale, scores, part);
     default:
-      for (int64_t g = 0; g < G; ++g) KAKEYA_ATTEND<D, 1>(q + g * D, kb, vb, m, j0, j1, scale, scores, part + g * (D + 2));
+      for (int64_t g = 0; g < G; ++g) attend_chunk_pick<D, 1>(q + g * D, kb, vb, m, j0, j1, scale, scores, part + g * (D + 2));
   }
 }
 
@@ -558,15 +557,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("isa") = 0, pybind11::arg("planes") = 2,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_quantize", [](const at::Tensor& x, int64_t planes) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % q4::kGroup == 0,
-                "q4 quantize: x must be (M, K) fp32, K a multiple of 32");
-    TORCH_CHECK(planes == 1 || planes == 2, "q4 quantize: planes must be 1 or 2");
-    auto xc = x.contiguous();
-    const int64_t rows = x.size(0), k = x.size(1);
-    auto qx = at::empty({rows, planes, k}, x.options().dtype(at::kChar));
-    auto scales = at::empty({2, rows, k / q4::kGroup}, x.options());
-    q4::quantize(xc.data_ptr<float>(), rows, k, static_cast<int>(planes), qx.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                 scales.data_ptr<float>() + rows * (k / q4::kGroup));
+    auto [qx, scales] = q4::quantize(x, planes);
     return std::make_tuple(qx, scales[0], scales[1]);
   }, "the kernel's activation quantization: x (M, K) fp32 -> planes (M, P, K) int8, scale (M, K/32), scale * sum",
         pybind11::arg("x"), pybind11::arg("planes") = 2);
