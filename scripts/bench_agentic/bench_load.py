@@ -47,16 +47,13 @@ def workload(session: int, turns: int, seed: int, vocab: int = 40000):
 
 
 class Daemon:
-    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off",
-                 prefill_chunk_shared=None):
+    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off"):
         # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
         cmd = [os.path.join(os.path.dirname(sys.executable), "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
                "--weights", weights, "--compile", compile,
                "--batching", batching, "--threads", str(threads), "--state-dir", state_dir]
         if prefill_chunk:
             cmd += ["--prefill-chunk", str(prefill_chunk)]
-        if prefill_chunk_shared:
-            cmd += ["--prefill-chunk-shared", str(prefill_chunk_shared)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("READY"):
@@ -389,8 +386,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="batching-on,batching-off,batching-on-chunk32,llama.cpp-batched,llama.cpp",
-                    help="batching-on|batching-off[-chunkN][-sharedN][-compile|-auto] (kakeya serve, --prefill-chunk N, "
-                         "--prefill-chunk-shared N, --compile on "
+                    help="batching-on|batching-off[-chunkN][-compile|-auto] (kakeya serve, --prefill-chunk N, --compile on "
                          "or auto (on the CPU: the native row step); otherwise --compile off), llama.cpp-batched (n "
                          "sequences in one context, batched decode) and llama.cpp (one Llama object per session, one "
                          "call at a time)")
@@ -419,12 +415,10 @@ def main() -> int:
             for suffix, m in (("-compile", "on"), ("-auto", "auto")):
                 if arm.endswith(suffix):
                     rest, compile_mode = arm[: -len(suffix)], m
-            rest, _, shared = rest.partition("-shared")
             mode, _, chunk = rest.removeprefix("batching-").partition("-chunk")
             res["compile"] = compile_mode
             d = Daemon(args.model, args.weights, mode, args.threads, tempfile.mkdtemp(prefix="kakeya-load-"),
-                       prefill_chunk=int(chunk) if chunk else None, compile=res["compile"],
-                       prefill_chunk_shared=int(shared) if shared else None)
+                       prefill_chunk=int(chunk) if chunk else None, compile=res["compile"])
             try:
                 for n in levels:
                     res[n] = run_level_kakeya(d.target, n, args, d.rss)

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     from inference_engine.engine.tuning import warm_up
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store.store import kakeya_home
+    from inference_engine.server.app import freeze_startup_objects
 
     torch.set_num_threads(args.threads)
     path = pathlib.Path(args.model_dir) if args.model_dir else kakeya_home() / "models" / args.model
@@ -65,8 +66,7 @@ def main(argv=None) -> int:
     out: dict = {}
     for arm in ("unfrozen", "frozen"):
         if arm == "frozen":
-            gc.collect()
-            gc.freeze()
+            freeze_startup_objects()  # what `kakeya serve` does before READY
         ts = []
         for _ in range(args.collections):
             t = time.perf_counter()
