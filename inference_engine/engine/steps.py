@@ -195,12 +195,21 @@ def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | Non
     row_step = getattr(backend, "row_step", None)
     if row_step is None or not all(_row_eligible(backend, it) for it in items):
         return None
-    out = row_step([(it.inp.ids, it.layout, it.cache.store) for it in items])
+    want = sorted({i for it in items for i in it.inp.capture})
+    out = row_step([(it.inp.ids, it.layout, it.cache.store) for it in items], tuple(want))
     if out is None:
         return None
-    logits, hidden = out
+    logits, hidden, captured = out
     for it in items:
         it.cache.rows_written()
+    if want:  # each item's captured layers, in its order, from the step's (R, len(want) * hidden)
+        h, a = hidden.shape[-1], 0
+        for it in items:
+            if it.inp.capture:
+                cols = [want.index(i) for i in it.inp.capture]
+                rows = captured[a:a + it.t].view(it.t, len(want), h)
+                it.inp.captured = rows[:, cols].reshape(it.t, len(cols) * h)
+            a += it.t
     if logits is None:  # the backend left the head to us
         return _row_logits(backend, items, hidden)
     results: list[ForwardResult] = []
@@ -215,8 +224,9 @@ def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | Non
 def _row_eligible(backend: Backend, it: _Item) -> bool:
     """An item for the backend's fused row step: row-exact (or a prefill chunk, where that step takes them: its
     rows then attend as one-token steps would, so a prompt's K/V is what decoding it token by token writes), over
-    plain slabs: no captured layers, recalled pages, extra keys or sink re-anchoring."""
-    return ((it.inp.row_exact or getattr(backend, "row_step_takes_prefill", False)) and not it.inp.capture
+    plain slabs: no recalled pages, extra keys or sink re-anchoring, and no captured layers unless that step keeps them."""
+    return ((it.inp.row_exact or getattr(backend, "row_step_takes_prefill", False))
+            and (not it.inp.capture or getattr(backend, "row_step_captures", False))
             and it.extra is None and it.sink_rope is None and it.paged is None)
 
 

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inference_engine.backends.torch.attention import (attend_merged, attend_moved_row, attend_row_two_part, attention_lse,
-                                                       page_pair_mix, page_pair_scores, page_tiles)
+from inference_engine.backends.torch.attention import (attend_layout_row, attend_merged, attend_moved_row, attend_row_two_part,
+                                                       attention_lse, page_pair_mix, page_pair_scores, page_tiles)
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry
 from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, SpillingRowTable, make_row_codec, ram_rows_for
@@ -299,7 +299,10 @@ class PagedCache(SinkWindowCache):
                     bias = vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
             tb = time.perf_counter()  # two calls merged by log-sum-exp: no copy of the resident slab
             p_row = layout.first_position + j
-            if p_row >= self.max_context:
+            if n_pages == 0 and p_row < self.max_context:  # nothing out of its window: a one-token step here recalls
+                # nothing either (attend_with_pages returns None) and attends through the resident path; so does it
+                o = attend_layout_row(q[:, j:j + 1], k_all, v_all, layout, w, j, scale)
+            elif p_row >= self.max_context:
                 o = self._far_row(layer, qj, kr, vr, bias, pages, p_row, k_all, v_all, layout,
                                   self._resident_bias(plan, layout, w, q.dtype)[j], scale, rotate_keys)
             else:

@@ -17,6 +17,11 @@ With --model, the cache has that model's geometry and trained context, and each 
 --decode-steps whole decode steps of the real model (its weights, --weights) over that synthetic history:
 forward + commit of one token, row-exact as the engine decodes, past the trained context in InfLLM's layout.
 What a decode step costs at 32k against 1k (issue 29: >= 0.8x) is read from these, side by side in one run.
+--step-arms times each whole decode step per arm, interleaved: `pieces` (every op from Python, what a paged step ran
+before the native segments), `native` (the native CPU step: a paged step's dense work in C++ segments,
+backends/torch/native.NativeSegments, attention and page choice in kv/paged.py). --full-reference N also times
+`full` at N tokens of the same random history through the native whole-step call (issue 29: paged at 32k >= 0.9x
+full at 1k).
 
     .venv/bin/python scripts/research/paged_scaling.py --lengths 1024,8192,32768,102400 --shortlists 32,64
     .venv/bin/python scripts/research/paged_scaling.py --model smollm2-135m-instruct --weights int4 \
@@ -51,6 +56,8 @@ def main() -> int:
     ap.add_argument("--model", default="", help="a model from the store: its geometry, context and decode steps")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--step-arms", default="native", help="comma list of pieces, native (with --model)")
+    ap.add_argument("--full-reference", type=int, default=0, help="also time full at this many tokens (with --model)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
 
@@ -70,6 +77,13 @@ def main() -> int:
         from inference_engine.model_store import resolve_model
 
         model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
+        arms = args.step_arms.split(",")
+        if "native" in arms and not model.use_native_step():
+            raise SystemExit("the native step is unavailable here (see the log)")
+        native_step = model.native_step
+
+        def arm(name: str) -> None:
+            model.native_step = native_step if name == "native" else None
         geometry = model.geometry()
         args.layers, args.kv_heads, args.head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
         args.heads = model.spec.num_heads
@@ -98,17 +112,19 @@ def main() -> int:
                         cache._choose_pages(layer, q, cache.store.k[layer], plan, None)
                 times[name].append(time.perf_counter() - t0)
                 cache.abort()
-        steps: dict = {name: [] for name in times}
+        steps: dict = {f"{name}/{a}": [] for name in times for a in (arms if model is not None else [])}
         if model is not None:
             token = model.tensor([17])
             for _ in range(args.decode_steps):
-                for name in steps:
+                for key in steps:
+                    name, a = key.split("/")
+                    arm(a)
                     cache.shortlist = cache.shortlist_from = 0 if name == "exact" else int(name)
                     at = cache.next_position
                     t0 = time.perf_counter()
                     forward(model, token, range(at, at + 1), cache, logits="last", row_exact=True)
                     cache.commit()
-                    steps[name].append(time.perf_counter() - t0)
+                    steps[key].append(time.perf_counter() - t0)
         cache.shortlist = cache.shortlist_from = shortlists[0]
         pages = cache.pages.rows // 64
         out[str(n)] = {
@@ -124,6 +140,31 @@ def main() -> int:
             out[str(n)]["decode_step_s"] = {k: statistics.median(v) for k, v in steps.items()}
             out[str(n)]["decode_step_s_mean"] = {k: statistics.mean(v) for k, v in steps.items()}
         print(n, out[str(n)], flush=True)
+    if model is not None and args.full_reference:
+        full = make_cache(KVStrategy("full"), geometry, max_step=args.chunk, max_context=context)
+        fill_with_random_kv(full, args.full_reference, args.chunk, gen)
+        token, ref = model.tensor([17]), {a: [] for a in arms}
+        for _ in range(args.decode_steps):
+            for a in arms:
+                arm(a)
+                at = full.next_position
+                t0 = time.perf_counter()
+                forward(model, token, range(at, at + 1), full, logits="last", row_exact=True)
+                full.commit()
+                ref[a].append(time.perf_counter() - t0)
+        out["full_reference"] = {"tokens": args.full_reference, "decode_step_s": {a: statistics.median(v) for a, v in ref.items()}}
+        print("full", out["full_reference"], flush=True)
+    if model is not None:
+        out["native_steps"] = {"whole": native_step.steps, "segments": native_step.segment_steps} if native_step else None
+        first, last = str(lengths[0]), str(lengths[-1])
+        out["ratios"] = {f"{key}: step at {first} / step at {last} (decode rate at {last} over {first})":
+                         out[first]["decode_step_s"][key] / out[last]["decode_step_s"][key]
+                         for key in out[first]["decode_step_s"]}
+        if "full_reference" in out:
+            for a, s_full in out["full_reference"]["decode_step_s"].items():
+                for key, s_paged in out[last]["decode_step_s"].items():
+                    if key.endswith("/" + a):
+                        out["ratios"][f"{key} at {last} vs full/{a} at {args.full_reference}"] = s_full / s_paged
     meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8", "max_context": context,
                                       "kv": "random normal K/V (the choice's cost and bytes do not depend on them)",
                                       "fill_s": time.perf_counter() - t_fill})

@@ -15,6 +15,7 @@ from inference_engine.engine import steps
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import GenerateParams, SamplingParams
+from inference_engine.kv.factory import make_cache
 from inference_engine.kv.strategy import KVStrategy
 
 
@@ -440,3 +441,133 @@ def test_compile_auto_keeps_it_only_where_it_measures_faster():
     assert m.native_step is nat and nat.steps - before == 6  # its prefill and 5 decode steps; the model is left as it was
     m.use_native_step(False)
     assert native_step_pays(m) == (False, {})
+
+
+# -- the steps the whole-step call declines: paged recall (kv/paged.py chooses keys per query and layer) runs the same
+# C++ code in segments (native.NativeSegments), attention left to the kv layer
+
+PAGED = KVStrategy("paged", 4, 12, page_size=4, recall_pages=2)
+
+
+def _cache(m, strategy, max_step):
+    return make_cache(strategy, m.geometry(), max_step=max_step, max_context=m.spec.max_context)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
+    """With torch's kernels inside (q4 off) the segments compute what the Python pieces do, to the kernels' rounding;
+    the whole-step call is never taken (its keys are chosen per query in kv/paged.py), every step is segmented."""
+    m = _model(weights, q4=False)
+    nat = m.native_step
+    engine = Engine(m, PAGED, prefill_chunk=16)
+    kvs = [engine.new_session_kv() for _ in range(2)]
+    steps0, segs0 = nat.steps, nat.segment_steps
+    m.native_step = nat
+    engine.prefill(kvs[0], _prompt(40))
+    m.native_step = None
+    engine.prefill(kvs[1], _prompt(40))
+    assert nat.segment_steps - segs0 == 3  # 40 tokens in chunks of 16
+    for tok in _prompt(20, seed=1):
+        m.native_step = nat
+        steps.decode_step(m, kvs[0], tok)
+        m.native_step = None
+        steps.decode_step(m, kvs[1], tok)
+        a, b = kvs[0].last_logits, kvs[1].last_logits
+        assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
+        assert int(a.argmax()) == int(b.argmax())
+    m.native_step = nat
+    assert nat.steps == steps0 and nat.segment_steps - segs0 == 23
+    assert kvs[0].cache.pages.rows == kvs[1].cache.pages.rows > 0  # pages were archived, and recalled from
+    for layer in range(m.spec.num_layers):
+        assert torch.allclose(kvs[0].cache.store.k[layer], kvs[1].cache.store.k[layer], atol=1e-4)
+
+
+def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_the_context():
+    """Row-exactness holds through the segments (row-independent kernels, the kv layer's row-exact attention): verify
+    blocks of 5 give one-token steps' logits bit for bit, below the trained context (64 here) and past it (InfLLM's
+    layout), and a prefill chunk's rows stay close to them."""
+    _module()
+    m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
+    assert m.use_native_step() is True
+    history = _prompt(160, seed=3)
+    runs = {}
+    for name, chunk, row_exact in (("chunks", 16, False), ("verify", 5, True), ("steps", 1, True)):
+        cache = _cache(m, KVStrategy("paged", 4, 12, page_size=8, recall_pages=2), 16)
+        before = m.native_step.segment_steps
+        out = []
+        for i in range(0, 160, chunk):
+            part = history[i:i + chunk]
+            logits, _ = steps.forward(m, m.tensor(part), range(i, i + len(part)), cache, row_exact=row_exact)
+            cache.commit()
+            out.append(logits)
+        runs[name] = torch.cat(out)
+        assert m.native_step.segment_steps - before == -(-160 // chunk)
+    assert torch.equal(runs["verify"], runs["steps"])
+    torch.testing.assert_close(runs["chunks"], runs["steps"], rtol=0.05, atol=0.05)
+
+
+def test_paged_recalling_every_page_in_segments_gives_what_full_gives_in_one_call():
+    m = _model()
+    history = _prompt(90, seed=4)
+    outs = {}
+    for name, strategy in (("full", KVStrategy("full")), ("paged", KVStrategy("paged", 4, 12, page_size=8,
+                                                                               recall_pages=100))):
+        engine = Engine(m, strategy, prefill_chunk=16)
+        kv = engine.new_session_kv()
+        events = engine.generate(kv, history, GenerateParams(max_tokens=16))
+        outs[name] = [e.token_id for e in events if isinstance(e, TokenGenerated)]
+        outs[name + "-logits"] = kv.last_logits
+    assert outs["paged"] == outs["full"]
+    torch.testing.assert_close(outs["paged-logits"], outs["full-logits"], rtol=0, atol=5e-2)
+
+
+# -- captured layers (a v2 drafter's features) in the whole-step call
+
+def test_captured_layers_come_out_of_the_native_step_without_changing_it():
+    """StepInput.capture no longer sends a step to Python: the C++ call keeps the residual stream after each
+    captured layer. The step's hidden states and K/V are bit for bit those of the same step without capture, and
+    the features are what the Python pieces capture (torch's kernels inside, to their rounding)."""
+    m = _model("int4", q4=False)
+    nat = m.native_step
+    prompt = _prompt(24, seed=5)
+    capture = (1, 0)  # in the caller's order, not sorted
+    results = {}
+    for name in ("native-capture", "native", "python-capture"):
+        m.native_step = None if name.startswith("python") else nat
+        cache = _cache(m, KVStrategy("full"), 32)
+        before = nat.steps
+        inp = steps.StepInput(m.tensor(prompt), range(0, 24), cache, "all", True,
+                              capture=() if name == "native" else capture)
+        (logits, hidden), = steps.forward_batch(m, [inp])
+        assert nat.steps - before == (0 if name.startswith("python") else 1)
+        results[name] = (logits, hidden, inp.captured, cache.store.k[1].clone())
+    m.native_step = nat
+    (la, ha, ca, ka), (lb, hb, cb, kb), (lp, hp, cp, _) = (results[n] for n in ("native-capture", "native",
+                                                                                 "python-capture"))
+    assert torch.equal(ha, hb) and torch.equal(la, lb) and torch.equal(ka, kb) and cb is None
+    h = m.spec.hidden_size
+    assert ca.shape == (24, 2 * h) == cp.shape
+    torch.testing.assert_close(ca, cp, rtol=0, atol=5e-2)
+    assert not torch.equal(ca[:, :h], ca[:, h:])  # layer 1, then layer 0
+
+
+def test_a_batch_of_sessions_capturing_different_layers_gets_each_its_own():
+    m = _model()
+    caches = [_cache(m, KVStrategy("full"), 8) for _ in range(3)]
+    wants = [(1,), (), (0, 1)]
+    inps = [steps.StepInput(m.tensor(_prompt(4, seed=i)), range(0, 4), c, "last", True, capture=w)
+            for i, (c, w) in enumerate(zip(caches, wants))]
+    before = m.native_step.steps
+    steps.forward_batch(m, inps)
+    assert m.native_step.steps == before + 1
+    alone = []
+    for i, w in enumerate(wants):
+        c = _cache(m, KVStrategy("full"), 8)
+        inp = steps.StepInput(m.tensor(_prompt(4, seed=i)), range(0, 4), c, "last", True, capture=w)
+        steps.forward_batch(m, [inp])
+        alone.append(inp.captured)
+    assert inps[1].captured is None and alone[1] is None
+    for i in (0, 2):
+        assert torch.equal(inps[i].captured, alone[i])
+    h = m.spec.hidden_size
+    assert inps[0].captured.shape == (4, h) and inps[2].captured.shape == (4, 2 * h)

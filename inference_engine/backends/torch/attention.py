@@ -95,6 +95,15 @@ def _attend_rows(model, layer, q, q_normed, k_all, v_all, layout, w, sink_rope):
     return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
+def attend_layout_row(qj, k_all, v_all, layout, w, j: int, scale):
+    """Row j of a row-exact step, qj (H, 1, D), attending as a one-token step at its position does (_attend_rows,
+    no sink shift): paged's rows that see nothing out of their window (kv/paged.py), so a verify block's row there
+    equals the one-token step bit for bit."""
+    keys = layout.row_keys(w)[j]
+    cols = slice(None, keys) if isinstance(keys, int) else keys
+    return _attend(qj, _columns(k_all, keys), _columns(v_all, keys), layout.masks[w][j:j + 1, cols], scale)
+
+
 def _with_extra_keys(s, extra, k_all, v_all, mask):
     """Prepend a layer's extra keys (ExtraKeys: positioned k, v (Hkv, E, D), mask (T, E), logit_bias) to the cache's."""
     e = extra.mask.shape[1]

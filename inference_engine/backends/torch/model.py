@@ -198,12 +198,19 @@ class TorchCausalLM:
                  "; int4 matmuls through its own int4 kernel" if self.native_step.q4 else "")
         return True
 
-    def row_step(self, parts: list):
+    def row_step(self, parts: list, capture: tuple = ()):
         """A row-exact step (parts: per session (ids, layout, store)) through the row graphs or the native CPU
-        step, or None (not for them). Returns (logits or None, hidden): None logits = the caller takes them."""
+        step, or None (not for them). Returns (logits or None, hidden, captured or None): None logits = the caller
+        takes them; captured: the `capture` layers' outputs (row_step_captures)."""
         if self.row_graphs is not None:
-            return self.row_graphs.run(parts)
-        return self.native_step.run(parts) if self.native_step is not None else None
+            out = self.row_graphs.run(parts)
+            return None if out is None else (*out, None)
+        return self.native_step.run(parts, capture) if self.native_step is not None else None
+
+    @property
+    def row_step_captures(self) -> bool:
+        """The row step keeps captured layers (StepInput.capture) itself: the native CPU step does."""
+        return self.row_graphs is None and self.native_step is not None
 
     @property
     def row_step_takes_prefill(self) -> bool:
@@ -226,12 +233,15 @@ class TorchCausalLM:
         out = {"step": "eager"} if self.graphs is None else self.graphs.describe()
         if self.native_step is not None:
             out |= {"row_step": "native (C++)" + (", own int4 kernel" if self.native_step.q4 else ""),
-                    "native_steps": self.native_step.steps}
+                    "native_steps": self.native_step.steps, "native_segment_steps": self.native_step.segment_steps}
         return out | (self.row_graphs.describe() if self.row_graphs is not None else {})
 
     def step_runner(self, rows: int):
-        """The runner of a step of `rows` rows through captured graphs, or None (run the pieces one by one)."""
-        return self.graphs.runner(rows) if self.graphs is not None else None
+        """The runner of a step of `rows` rows through captured graphs, or the native CPU step's C++ segments (the
+        steps its whole-step call does not take: paged recall, sink re-anchoring), or None (the pieces one by one)."""
+        if self.graphs is not None:
+            return self.graphs.runner(rows)
+        return self.native_step.segments(rows) if self.native_step is not None else None
 
     def _linear(self, fmt: str, blocks: dict, names: list, weights: list, bias=None) -> Linear:
         """One (possibly fused) linear layer: rows of `weights` stacked, in format `fmt` (quantized on

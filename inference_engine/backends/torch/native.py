@@ -9,12 +9,15 @@ $KAKEYA_HOME/native/<key>, the key covering the source (its path and bytes), tor
 model and flags: a restart loads it in well under a second; a build takes ~30-60 s on 2 cores. Without a C++ compiler,
 or if the build fails, the step stays in Python (logged once) and nothing else changes.
 
-Which steps it takes (`NativeRowStep.run` returns None for the rest, which run as before):
+Which steps it takes whole (`NativeRowStep.run` returns None for the rest):
   - a Llama-family model (no qk-norm, Gemma norms, biases or sliding-window layers), SiLU MLP, on the
     CPU with int8 or int4 weights (their kernels are row-independent; fp32 dense GEMM is not);
-  - every row row-exact (decode rows, verify blocks), no captured layers, no recalled pages, extra keys
-    or sink re-anchoring (engine/steps._row_step checks those);
+  - every row row-exact (decode rows, verify blocks) or a prefill chunk, with or without captured layers (a
+    drafter's features), no recalled pages, extra keys or sink re-anchoring (engine/steps._row_step checks those);
   - every session's K/V in a plain fp32 slab store (kv/stores.SlabStore), keys read as its first N slots.
+The rest (a paged session's rows, whose keys kv/paged.py chooses per query and layer; sink re-anchoring) run the
+same C++ code in segments (`NativeSegments`, engine/steps._forward_plain's runner): each layer's norm, q/k/v
+projection and RoPE, then the caller's attention, then the output projection and MLP, as one call each.
 """
 from __future__ import annotations
 
@@ -169,13 +172,16 @@ class NativeRowStep:
             packed = q4_pack(module, head.greedy_approx)
             # one int8 plane: only which 64 candidates the exact fp32 rescoring sees depends on it
             head.greedy_kernel = lambda x: module.q4_matmul(x.float().contiguous(), packed, 0, 1)
-        self.steps = 0  # steps run natively (reported)
+        self.steps = 0  # whole steps run natively (reported)
+        self.segment_steps = 0  # steps whose dense work ran in C++ segments (NativeSegments)
         self.prefill = True  # prefill chunks too (model.row_step_takes_prefill); research scripts turn it off
 
-    def run(self, parts: list) -> tuple[None, torch.Tensor] | None:
-        """parts: per session (ids (T,), layout, store) of a row-exact step. Returns (None, hidden (R, hidden)):
-        the final-normed hidden states of the R rows in order (the caller takes logits from them), the rows' k, v
-        written into every layer's slab; or None: not a step for it (the Python pieces run it)."""
+    def run(self, parts: list, capture: tuple = ()) -> tuple[None, torch.Tensor, torch.Tensor | None] | None:
+        """parts: per session (ids (T,), layout, store) of a row-exact step; capture: layers whose output (the
+        residual stream after them) to keep, in order. Returns (None, hidden (R, hidden), captured): the
+        final-normed hidden states of the R rows in order (the caller takes logits from them), the rows' k, v
+        written into every layer's slab, and (R, len(capture) * hidden) or None; or None: not a step for it (the
+        Python pieces run it)."""
         from inference_engine.kv.stores import SlabStore
 
         for _, layout, store in parts:
@@ -204,10 +210,40 @@ class NativeRowStep:
         cos, sin = m.rope(positions).tables["default"]
         x = m.embed_ids(ids)
         meta_t = torch.from_numpy(meta)
-        hidden = self.step.run(x, cos[0], sin[0], [store.k for _, _, store in parts], [store.v for _, _, store in parts],
-                               meta_t[0], meta_t[1], torch.from_numpy(mask), meta_t[2])
+        hidden, captured = self.step.run(x, cos[0], sin[0], [store.k for _, _, store in parts],
+                                         [store.v for _, _, store in parts], meta_t[0], meta_t[1], torch.from_numpy(mask),
+                                         meta_t[2], list(capture))
         self.steps += 1
-        return None, hidden
+        return None, hidden, (captured if capture else None)
+
+    def segments(self, rows: int) -> "NativeSegments":
+        """A runner of one step's dense work in C++ segments, attention left to the caller (engine/steps)."""
+        return NativeSegments(self)
+
+
+class NativeSegments:
+    """engine/steps._forward_plain's runner (the interface of graphs._Runner) over the C++ step's own pieces:
+    `start` embeds and returns layer 0's (q, q before RoPE, k, v); `advance(i, o)` takes layer i's attention
+    output and returns the residual stream after layer i and layer i+1's (q, q before RoPE, k, v), or after
+    the last layer (x, final-normed hidden). Every tensor is new (a kept residual stream is never written)."""
+
+    def __init__(self, native: NativeRowStep):
+        self.native, self.layers = native, native.model.spec.num_layers
+
+    def start(self, ids: torch.Tensor, rope) -> tuple:
+        cos, sin = rope.tables["default"]
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        self.x = self.native.model.embed_ids(ids).float().contiguous()
+        self.native.segment_steps += 1
+        return self.native.step.layer_qkv(0, self.x, self.cos, self.sin)
+
+    def advance(self, layer: int, o: torch.Tensor):
+        step = self.native.step
+        self.x = step.layer_finish(layer, self.x, o.float())
+        if layer + 1 == self.layers:
+            x, self.x = self.x, None
+            return x, step.final_hidden(x)
+        return self.x, step.layer_qkv(layer + 1, self.x, self.cos, self.sin)
 
 
 def q4_pack(module, lin) -> torch.Tensor:

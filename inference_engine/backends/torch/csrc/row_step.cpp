@@ -396,10 +396,13 @@ class RowStep {
   // each row's session and the slab column its k, v go to; mask (R, N) bool and row_keys (R,) int64: the columns
   // each row sees, among its session's first row_keys[r]. Writes every layer's k, v into the slabs; returns the
   // final-normed hidden states (R, hidden) fp32.
-  at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+  //
+  // capture: layers whose output (the residual stream after them) to keep, in this order (engine StepInput.capture:
+  // a drafter's conditioning features); the second result is then (R, len(capture) * hidden), else empty.
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<std::vector<at::Tensor>>& k_slabs, const std::vector<std::vector<at::Tensor>>& v_slabs,
                  const at::Tensor& row_session, const at::Tensor& row_slot, const at::Tensor& mask,
-                 const at::Tensor& row_keys) {
+                 const at::Tensor& row_keys, const std::vector<int64_t>& capture) {
     at::NoGradGuard no_grad;
     const int64_t R = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat, "row step: x must be (R, hidden) fp32");
@@ -433,11 +436,13 @@ class RowStep {
     const float* sp = sn.data_ptr<float>();
     const int64_t half = D / 2, nq = H * D, nkv = Hkv * D;
 
+    for (const int64_t l : capture) TORCH_CHECK(l >= 0 && l < layers_, "row step: captured layer out of range");
+    const int64_t nc = static_cast<int64_t>(capture.size());
+    auto captured = at::empty({nc ? R : 0, nc * hidden_}, opts.dtype(at::kFloat));
+
     for (int64_t l = 0; l < layers_; ++l) {
-      const Linear &wqkv = lin_[l * 4], &wo = lin_[l * 4 + 1], &wgu = lin_[l * 4 + 2], &wdown = lin_[l * 4 + 3];
       // input norm -> fused q, k, v
-      norms(xp, R, inv.data());
-      auto qkv = as_float(wqkv(linear_input(xp, inv.data(), ln_in_[l].data_ptr<float>(), R, hidden_, wqkv.bf16_input(), opts)));
+      auto qkv = project(l, xp, R, inv.data(), opts);
       const float* qkv_p = qkv.data_ptr<float>();
       // RoPE (rotate-half) on q and k; k, v into each row's slab column
       for (int64_t r = 0; r < R; ++r) {
@@ -498,22 +503,111 @@ class RowStep {
                            &att[(r * H + h * G + g) * D]);
         }
       }
-      // output projection + residual
-      add_into(xp, as_float(wo(linear_input(att.data(), nullptr, nullptr, R, nq, wo.bf16_input(), opts))), R * hidden_);
-      // post-attention norm -> gate/up -> SiLU(gate) * up -> down + residual
-      norms(xp, R, inv.data());
-      auto gu = as_float(wgu(linear_input(xp, inv.data(), ln_post_[l].data_ptr<float>(), R, hidden_, wgu.bf16_input(), opts)));
-      const float* gup = gu.data_ptr<float>();
-      std::vector<float> act(R * inter_);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < inter_; ++i) {
-          const float g = gup[r * 2 * inter_ + i], u = gup[r * 2 * inter_ + inter_ + i];
-          act[r * inter_ + i] = g / (1.f + exp_f(-g)) * u;
+      finish(l, xp, R, att.data(), inv.data(), opts);
+      for (int64_t c = 0; c < nc; ++c)
+        if (capture[c] == l) {
+          float* dst = captured.data_ptr<float>();
+          for (int64_t r = 0; r < R; ++r)
+            std::memcpy(dst + (r * nc + c) * hidden_, xp + r * hidden_, hidden_ * sizeof(float));
         }
-      add_into(xp, as_float(wdown(linear_input(act.data(), nullptr, nullptr, R, inter_, wdown.bf16_input(), opts))),
-               R * hidden_);
     }
-    norms(xp, R, inv.data());
+    return {final_norm(xp, R, inv.data(), opts), captured};
+  }
+
+  // -- the same step in segments, attention left to the caller (engine/steps._forward_plain's runner: the strategies
+  // whose keys the kv layer chooses per query, such as paged recall). Each piece is the fused run's own code, so the
+  // dense work is the same arithmetic; the caller attends. Tensors are fp32, rows independent.
+
+  // Layer l's input norm, fused q/k/v projection and RoPE over the residual stream x (R, hidden): returns q (H, R, D)
+  // rotated, q before RoPE (H, R, D), k (Hkv, R, D) rotated, v (Hkv, R, D) (views of row-major memory); cos, sin
+  // (R, D) at the rows' positions.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_qkv(int64_t l, const at::Tensor& x, const at::Tensor& cos,
+                                                                       const at::Tensor& sin) const {
+    at::NoGradGuard no_grad;
+    const int64_t R = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_, half = D / 2;
+    check_rows(l, x, layers_);
+    TORCH_CHECK(cos.dim() == 2 && cos.size(0) == R && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+                    cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                "row step: cos/sin must be (R, D) fp32");
+    auto xc = x.contiguous(), cs = cos.contiguous(), sn = sin.contiguous();
+    const auto opts = xc.options();
+    std::vector<float> inv(R);
+    auto qkv = project(l, xc.data_ptr<float>(), R, inv.data(), opts);
+    // row-major (R, heads, D) memory, returned as (heads, R, D) views: the layout the Python pieces give (their
+    // rotations of a transposed projection), so the kv layer's attention sees the strides it sees from them
+    auto q = at::empty({R, H, D}, opts), q_raw = at::empty({R, H, D}, opts), k = at::empty({R, Hkv, D}, opts),
+         v = at::empty({R, Hkv, D}, opts);
+    const float* qkv_p = qkv.data_ptr<float>();
+    const float* cp = cs.data_ptr<float>();
+    const float* sp = sn.data_ptr<float>();
+    float *qp = q.data_ptr<float>(), *qr = q_raw.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+    const int64_t nq = H * D, nkv = Hkv * D;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* row = qkv_p + r * (nq + 2 * nkv);
+      for (int64_t h = 0; h < H; ++h) rope(row + h * D, cp + r * D, sp + r * D, qp + (r * H + h) * D, half);
+      std::memcpy(qr + r * nq, row, nq * sizeof(float));
+      for (int64_t h = 0; h < Hkv; ++h) rope(row + nq + h * D, cp + r * D, sp + r * D, kp + (r * Hkv + h) * D, half);
+      std::memcpy(vp + r * nkv, row + nq + nkv, nkv * sizeof(float));
+    }
+    return {q.transpose(0, 1), q_raw.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)};
+  }
+
+  // Layer l's attention output o (H, R, D) into a new residual stream: x + o Wo, then the MLP block.
+  at::Tensor layer_finish(int64_t l, const at::Tensor& x, const at::Tensor& o) const {
+    at::NoGradGuard no_grad;
+    const int64_t R = x.size(0), H = heads_, D = head_dim_;
+    check_rows(l, x, layers_);
+    TORCH_CHECK(o.dim() == 3 && o.size(0) == H && o.size(1) == R && o.size(2) == D && o.scalar_type() == at::kFloat,
+                "row step: o must be (H, R, D) fp32");
+    auto out = x.contiguous().clone();
+    auto att = o.transpose(0, 1).contiguous();  // (R, H, D): the fused step's layout
+    std::vector<float> inv(R);
+    finish(l, out.data_ptr<float>(), R, att.data_ptr<float>(), inv.data(), out.options());
+    return out;
+  }
+
+  // The final norm of the residual stream x (R, hidden).
+  at::Tensor final_hidden(const at::Tensor& x) const {
+    at::NoGradGuard no_grad;
+    check_rows(0, x, 1);
+    auto xc = x.contiguous();
+    std::vector<float> inv(x.size(0));
+    return final_norm(xc.data_ptr<float>(), x.size(0), inv.data(), xc.options());
+  }
+
+ private:
+  void check_rows(int64_t l, const at::Tensor& x, int64_t layers) const {
+    TORCH_CHECK(l >= 0 && l < layers, "row step: layer out of range");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat, "row step: x must be (R, hidden) fp32");
+  }
+
+  // input norm -> fused q, k, v (R, (H + 2 Hkv) D), before RoPE
+  at::Tensor project(int64_t l, const float* xp, int64_t R, float* inv, const at::TensorOptions& opts) const {
+    const Linear& wqkv = lin_[l * 4];
+    norms(xp, R, inv);
+    return as_float(wqkv(linear_input(xp, inv, ln_in_[l].data_ptr<float>(), R, hidden_, wqkv.bf16_input(), opts)));
+  }
+
+  // the attention output att (R, H * D) -> output projection + residual; post-attention norm -> gate/up ->
+  // SiLU(gate) * up -> down + residual, into xp
+  void finish(int64_t l, float* xp, int64_t R, const float* att, float* inv, const at::TensorOptions& opts) const {
+    const Linear &wo = lin_[l * 4 + 1], &wgu = lin_[l * 4 + 2], &wdown = lin_[l * 4 + 3];
+    add_into(xp, as_float(wo(linear_input(att, nullptr, nullptr, R, heads_ * head_dim_, wo.bf16_input(), opts))), R * hidden_);
+    norms(xp, R, inv);
+    auto gu = as_float(wgu(linear_input(xp, inv, ln_post_[l].data_ptr<float>(), R, hidden_, wgu.bf16_input(), opts)));
+    const float* gup = gu.data_ptr<float>();
+    std::vector<float> act(R * inter_);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < inter_; ++i) {
+        const float g = gup[r * 2 * inter_ + i], u = gup[r * 2 * inter_ + inter_ + i];
+        act[r * inter_ + i] = g / (1.f + exp_f(-g)) * u;
+      }
+    add_into(xp, as_float(wdown(linear_input(act.data(), nullptr, nullptr, R, inter_, wdown.bf16_input(), opts))),
+             R * hidden_);
+  }
+
+  at::Tensor final_norm(const float* xp, int64_t R, float* inv, const at::TensorOptions& opts) const {
+    norms(xp, R, inv);
     auto out = at::empty({R, hidden_}, opts.dtype(at::kFloat));
     const float* fw = final_norm_.data_ptr<float>();
     float* op = out.data_ptr<float>();
@@ -522,7 +616,6 @@ class RowStep {
     return out;
   }
 
- private:
   void norms(const float* x, int64_t rows, float* inv) const {
     for (int64_t r = 0; r < rows; ++r)
       inv[r] = 1.f / std::sqrt(sum_squares(x + r * hidden_, hidden_) / static_cast<float>(hidden_) + eps_);
@@ -581,5 +674,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<RowStep>(m, "RowStep")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, std::vector<int64_t>,
                           std::vector<at::Tensor>>())
-      .def("run", &RowStep::run, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("run", &RowStep::run, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("layer_qkv", &RowStep::layer_qkv, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("layer_finish", &RowStep::layer_finish, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("final_hidden", &RowStep::final_hidden, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
