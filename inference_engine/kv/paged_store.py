@@ -15,15 +15,19 @@ its call: a key quantized in the page store equals the same key quantized on the
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import tempfile
+import time
 import weakref
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from inference_engine.kv.compressors import KVCodec, make_codec
+
+log = logging.getLogger("kakeya")
 
 CodecT = TypeVar("CodecT", bound=KVCodec)  # a RowTable's row codec
 
@@ -79,7 +83,8 @@ class RowQuant:
         u = (q + 8).to(torch.uint8).view(rows.shape[0], -1, 2)  # 1 .. 15
         return {"codes": u[..., 0] | (u[..., 1] << 4), "scale": scale}
 
-    def group_max_scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def group_max_scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                         integer: bool | None = None) -> torch.Tensor:
         """max over g of q[b, g, m] . decode(row c), (B, M, C), for q (B, G, M, D) float and coded rows
         (B, C, ...): a matmul over the integer codes, the max over the group, then the row scale
         (> 0, so it commutes with the max). Nothing decoded is kept. 4-bit codes are unpacked into
@@ -87,12 +92,14 @@ class RowQuant:
         multiplied with q's matching dimensions (no interleaving copy).
 
         Steps of few queries (decode, speculative verify: up to `_INT_QUERIES` queries) multiply in
-        integers: q as three int8 limbs per (b, m) (`query_limbs`), exact int8 x int8 -> int32
-        matmuls (torch._int_mm), the limbs combined in float32. It reads the int8 codes as they are,
-        a quarter of the bytes of a float copy of every code, which is what a decode step paid on a
-        loaded box. Longer steps (prefill chunks) take a float matmul (torch._int_mm is slow for
-        many rows here). The two differ by float rounding only: the limbs hold q to 2^-23 of the
-        group's largest |q| element."""
+        integers where that measures faster on this CPU (`integer_scoring`): q as three int8 limbs per
+        (b, m) (`query_limbs`), exact int8 x int8 -> int32 matmuls (torch._int_mm), the limbs combined
+        in float32. It reads the int8 codes as they are, a quarter of the bytes of a float copy of every
+        code, which is what a decode step paid on a loaded AVX-512 VNNI box; without VNNI torch's
+        _int_mm is ~4x slower than the float matmul (an AVX2-only EPYC: 490 us a call). Longer steps
+        (prefill chunks) take a float matmul (torch._int_mm is slow for many rows). The two differ by
+        float rounding only: the limbs hold q to 2^-23 of the group's largest |q| element.
+        integer: force one path (tests, research); None: the measured choice."""
         b, g, m, d = q.shape
         if self.bits == 8:
             halves = [(codes, slice(None))]  # (B, C, D) int8
@@ -100,7 +107,9 @@ class RowQuant:
             halves = [((codes & 15).view(torch.int8).sub_(8), slice(0, None, 2)),
                       ((codes >> 4).view(torch.int8).sub_(8), slice(1, None, 2))]  # (B, C, D / 2) each
         c = codes.shape[1]
-        if m > _INT_QUERIES or q.device.type != "cpu":  # torch._int_mm off the CPU wants > 16 rows, multiples of 8
+        if integer is None:
+            integer = m <= _INT_QUERIES and q.device.type == "cpu" and integer_scoring()
+        if not integer:  # torch._int_mm off the CPU wants > 16 rows, multiples of 8
             qq = q.reshape(b, g * m, d)
             (ints, dims), *rest = halves
             raw = torch.bmm(qq[..., dims], ints.float().transpose(1, 2))
@@ -127,7 +136,35 @@ class RowQuant:
         return torch.stack([lo, hi], -1).reshape(codes.shape[0], self.head_dim).float() * scale
 
 
-_INT_QUERIES = 16  # RowQuant.group_max_scores: steps of up to this many queries score in integers
+_INT_QUERIES = 16  # RowQuant.group_max_scores: steps of up to this many queries may score in integers
+_integer_scoring: bool | None = None
+
+
+def integer_scoring() -> bool:
+    """Whether few-query steps score compact keys in integers (torch._int_mm) on this CPU: measured once per process
+    on a decode step's shape (3 KV heads x 3 query heads, 4,096 int4 keys of 64 dimensions), against the float
+    matmul, the faster kept (KAKEYA_PAGE_SCORING=int / float decides instead). Logged."""
+    global _integer_scoring
+    if _integer_scoring is None:
+        forced = os.environ.get("KAKEYA_PAGE_SCORING", "")
+        if forced in ("int", "float"):
+            _integer_scoring = forced == "int"
+        else:
+            codec, g = RowQuant(4, 64), torch.Generator().manual_seed(0)
+            codes = torch.randint(0, 256, (3, 4096, 32), dtype=torch.uint8, generator=g)
+            scale = torch.full((3, 4096, 1), 0.01, dtype=torch.float16)
+            q = torch.randn(3, 3, 1, 64, generator=g)
+            best: dict[bool, float] = {}
+            for i, integer in enumerate((True, False) * 3):  # interleaved; the first of each warms up
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    codec.group_max_scores(q, codes, scale, integer=integer)
+                if i >= 2:
+                    best[integer] = min(best.get(integer, float("inf")), time.perf_counter() - t0)
+            _integer_scoring = best[True] < best[False]
+            log.info("paged: compact keys scored %s for decode steps (%.2f ms in integers, %.2f ms in float, measured)",
+                     "in integers" if _integer_scoring else "in float", best[True] * 1e3 / 3, best[False] * 1e3 / 3)
+    return _integer_scoring
 
 
 def query_limbs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
