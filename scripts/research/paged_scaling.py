@@ -118,7 +118,8 @@ def main() -> int:
                 times[name].append(time.perf_counter() - t0)
                 cache.abort()
         paged_store._integer_scoring = measured
-        steps: dict = {f"{name}/{a}": [] for name in times for a in (arms if model is not None else [])}
+        steps: dict = {f"{name}/{a}": [] for name in times if not name.endswith("-int")
+                       for a in (arms if model is not None else [])}
         if model is not None:
             token = model.tensor([17])
             for _ in range(args.decode_steps):

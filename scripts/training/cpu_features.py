@@ -66,6 +66,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=TOKENS_4M, help="tokens planned (the plan stops at this)")
     ap.add_argument("--minutes", type=float, default=0.0, help="stop starting chunks after this long (0 = none)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--step", default="auto", choices=["auto", "native", "pieces"],
+                    help="native: the native CPU step (captured layers come out of its one C++ call); pieces: every op "
+                         "from Python; auto: native where it builds, as the daemon's --compile auto on the CPU")
     ap.add_argument("--corpus-files", type=int, default=20000, help="gpu_corpus.build max_files")
     ap.add_argument("--corpus-seconds", type=float, default=120.0, help="gpu_corpus.build deadline")
     ap.add_argument("--man-pages", type=int, default=300)
@@ -221,6 +224,8 @@ def main(argv=None) -> int:
     path = resolve_model(args.model)
     t_load = time.monotonic()
     model = TorchCausalLM.load(path, weights=args.weights)
+    if args.step != "pieces" and not model.use_native_step() and args.step == "native":
+        raise SystemExit("--step native: the native CPU step is unavailable here (see the log); use --step pieces")
     load_s = time.monotonic() - t_load
     if max(layers) >= model.spec.num_layers:
         raise SystemExit(f"capture layers {list(layers)} outside the model's {model.spec.num_layers} layers")
@@ -285,6 +290,7 @@ def main(argv=None) -> int:
         payload.update({
             "what": "cpu_features.py data stage rate: the engine's int4 forward with capture, teacher-forced, written as fp16 chunks",
             "model": str(path), "weights": args.weights, "capture_layers": list(layers), "hidden": H,
+            "step": model.describe_step(),
             "run": run, "greedy_agreement_of_text": round(agr, 4),
             "tokens_per_s": round(rate, 1), "forward_tokens_per_s": round(done["tokens"] / done["forward_seconds"], 1)
             if done["forward_seconds"] else 0.0,

@@ -64,6 +64,7 @@ def test_chunks_have_the_trainers_format_and_the_engines_features(built):
     assert man["engine"]["weights"] == "int4"
 
     model = TorchCausalLM.load(tiny_dir(), weights="int4")
+    model.use_native_step()  # the script's --step auto: the native step where it builds (its captured layers)
     checked = 0
     for c, items in enumerate(dflash_data.chunk_jobs(jobs)):
         d = load_file(str(parts[c]))
