@@ -75,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-packages", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rate-json", default="", help="write the measured rate and disk per token here")
+    ap.add_argument("--merge-rates", nargs="+", default=[], metavar="RATE_JSON",
+                    help="only merge these --rate-json runs (one per --step) into --rate-json, with their ratio")
     return ap.parse_args(argv)
 
 
@@ -208,8 +210,31 @@ def disk_totals(out: pathlib.Path) -> tuple[int, int, int]:
     return n, tok, by
 
 
+def merge_rates(args) -> int:
+    """Rate runs of the same corpus and box, one per --step, in one file: each run's rate and the ratio of each
+    to the `pieces` run (the parts stay as they are)."""
+    runs = {}
+    for f in args.merge_rates:
+        d = json.loads(pathlib.Path(f).read_text())
+        step = d["config"].get("step", "auto")
+        runs[step] = {"file": f, "commit": d["commit"], "cpu": d["machine"]["cpu"], "tokens_per_s": d["tokens_per_s"],
+                      "tokens_per_cpu_second": d["tokens_per_cpu_second"], "tokens": d["run"]["tokens"],
+                      "load_average_start_end": d["run"]["load_average_start_end"], "step": d.get("step"),
+                      "projection_4M_tokens_hours": d["projection_4M_tokens"]["hours"],
+                      "bytes_per_token_on_disk": d["bytes_per_token_on_disk"]}
+    out = run_metadata({"merge_rates": args.merge_rates})
+    out |= {"what": "cpu_features.py data stage rate per --step, runs one after another on the same corpus and box",
+            "runs": runs}
+    if "pieces" in runs:
+        out["ratio_to_pieces"] = {k: round(v["tokens_per_s"] / runs["pieces"]["tokens_per_s"], 3) for k, v in runs.items()}
+    write_json(pathlib.Path(args.rate_json), out)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge_rates:
+        return merge_rates(args)
     torch.set_num_threads(args.threads)
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.model_store import resolve_model
