@@ -93,6 +93,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "speculative.json"))
     ap.add_argument("--v2-drafter", default="smollm2-135m-dflash", help="the drafter issue 18's targets are checked on")
     ap.add_argument("--time-budget-min", type=float, default=0.0, help="stop starting prompts after this long (0 = all)")
+    ap.add_argument("--draft-gates", default="cost",
+                    help="comma list; cost: the daemon's gate, acceptance weighed against verify blocks' cost measured "
+                         "here (Engine.measure_verify_cost); misses: only empty blocks pause drafting (before "
+                         "2026-11-27). With two, each drafter runs under both, the second's arms named drafter[gate]")
     args = ap.parse_args()
     load_at_start = os.getloadavg()
 
@@ -124,8 +128,21 @@ def main() -> int:
     ks = [int(k) for k in args.ks.split(",")]
     strategy = KVStrategy(args.kv_strategy)
     ar = Engine(model, strategy)
-    arms = [(d, k) for d in drafters for k in ks]
-    specs = {(d, k): Engine(model, strategy, drafter=drafters[d], spec_k=k) for d, k in arms}
+    gates = args.draft_gates.split(",")
+    if not gates or any(g not in ("cost", "misses") for g in gates):
+        raise SystemExit(f"--draft-gates: cost and/or misses, got {args.draft_gates!r}")
+    label = {(d, g): d if g == gates[0] else f"{d}[{g}]" for d in drafters for g in gates}
+    arms = [(label[d, g], k) for d in drafters for g in gates for k in ks]
+    specs = {(label[d, g], k): Engine(model, strategy, drafter=drafters[d], spec_k=k) for d in drafters for g in gates
+             for k in ks}
+    verify_cost: dict = {}
+    for d in drafters:
+        for k in ks:
+            if "cost" in gates:  # one measurement per k, shared by the drafters
+                eng = specs[label[d, "cost"], k]
+                eng.verify_cost = verify_cost.get(k) or eng.measure_verify_cost()
+                verify_cost[k] = eng.verify_cost
+    drafter_of = {label[d, g]: d for d in drafters for g in gates}
 
     log = AcceptanceLog()
     for eng in (ar, *specs.values()):  # warm-up: first-call allocations and kernel selection stay out of the timings
@@ -142,7 +159,7 @@ def main() -> int:
         ref, done = run(ar, ids, args.tokens)
         row["ar"] = {"decode_s": done.total_seconds - done.time_to_first_token_seconds, "generated": done.generated_tokens}
         for (d, k), eng in specs.items():
-            drafter = drafters[d]
+            drafter = drafters[drafter_of[d]]
             drafter.seconds = drafter.calls = 0
             log.rows = []
             toks, done = run(eng, ids, args.tokens)
@@ -200,8 +217,10 @@ def main() -> int:
         targets["issue28_ngram_k4"] = {s: {"speedup": round(summary[s]["ngram/k4"]["speedup"], 3), "target": t,
                                            "met": summary[s]["ngram/k4"]["speedup"] >= t}
                                        for s, t in (("edit", 1.5), ("chat", 1.0)) if s in summary}
+        targets["issue28_ngram_k4"]["gate"] = gates[0]
     v2 = issue18_targets(summary, args.v2_drafter) if args.v2_drafter in drafters else None
-    out = run_metadata(vars(args) | {"n_prompts": len(per_prompt), "heldout_split_rule": heldout.get("split_rule"),
+    out = run_metadata(vars(args) | {"verify_cost_measured": {str(k): [round(c, 3) for c in v] for k, v in verify_cost.items()},
+                                     "n_prompts": len(per_prompt), "heldout_split_rule": heldout.get("split_rule"),
                                      "edit_instruction": EDIT_INSTRUCTION})
     out["machine"]["load_average_at_start"], out["machine"]["load_average_at_end"] = load_at_start, os.getloadavg()
     out |= {"summary": summary, "targets": targets, "targets_issue18": v2, "prompts": per_prompt}
@@ -209,7 +228,7 @@ def main() -> int:
 
     out_path = pathlib.Path(args.out)
     write_json(out_path, out)
-    plot(summary, list(drafters), ks, styles, out_path.with_suffix(".png"))
+    plot(summary, list(dict.fromkeys(d for d, _ in arms)), ks, styles, out_path.with_suffix(".png"))
     print(json.dumps({s: {a: round(v["speedup"], 3) for a, v in summary[s].items()} for s in summary}, indent=1))
     print(targets)
     print(json.dumps(v2, indent=1))

@@ -21,11 +21,15 @@ def pytest_runtest_makereport(item, call):
 
 
 # Daemons the suite starts (in-process and as subprocesses) persist sessions under a directory of
-# their own, never the machine's $KAKEYA_HOME/state (a daemon running there holds its lock).
-if "KAKEYA_STATE_DIR" not in os.environ:
+# their own, never the machine's $KAKEYA_HOME/state (a daemon running there holds its lock). One per
+# pytest-xdist worker: workers inherit the controller's environment, and two workers' daemons in one
+# directory would meet each other's lock (seen: a README example's daemon refused to start).
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if "KAKEYA_STATE_DIR" not in os.environ or os.environ.get("KAKEYA_TEST_STATE_WORKER", "") != _worker:
     import atexit
     import shutil
     import tempfile
 
-    os.environ["KAKEYA_STATE_DIR"] = tempfile.mkdtemp(prefix="kakeya-test-state-")
+    os.environ["KAKEYA_STATE_DIR"] = tempfile.mkdtemp(prefix=f"kakeya-test-state-{_worker or 'main'}-")
+    os.environ["KAKEYA_TEST_STATE_WORKER"] = _worker
     atexit.register(shutil.rmtree, os.environ["KAKEYA_STATE_DIR"], True)

@@ -56,6 +56,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.drafter = drafter if spec_k else None
         self.spec_k = spec_k
+        # [1.0, c1, .., ck]: a verify block of n drafts over a decode step, measured (measure_verify_cost; the daemon
+        # does at startup); the draft gate weighs acceptance against it. None: the gate counts empty blocks only.
+        self.verify_cost: list[float] | None = None
         self.drafter_name = drafter_name if self.drafter is not None else ""
         self.strategy_resources = strategy_resources
         # One forward at a time; concurrent sessions' steps share it when batching is on.
@@ -72,6 +75,17 @@ class Engine:
         if max_threads:
             torch.set_num_threads(max_threads)
         self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)
+
+    def measure_verify_cost(self) -> list[float] | None:
+        """Measure what verify blocks of 1..spec_k drafts cost here against a decode step (tuning.verify_costs, on a
+        scratch cache; call it from the thread that owns the model, before serving) and let the draft gate use it."""
+        if self.drafter is None:
+            return None
+        from inference_engine.engine.tuning import verify_costs
+
+        with self.model.inference():
+            self.verify_cost = verify_costs(self.model, self.spec_k)
+        return self.verify_cost
 
     @property
     def model_info(self) -> ModelInfo:
@@ -232,7 +246,7 @@ class Engine:
             drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None and kv.draft_gate.open() else []
             step = yield from self._advance(kv, token, drafts, params, gen, budget)
             if drafts:
-                kv.draft_gate.record(step.accepted)
+                kv.draft_gate.record(step.accepted, len(drafts), self.verify_cost)
             out = list(step.emitted)
             drafted, accepted, decode_dropped = drafted + len(drafts), accepted + step.accepted, decode_dropped + step.dropped
         if not completed:

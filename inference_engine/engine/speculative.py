@@ -46,16 +46,22 @@ def accept_drafts(drafts: Sequence[int], logits: torch.Tensor, params: SamplingP
 
 @dataclass
 class DraftGate:
-    """Per session: stop drafting for a while after consecutive blocks with nothing accepted.
+    """Per session: stop drafting for a while when drafting does not pay.
 
-    A verify block costs more than a decode step (its rows attend one by one), so a drafter that
-    keeps missing - prompt lookup on prose, say - would make decoding slower than without it.
-    After the 2nd miss in a row drafting pauses for 2 steps, then 4, 8, ... up to 32; any accepted
-    draft resets it. Which steps draft never changes the output (acceptance keeps it exact)."""
+    A verify block costs more than a decode step, so a drafter that keeps missing - prompt lookup on
+    prose, say - would make decoding slower than without it. A verify step that accepted nothing is a
+    miss; with the engine's measured cost of a verify block (`cost[n]`: a block of n drafts over one decode
+    step, engine.Engine.measure_verify_cost), so is one while the session's recent verify steps yield less
+    than they cost: `gain`, a moving average of (1 + accepted) / cost[drafted], the tokens a verify step
+    gives per decode step's time, below 1. After the 2nd miss in a row drafting pauses for 2 steps, then 4,
+    8, ... up to 32; a step that pays resets it. Which steps draft never changes the output (acceptance
+    keeps it exact)."""
 
     misses: int = 0
     skip: int = 0
+    gain: float = 1.0  # moving average of (1 + accepted) / cost[drafted] (with a measured cost)
     MAX_SKIP = 32
+    WEIGHT = 0.25  # of the newest verify step in `gain`
 
     def open(self) -> bool:
         if self.skip:
@@ -63,8 +69,10 @@ class DraftGate:
             return False
         return True
 
-    def record(self, accepted: int) -> None:
-        if accepted:
+    def record(self, accepted: int, drafted: int = 0, cost: Sequence[float] | None = None) -> None:
+        if cost is not None and 0 < drafted < len(cost):
+            self.gain += self.WEIGHT * ((1 + accepted) / cost[drafted] - self.gain)
+        if accepted and (cost is None or self.gain >= 1.0):
             self.misses = 0
             return
         self.misses += 1

@@ -94,7 +94,10 @@ class _Item:
         shift = layout.sink_shift  # sink_shift_active implies it is set
         self.sink_rope = (backend.rope(layout.positions * 0 + shift.virtual_query_position)
                           if shift is not None and layout.sink_shift_active else None)
-        self.paged = getattr(inp.cache, "attend_with_pages", None)  # paged: queries also attend to the pages they recall
+        # paged: queries also attend to the pages they recall (None: this step recalls nothing, as sink_window attends)
+        hook = getattr(inp.cache, "recall_hook", None)
+        self.paged = (hook(getattr(backend, "rotate_keys", None), getattr(backend, "resident_rows_attention", None))
+                      if hook is not None else None)
 
     def attend(self, backend: Backend, i: int, q: Any, q_normed: Any, k: Any, v: Any) -> Any:
         """Layer i's attention output (H, T, D) for this item's rows (k positioned, v raw)."""

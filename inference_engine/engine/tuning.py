@@ -90,6 +90,30 @@ def native_step_pays(model: Any, threads: int | None = None, timed_steps: int = 
     return med["native"] < med["python"], med
 
 
+def verify_costs(model: Backend, k: int, timed_steps: int = 6, context: int = 64) -> list[float]:
+    """What a verify block of n drafts costs against a decode step on this machine, for n = 0..k: [1.0, c1, ..,
+    ck], each the median of `timed_steps` greedy row-exact forwards of n + 1 rows (after 2 warm-up ones) over the
+    median of as many one-row ones, on a scratch `full` cache of `context` tokens, interleaved and never committed.
+    DraftGate weighs what a session's verify steps accept against these."""
+    kv = SessionKV(make_cache(KVStrategy("full"), model.geometry(), max_step=max(k + 1, 64),
+                              max_context=model.spec.max_context))
+    steps.prefill_chunk(model, kv, [10 + i % 200 for i in range(context)])
+    cache = kv.cache
+    times: dict[int, list[float]] = {n: [] for n in range(k + 1)}
+    for i in range(2 + timed_steps):
+        for n in times:
+            at = cache.next_position
+            ids = model.tensor([100 + (i + j) % 100 for j in range(n + 1)])
+            t = time.perf_counter()
+            steps.forward_batch(model, [steps.StepInput(ids, range(at, at + n + 1), cache, "all", True, greedy=True)])
+            dt = time.perf_counter() - t
+            cache.abort()
+            if i >= 2:
+                times[n].append(dt)
+    base = statistics.median(times[0])
+    return [1.0] + [statistics.median(times[n]) / base for n in range(1, k + 1)]
+
+
 def warm_up(engine: Engine, tokens: int = 16) -> float:
     """Generate on a scratch session of the engine's own strategy, through `Engine.generate` as a
     client's turn does (a prefill chunk of `tokens`, greedy decode steps, then a sampled one), and

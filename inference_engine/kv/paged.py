@@ -93,6 +93,7 @@ class PagedCache(SinkWindowCache):
         self._far_unsaved = False  # loaded without far_keys: a saver's segments lack them (delta_state)
         self.far_distance = self.window + self.page_size
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
+        self._resident_rows: Callable | None = None  # the backend's fused-step attention of resident rows (recall_hook)
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
         # (decoded), rounded outward to float16: `bounds` row j = page j, stack (max, min)
         self.shortlist = max(strategy.shortlist_pages, strategy.recall_pages) if strategy.shortlist_pages else 0
@@ -195,6 +196,18 @@ class PagedCache(SinkWindowCache):
         return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols,
                 "first": first, "far": "all" if far.all() else ("some" if far.any() else "none"),
                 "far_rows": torch.from_numpy(far).to(dev)}
+
+    def recall_hook(self, rotate_keys: RotateKeys | None = None, resident_rows: Callable | None = None) -> Callable | None:
+        """The prepared step's per-layer recall (`attend_with_pages`), or None when it recalls nothing (no query has a
+        key out of its window: every layer would attend to the resident slab as sink_window does) and the backend
+        gives `resident_rows`, its fused row step's attention: the engine may then run the step through that fused
+        step, and a verify block's rows that recall nothing attend through `resident_rows` (`_attend_rows`), so they
+        equal the one-token steps bit for bit. Binds the backend's rotation on the first step, as attend_with_pages
+        does."""
+        if rotate_keys is not None and self._rotate is None:
+            self._keep_far_keys(rotate_keys)
+        self._resident_rows = resident_rows
+        return self.attend_with_pages if self._step is not None or resident_rows is None else None
 
     @torch.inference_mode()
     def attend_with_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
@@ -300,8 +313,11 @@ class PagedCache(SinkWindowCache):
             tb = time.perf_counter()  # two calls merged by log-sum-exp: no copy of the resident slab
             p_row = layout.first_position + j
             if n_pages == 0 and p_row < self.max_context:  # nothing out of its window: a one-token step here recalls
-                # nothing either (attend_with_pages returns None) and attends through the resident path; so does it
-                o = attend_layout_row(q[:, j:j + 1], k_all, v_all, layout, w, j, scale)
+                # nothing either and attends to the resident slab (the backend's fused step, or the pieces' call); so
+                # does this row
+                o = self._resident_rows(layer, q[:, j:j + 1], self.store, layout, [j]) if self._resident_rows else None
+                if o is None:
+                    o = attend_layout_row(q[:, j:j + 1], k_all, v_all, layout, w, j, scale)
             elif p_row >= self.max_context:
                 o = self._far_row(layer, qj, kr, vr, bias, pages, p_row, k_all, v_all, layout,
                                   self._resident_bias(plan, layout, w, q.dtype)[j], scale, rotate_keys)

@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -84,32 +85,37 @@ class RowQuant:
         return {"codes": u[..., 0] | (u[..., 1] << 4), "scale": scale}
 
     def group_max_scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                         integer: bool | None = None) -> torch.Tensor:
+                         path: str | None = None) -> torch.Tensor:
         """max over g of q[b, g, m] . decode(row c), (B, M, C), for q (B, G, M, D) float and coded rows
         (B, C, ...): a matmul over the integer codes, the max over the group, then the row scale
         (> 0, so it commutes with the max). Nothing decoded is kept. 4-bit codes are unpacked into
         two int8 halves, the low nibbles (even dimensions) and the high ones (odd dimensions), each
         multiplied with q's matching dimensions (no interleaving copy).
 
-        Steps of few queries (decode, speculative verify: up to `_INT_QUERIES` queries) multiply in
-        integers where that measures faster on this CPU (`integer_scoring`): q as three int8 limbs per
-        (b, m) (`query_limbs`), exact int8 x int8 -> int32 matmuls (torch._int_mm), the limbs combined
-        in float32. It reads the int8 codes as they are, a quarter of the bytes of a float copy of every
-        code, which is what a decode step paid on a loaded AVX-512 VNNI box; without VNNI torch's
-        _int_mm is ~4x slower than the float matmul (an AVX2-only EPYC: 490 us a call). Longer steps
-        (prefill chunks) take a float matmul (torch._int_mm is slow for many rows). The two differ by
-        float rounding only: the limbs hold q to 2^-23 of the group's largest |q| element.
-        integer: force one path (tests, research); None: the measured choice."""
+        Steps of few queries (decode, speculative verify: up to `_INT_QUERIES` queries) take the path
+        that measures fastest on this CPU (`scoring_path`): "int", q as three int8 limbs per (b, m)
+        (`query_limbs`), exact int8 x int8 -> int32 matmuls (torch._int_mm), the limbs combined in float32:
+        it reads the int8 codes as they are, a quarter of the bytes of a float copy of every code, which
+        is what a decode step paid on a loaded AVX-512 VNNI box; without VNNI torch's _int_mm is ~4x
+        slower than the float matmul (an AVX2-only EPYC: 490 us a call). "native": the backend's one-pass
+        kernel (`set_score_kernel`: the native CPU step's group_max_scores, each key decoded once and
+        dotted with the query rows). "float": the batched float matmuls longer steps (prefill chunks)
+        always take. The three differ by float rounding only: the limbs hold q to 2^-23 of the group's
+        largest |q| element. path: force one (tests, research); None: the measured choice."""
         b, g, m, d = q.shape
+        if path is None:
+            path = scoring_path() if m <= _INT_QUERIES and q.device.type == "cpu" else "float"
+        if path == "native":
+            if _score_kernel is None:
+                raise ValueError("no native scoring kernel here (set_score_kernel)")
+            return _score_kernel(q.float().contiguous(), codes, scale.to(torch.float16))
         if self.bits == 8:
             halves = [(codes, slice(None))]  # (B, C, D) int8
         else:  # low nibble = even dimension, high nibble = odd dimension
             halves = [((codes & 15).view(torch.int8).sub_(8), slice(0, None, 2)),
                       ((codes >> 4).view(torch.int8).sub_(8), slice(1, None, 2))]  # (B, C, D / 2) each
         c = codes.shape[1]
-        if integer is None:
-            integer = m <= _INT_QUERIES and q.device.type == "cpu" and integer_scoring()
-        if not integer:  # torch._int_mm off the CPU wants > 16 rows, multiples of 8
+        if path != "int":  # torch._int_mm off the CPU wants > 16 rows, multiples of 8
             qq = q.reshape(b, g * m, d)
             (ints, dims), *rest = halves
             raw = torch.bmm(qq[..., dims], ints.float().transpose(1, 2))
@@ -137,34 +143,44 @@ class RowQuant:
 
 
 _INT_QUERIES = 16  # RowQuant.group_max_scores: steps of up to this many queries may score in integers
-_integer_scoring: bool | None = None
+_scoring: str | None = None
+_score_kernel: Callable | None = None
 
 
-def integer_scoring() -> bool:
-    """Whether few-query steps score compact keys in integers (torch._int_mm) on this CPU: measured once per process
-    on a decode step's shape (3 KV heads x 3 query heads, 4,096 int4 keys of 64 dimensions), against the float
-    matmul, the faster kept (KAKEYA_PAGE_SCORING=int / float decides instead). Logged."""
-    global _integer_scoring
-    if _integer_scoring is None:
+def set_score_kernel(kernel: Callable | None) -> None:
+    """A backend's one-pass scoring kernel (q, codes, fp16 scale) -> (B, M, C), as group_max_scores computes
+    (backends/torch/native.py: the native CPU step's group_max_scores); the scoring path is measured again."""
+    global _score_kernel, _scoring
+    _score_kernel, _scoring = kernel, None
+
+
+def scoring_path() -> str:
+    """How few-query steps score compact keys on this CPU: "int", "float" or "native" (when a backend gave a
+    kernel), measured once (until a kernel comes or goes) on a decode step's shape (3 KV heads x 3 query heads,
+    4,096 int4 keys of 64 dimensions), the fastest kept; KAKEYA_PAGE_SCORING=int / float / native decides instead.
+    Logged."""
+    global _scoring
+    if _scoring is None:
         forced = os.environ.get("KAKEYA_PAGE_SCORING", "")
-        if forced in ("int", "float"):
-            _integer_scoring = forced == "int"
+        if forced in ("int", "float") or (forced == "native" and _score_kernel is not None):
+            _scoring = forced
         else:
             codec, g = RowQuant(4, 64), torch.Generator().manual_seed(0)
             codes = torch.randint(0, 256, (3, 4096, 32), dtype=torch.uint8, generator=g)
             scale = torch.full((3, 4096, 1), 0.01, dtype=torch.float16)
             q = torch.randn(3, 3, 1, 64, generator=g)
-            best: dict[bool, float] = {}
-            for i, integer in enumerate((True, False) * 3):  # interleaved; the first of each warms up
+            paths = ["int", "float"] + (["native"] if _score_kernel is not None else [])
+            best: dict[str, float] = {}
+            for i, path in enumerate(paths * 3):  # interleaved; the first round warms up
                 t0 = time.perf_counter()
                 for _ in range(3):
-                    codec.group_max_scores(q, codes, scale, integer=integer)
-                if i >= 2:
-                    best[integer] = min(best.get(integer, float("inf")), time.perf_counter() - t0)
-            _integer_scoring = best[True] < best[False]
-            log.info("paged: compact keys scored %s for decode steps (%.2f ms in integers, %.2f ms in float, measured)",
-                     "in integers" if _integer_scoring else "in float", best[True] * 1e3 / 3, best[False] * 1e3 / 3)
-    return _integer_scoring
+                    codec.group_max_scores(q, codes, scale, path=path)
+                if i >= len(paths):
+                    best[path] = min(best.get(path, float("inf")), (time.perf_counter() - t0) / 3)
+            _scoring = min(best, key=lambda p: best[p])
+            log.info("paged: compact keys of decode steps scored by the %s path (measured, ms: %s)", _scoring,
+                     ", ".join(f"{p} {t * 1e3:.2f}" for p, t in best.items()))
+    return _scoring
 
 
 def query_limbs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -178,6 +178,10 @@ def warm(engine, persister) -> None:
     from inference_engine.engine.tuning import warm_up
 
     log.info("warm-up forward: %.2f s", warm_up(engine))
+    cost = engine.measure_verify_cost()
+    if cost is not None:
+        log.info("verify blocks of 1..%d drafts cost %s decode steps here (measured; the draft gate weighs acceptance "
+                 "against it)", engine.spec_k, ", ".join(f"{c:.2f}" for c in cost[1:]))
     if persister is not None:
         persister.prepare_loads()
 

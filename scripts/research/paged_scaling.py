@@ -101,14 +101,17 @@ def main() -> int:
     for n in lengths:
         fill_with_random_kv(cache, n, args.chunk, gen)
         q = torch.randn(args.heads, 1, args.head_dim, generator=gen)
-        # "<S>-int": the shortlist's choice with few-query scoring forced into integers (torch._int_mm), against the
-        # path paged_store.integer_scoring() measured faster here (`scoring` below)
-        times: dict = {"exact": []} | {str(s): [] for s in shortlists} | {f"{s}-int": [] for s in shortlists}
-        measured = paged_store.integer_scoring()
+        # "<S>-<path>": the shortlist's choice with few-query scoring forced to each other path ("int": torch._int_mm,
+        # "float", "native": the native step's kernel), against the path paged_store.scoring_path() measured fastest
+        # here (`scoring` below)
+        measured = paged_store.scoring_path()
+        others = [p for p in ("int", "float", "native") if p != measured
+                  and (p != "native" or paged_store._score_kernel is not None)]
+        times: dict = {"exact": []} | {str(s): [] for s in shortlists} | {f"{s}-{p}": [] for s in shortlists for p in others}
         for _ in range(args.repeats):
             for name in times:  # interleaved: the same load for every variant
-                paged_store._integer_scoring = True if name.endswith("-int") else measured
-                cache.shortlist = cache.shortlist_from = 0 if name == "exact" else int(name.removesuffix("-int"))
+                paged_store._scoring = name.split("-")[1] if "-" in name else measured
+                cache.shortlist = cache.shortlist_from = 0 if name == "exact" else int(name.split("-")[0])
                 cache.prepare(range(n, n + 1))
                 plan = cache._step
                 t0 = time.perf_counter()
@@ -117,8 +120,8 @@ def main() -> int:
                         cache._choose_pages(layer, q, cache.store.k[layer], plan, None)
                 times[name].append(time.perf_counter() - t0)
                 cache.abort()
-        paged_store._integer_scoring = measured
-        steps: dict = {f"{name}/{a}": [] for name in times if not name.endswith("-int")
+        paged_store._scoring = measured
+        steps: dict = {f"{name}/{a}": [] for name in times if "-" not in name
                        for a in (arms if model is not None else [])}
         if model is not None:
             token = model.tensor([17])
@@ -172,7 +175,7 @@ def main() -> int:
                 for key, s_paged in out[last]["decode_step_s"].items():
                     if key.endswith("/" + a):
                         out["ratios"][f"{key} at {last} vs full/{a} at {args.full_reference}"] = s_full / s_paged
-    out["scoring"] = "integers" if paged_store.integer_scoring() else "float"
+    out["scoring"] = paged_store.scoring_path()
     meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8", "max_context": context,
                                       "kv": "random normal K/V (the choice's cost and bytes do not depend on them)",
                                       "fill_s": time.perf_counter() - t_fill})

@@ -455,8 +455,9 @@ def _cache(m, strategy, max_step):
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
-    """With torch's kernels inside (q4 off) the segments compute what the Python pieces do, to the kernels' rounding;
-    the whole-step call is never taken (its keys are chosen per query in kv/paged.py), every step is segmented."""
+    """With torch's kernels inside (q4 off) the segments compute what the Python pieces do, to the kernels' rounding.
+    A step that recalls pages (its keys chosen per query in kv/paged.py) runs in segments; one that recalls nothing
+    takes the whole-step call, as sink_window's steps do."""
     m = _model(weights, q4=False)
     nat = m.native_step
     engine = Engine(m, PAGED, prefill_chunk=16)
@@ -466,7 +467,9 @@ def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
     engine.prefill(kvs[0], _prompt(40))
     m.native_step = None
     engine.prefill(kvs[1], _prompt(40))
-    assert nat.segment_steps - segs0 == 3  # 40 tokens in chunks of 16
+    # 40 tokens in chunks of 16: the first recalls nothing (no key out of any query's window: one whole-step call),
+    # the other two recall pages (segments)
+    assert (nat.steps - steps0, nat.segment_steps - segs0) == (1, 2)
     for tok in _prompt(20, seed=1):
         m.native_step = nat
         steps.decode_step(m, kvs[0], tok)
@@ -476,7 +479,7 @@ def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
         assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
         assert int(a.argmax()) == int(b.argmax())
     m.native_step = nat
-    assert nat.steps == steps0 and nat.segment_steps - segs0 == 23
+    assert nat.steps - steps0 == 1 and nat.segment_steps - segs0 == 22
     assert kvs[0].cache.pages.rows == kvs[1].cache.pages.rows > 0  # pages were archived, and recalled from
     for layer in range(m.spec.num_layers):
         assert torch.allclose(kvs[0].cache.store.k[layer], kvs[1].cache.store.k[layer], atol=1e-4)
@@ -501,7 +504,8 @@ def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_
             cache.commit()
             out.append(logits)
         runs[name] = torch.cat(out)
-        assert m.native_step.segment_steps - before == -(-160 // chunk)
+        recalling = -(-(160 - 16) // chunk)  # steps from position 16 on (sink 4 + window 12) recall pages
+        assert m.native_step.segment_steps - before == recalling
     assert torch.equal(runs["verify"], runs["steps"])
     torch.testing.assert_close(runs["chunks"], runs["steps"], rtol=0.05, atol=0.05)
 
@@ -518,7 +522,9 @@ def test_paged_recalling_every_page_in_segments_gives_what_full_gives_in_one_cal
         outs[name] = [e.token_id for e in events if isinstance(e, TokenGenerated)]
         outs[name + "-logits"] = kv.last_logits
     assert outs["paged"] == outs["full"]
-    torch.testing.assert_close(outs["paged-logits"], outs["full-logits"], rtol=0, atol=5e-2)
+    # the two attend in different code (paged: torch's flash kernel, two parts merged by log-sum-exp; full: the C++
+    # loops), and the int4 kernel's ~16-bit activation rounding passes those ulps on: close, not equal
+    torch.testing.assert_close(outs["paged-logits"], outs["full-logits"], rtol=0, atol=0.25)
 
 
 # -- captured layers (a v2 drafter's features) in the whole-step call

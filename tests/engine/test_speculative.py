@@ -196,6 +196,60 @@ def test_draft_gate_backs_off_after_misses_and_resets_on_acceptance():
     assert g.open()  # the acceptance reset the run of misses
 
 
+def test_with_a_measured_cost_blocks_that_accept_too_little_for_it_are_misses_too():
+    from inference_engine.engine.speculative import DraftGate
+
+    cost = [1.0, 1.3, 1.6, 1.9, 2.2]  # a verify block of n drafts against a decode step
+    g = DraftGate()
+    for _ in range(6):  # 1 of 4 accepted each time: 2 tokens for 2.2 steps' time
+        g.record(1, 4, cost)
+    assert g.gain < 1.0 and g.skip > 0  # paused although every block accepted something
+    paying = DraftGate()
+    for _ in range(6):  # 3 of 4: 4 tokens for 2.2
+        paying.record(3, 4, cost)
+    assert paying.gain > 1.5 and paying.misses == 0 and paying.open()
+    # after a pause, blocks that pay raise the average back over 1 and reset the run of misses
+    g.skip = 0
+    for _ in range(4):
+        g.record(4, 4, cost)
+    assert g.gain >= 1.0 and g.misses == 0 and g.open()
+    # without a measured cost (or for a block size it does not cover) only empty blocks count
+    plain = DraftGate()
+    for _ in range(6):
+        plain.record(1, 4, None)
+        plain.record(1, 9, cost)
+    assert plain.misses == 0 and plain.gain == 1.0
+
+
+def test_verify_costs_are_measured_on_a_scratch_cache_per_block_size():
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine.tuning import verify_costs
+
+    model = TorchCausalLM.load(tiny_model_dir("llama"), weights="int8")
+    engine = Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=SelfDrafter(model), spec_k=3)
+    assert engine.verify_cost is None  # until measured (the daemon does at startup)
+    cost = engine.measure_verify_cost()
+    assert engine.verify_cost is cost and len(cost) == 4 and cost[0] == 1.0 and all(c > 0 for c in cost)
+    assert len(verify_costs(model, 1, timed_steps=1)) == 2
+    assert Engine(model, KVStrategy("full")).measure_verify_cost() is None  # no drafter, nothing to weigh
+
+
+def test_the_cost_gate_drafts_less_when_verifying_costs_more_and_changes_nothing():
+    """The gate's decisions follow acceptance and the cost table only (no clock here): a costlier table pauses a
+    drafter that accepts a little sooner and longer; the tokens are the verifier's either way."""
+    model = load_model(str(tiny_model_dir("llama")))
+    history = prompt(40, seed=3)
+    want, _ = tokens(Engine(model, KVStrategy("full"), prefill_chunk=32), history, 60)
+    drafted = {}
+    for name, cost in (("cheap", [1.0, 1.0, 1.0, 1.0, 1.0]), ("dear", [1.0, 3.0, 5.0, 7.0, 9.0])):
+        engine = Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=SelfDrafter(model, corrupt_every=2), spec_k=4)
+        engine.verify_cost = cost
+        got, done = tokens(engine, history, 60)
+        assert got == want
+        drafted[name] = done.drafted_tokens
+    assert drafted["dear"] < drafted["cheap"]
+
+
 def test_a_drafter_that_always_misses_drafts_rarely_and_changes_nothing():
     model = load_model(str(tiny_model_dir("llama")))
     history = prompt(40, seed=3)

@@ -152,14 +152,23 @@ def test_row_codecs_round_trip_per_row(codec):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("queries", [1, 4, 40])  # few queries may score in integers (query limbs), many in float
-@pytest.mark.parametrize("integer", [None, True, False], ids=["measured", "integers", "float"])
-def test_scores_over_codes_equal_scores_over_decoded_keys(bits, queries, integer):
-    """Both scoring paths (whichever this CPU measured faster, and each forced) give the decoded keys' scores."""
+@pytest.mark.parametrize("path", [None, "int", "float", "native"])
+def test_scores_over_codes_equal_scores_over_decoded_keys(bits, queries, path):
+    """Every scoring path (whichever this CPU measured fastest, and each forced) gives the decoded keys' scores."""
+    from inference_engine.kv import paged_store
+
+    if path == "native" and paged_store._score_kernel is None:
+        from inference_engine.backends.torch import native
+
+        mod = native.load()
+        if mod is None:
+            pytest.skip("no native extension here")
+        paged_store.set_score_kernel(mod.group_max_scores)
     rq = RowQuant(bits, 64)
     keys = torch.randn(3 * 50, 64)
     pay = rq.encode(keys)
     q = torch.randn(3, 2, queries, 64)  # (Hkv, G, T, D)
-    got = rq.group_max_scores(q, pay["codes"].reshape(3, 50, -1), pay["scale"].reshape(3, 50, 1), integer=integer)
+    got = rq.group_max_scores(q, pay["codes"].reshape(3, 50, -1), pay["scale"].reshape(3, 50, 1), path=path)
     want = (q @ rq.decode(pay).reshape(3, 1, 50, 64).transpose(-1, -2)).amax(1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
@@ -167,14 +176,17 @@ def test_scores_over_codes_equal_scores_over_decoded_keys(bits, queries, integer
 def test_the_scoring_path_is_measured_once_or_set_by_the_environment(monkeypatch):
     from inference_engine.kv import paged_store
 
-    for value, want in (("int", True), ("float", False)):
-        monkeypatch.setattr(paged_store, "_integer_scoring", None)
+    for value in ("int", "float"):
+        monkeypatch.setattr(paged_store, "_scoring", None)
         monkeypatch.setenv("KAKEYA_PAGE_SCORING", value)
-        assert paged_store.integer_scoring() is want
-    monkeypatch.setattr(paged_store, "_integer_scoring", None)
+        assert paged_store.scoring_path() == value
+    monkeypatch.setattr(paged_store, "_scoring", None)
     monkeypatch.delenv("KAKEYA_PAGE_SCORING")
-    measured = paged_store.integer_scoring()
-    assert isinstance(measured, bool) and paged_store.integer_scoring() is measured  # kept for the process
+    measured = paged_store.scoring_path()
+    assert measured in ("int", "float", "native") and paged_store.scoring_path() == measured  # kept for the process
+    monkeypatch.setattr(paged_store, "_score_kernel", paged_store._score_kernel)
+    paged_store.set_score_kernel(None)  # a kernel that comes or goes: measured again, without it
+    assert paged_store._scoring is None and paged_store.scoring_path() in ("int", "float")
 
 
 def test_int4_codes_take_half_a_byte():

@@ -208,6 +208,22 @@ class TorchCausalLM:
         return self.native_step.run(parts, capture) if self.native_step is not None else None
 
     @property
+    def resident_rows_attention(self):
+        """kv/paged.py's rows that recall nothing attend through this (layer, q (H, T, D), store, layout, rows) ->
+        (H, T, D) or None (not a plain slab: the pieces' call): the native whole-step call's attention, so such a row
+        in a verify block equals the one-token step at its position, which that call takes. None when there is no
+        native step (the pieces' call on both sides; CUDA's row graphs keep paged steps off them altogether)."""
+        if self.native_step is None or self.row_graphs is not None:
+            return None
+        from inference_engine.backends.torch.native import plain_slab
+
+        ns = self.native_step
+
+        def attend(layer, q, store, layout, rows):
+            return ns.attend_rows(layer, q, store, layout, rows) if plain_slab(layout, store) else None
+        return attend
+
+    @property
     def row_step_captures(self) -> bool:
         """The row step keeps captured layers (StepInput.capture) itself: the native CPU step does."""
         return self.row_graphs is None and self.native_step is not None

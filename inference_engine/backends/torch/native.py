@@ -172,6 +172,10 @@ class NativeRowStep:
             packed = q4_pack(module, head.greedy_approx)
             # one int8 plane: only which 64 candidates the exact fp32 rescoring sees depends on it
             head.greedy_kernel = lambda x: module.q4_matmul(x.float().contiguous(), packed, 0, 1)
+        from inference_engine.kv import paged_store
+
+        # the page choice's one-pass scoring of compact keys (kv/paged_store measures whether it is the fastest path)
+        paged_store.set_score_kernel(module.group_max_scores)
         self.steps = 0  # whole steps run natively (reported)
         self.segment_steps = 0  # steps whose dense work ran in C++ segments (NativeSegments)
         self.prefill = True  # prefill chunks too (model.row_step_takes_prefill); research scripts turn it off
@@ -182,12 +186,8 @@ class NativeRowStep:
         final-normed hidden states of the R rows in order (the caller takes logits from them), the rows' k, v
         written into every layer's slab, and (R, len(capture) * hidden) or None; or None: not a step for it (the
         Python pieces run it)."""
-        from inference_engine.kv.stores import SlabStore
-
         for _, layout, store in parts:
-            if (type(store) is not SlabStore or layout.key_slots is not None or layout.whole_rows
-                    or layout.host_masks is None or None not in layout.host_masks or layout.host_slots is None
-                    or not store.k or store.k[0].dtype != torch.float32):
+            if not plain_slab(layout, store):
                 return None
         m = self.model
         n_max = max(layout.key_positions.numel() for _, layout, _ in parts)
@@ -215,6 +215,14 @@ class NativeRowStep:
                                          meta_t[2], list(capture))
         self.steps += 1
         return None, hidden, (captured if capture else None)
+
+    def attend_rows(self, layer: int, q: torch.Tensor, store, layout, rows: list[int]) -> torch.Tensor:
+        """Rows `rows` of a step (q (H, len(rows), D)) attending to the session's slab as the whole-step call attends
+        them: (H, len(rows), D). The caller checked plain_slab(layout, store)."""
+        hm = layout.host_masks[None]
+        mask = torch.from_numpy(np.ascontiguousarray(hm[rows]))
+        keys = torch.full((len(rows),), min(hm.shape[1], layout.key_positions.numel()), dtype=torch.long)
+        return self.step.attend_rows(q.float(), store.k[layer], store.v[layer], mask, keys)
 
     def segments(self, rows: int) -> "NativeSegments":
         """A runner of one step's dense work in C++ segments, attention left to the caller (engine/steps)."""
@@ -244,6 +252,15 @@ class NativeSegments:
             x, self.x = self.x, None
             return x, step.final_hidden(x)
         return self.x, step.layer_qkv(layer + 1, self.x, self.cos, self.sin)
+
+
+def plain_slab(layout, store) -> bool:
+    """A session's step the whole-step call takes: K/V in a plain fp32 slab store, keys read as its first N slots."""
+    from inference_engine.kv.stores import SlabStore
+
+    return not (type(store) is not SlabStore or layout.key_slots is not None or layout.whole_rows
+                or layout.host_masks is None or None not in layout.host_masks or layout.host_slots is None
+                or not store.k or store.k[0].dtype != torch.float32)
 
 
 def q4_pack(module, lin) -> torch.Tensor:

@@ -370,6 +370,125 @@ inline void merge_chunks(const float* parts, int64_t chunks, int64_t stride, int
   for (int64_t d = 0; d < D; ++d) out[d] *= rs;
 }
 
+// Scores of keys [c0, c1) of one (b, m): qs holds the G query rows as the codes lay out their dimensions (4-bit: the
+// even dimensions, then the odd ones, per row; 8-bit: as they are). G and the code width are compile-time, so the G
+// accumulators stay in registers (AVX2: 8 floats each; elsewhere plain loops).
+template <int G, bool FOUR>
+inline void score_keys(const float* qs, int64_t D, const uint8_t* codes, const c10::Half* sc, int64_t c0, int64_t c1,
+                       float* out) {
+  const int64_t row_bytes = FOUR ? D / 2 : D;
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint8_t* row = codes + c * row_bytes;
+    float dots[G];
+#if defined(__AVX2__)
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    if (FOUR) {
+      const int64_t half = D / 2;
+      const __m256i eight = _mm256_set1_epi32(8), fifteen = _mm256_set1_epi32(15);
+      for (int64_t i = 0; i < half; i += 8) {
+        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x, fifteen), eight));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x, 4), eight));
+        for (int g = 0; g < G; ++g) {
+          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + i), lo, acc[g]);
+          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + half + i), hi, acc[g]);
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 k = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i))));
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + i), k, acc[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      dots[g] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+#else
+    for (int g = 0; g < G; ++g) dots[g] = 0.f;
+    for (int64_t i = 0; i < (FOUR ? D / 2 : D); ++i) {
+      if (FOUR) {
+        const float lo = static_cast<float>(static_cast<int>(row[i] & 15) - 8);
+        const float hi = static_cast<float>(static_cast<int>(row[i] >> 4) - 8);
+        for (int g = 0; g < G; ++g) dots[g] += qs[g * D + i] * lo + qs[g * D + D / 2 + i] * hi;
+      } else {
+        const float k = static_cast<float>(reinterpret_cast<const int8_t*>(row)[i]);
+        for (int g = 0; g < G; ++g) dots[g] += qs[g * D + i] * k;
+      }
+    }
+#endif
+    float best = -INFINITY;
+    for (int g = 0; g < G; ++g) best = dots[g] > best ? dots[g] : best;
+    out[c] = best * static_cast<float>(sc[c]);
+  }
+}
+
+// Any G: groups of up to 4 query rows, the max carried across them.
+template <bool FOUR>
+inline void score_keys_any(const float* qs, int64_t G, int64_t D, const uint8_t* codes, const c10::Half* sc, int64_t c0,
+                           int64_t c1, float* out) {
+  switch (G) {
+    case 1: return score_keys<1, FOUR>(qs, D, codes, sc, c0, c1, out);
+    case 2: return score_keys<2, FOUR>(qs, D, codes, sc, c0, c1, out);
+    case 3: return score_keys<3, FOUR>(qs, D, codes, sc, c0, c1, out);
+    case 4: return score_keys<4, FOUR>(qs, D, codes, sc, c0, c1, out);
+    default: {
+      std::vector<float> part(c1);
+      for (int64_t c = c0; c < c1; ++c) out[c] = -INFINITY;
+      const c10::Half one(1.f);
+      std::vector<c10::Half> ones(c1, one);
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = std::min<int64_t>(4, G - g0);
+        score_keys_any<FOUR>(qs + g0 * D, gn, D, codes, ones.data(), c0, c1, part.data());
+        for (int64_t c = c0; c < c1; ++c) out[c] = part[c] > out[c] ? part[c] : out[c];
+      }
+      for (int64_t c = c0; c < c1; ++c) out[c] *= static_cast<float>(sc[c]);
+    }
+  }
+}
+
+// kv/paged_store.RowQuant.group_max_scores in one pass: q (B, G, M, D) fp32, compact keys (B, C, D/2) uint8 (two
+// 4-bit codes a byte, low nibble = even dimension, value = code - 8) or (B, C, D) int8, scale (B, C, 1) fp16 ->
+// (B, M, C) fp32: max over g of q[b, g, m] . codes[b, c], times scale[b, c]. Each key's codes are decoded once per
+// query row set, straight from the packed bytes, and dotted with the G query rows in 8-float vectors; nothing else
+// is read or written. The page choice of a decode step scores thousands of keys per layer with it (torch's path:
+// unpack, convert, two batched matmuls, a max: ~10 calls and a float copy of every code).
+at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "group_max_scores: q must be (B, G, M, D) fp32");
+  const int64_t B = q.size(0), G = q.size(1), M = q.size(2), D = q.size(3);
+  TORCH_CHECK(D % kLanes == 0 && D <= 256, "group_max_scores: D must be a multiple of 16, at most 256");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(0) == B, "group_max_scores: codes must be (B, C, D/2) uint8 or (B, C, D) int8");
+  const bool four = codes.scalar_type() == at::kByte;
+  TORCH_CHECK((four && codes.size(2) * 2 == D) || (codes.scalar_type() == at::kChar && codes.size(2) == D),
+              "group_max_scores: codes must be (B, C, D/2) uint8 or (B, C, D) int8");
+  const int64_t C = codes.size(1);
+  TORCH_CHECK(scale.numel() == B * C && scale.scalar_type() == at::kHalf, "group_max_scores: scale must be (B, C, 1) fp16");
+  auto cc = codes.contiguous(), sc = scale.contiguous();
+  // the query rows per (b, m), G x D: 4-bit codes hold even dimensions in low nibbles, odd ones in high ones
+  auto qs = q.permute({0, 2, 1, 3}).contiguous();  // (B, M, G, D)
+  if (four) qs = at::cat({qs.slice(3, 0, D, 2), qs.slice(3, 1, D, 2)}, 3).contiguous();
+  auto out = at::empty({B, M, C}, q.options());
+  const float* qp = qs.data_ptr<float>();
+  const uint8_t* cp = reinterpret_cast<const uint8_t*>(cc.data_ptr());
+  const c10::Half* sp = sc.data_ptr<c10::Half>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = four ? D / 2 : D, block = 512;
+  const int64_t blocks = (C + block - 1) / block;
+  const int64_t tasks = B * M * blocks;
+  at::parallel_for(0, tasks, C * G * M * D < (1 << 21) ? tasks : 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bm = t / blocks, b = bm / M, c0 = (t % blocks) * block, c1 = std::min(C, c0 + block);
+      const float* qrow = qp + bm * G * D;
+      const uint8_t* crow = cp + b * C * row_bytes;
+      if (four) score_keys_any<true>(qrow, G, D, crow, sp + b * C, c0, c1, op + bm * C);
+      else score_keys_any<false>(qrow, G, D, crow, sp + b * C, c0, c1, op + bm * C);
+    }
+  });
+  return out;
+}
+
 class RowStep {
  public:
   RowStep(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double attn_scale,
@@ -404,7 +523,7 @@ class RowStep {
                  const at::Tensor& row_session, const at::Tensor& row_slot, const at::Tensor& mask,
                  const at::Tensor& row_keys, const std::vector<int64_t>& capture) {
     at::NoGradGuard no_grad;
-    const int64_t R = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
+    const int64_t R = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat, "row step: x must be (R, hidden) fp32");
     TORCH_CHECK(cos.size(0) == R && cos.size(1) == D && sin.sizes() == cos.sizes(), "row step: cos/sin must be (R, D)");
     TORCH_CHECK(mask.dim() == 2 && mask.size(0) == R && mask.scalar_type() == at::kBool, "row step: mask must be (R, N) bool");
@@ -463,46 +582,15 @@ class RowStep {
           for (int64_t d = 0; d < D; ++d) vdst[d] = v[d];
         }
       }
-      // attention: each (row, kv head, chunk of columns) alone, then each row's chunks merged in column order; rows
-      // in blocks of kRowBlock, so a long prefill chunk's partial results stay small (a row's result does not depend
-      // on its block)
-      for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
-        const int64_t rb = std::min(R - r0, kRowBlock);
-        std::vector<int64_t> first(rb + 1, 0);  // block row i's tasks: [first[i], first[i + 1]), Hkv x its chunks
-        int64_t cols = 0;
-        for (int64_t i = 0; i < rb; ++i) {
-          first[i + 1] = first[i] + Hkv * ((nk_p[r0 + i] + kChunk - 1) / kChunk);
-          cols += nk_p[r0 + i];
-        }
-        const int64_t tasks = first[rb], stride = D + 2;
-        parts.resize(tasks * G * stride);
-        // small steps stay on this thread
-        const int64_t grain = cols * H * D < (1 << 18) ? std::max<int64_t>(tasks, 1) : 1;
-        at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
-          std::vector<float> scores(G * kChunk);
-          int64_t i = 0;
-          for (int64_t t = lo; t < hi; ++t) {
-            while (t >= first[i + 1]) ++i;
-            const int64_t r = r0 + i;
-            const int64_t idx = t - first[i], nch = (first[i + 1] - first[i]) / Hkv;
-            const int64_t h = idx / nch, c = idx % nch;
-            const auto& ks = k_slabs[sess_p[r]][l];
-            const auto& vs = v_slabs[sess_p[r]][l];
-            const int64_t cap = ks.size(1);
-            const int64_t j0 = c * kChunk, j1 = std::min(nk_p[r], j0 + kChunk);
-            attend_chunk_any(D, G, &q[(r * H + h * G) * D], ks.data_ptr<float>() + h * cap * D,
-                             vs.data_ptr<float>() + h * cap * D, mask_p + r * N, j0, j1, scale_, scores.data(),
-                             &parts[t * G * stride]);
-          }
-        });
-        for (int64_t i = 0; i < rb; ++i) {
-          const int64_t r = r0 + i, nch = (first[i + 1] - first[i]) / Hkv;
-          for (int64_t h = 0; h < Hkv; ++h)
-            for (int64_t g = 0; g < G; ++g)
-              merge_chunks(&parts[((first[i] + h * nch) * G + g) * stride], nch, G * stride, D,
-                           &att[(r * H + h * G + g) * D]);
-        }
+      std::vector<const float*> kp(R), vp(R);
+      std::vector<int64_t> caps(R);
+      for (int64_t r = 0; r < R; ++r) {
+        const auto& ks = k_slabs[sess_p[r]][l];
+        kp[r] = ks.data_ptr<float>();
+        vp[r] = v_slabs[sess_p[r]][l].data_ptr<float>();
+        caps[r] = ks.size(1);
       }
+      attend_into(q.data(), R, kp, vp, caps, mask_p, N, nk_p, att.data(), parts);
       finish(l, xp, R, att.data(), inv.data(), opts);
       for (int64_t c = 0; c < nc; ++c)
         if (capture[c] == l) {
@@ -575,7 +663,80 @@ class RowStep {
     return final_norm(xc.data_ptr<float>(), x.size(0), inv.data(), xc.options());
   }
 
+  // The fused step's attention for R rows of one session, q (H, R, D), over its slab (Hkv, capacity, D) fp32 under
+  // mask (R, N) among its first row_keys[r] columns -> (H, R, D): what the whole-step call computes for those rows
+  // (kv/paged.py's rows that recall nothing, so a paged verify row equals the one-token step, which takes that call).
+  at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_slab, const at::Tensor& v_slab, const at::Tensor& mask,
+                         const at::Tensor& row_keys) const {
+    at::NoGradGuard no_grad;
+    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, R = q.size(1);
+    TORCH_CHECK(q.dim() == 3 && q.size(0) == H && q.size(2) == D && q.scalar_type() == at::kFloat,
+                "row step: q must be (H, R, D) fp32");
+    for (const at::Tensor* t : {&k_slab, &v_slab})
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == at::kFloat &&
+                      t->is_contiguous() && t->size(1) == k_slab.size(1),
+                  "row step: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
+    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == R && mask.scalar_type() == at::kBool, "row step: mask must be (R, N) bool");
+    auto msk = mask.contiguous(), nk = row_keys.contiguous();
+    TORCH_CHECK(nk.scalar_type() == at::kLong && nk.numel() == R, "row step: row_keys must be (R,) int64");
+    const int64_t N = msk.size(1);
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(nk.data_ptr<int64_t>()[r] >= 0 && nk.data_ptr<int64_t>()[r] <= std::min(N, k_slab.size(1)),
+                  "row step: row_keys out of range");
+    auto qr = q.transpose(0, 1).contiguous();  // (R, H, D)
+    auto att = at::empty({R, H, D}, qr.options());
+    std::vector<const float*> kp(R, k_slab.data_ptr<float>()), vp(R, v_slab.data_ptr<float>());
+    std::vector<int64_t> caps(R, k_slab.size(1));
+    std::vector<float> parts;
+    attend_into(qr.data_ptr<float>(), R, kp, vp, caps, msk.data_ptr<bool>(), N, nk.data_ptr<int64_t>(),
+                att.data_ptr<float>(), parts);
+    return att.transpose(0, 1);
+  }
+
  private:
+  // Attention of R rows: q (R, H, D) row-major, row r over its K/V slab (kp[r], vp[r]: (Hkv, caps[r], D)), the
+  // columns mask[r] (N wide) marks among its first nk[r] -> att (R, H, D). Each (row, kv head, chunk of columns) alone,
+  // then each row's chunks merged in column order; rows in blocks of kRowBlock, so a long prefill chunk's partial
+  // results stay small (a row's result does not depend on its block, nor on columns it does not see).
+  void attend_into(const float* q, int64_t R, const std::vector<const float*>& kp, const std::vector<const float*>& vp,
+                   const std::vector<int64_t>& caps, const bool* mask_p, int64_t N, const int64_t* nk_p, float* att,
+                   std::vector<float>& parts) const {
+    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
+    for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
+      const int64_t rb = std::min(R - r0, kRowBlock);
+      std::vector<int64_t> first(rb + 1, 0);  // block row i's tasks: [first[i], first[i + 1]), Hkv x its chunks
+      int64_t cols = 0;
+      for (int64_t i = 0; i < rb; ++i) {
+        first[i + 1] = first[i] + Hkv * ((nk_p[r0 + i] + kChunk - 1) / kChunk);
+        cols += nk_p[r0 + i];
+      }
+      const int64_t tasks = first[rb], stride = D + 2;
+      parts.resize(tasks * G * stride);
+      // small steps stay on this thread
+      const int64_t grain = cols * H * D < (1 << 18) ? std::max<int64_t>(tasks, 1) : 1;
+      at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
+        std::vector<float> scores(G * kChunk);
+        int64_t i = 0;
+        for (int64_t t = lo; t < hi; ++t) {
+          while (t >= first[i + 1]) ++i;
+          const int64_t r = r0 + i;
+          const int64_t idx = t - first[i], nch = (first[i + 1] - first[i]) / Hkv;
+          const int64_t h = idx / nch, c = idx % nch;
+          const int64_t cap = caps[r];
+          const int64_t j0 = c * kChunk, j1 = std::min(nk_p[r], j0 + kChunk);
+          attend_chunk_any(D, G, q + (r * H + h * G) * D, kp[r] + h * cap * D, vp[r] + h * cap * D, mask_p + r * N, j0,
+                           j1, scale_, scores.data(), &parts[t * G * stride]);
+        }
+      });
+      for (int64_t i = 0; i < rb; ++i) {
+        const int64_t r = r0 + i, nch = (first[i + 1] - first[i]) / Hkv;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t g = 0; g < G; ++g)
+            merge_chunks(&parts[((first[i] + h * nch) * G + g) * stride], nch, G * stride, D, &att[(r * H + h * G + g) * D]);
+      }
+    }
+  }
+
   void check_rows(int64_t l, const at::Tensor& x, int64_t layers) const {
     TORCH_CHECK(l >= 0 && l < layers, "row step: layer out of range");
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat, "row step: x must be (R, hidden) fp32");
@@ -670,6 +831,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return was;
   }, "the attention chunk code the row step runs: 0 the 16-lane vector code, 1 AVX2; returns the previous one "
      "(-1: only read it)", pybind11::arg("kernel") = -1);
+  m.def("group_max_scores", &group_max_scores,
+        "compact keys' scores: q (B, G, M, D) fp32, codes (B, C, D/2) uint8 (4-bit) or (B, C, D) int8, scale (B, C, 1) "
+        "fp16 -> (B, M, C) fp32, max over g (kv/paged_store.RowQuant.group_max_scores)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_isa", [] { return static_cast<int64_t>(q4::best_isa()); }, "0 none (no q4 kernel here), 1 AVX2, 2 AVX-512 VNNI");
   pybind11::class_<RowStep>(m, "RowStep")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, std::vector<int64_t>,
@@ -677,5 +842,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &RowStep::run, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("layer_qkv", &RowStep::layer_qkv, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("layer_finish", &RowStep::layer_finish, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("final_hidden", &RowStep::final_hidden, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("final_hidden", &RowStep::final_hidden, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("attend_rows", &RowStep::attend_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
