@@ -54,6 +54,22 @@ def _prompt(n, seed=0):
 STRATEGIES = [KVStrategy("full"), KVStrategy("sink_window", 4, 12)]
 
 
+def _decode_both(m, nat, kvs, tokens):
+    """Decode the same tokens on kvs[0] with the native step and on kvs[1] with the Python pieces; their logits agree
+    to the kernels' rounding and pick the same token. The native step is left on."""
+    for tok in tokens:
+        m.native_step = nat
+        steps.decode_step(m, kvs[0], tok)
+        m.native_step = None
+        steps.decode_step(m, kvs[1], tok)
+        a, b = kvs[0].last_logits, kvs[1].last_logits
+        # the kernels round activations to bf16: a hidden state 1e-7 apart can flip one element's rounding, which
+        # moves logits by one bf16 step of that input times its weights (seen: 0.016 once in 30 steps; else 0)
+        assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
+        assert int(a.argmax()) == int(b.argmax())
+    m.native_step = nat
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_native_decode_matches_the_python_pieces(strategy, weights, attention):
@@ -65,16 +81,7 @@ def test_native_decode_matches_the_python_pieces(strategy, weights, attention):
     for kv in kvs:
         engine.prefill(kv, _prompt(40))
     before = nat.steps
-    for tok in _prompt(30, seed=1):  # past sink_window's ring: its slots wrap
-        m.native_step = nat
-        steps.decode_step(m, kvs[0], tok)
-        m.native_step = None
-        steps.decode_step(m, kvs[1], tok)
-        a, b = kvs[0].last_logits, kvs[1].last_logits
-        # the kernels round activations to bf16: a hidden state 1e-7 apart can flip one element's rounding, which
-        # moves logits by one bf16 step of that input times its weights (seen: 0.016 once in 30 steps; else 0)
-        assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
-        assert int(a.argmax()) == int(b.argmax())
+    _decode_both(m, nat, kvs, _prompt(30, seed=1))  # past sink_window's ring: its slots wrap
     assert nat.steps - before == 30  # every step of the first session ran natively
     for layer in range(m.spec.num_layers):  # the K/V each wrote agree too
         assert torch.allclose(kvs[0].cache.store.k[layer], kvs[1].cache.store.k[layer], atol=1e-4)
@@ -470,15 +477,7 @@ def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
     # 40 tokens in chunks of 16: the first recalls nothing (no key out of any query's window: one whole-step call),
     # the other two recall pages (segments)
     assert (nat.steps - steps0, nat.segment_steps - segs0) == (1, 2)
-    for tok in _prompt(20, seed=1):
-        m.native_step = nat
-        steps.decode_step(m, kvs[0], tok)
-        m.native_step = None
-        steps.decode_step(m, kvs[1], tok)
-        a, b = kvs[0].last_logits, kvs[1].last_logits
-        assert torch.allclose(a, b, atol=5e-2, rtol=0), (a - b).abs().max()
-        assert int(a.argmax()) == int(b.argmax())
-    m.native_step = nat
+    _decode_both(m, nat, kvs, _prompt(20, seed=1))
     assert nat.steps - steps0 == 1 and nat.segment_steps - segs0 == 22
     assert kvs[0].cache.pages.rows == kvs[1].cache.pages.rows > 0  # pages were archived, and recalled from
     for layer in range(m.spec.num_layers):
