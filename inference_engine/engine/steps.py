@@ -96,8 +96,8 @@ class _Item:
                           if shift is not None and layout.sink_shift_active else None)
         # paged: queries also attend to the pages they recall (None: this step recalls nothing, as sink_window attends)
         hook = getattr(inp.cache, "recall_hook", None)
-        self.paged = (hook(getattr(backend, "rotate_keys", None), getattr(backend, "resident_rows_attention", None))
-                      if hook is not None else None)
+        self.paged = (hook(getattr(backend, "rotate_keys", None), getattr(backend, "resident_rows_attention", None),
+                           getattr(backend, "recalled_row_attention", None)) if hook is not None else None)
 
     def attend(self, backend: Backend, i: int, q: Any, q_normed: Any, k: Any, v: Any) -> Any:
         """Layer i's attention output (H, T, D) for this item's rows (k positioned, v raw)."""

@@ -94,6 +94,7 @@ class PagedCache(SinkWindowCache):
         self.far_distance = self.window + self.page_size
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         self._resident_rows: Callable | None = None  # the backend's fused-step attention of resident rows (recall_hook)
+        self._recalled_rows: Callable | None = None  # the backend's attention of a row over recalled rows + slab
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
         # (decoded), rounded outward to float16: `bounds` row j = page j, stack (max, min)
         self.shortlist = max(strategy.shortlist_pages, strategy.recall_pages) if strategy.shortlist_pages else 0
@@ -197,16 +198,18 @@ class PagedCache(SinkWindowCache):
                 "first": first, "far": "all" if far.all() else ("some" if far.any() else "none"),
                 "far_rows": torch.from_numpy(far).to(dev)}
 
-    def recall_hook(self, rotate_keys: RotateKeys | None = None, resident_rows: Callable | None = None) -> Callable | None:
+    def recall_hook(self, rotate_keys: RotateKeys | None = None, resident_rows: Callable | None = None,
+                    recalled_rows: Callable | None = None) -> Callable | None:
         """The prepared step's per-layer recall (`attend_with_pages`), or None when it recalls nothing (no query has a
         key out of its window: every layer would attend to the resident slab as sink_window does) and the backend
         gives `resident_rows`, its fused row step's attention: the engine may then run the step through that fused
         step, and a verify block's rows that recall nothing attend through `resident_rows` (`_attend_rows`), so they
-        equal the one-token steps bit for bit. Binds the backend's rotation on the first step, as attend_with_pages
-        does."""
+        equal the one-token steps bit for bit. `recalled_rows`: the backend's attention of a row over its recalled rows
+        and the slab (row-exact rows below the trained context; None: torch's two-part call). Binds the backend's
+        rotation on the first step, as attend_with_pages does."""
         if rotate_keys is not None and self._rotate is None:
             self._keep_far_keys(rotate_keys)
-        self._resident_rows = resident_rows
+        self._resident_rows, self._recalled_rows = resident_rows, recalled_rows
         return self.attend_with_pages if self._step is not None or resident_rows is None else None
 
     @torch.inference_mode()
@@ -322,7 +325,11 @@ class PagedCache(SinkWindowCache):
                 o = self._far_row(layer, qj, kr, vr, bias, pages, p_row, k_all, v_all, layout,
                                   self._resident_bias(plan, layout, w, q.dtype)[j], scale, rotate_keys)
             else:
-                o = attend_row_two_part(qj, kr, vr, bias, k_all, v_all, self._resident_bias(plan, layout, w, q.dtype)[j], scale)
+                o = (self._recalled_rows(layer, qj, kr, vr, bias, self.store, layout, j)
+                     if self._recalled_rows is not None and kr is not None else None)
+                if o is None:
+                    o = attend_row_two_part(qj, kr, vr, bias, k_all, v_all, self._resident_bias(plan, layout, w, q.dtype)[j],
+                                            scale)
             out.append(o.view(hkv * g, 1, d))
             fetch += tb - ta
             attend += time.perf_counter() - tb

@@ -576,3 +576,28 @@ def test_a_batch_of_sessions_capturing_different_layers_gets_each_its_own():
         assert torch.equal(inps[i].captured, alone[i])
     h = m.spec.hidden_size
     assert inps[0].captured.shape == (4, h) and inps[2].captured.shape == (4, 2 * h)
+
+
+def test_the_recalled_rows_attention_is_torchs_two_part_attention_to_float_rounding(attention):
+    """RowStep.attend_recalled (kv/paged.py's row-exact rows that recall pages, on the native step) against
+    attention.attend_row_two_part (torch's flash kernel twice, merged by log-sum-exp) on random rows: one softmax
+    over the recalled rows (some masked per KV head) and the slab's visible columns."""
+    from inference_engine.backends.torch.attention import attend_row_two_part
+
+    m = _model()
+    s = m.spec
+    hkv, g, d = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
+    gen = torch.Generator().manual_seed(7)
+    e, cap, n = 300, 640, 600  # recalled rows over two chunks, slab columns over three
+    qj = torch.randn(1, hkv, g, d, generator=gen)
+    kr, vr = torch.randn(hkv, e, d, generator=gen), torch.randn(hkv, e, d, generator=gen)
+    ks, vs = torch.randn(hkv, cap, d, generator=gen), torch.randn(hkv, cap, d, generator=gen)
+    mask_r = torch.rand(hkv, e, generator=gen) > 0.3
+    mask_w = torch.rand(n, generator=gen) > 0.5
+    mask_w[n - 1] = True  # a row always sees its own key
+    got = m.native_step.step.attend_recalled(qj.reshape(-1, d), kr, vr, mask_r, ks, vs, mask_w, n)
+    ninf = torch.tensor(float("-inf"))
+    bias_r = torch.where(mask_r, 0.0, ninf).view(1, hkv, 1, e)
+    bias_w = torch.where(mask_w, 0.0, ninf)
+    want = attend_row_two_part(qj, kr, vr, bias_r, ks[:, :n], vs[:, :n], bias_w, s.attn_scale or d ** -0.5)
+    torch.testing.assert_close(got, want.reshape(-1, d), rtol=1e-4, atol=1e-5)

@@ -224,6 +224,21 @@ class TorchCausalLM:
         return attend
 
     @property
+    def recalled_row_attention(self):
+        """kv/paged.py's rows that recall pages (below the trained context) attend through this (layer, qj, kr, vr,
+        bias_r, store, layout, j) -> (H, D) or None (not a plain slab: torch's two-part call): the native step's
+        attention code over the recalled rows and the slab, one softmax. None when there is no native step."""
+        if self.native_step is None or self.row_graphs is not None:
+            return None
+        from inference_engine.backends.torch.native import plain_slab
+
+        ns = self.native_step
+
+        def attend(layer, qj, kr, vr, bias_r, store, layout, j):
+            return ns.attend_recalled(layer, qj, kr, vr, bias_r, store, layout, j) if plain_slab(layout, store) else None
+        return attend
+
+    @property
     def row_step_captures(self) -> bool:
         """The row step keeps captured layers (StepInput.capture) itself: the native CPU step does."""
         return self.row_graphs is None and self.native_step is not None

@@ -224,6 +224,19 @@ class NativeRowStep:
         keys = torch.full((len(rows),), min(hm.shape[1], layout.key_positions.numel()), dtype=torch.long)
         return self.step.attend_rows(q.float(), store.k[layer], store.v[layer], mask, keys)
 
+    def attend_recalled(self, layer: int, qj: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, bias_r, store, layout,
+                        j: int) -> torch.Tensor:
+        """Row j of a paged step (qj: its H query rows) over its recalled rows kr, vr (Hkv, E, D) (bias_r: None or an
+        additive 0 / -inf mask broadcastable to (Hkv, E)) and its session's slab as the whole-step call masks that row:
+        (H, D). The caller checked plain_slab(layout, store)."""
+        hkv, e = kr.shape[0], kr.shape[1]
+        mask_r = (torch.ones(hkv, e, dtype=torch.bool) if bias_r is None
+                  else (bias_r.reshape(-1, e) == 0).expand(hkv, e))
+        hm = layout.host_masks[None]
+        return self.step.attend_recalled(qj.reshape(-1, qj.shape[-1]).float(), kr.float(), vr.float(), mask_r,
+                                         store.k[layer], store.v[layer], torch.from_numpy(np.ascontiguousarray(hm[j])),
+                                         min(hm.shape[1], layout.key_positions.numel()))
+
     def segments(self, rows: int) -> "NativeSegments":
         """A runner of one step's dense work in C++ segments, attention left to the caller (engine/steps)."""
         return NativeSegments(self)

@@ -693,6 +693,53 @@ class RowStep {
     return att.transpose(0, 1);
   }
 
+  // One row's attention over its recalled rows kr, vr (Hkv, E, D) fp32 under mask_r (Hkv, E) bool, then its
+  // session's slab (Hkv, capacity, D) under mask_w (N,) bool among its first n_keys columns, as one softmax: each
+  // (KV head, chunk) alone, the recalled chunks first, merged in that order (kv/paged.py's rows that recall pages: a
+  // verify row and the one-token step at its position read the same rows and columns, so they get the same bits).
+  // q (H, D) -> (H, D).
+  at::Tensor attend_recalled(const at::Tensor& q, const at::Tensor& kr, const at::Tensor& vr, const at::Tensor& mask_r,
+                             const at::Tensor& k_slab, const at::Tensor& v_slab, const at::Tensor& mask_w,
+                             int64_t n_keys) const {
+    at::NoGradGuard no_grad;
+    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
+    TORCH_CHECK(q.numel() == H * D && q.scalar_type() == at::kFloat, "row step: q must be (H, D) fp32");
+    TORCH_CHECK(kr.dim() == 3 && kr.size(0) == Hkv && kr.size(2) == D && kr.scalar_type() == at::kFloat &&
+                    vr.sizes() == kr.sizes() && vr.scalar_type() == at::kFloat,
+                "row step: recalled rows must be (Hkv, E, D) fp32, K and V alike");
+    const int64_t E = kr.size(1);
+    TORCH_CHECK(mask_r.scalar_type() == at::kBool && mask_r.numel() == Hkv * E, "row step: mask_r must be (Hkv, E) bool");
+    for (const at::Tensor* t : {&k_slab, &v_slab})
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == at::kFloat &&
+                      t->is_contiguous() && t->size(1) == k_slab.size(1),
+                  "row step: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
+    TORCH_CHECK(mask_w.scalar_type() == at::kBool && n_keys >= 0 && n_keys <= mask_w.numel() && n_keys <= k_slab.size(1),
+                "row step: mask_w must be (N,) bool, n_keys <= N");
+    auto qc = q.contiguous(), krc = kr.contiguous(), vrc = vr.contiguous(), mr = mask_r.contiguous(),
+         mw = mask_w.contiguous();
+    const int64_t cap = k_slab.size(1), nr = (E + kChunk - 1) / kChunk, nw = (n_keys + kChunk - 1) / kChunk;
+    const int64_t nch = nr + nw, stride = D + 2;
+    std::vector<float> parts(Hkv * nch * G * stride), scores(G * kChunk);
+    const float* qp = qc.data_ptr<float>();
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t c = 0; c < nch; ++c) {
+        float* part = &parts[(h * nch + c) * G * stride];
+        if (c < nr)
+          attend_chunk_any(D, G, qp + h * G * D, krc.data_ptr<float>() + h * E * D, vrc.data_ptr<float>() + h * E * D,
+                           mr.data_ptr<bool>() + h * E, c * kChunk, std::min(E, (c + 1) * kChunk), scale_, scores.data(),
+                           part);
+        else
+          attend_chunk_any(D, G, qp + h * G * D, k_slab.data_ptr<float>() + h * cap * D,
+                           v_slab.data_ptr<float>() + h * cap * D, mw.data_ptr<bool>(), (c - nr) * kChunk,
+                           std::min(n_keys, (c - nr + 1) * kChunk), scale_, scores.data(), part);
+      }
+    auto out = at::empty({H, D}, qc.options());
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        merge_chunks(&parts[(h * nch * G + g) * stride], nch, G * stride, D, out.data_ptr<float>() + (h * G + g) * D);
+    return out;
+  }
+
  private:
   // Attention of R rows: q (R, H, D) row-major, row r over its K/V slab (kp[r], vp[r]: (Hkv, caps[r], D)), the
   // columns mask[r] (N wide) marks among its first nk[r] -> att (R, H, D). Each (row, kv head, chunk of columns) alone,
@@ -843,5 +890,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("layer_qkv", &RowStep::layer_qkv, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("layer_finish", &RowStep::layer_finish, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("final_hidden", &RowStep::final_hidden, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("attend_rows", &RowStep::attend_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("attend_rows", &RowStep::attend_rows, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("attend_recalled", &RowStep::attend_recalled, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
