@@ -326,7 +326,7 @@ class PagedCache(SinkWindowCache):
                                   self._resident_bias(plan, layout, w, q.dtype)[j], scale, rotate_keys)
             else:
                 o = (self._recalled_rows(layer, qj, kr, vr, bias, self.store, layout, j)
-                     if self._recalled_rows is not None and kr is not None else None)
+                     if self._recalled_rows is not None else None)
                 if o is None:
                     o = attend_row_two_part(qj, kr, vr, bias, k_all, v_all, self._resident_bias(plan, layout, w, q.dtype)[j],
                                             scale)

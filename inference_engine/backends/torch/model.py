@@ -213,30 +213,14 @@ class TorchCausalLM:
         (H, T, D) or None (not a plain slab: the pieces' call): the native whole-step call's attention, so such a row
         in a verify block equals the one-token step at its position, which that call takes. None when there is no
         native step (the pieces' call on both sides; CUDA's row graphs keep paged steps off them altogether)."""
-        if self.native_step is None or self.row_graphs is not None:
-            return None
-        from inference_engine.backends.torch.native import plain_slab
-
-        ns = self.native_step
-
-        def attend(layer, q, store, layout, rows):
-            return ns.attend_rows(layer, q, store, layout, rows) if plain_slab(layout, store) else None
-        return attend
+        return self.native_step.attend_rows if self.native_step is not None and self.row_graphs is None else None
 
     @property
     def recalled_row_attention(self):
         """kv/paged.py's rows that recall pages (below the trained context) attend through this (layer, qj, kr, vr,
         bias_r, store, layout, j) -> (H, D) or None (not a plain slab: torch's two-part call): the native step's
         attention code over the recalled rows and the slab, one softmax. None when there is no native step."""
-        if self.native_step is None or self.row_graphs is not None:
-            return None
-        from inference_engine.backends.torch.native import plain_slab
-
-        ns = self.native_step
-
-        def attend(layer, qj, kr, vr, bias_r, store, layout, j):
-            return ns.attend_recalled(layer, qj, kr, vr, bias_r, store, layout, j) if plain_slab(layout, store) else None
-        return attend
+        return self.native_step.attend_recalled if self.native_step is not None and self.row_graphs is None else None
 
     @property
     def row_step_captures(self) -> bool:

@@ -216,26 +216,28 @@ class NativeRowStep:
         self.steps += 1
         return None, hidden, (captured if capture else None)
 
-    def attend_rows(self, layer: int, q: torch.Tensor, store, layout, rows: list[int]) -> torch.Tensor:
+    def attend_rows(self, layer: int, q: torch.Tensor, store, layout, rows: list[int]) -> torch.Tensor | None:
         """Rows `rows` of a step (q (H, len(rows), D)) attending to the session's slab as the whole-step call attends
-        them: (H, len(rows), D). The caller checked plain_slab(layout, store)."""
-        hm = layout.host_masks[None]
-        mask = torch.from_numpy(np.ascontiguousarray(hm[rows]))
-        keys = torch.full((len(rows),), min(hm.shape[1], layout.key_positions.numel()), dtype=torch.long)
+        them: (H, len(rows), D); None where that call would not take the step (not plain_slab)."""
+        if not plain_slab(layout, store):
+            return None
+        mask, n_keys = _row_masks(layout, rows)
+        keys = torch.full((len(rows),), n_keys, dtype=torch.long)
         return self.step.attend_rows(q.float(), store.k[layer], store.v[layer], mask, keys)
 
     def attend_recalled(self, layer: int, qj: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, bias_r, store, layout,
-                        j: int) -> torch.Tensor:
+                        j: int) -> torch.Tensor | None:
         """Row j of a paged step (qj: its H query rows) over its recalled rows kr, vr (Hkv, E, D) (bias_r: None or an
         additive 0 / -inf mask broadcastable to (Hkv, E)) and its session's slab as the whole-step call masks that row:
-        (H, D). The caller checked plain_slab(layout, store)."""
+        (H, D); None where that call would not take the step (not plain_slab)."""
+        if not plain_slab(layout, store):
+            return None
         hkv, e = kr.shape[0], kr.shape[1]
         mask_r = (torch.ones(hkv, e, dtype=torch.bool) if bias_r is None
                   else (bias_r.reshape(-1, e) == 0).expand(hkv, e))
-        hm = layout.host_masks[None]
+        mask, n_keys = _row_masks(layout, j)
         return self.step.attend_recalled(qj.reshape(-1, qj.shape[-1]).float(), kr.float(), vr.float(), mask_r,
-                                         store.k[layer], store.v[layer], torch.from_numpy(np.ascontiguousarray(hm[j])),
-                                         min(hm.shape[1], layout.key_positions.numel()))
+                                         store.k[layer], store.v[layer], mask, n_keys)
 
     def segments(self, rows: int) -> "NativeSegments":
         """A runner of one step's dense work in C++ segments, attention left to the caller (engine/steps)."""
@@ -265,6 +267,12 @@ class NativeSegments:
             x, self.x = self.x, None
             return x, step.final_hidden(x)
         return self.x, step.layer_qkv(layer + 1, self.x, self.cos, self.sin)
+
+
+def _row_masks(layout, rows) -> tuple[torch.Tensor, int]:
+    """The visible-column masks of a step's rows (an index or a list of them) and the key count, as run() builds them."""
+    hm = layout.host_masks[None]
+    return torch.from_numpy(np.ascontiguousarray(hm[rows])), min(hm.shape[1], layout.key_positions.numel())
 
 
 def plain_slab(layout, store) -> bool:
