@@ -16,6 +16,7 @@ attention costs.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import statistics
 import sys
@@ -24,6 +25,27 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+
+
+def merge(args) -> int:
+    runs, by_commit = [], {}
+    for f in args.merge:
+        d = json.loads(pathlib.Path(f).read_text())
+        auto = d["by_compile"].get("auto", {}).get("by_context", {})
+        cells = {c: {k: v[k] for k in ("decode_ms_median", "verify_ms_median", "verify_vs_decode")} for c, v in auto.items()}
+        runs.append({"file": f, "commit": d["commit"], "dirty_worktree": d["dirty_worktree"], "date_utc": d["date_utc"],
+                     "cpu": d["machine"]["cpu"], "auto": cells})
+        for c, v in cells.items():
+            for k, x in v.items():
+                by_commit.setdefault(d["commit"][:7], {}).setdefault(c, {}).setdefault(k, []).append(x)
+    ranges = {commit: {c: {k: [min(xs), max(xs)] for k, xs in v.items()} for c, v in cells.items()}
+              for commit, cells in by_commit.items()}
+    doc = run_metadata({"merge": args.merge}) | {
+        "what": "verify_cost runs merged: the native step's decode and verify medians (ms) per run, and their range "
+                "per commit (run-to-run spread on a shared box is the yardstick for any difference)",
+        "runs": runs, "range_by_commit": ranges}
+    write_json(pathlib.Path(args.out), doc)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -37,7 +59,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", default="off,auto", help="--compile modes, comma-separated (off, auto, on), side by side")
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "verify_cost.json"))
+    p.add_argument("--merge", nargs="+", default=[], metavar="PART_JSON",
+                   help="only merge these runs (e.g. of two commits, for a regression check) into --out: per run its "
+                        "commit and the native (--compile auto) medians, and per commit the range over its runs")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args)
 
     import torch
 
