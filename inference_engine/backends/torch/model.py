@@ -223,6 +223,13 @@ class TorchCausalLM:
         return self.native_step.attend_recalled if self.native_step is not None and self.row_graphs is None else None
 
     @property
+    def paged_row_attention(self):
+        """kv/paged.py's row-exact rows (decode, verify) take their page choice, page reads and attention through this
+        (layer, q (H, T, D), view, fresh, store, layout) -> (H, T, D) or None (not a plain slab: the Python path): the
+        native step's `paged_rows`. None when there is no native step."""
+        return self.native_step.paged_rows if self.native_step is not None and self.row_graphs is None else None
+
+    @property
     def row_step_captures(self) -> bool:
         """The row step keeps captured layers (StepInput.capture) itself: the native CPU step does."""
         return self.row_graphs is None and self.native_step is not None

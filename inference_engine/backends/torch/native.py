@@ -176,6 +176,10 @@ class NativeRowStep:
 
         # the page choice's one-pass scoring of compact keys (kv/paged_store measures whether it is the fastest path)
         paged_store.set_score_kernel(module.group_max_scores)
+        rotary = model.rotary
+        # paged recall past the trained context turns queries by RoPE in C++: plain rotary tables only
+        plain = getattr(rotary, "attention_scaling", 1.0) == 1.0 and getattr(rotary, "rope_type", "default") == "default"
+        self.inv_freq = rotary.inv_freq.float().contiguous() if plain and hasattr(rotary, "inv_freq") else None
         self.steps = 0  # whole steps run natively (reported)
         self.segment_steps = 0  # steps whose dense work ran in C++ segments (NativeSegments)
         self.prefill = True  # prefill chunks too (model.row_step_takes_prefill); research scripts turn it off
@@ -238,6 +242,20 @@ class NativeRowStep:
         mask, n_keys = _row_masks(layout, j)
         return self.step.attend_recalled(qj.reshape(-1, qj.shape[-1]).float(), kr.float(), vr.float(), mask_r,
                                          store.k[layer], store.v[layer], mask, n_keys)
+
+    def paged_rows(self, layer: int, q: torch.Tensor, view: dict, fresh: list, store, layout) -> torch.Tensor | None:
+        """A paged session's row-exact rows (q (H, T, D)) at `layer`: page choice, page reads and attention in one call
+        (csrc/paged_rows.h) over the tables kv/paged.py's `_native_view` hands over -> (H, T, D); None where the
+        whole-step call would not take the step (not plain_slab) or the rotary is not plain RoPE."""
+        if self.inv_freq is None or not plain_slab(layout, store):
+            return None
+        if "rows" not in view:  # once a step: each row's position, candidates and slab columns
+            mask, n_keys = _row_masks(layout, list(range(len(view["positions"]))))
+            view["rows"] = torch.from_numpy(np.stack([view["positions"], view["candidates"],
+                                                      np.full(len(view["positions"]), n_keys)], 1).astype(np.int64))
+            view["mask"] = mask
+        return self.step.paged_rows(layer, q.float(), view["tables"], view["meta"], fresh, view["rows"], view["mask"],
+                                    view["sink_cols"], store.k[layer], store.v[layer], self.inv_freq)
 
     def segments(self, rows: int) -> "NativeSegments":
         """A runner of one step's dense work in C++ segments, attention left to the caller (engine/steps)."""

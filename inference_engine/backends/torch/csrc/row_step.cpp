@@ -489,6 +489,8 @@ at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const 
   return out;
 }
 
+#include "paged_rows.h"
+
 class RowStep {
  public:
   RowStep(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps, double attn_scale,
@@ -740,6 +742,97 @@ class RowStep {
     return out;
   }
 
+  // A paged session's row-exact rows at layer l (paged_rows.h): q (H, T, D) rotated at the rows' positions; tables:
+  // the compact keys' codes and scales (ring, spill file) at true positions, the same of far_keys, the page store's
+  // rows (ring, file; fp32 K/V, stack 2) and the page bounds (L, 2, Hkv, pages, D) fp16; meta: per table (rows, cold
+  // pages, ring size once wrapped else 0) for keys, far_keys, pages, then sink, window, page size, recall pages,
+  // shortlist pages, shortlist_from, far_distance, max_context, bounds rows, bounds of far_keys (0 / 1); fresh: the
+  // step's still-resident candidates as the tables would hold them (codes (Hkv, nf, Dc), scales (Hkv, nf, 1), far
+  // codes, far scales, K/V (2, Hkv, nf, D)) or empty; rows (T, 3) int64: position, candidates, slab keys; mask_w (T, N)
+  // bool: each row's visible slab columns; sink_cols: the sink's slab columns (rows past the trained context move them);
+  // inv_freq (D/2,) fp32: the rotary's frequencies. -> (H, T, D).
+  at::Tensor paged_rows(int64_t l, const at::Tensor& q, const std::vector<at::Tensor>& tables, const std::vector<int64_t>& meta,
+                        const std::vector<at::Tensor>& fresh, const at::Tensor& rows, const at::Tensor& mask_w,
+                        const at::Tensor& sink_cols, const at::Tensor& k_slab, const at::Tensor& v_slab,
+                        const at::Tensor& inv_freq) const {
+    at::NoGradGuard no_grad;
+    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
+    TORCH_CHECK(l >= 0 && l < layers_, "paged rows: layer out of range");
+    TORCH_CHECK(q.dim() == 3 && q.size(0) == H && q.size(2) == D && q.scalar_type() == at::kFloat,
+                "paged rows: q must be (H, T, D) fp32");
+    const int64_t T = q.size(1);
+    TORCH_CHECK(tables.size() == 11 && meta.size() == 19 && (fresh.empty() || fresh.size() == 5), "paged rows: bad table list");
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == T && rows.size(1) == 3,
+                "paged rows: rows must be (T, 3) int64");
+    TORCH_CHECK(mask_w.scalar_type() == at::kBool && mask_w.dim() == 2 && mask_w.size(0) == T, "paged rows: mask_w must be (T, N) bool");
+    for (const at::Tensor* t : {&k_slab, &v_slab})
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == at::kFloat &&
+                      t->is_contiguous() && t->size(1) == k_slab.size(1),
+                  "paged rows: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
+    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == D / 2, "paged rows: inv_freq must be (D/2,) fp32");
+    const PagedConfig cf{meta[9], meta[10], meta[11], meta[12], meta[13], meta[14], meta[15], meta[16], meta[17], meta[18] != 0};
+    TORCH_CHECK(cf.P >= 1 && cf.P <= kChunk && cf.M >= 0, "paged rows: the page size must be 1 .. 256");
+    const bool four = tables[0].scalar_type() == at::kByte;
+    TORCH_CHECK((four && tables[0].size(-1) * 2 == D) || (tables[0].scalar_type() == at::kChar && tables[0].size(-1) == D),
+                "paged rows: compact keys must be 4-bit (D/2 bytes) or int8");
+    TORCH_CHECK(tables[1].scalar_type() == at::kHalf && tables[5].scalar_type() == at::kHalf, "paged rows: scales must be fp16");
+    TORCH_CHECK(tables[8].scalar_type() == at::kFloat && tables[8].size(1) == 2 && tables[8].size(-1) == D,
+                "paged rows: the page store must hold fp32 K/V rows");
+    const at::Tensor& bounds = tables[10];
+    TORCH_CHECK(bounds.scalar_type() == at::kHalf && bounds.is_contiguous() && bounds.dim() == 5 && bounds.size(1) == 2 &&
+                    bounds.size(0) == layers_ && bounds.size(2) == Hkv && bounds.size(4) == D && bounds.size(3) >= cf.bounds_rows,
+                "paged rows: bounds must be (L, 2, Hkv, pages, D) fp16");
+    std::vector<at::Tensor> fc;
+    for (const auto& f : fresh) fc.push_back(f.contiguous());
+    auto rows_of = [&](PagedTier tr, int f) {
+      PagedRows pr{tr, nullptr, 0};
+      if (!fc.empty()) {
+        const at::Tensor& x = fc[f];
+        TORCH_CHECK(x.dim() >= 2 && x.element_size() * x.size(-1) == tr.width && x.numel() == tr.S * Hkv * x.size(-2) * x.size(-1),
+                    "paged rows: the step's resident rows must be (S, Hkv, n, ...) as their table's rows");
+        pr.fresh = static_cast<const uint8_t*>(fc[f].data_ptr());
+        pr.fresh_n = fc[f].size(-2);
+      }
+      return pr;
+    };
+    // codes and scales are separate payloads of one table: (ring, file) pairs at 0/2 and 1/3 (far_keys 4/6, 5/7)
+    const PagedRows codes = rows_of(PagedTier(tables[0], tables[2], cf.P, meta[0], meta[1], meta[2]), 0);
+    const PagedRows scales = rows_of(PagedTier(tables[1], tables[3], cf.P, meta[0], meta[1], meta[2]), 1);
+    const PagedRows far_codes = rows_of(PagedTier(tables[4], tables[6], cf.P, meta[3], meta[4], meta[5]), 2);
+    const PagedRows far_scales = rows_of(PagedTier(tables[5], tables[7], cf.P, meta[3], meta[4], meta[5]), 3);
+    const PagedRows kv = rows_of(PagedTier(tables[8], tables[9], cf.P, meta[6], meta[7], meta[8]), 4);
+    auto qr = q.transpose(0, 1).contiguous();  // (T, H, D)
+    auto rc = rows.contiguous(), mw = mask_w.contiguous(), sc = sink_cols.to(at::kLong).contiguous(), fr = inv_freq.contiguous();
+    const int64_t N = mw.size(1), cap = k_slab.size(1);
+    const int64_t* rp = rc.data_ptr<int64_t>();
+    for (int64_t j = 0; j < T; ++j)
+      TORCH_CHECK(rp[j * 3 + 1] >= 0 && rp[j * 3 + 2] >= 0 && rp[j * 3 + 2] <= std::min(N, cap), "paged rows: bad row");
+    const std::vector<int64_t> sinks(sc.data_ptr<int64_t>(), sc.data_ptr<int64_t>() + sc.numel());
+    for (const int64_t s : sinks) TORCH_CHECK(s >= 0 && s < cap, "paged rows: a sink column is out of the slab");
+    TORCH_CHECK(static_cast<int64_t>(sinks.size()) <= kChunk, "paged rows: at most 256 sink columns");
+    auto out = at::empty({T, H, D}, qr.options());
+    const float* qp = qr.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const c10::Half* bp = bounds.data_ptr<c10::Half>();
+    const int64_t bcap = bounds.size(3);
+    at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> parts, scores(G * kChunk);
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t j = t / Hkv, h = t % Hkv, pos = rp[j * 3], c = rp[j * 3 + 1], nk = rp[j * 3 + 2];
+        const bool far = pos >= cf.max_context;
+        const float* qh = qp + (j * H + h * G) * D;
+        std::vector<int64_t> pages;
+        if (c > 0)
+          pages = choose_pages(cf, l, h, pos, c, qh, G, D, far ? far_codes : codes, far ? far_scales : scales, bp, bcap, Hkv,
+                               far, fr.data_ptr<float>());
+        attend_paged_row(cf, l, h, pos, c, nk, qh, G, D, scale_, pages, kv, k_slab.data_ptr<float>(),
+                         v_slab.data_ptr<float>(), cap, mw.data_ptr<bool>() + j * N, sinks, fr.data_ptr<float>(), parts,
+                         scores, op + (j * H + h * G) * D);
+      }
+    });
+    return out.transpose(0, 1);
+  }
+
  private:
   // Attention of R rows: q (R, H, D) row-major, row r over its K/V slab (kp[r], vp[r]: (Hkv, caps[r], D)), the
   // columns mask[r] (N wide) marks among its first nk[r] -> att (R, H, D). Each (row, kv head, chunk of columns) alone,
@@ -891,5 +984,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("layer_finish", &RowStep::layer_finish, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("final_hidden", &RowStep::final_hidden, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("attend_rows", &RowStep::attend_rows, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("attend_recalled", &RowStep::attend_recalled, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("attend_recalled", &RowStep::attend_recalled, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("paged_rows", &RowStep::paged_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,270 @@
+// Paged recall for row-exact rows (decode rows, verify blocks) in one call per layer: kv/paged.py's page choice
+// (compact keys scored, through the page bounds' shortlist past `shortlist_from` pages), its reads of the chosen pages
+// from either tier of the page store, and the row's attention over them and the resident slab, one softmax. Past the
+// trained context a row chooses through far_keys with its query rotated to far_distance, and attends in InfLLM's
+// layout (its pages in position order right before its window, the sink right before them; the query counter-rotated
+// once per page instead of the page's keys rotated), as kv/paged.py's `_far_row` does.
+//
+// Included by row_step.cpp inside its namespace, after the attention chunks (attend_chunk_any, merge_chunks) and the
+// compact keys' scoring (score_keys_any) it reuses. Every row's arithmetic is its own and does not depend on the
+// other rows of the call or on the threads: a verify block's rows equal the one-token steps at their positions bit
+// for bit, and a row that recalls nothing (its candidates all in its window) attends exactly as the whole-step call
+// (RowStep::run) does: the same chunks of the slab, merged in the same order.
+//
+// Written for this project (no code from elsewhere).
+
+// One payload of a paged row table (kv/paged_store.SpillingRowTable) for every layer: its RAM ring (L, S, Hkv, cap,
+// ...) and its spill file (pages, L, S, Hkv, P, ...); `at` finds row r of (layer, s, head) where the table keeps it.
+// A page's P rows are contiguous in either tier.
+struct PagedTier {
+  const uint8_t* ring = nullptr;
+  const uint8_t* file = nullptr;
+  int64_t L = 0, S = 0, Hkv = 0, cap = 0, width = 0, P = 0, rows = 0, cold_pages = 0, wrap = 0;
+
+  PagedTier() = default;
+  // rows: the table's rows; cold: pages in the spill file; wrap: the ring's size once rows sit at slot r % wrap, else 0
+  PagedTier(const at::Tensor& ring_t, const at::Tensor& file_t, int64_t page, int64_t rows_, int64_t cold, int64_t wrap_)
+      : P(page), rows(rows_), cold_pages(cold), wrap(wrap_) {
+    TORCH_CHECK(ring_t.dim() >= 4 && ring_t.is_contiguous() && ring_t.device().is_cpu(),
+                "paged rows: a table's ring must be (L, S, Hkv, capacity, ...) contiguous on the CPU");
+    L = ring_t.size(0), S = ring_t.size(1), Hkv = ring_t.size(2), cap = ring_t.size(3);
+    width = ring_t.element_size();
+    for (int64_t d = 4; d < ring_t.dim(); ++d) width *= ring_t.size(d);
+    ring = static_cast<const uint8_t*>(ring_t.data_ptr());
+    TORCH_CHECK(rows >= cold * P && cold >= 0 && wrap >= 0 && (wrap ? wrap == cap && wrap % P == 0 : rows <= cap),
+                "paged rows: a table's rows do not fit its ring");
+    if (cold) {
+      TORCH_CHECK(file_t.defined() && file_t.is_contiguous() && file_t.dim() == ring_t.dim() + 1 && file_t.size(0) >= cold &&
+                      file_t.size(1) == L && file_t.size(2) == S && file_t.size(3) == Hkv && file_t.size(4) == P &&
+                      file_t.element_size() == ring_t.element_size(),
+                  "paged rows: a spill file must be (pages, L, S, Hkv, P, ...) as its ring");
+      file = static_cast<const uint8_t*>(file_t.data_ptr());
+    }
+  }
+
+  const uint8_t* at(int64_t l, int64_t s, int64_t h, int64_t r) const {
+    const int64_t j = r / P;
+    if (j < cold_pages) return file + ((((j * L + l) * S + s) * Hkv + h) * P + r % P) * width;
+    return ring + (((l * S + s) * Hkv + h) * cap + (wrap ? r % wrap : r)) * width;
+  }
+};
+
+// Row r's payload of (layer, s, head): from the table below its rows, else the step's still-resident row r - rows
+// (fresh: (S?, Hkv, nf, ...) contiguous, `fresh_row` bytes a row, `fresh_heads` rows apart per head).
+struct PagedRows {
+  PagedTier tier;
+  const uint8_t* fresh = nullptr;
+  int64_t fresh_n = 0;
+
+  const uint8_t* at(int64_t l, int64_t s, int64_t h, int64_t r) const {
+    if (r < tier.rows) return tier.at(l, s, h, r);
+    const int64_t f = r - tier.rows;
+    TORCH_CHECK(f < fresh_n, "paged rows: row ", r, " is neither in its table nor among the step's resident rows");
+    return fresh + ((s * tier.Hkv + h) * fresh_n + f) * tier.width;
+  }
+  // a pointer to rows [r0, r0 + n) of (layer, s, head): in place when they are one run, else copied into buf
+  const uint8_t* run(int64_t l, int64_t s, int64_t h, int64_t r0, int64_t n, std::vector<uint8_t>& buf) const {
+    if (r0 + n <= tier.rows && r0 / tier.P == (r0 + n - 1) / tier.P) return tier.at(l, s, h, r0);
+    if (r0 >= tier.rows) return at(l, s, h, r0);  // fresh rows are one run
+    buf.resize(n * tier.width);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&buf[i * tier.width], at(l, s, h, r0 + i), tier.width);
+    return buf.data();
+  }
+};
+
+// RoPE rotate-half of G vectors x (G, D) by `delta` positions: cos/sin of delta * inv_freq in float, as the
+// model's rotary tables are made.
+inline void rotate_by(const float* x, int64_t G, int64_t D, const float* inv_freq, int64_t delta, float* out) {
+  const int64_t half = D / 2;
+  float c[128], s[128];
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = static_cast<float>(delta) * inv_freq[d];
+    c[d] = std::cos(a);
+    s[d] = std::sin(a);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float* xg = x + g * D;
+    float* og = out + g * D;
+    for (int64_t d = 0; d < half; ++d) {
+      og[d] = xg[d] * c[d] - xg[d + half] * s[d];
+      og[d + half] = xg[d + half] * c[d] + xg[d] * s[d];
+    }
+  }
+}
+
+// Per page of compact keys, the elementwise max and min of the decoded keys rounded outward to float16, as
+// kv/paged.py's `_page_bounds` makes the page bounds table (the same float operations, so a page's bound is the same
+// bits whether a row reads it from the table or makes it here from the page's codes).
+inline void page_bound(const uint8_t* codes, const c10::Half* sc, int64_t n, int64_t D, bool four, c10::Half* hi,
+                       c10::Half* lo) {
+  float mx[256], mn[256];
+  for (int64_t d = 0; d < D; ++d) mx[d] = -INFINITY, mn[d] = INFINITY;
+  const int64_t row_bytes = four ? D / 2 : D;
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = codes + r * row_bytes;
+    const float s = static_cast<float>(sc[r]);
+    for (int64_t d = 0; d < D; ++d) {
+      int v;
+      if (four) v = d % 2 ? static_cast<int>(row[d / 2] >> 4) - 8 : static_cast<int>(row[d / 2] & 15) - 8;
+      else v = reinterpret_cast<const int8_t*>(row)[d];
+      const float x = static_cast<float>(v) * s;
+      mx[d] = x > mx[d] ? x : mx[d];
+      mn[d] = x < mn[d] ? x : mn[d];
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) {  // |x| * 2^-10 is exact: one rounding per add, as torch's elementwise ops
+    hi[d] = c10::Half((mx[d] + std::fabs(mx[d]) * 0x1p-10f) + 0x1p-24f);
+    lo[d] = c10::Half((mn[d] - std::fabs(mn[d]) * 0x1p-10f) - 0x1p-24f);
+  }
+}
+
+// The configuration of one paged session's step (kv/paged.py builds it once a step).
+struct PagedConfig {
+  int64_t sink, window, P, M, S, shortlist_from, far_distance, max_context, bounds_rows;
+  bool bounds_far;  // the bounds table holds far_keys' bounds (page choice past the context has started)
+};
+
+// The G query rows of one KV head, in score_keys' layout: 4-bit codes hold even dimensions in low nibbles, odd ones
+// in high ones, so the even dimensions first, then the odd ones, per row.
+inline void score_layout(const float* q, int64_t G, int64_t D, bool four, float* out) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) {
+      if (!four) out[g * D + d] = q[g * D + d];
+      else out[g * D + (d % 2 ? D / 2 + d / 2 : d / 2)] = q[g * D + d];
+    }
+}
+
+// Row (pos, c candidates [sink, sink + c)) of KV head h at layer l: its chosen pages in position order (at most M).
+inline std::vector<int64_t> choose_pages(const PagedConfig& cf, int64_t l, int64_t h, int64_t pos, int64_t c, const float* qh,
+                                         int64_t G, int64_t D, const PagedRows& codes, const PagedRows& scales,
+                                         const c10::Half* bounds, int64_t bounds_cap, int64_t Hkv, bool far,
+                                         const float* inv_freq) {
+  const int64_t P = cf.P, n_pages = (c + P - 1) / P;
+  std::vector<int64_t> chosen;
+  if (n_pages <= cf.M) {
+    for (int64_t j = 0; j < n_pages; ++j) chosen.push_back(j);
+    return chosen;
+  }
+  const bool four = codes.tier.width * 2 == D;
+  std::vector<float> qs(G * D), qf(G * D);
+  if (far) rotate_by(qh, G, D, inv_freq, cf.far_distance - pos, qf.data());
+  else std::memcpy(qf.data(), qh, G * D * sizeof(float));
+  score_layout(qf.data(), G, D, four, qs.data());
+  std::vector<int64_t> cand;  // pages whose keys are scored
+  const int64_t whole = c / P;
+  if (cf.S > 0 && n_pages > cf.shortlist_from) {
+    // rank the pages the row sees whole by their bound: max over g of sum max(q * hi, q * lo)
+    std::vector<std::pair<float, int64_t>> ranked(whole);
+    std::vector<c10::Half> made(2 * D);
+    std::vector<uint8_t> cbuf, sbuf;
+    for (int64_t j = 0; j < whole; ++j) {
+      const c10::Half *hi, *lo;
+      if (j < cf.bounds_rows && cf.bounds_far == far) {  // else (a row below the context once choice past it began)
+        // made here from its codes at true positions
+        hi = bounds + ((l * 2 + 0) * Hkv + h) * bounds_cap * D + j * D;
+        lo = bounds + ((l * 2 + 1) * Hkv + h) * bounds_cap * D + j * D;
+      } else {
+        const uint8_t* cp = codes.run(l, 0, h, j * P, P, cbuf);
+        const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, h, j * P, P, sbuf));
+        page_bound(cp, sp, P, D, four, made.data(), made.data() + D);
+        hi = made.data(), lo = made.data() + D;
+      }
+      float best = -INFINITY;
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = qf[g * D + d];
+          s += x > 0 ? x * static_cast<float>(hi[d]) : x * static_cast<float>(lo[d]);
+        }
+        best = s > best ? s : best;
+      }
+      ranked[j] = {best, j};
+    }
+    const int64_t keep = std::min<int64_t>(cf.S, whole);
+    std::partial_sort(ranked.begin(), ranked.begin() + keep, ranked.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (int64_t i = 0; i < keep; ++i)
+      if (ranked[i].first > -INFINITY) cand.push_back(ranked[i].second);
+    if (whole < n_pages) cand.push_back(whole);  // the page it sees in part: always scored
+  } else {
+    for (int64_t j = 0; j < n_pages; ++j) cand.push_back(j);
+  }
+  std::vector<std::pair<float, int64_t>> page_scores;
+  std::vector<float> scores(P);
+  std::vector<uint8_t> cbuf, sbuf;
+  for (const int64_t j : cand) {
+    const int64_t n = std::min(P, c - j * P);
+    const uint8_t* cp = codes.run(l, 0, h, j * P, n, cbuf);
+    const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, h, j * P, n, sbuf));
+    if (four) score_keys_any<true>(qs.data(), G, D, cp, sp, 0, n, scores.data());
+    else score_keys_any<false>(qs.data(), G, D, cp, sp, 0, n, scores.data());
+    float best = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) best = scores[i] > best ? scores[i] : best;
+    if (best > -INFINITY) page_scores.push_back({best, j});
+  }
+  const int64_t keep = std::min<int64_t>(cf.M, static_cast<int64_t>(page_scores.size()));
+  std::partial_sort(page_scores.begin(), page_scores.begin() + keep, page_scores.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (int64_t i = 0; i < keep; ++i) chosen.push_back(page_scores[i].second);
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+// The attention of one row of KV head h over its chosen pages (position order) and its session's slab, one softmax:
+// each page one chunk (its visible rows), then (past the trained context) the moved sink, then the slab's visible
+// columns in chunks of kChunk as the whole-step call reads them; merged in that order. Past the trained context the
+// row's query is counter-rotated by each page's move and by the sink's.
+inline void attend_paged_row(const PagedConfig& cf, int64_t l, int64_t h, int64_t pos, int64_t c, int64_t nk, const float* qh,
+                             int64_t G, int64_t D, float scale, const std::vector<int64_t>& pages, const PagedRows& kv,
+                             const float* k_slab, const float* v_slab, int64_t cap, const bool* mask_w,
+                             const std::vector<int64_t>& sink_cols, const float* inv_freq, std::vector<float>& parts,
+                             std::vector<float>& scores, float* out) {
+  static bool all_rows[kChunk] = {};
+  static const bool init = [] {
+    for (int64_t i = 0; i < kChunk; ++i) all_rows[i] = true;
+    return true;
+  }();
+  (void)init;
+  const int64_t P = cf.P, n = static_cast<int64_t>(pages.size()), nw = (nk + kChunk - 1) / kChunk;
+  const bool far = pos >= cf.max_context;
+  const bool sink = far && !sink_cols.empty();
+  const int64_t nch = n + (sink ? 1 : 0) + nw, stride = D + 2;
+  parts.resize(nch * G * stride);
+  std::vector<float> moved(G * D);
+  std::vector<uint8_t> kbuf, vbuf;
+  int64_t ci = 0;
+  for (int64_t i = 0; i < n; ++i, ++ci) {
+    const int64_t r0 = pages[i] * P, rn = std::min(P, c - r0);  // the page's rows the row sees
+    const auto* kb = reinterpret_cast<const float*>(kv.run(l, 0, h, r0, rn, kbuf));
+    const auto* vb = reinterpret_cast<const float*>(kv.run(l, 1, h, r0, rn, vbuf));
+    const float* qq = qh;
+    if (far) {  // page i sits at the i-th of n page slots ending right before the window
+      const int64_t slot_start = pos - cf.window - (n - i) * P + 1;
+      rotate_by(qh, G, D, inv_freq, -(slot_start - (cf.sink + r0)), moved.data());
+      qq = moved.data();
+    }
+    attend_chunk_any(D, G, qq, kb, vb, all_rows, 0, rn, scale, scores.data(), &parts[ci * G * stride]);
+  }
+  std::vector<uint8_t> window_mask;
+  if (sink) {  // the sink, moved right before the pages; the window without it
+    const int64_t ns = static_cast<int64_t>(sink_cols.size());
+    std::vector<float> ks(ns * D), vs(ns * D);
+    for (int64_t s = 0; s < ns; ++s) {
+      std::memcpy(&ks[s * D], k_slab + (h * cap + sink_cols[s]) * D, D * sizeof(float));
+      std::memcpy(&vs[s * D], v_slab + (h * cap + sink_cols[s]) * D, D * sizeof(float));
+    }
+    rotate_by(qh, G, D, inv_freq, -(pos - cf.window - n * P - cf.sink + 1), moved.data());
+    attend_chunk_any(D, G, moved.data(), ks.data(), vs.data(), all_rows, 0, ns, scale, scores.data(), &parts[ci * G * stride]);
+    ++ci;
+    window_mask.assign(mask_w, mask_w + nk);
+    for (const int64_t s : sink_cols)
+      if (s < nk) window_mask[s] = 0;
+    mask_w = reinterpret_cast<const bool*>(window_mask.data());
+  }
+  for (int64_t w = 0; w < nw; ++w, ++ci)
+    attend_chunk_any(D, G, qh, k_slab + h * cap * D, v_slab + h * cap * D, mask_w, w * kChunk, std::min(nk, (w + 1) * kChunk),
+                     scale, scores.data(), &parts[ci * G * stride]);
+  for (int64_t g = 0; g < G; ++g) merge_chunks(&parts[g * stride], nch, G * stride, D, out + g * D);
+}
