@@ -118,6 +118,43 @@ inline void page_bound(const uint8_t* codes, const c10::Half* sc, int64_t n, int
   }
 }
 
+// A page's bound score for G query rows qf (G, D): max over g of sum over d of max(q * hi, q * lo) (hi >= lo, so
+// the larger product is q * hi where q > 0, q * lo where q < 0: kv/paged.py's two matmuls over the clamped query).
+// With AVX2 and F16C: 8 dimensions at a time, the float16 bounds converted in registers.
+inline float bound_score(const float* qf, int64_t G, int64_t D, const c10::Half* hi, const c10::Half* lo) {
+  float best = -INFINITY;
+#if defined(__AVX2__) && defined(__F16C__)
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 h = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + d)));
+      const __m256 l = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo + d)));
+      for (int64_t g = 0; g < gn; ++g) {
+        const __m256 x = _mm256_loadu_ps(qf + (g0 + g) * D + d);
+        acc[g] = _mm256_add_ps(acc[g], _mm256_max_ps(_mm256_mul_ps(x, h), _mm256_mul_ps(x, l)));
+      }
+    }
+    for (int64_t g = 0; g < gn; ++g) {
+      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
+      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+      const float s = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+      best = s > best ? s : best;
+    }
+  }
+#else
+  for (int64_t g = 0; g < G; ++g) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = qf[g * D + d], a = x * static_cast<float>(hi[d]), b = x * static_cast<float>(lo[d]);
+      s += a > b ? a : b;
+    }
+    best = s > best ? s : best;
+  }
+#endif
+  return best;
+}
+
 // The configuration of one paged session's step (kv/paged.py builds it once a step).
 struct PagedConfig {
   int64_t sink, window, P, M, S, shortlist_from, far_distance, max_context, bounds_rows;
@@ -169,16 +206,7 @@ inline std::vector<int64_t> choose_pages(const PagedConfig& cf, int64_t l, int64
         page_bound(cp, sp, P, D, four, made.data(), made.data() + D);
         hi = made.data(), lo = made.data() + D;
       }
-      float best = -INFINITY;
-      for (int64_t g = 0; g < G; ++g) {
-        float s = 0.f;
-        for (int64_t d = 0; d < D; ++d) {
-          const float x = qf[g * D + d];
-          s += x > 0 ? x * static_cast<float>(hi[d]) : x * static_cast<float>(lo[d]);
-        }
-        best = s > best ? s : best;
-      }
-      ranked[j] = {best, j};
+      ranked[j] = {bound_score(qf.data(), G, D, hi, lo), j};
     }
     const int64_t keep = std::min<int64_t>(cf.S, whole);
     std::partial_sort(ranked.begin(), ranked.begin() + keep, ranked.end(), [](const auto& a, const auto& b) {
