@@ -228,10 +228,12 @@ def _row_step(backend: Backend, items: list[_Item]) -> list[ForwardResult] | Non
 def _row_eligible(backend: Backend, it: _Item) -> bool:
     """An item for the backend's fused row step: row-exact (or a prefill chunk, where that step takes them: its
     rows then attend as one-token steps would, so a prompt's K/V is what decoding it token by token writes), over
-    plain slabs: no recalled pages, extra keys or sink re-anchoring, and no captured layers unless that step keeps them."""
+    plain slabs: no extra keys, and no recalled pages or sink re-anchoring unless the kv layer hands the backend the
+    step (layout.recall: a paged decode step, its recall moving the sink past the trained context itself), and no
+    captured layers unless that step keeps them."""
     return ((it.inp.row_exact or getattr(backend, "row_step_takes_prefill", False))
             and (not it.inp.capture or getattr(backend, "row_step_captures", False))
-            and it.extra is None and it.sink_rope is None and it.paged is None)
+            and it.extra is None and ((it.sink_rope is None and it.paged is None) or it.layout.recall is not None))
 
 
 def _row_logits(backend: Backend, items: list[_Item], hidden: Any) -> list[ForwardResult]:

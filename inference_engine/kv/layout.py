@@ -92,6 +92,9 @@ class AttentionLayout:
     row_exact: bool = False
     whole_rows: bool = False  # the store reads whole slabs: every row reads all N columns, masked
     host_slots: np.ndarray | None = None  # host copy of `slots` (a backend's fused step writes there itself)
+    # A paged step a backend's fused row step may take whole (kv/paged.py `recall_hook`): its tables and rows as the
+    # backend's recall reads them; None = none (a step that recalls nothing, or one the kv layer attends itself).
+    recall: dict | None = None
     _row_keys: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -212,6 +212,14 @@ class PagedCache(SinkWindowCache):
         if rotate_keys is not None and self._rotate is None:
             self._keep_far_keys(rotate_keys)
         self._resident_rows, self._recalled_rows, self._native_rows = resident_rows, recalled_rows, paged_rows
+        plan, layout = self._step, self._layout
+        if (plan is not None and paged_rows is not None and layout is not None and getattr(layout, "row_exact", False)
+                and plan["cols"] is None and all(w is None for w in self.geometry.layer_windows)):
+            # every candidate archived (a decode step): the backend's fused row step may take the step whole, its
+            # recall reading layout.recall; attend_with_pages stays the per-layer path if it declines
+            if plan["far"] != "none" and self._rotate is not None and not self.far_active:
+                self._start_far_choice()
+            layout.recall = self._native_plan(plan, layout)
         return self.attend_with_pages if self._step is not None or resident_rows is None else None
 
     @torch.inference_mode()
@@ -351,10 +359,8 @@ class PagedCache(SinkWindowCache):
         pages read from either tier, and the attention `_attend_rows` gives it, in one call per layer. Taken for every
         row-exact row of a session it can take (the page store exact fp32, a global layer) or for none, so a verify
         block's rows equal the one-token steps at their positions. None: not a session for it (the Python path)."""
-        if "native" not in plan:
-            plan["native"] = self._native_view(plan, layout)
-        view = plan["native"]
-        if view is None:
+        view = self._native_plan(plan, layout)
+        if view is None or self._native_rows is None:
             return None
         fresh = []
         cols = plan["cols"]
@@ -365,19 +371,24 @@ class PagedCache(SinkWindowCache):
             fresh = [codes, sc, far_codes, far_sc, torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)])]
         return self._native_rows(layer, q, view, fresh, self.store, layout)
 
-    def _native_view(self, plan: Plan, layout: AttentionLayout) -> dict | None:
-        """The tables, their bookkeeping and the rows' candidates as `paged_rows` reads them (once a step), or None when
-        this session's pages are not exact fp32 rows or its compact keys not a RowQuant."""
+    def _native_plan(self, plan: Plan, layout: AttentionLayout) -> dict | None:
+        """The step's tables, their bookkeeping and its rows' candidates as a backend's fused recall reads them (made
+        once a step, after far choice started if it does), or None when this session's pages are not exact fp32 rows
+        or its compact keys not a RowQuant. Views, not copies: valid until the step commits."""
+        if "native" not in plan:
+            plan["native"] = self._native_view(layout)
+        return plan["native"]
+
+    def _native_view(self, layout: AttentionLayout) -> dict | None:
         if (not isinstance(self.pages.codec, IdentityRows) or self.pages.codec.dtype != torch.float32
                 or not isinstance(self.keys.codec, RowQuant) or self.page_size > 256 or self.sink > 256
                 or torch.device(self.geometry.device).type != "cpu"):
             return None
 
-        def tier(table: RowTable, name: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-            spill = isinstance(table, SpillingRowTable)
-            cold = table.cold_pages if spill else 0
+        def tier(table: SpillingRowTable, name: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+            cold = table.cold_pages
             file = table.files[name].tensor if cold else torch.empty(0)
-            return table.data[name], file, [table.rows, cold, table.ram_rows if spill and table.wrapped else 0]
+            return table.data[name], file, [table.rows, cold, table.ram_rows if table.wrapped and table.ram_rows else 0]
 
         tables, meta = [], []
         for table in (self.keys, self.far_keys):

@@ -18,8 +18,11 @@ With --model, the cache has that model's geometry and trained context, and each 
 forward + commit of one token, row-exact as the engine decodes, past the trained context in InfLLM's layout.
 What a decode step costs at 32k against 1k (issue 29: >= 0.8x) is read from these, side by side in one run.
 --step-arms times each whole decode step per arm, interleaved: `pieces` (every op from Python, what a paged step ran
-before the native segments), `native` (the native CPU step: a paged step's dense work in C++ segments,
-backends/torch/native.NativeSegments, attention and page choice in kv/paged.py). --full-reference N also times
+before the native segments), `native` (the native CPU step as it runs by default: a paged decode step is one C++ call,
+its page choice, page reads and attention included, csrc/paged_rows.h), `native-segments` (the same recall in C++, but
+layer by layer between the C++ segments of the dense work, backends/torch/native.NativeSegments: what a verify block
+runs), `native-python-recall` (the segments, page choice and attention in kv/paged.py: the native step before
+csrc/paged_rows.h). --full-reference N also times
 `full` at N tokens of the same random history through the native whole-step call (issue 29: paged at 32k >= 0.9x
 full at 1k).
 
@@ -56,7 +59,8 @@ def main() -> int:
     ap.add_argument("--model", default="", help="a model from the store: its geometry, context and decode steps")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--step-arms", default="native", help="comma list of pieces, native (with --model)")
+    ap.add_argument("--step-arms", default="native",
+                    help="comma list of pieces, native, native-segments, native-python-recall (with --model)")
     ap.add_argument("--full-reference", type=int, default=0, help="also time full at this many tokens (with --model)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
@@ -79,12 +83,14 @@ def main() -> int:
 
         model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
         arms = args.step_arms.split(",")
-        if "native" in arms and not model.use_native_step():
+        if any(a.startswith("native") for a in arms) and not model.use_native_step():
             raise SystemExit("the native step is unavailable here (see the log)")
         native_step = model.native_step
 
         def arm(name: str) -> None:
-            model.native_step = native_step if name == "native" else None
+            model.native_step = native_step if name.startswith("native") else None
+            if native_step is not None:  # native = the default (a decode step whole, its recall in C++)
+                native_step.paged_recall = {"native-segments": "segments", "native-python-recall": "python"}.get(name, "whole")
         geometry = model.geometry()
         args.layers, args.kv_heads, args.head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
         args.heads = model.spec.num_heads
@@ -165,7 +171,8 @@ def main() -> int:
         out["full_reference"] = {"tokens": args.full_reference, "decode_step_s": {a: statistics.median(v) for a, v in ref.items()}}
         print("full", out["full_reference"], flush=True)
     if model is not None:
-        out["native_steps"] = {"whole": native_step.steps, "segments": native_step.segment_steps} if native_step else None
+        out["native_steps"] = ({"whole": native_step.steps, "whole_paged": native_step.paged_steps,
+                                "segments": native_step.segment_steps} if native_step else None)
         first, last = str(lengths[0]), str(lengths[-1])
         out["ratios"] = {f"{key}: step at {first} / step at {last} (decode rate at {last} over {first})":
                          out[first]["decode_step_s"][key] / out[last]["decode_step_s"][key]

@@ -177,13 +177,23 @@ def test_what_it_does_not_cover_declines():
     assert native.supports(qwen3) is not None
     # a store that is not a plain fp32 slab (int8 K/V) runs in Python: the step still works, natively 0 times
     m = _model()
-    for strategy in (KVStrategy("full", kv_dtype="int8"), KVStrategy("paged", 4, 12, page_size=4, recall_pages=2)):
-        engine = Engine(m, strategy, prefill_chunk=16)
+    engine = Engine(m, KVStrategy("full", kv_dtype="int8"), prefill_chunk=16)
+    kv = engine.new_session_kv()
+    engine.prefill(kv, _prompt(40))
+    before = m.native_step.steps
+    steps.decode_step(m, kv, 5)
+    assert m.native_step.steps == before
+    # a paged session whose page store is coded (int8) recalls in kv/paged.py, its dense work in segments; with exact
+    # fp32 pages (the default) its decode step is one whole-step call, recall included (csrc/paged_rows.h)
+    for compressor, whole in (("int8", False), ("identity", True)):
+        engine = Engine(m, KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, page_compressor=compressor),
+                        prefill_chunk=16)
         kv = engine.new_session_kv()
         engine.prefill(kv, _prompt(40))
-        before = m.native_step.steps
+        before, paged, segments = m.native_step.steps, m.native_step.paged_steps, m.native_step.segment_steps
         steps.decode_step(m, kv, 5)
-        assert m.native_step.steps == before, strategy
+        assert (m.native_step.steps - before, m.native_step.paged_steps - paged) == ((1, 1) if whole else (0, 0))
+        assert m.native_step.segment_steps - segments == (0 if whole else 1)
 
 
 def test_compile_auto_turns_it_on_on_the_cpu_and_off_keeps_python():
@@ -462,9 +472,9 @@ def _cache(m, strategy, max_step):
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
-    """With torch's kernels inside (q4 off) the segments compute what the Python pieces do, to the kernels' rounding.
-    A step that recalls pages (its keys chosen per query in kv/paged.py) runs in segments; one that recalls nothing
-    takes the whole-step call, as sink_window's steps do."""
+    """With torch's kernels inside (q4 off) the native step computes what the Python pieces do, to the kernels'
+    rounding. A prefill chunk that recalls pages runs in segments (its keys chosen per query in kv/paged.py); a decode
+    step, whether it recalls (its recall then in C++) or not (as sink_window's steps), is one whole-step call."""
     m = _model(weights, q4=False)
     nat = m.native_step
     engine = Engine(m, PAGED, prefill_chunk=16)
@@ -478,7 +488,8 @@ def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
     # the other two recall pages (segments)
     assert (nat.steps - steps0, nat.segment_steps - segs0) == (1, 2)
     _decode_both(m, nat, kvs, _prompt(20, seed=1))
-    assert nat.steps - steps0 == 1 and nat.segment_steps - segs0 == 22
+    # the 20 decode steps recall pages: each one whole-step call, its recall in C++ (csrc/paged_rows.h)
+    assert nat.steps - steps0 == 21 and nat.paged_steps >= 20 and nat.segment_steps - segs0 == 2
     assert kvs[0].cache.pages.rows == kvs[1].cache.pages.rows > 0  # pages were archived, and recalled from
     for layer in range(m.spec.num_layers):  # the same bf16 rounding flips as the logits (_decode_both): one element
         # of a key can move by a bf16 step of an input times its weights (seen: 0.0145 once, int8)
@@ -505,7 +516,7 @@ def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_
     runs = {}
     for name, chunk, row_exact in (("chunks", 16, False), ("verify", 5, True), ("steps", 1, True)):
         cache = _cache(m, strategy, 16)
-        before = m.native_step.segment_steps
+        before = m.native_step.segment_steps + m.native_step.paged_steps
         out = []
         for i in range(0, 160, chunk):
             part = history[i:i + chunk]
@@ -514,7 +525,9 @@ def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_
             out.append(logits)
         runs[name] = torch.cat(out)
         recalling = -(-(160 - 16) // chunk)  # steps from position 16 on (sink 4 + window 12) recall pages
-        assert m.native_step.segment_steps - before == recalling
+        # in segments (a prefill chunk, a verify block: some of its rows' candidates still resident) or, for a
+        # one-token step, one whole-step call
+        assert m.native_step.segment_steps + m.native_step.paged_steps - before == recalling
     assert torch.equal(runs["verify"], runs["steps"])
     torch.testing.assert_close(runs["chunks"], runs["steps"], rtol=0.05, atol=0.05)
 

@@ -227,7 +227,8 @@ class TorchCausalLM:
         """kv/paged.py's row-exact rows (decode, verify) take their page choice, page reads and attention through this
         (layer, q (H, T, D), view, fresh, store, layout) -> (H, T, D) or None (not a plain slab: the Python path): the
         native step's `paged_rows`. None when there is no native step."""
-        return self.native_step.paged_rows if self.native_step is not None and self.row_graphs is None else None
+        native = self.native_step
+        return native.paged_rows if native is not None and self.row_graphs is None and native.paged_recall != "python" else None
 
     @property
     def row_step_captures(self) -> bool:

@@ -182,6 +182,12 @@ class NativeRowStep:
         self.inv_freq = rotary.inv_freq.float().contiguous() if plain and hasattr(rotary, "inv_freq") else None
         self.steps = 0  # whole steps run natively (reported)
         self.segment_steps = 0  # steps whose dense work ran in C++ segments (NativeSegments)
+        self.paged_steps = 0  # whole steps that recalled pages (paged decode steps)
+        # how a paged session's row-exact steps recall (research scripts compare them): "whole" (a decode step is one
+        # whole-step call, recall included), "segments" (layer by layer, the recall in C++: csrc/paged_rows.h),
+        # "python" (layer by layer, the recall in kv/paged.py)
+        self.paged_recall = "whole"
+        self.module = module
         self.prefill = True  # prefill chunks too (model.row_step_takes_prefill); research scripts turn it off
 
     def run(self, parts: list, capture: tuple = ()) -> tuple[None, torch.Tensor, torch.Tensor | None] | None:
@@ -190,9 +196,16 @@ class NativeRowStep:
         final-normed hidden states of the R rows in order (the caller takes logits from them), the rows' k, v
         written into every layer's slab, and (R, len(capture) * hidden) or None; or None: not a step for it (the
         Python pieces run it)."""
-        for _, layout, store in parts:
+        paged_sessions, paged_views = [], []
+        for i, (_, layout, store) in enumerate(parts):
             if not plain_slab(layout, store):
                 return None
+            if layout.recall is not None:  # a paged decode step (kv/paged.py recall_hook): its rows recall in C++
+                view = self._paged_view(layout.recall, layout) if self.paged_recall == "whole" else None
+                if view is None:
+                    return None
+                paged_sessions.append(i)
+                paged_views.append(view)
         m = self.model
         n_max = max(layout.key_positions.numel() for _, layout, _ in parts)
         rows = sum(layout.positions.numel() for _, layout, _ in parts)
@@ -216,8 +229,9 @@ class NativeRowStep:
         meta_t = torch.from_numpy(meta)
         hidden, captured = self.step.run(x, cos[0], sin[0], [store.k for _, _, store in parts],
                                          [store.v for _, _, store in parts], meta_t[0], meta_t[1], torch.from_numpy(mask),
-                                         meta_t[2], list(capture))
+                                         meta_t[2], list(capture), paged_sessions, paged_views)
         self.steps += 1
+        self.paged_steps += bool(paged_sessions)
         return None, hidden, (captured if capture else None)
 
     def attend_rows(self, layer: int, q: torch.Tensor, store, layout, rows: list[int]) -> torch.Tensor | None:
@@ -247,15 +261,23 @@ class NativeRowStep:
         """A paged session's row-exact rows (q (H, T, D)) at `layer`: page choice, page reads and attention in one call
         (csrc/paged_rows.h) over the tables kv/paged.py's `_native_view` hands over -> (H, T, D); None where the
         whole-step call would not take the step (not plain_slab) or the rotary is not plain RoPE."""
-        if self.inv_freq is None or not plain_slab(layout, store):
+        pv = self._paged_view(view, layout) if plain_slab(layout, store) else None
+        if pv is None:
             return None
-        if "rows" not in view:  # once a step: each row's position, candidates and slab columns
-            mask, n_keys = _row_masks(layout, list(range(len(view["positions"]))))
-            view["rows"] = torch.from_numpy(np.stack([view["positions"], view["candidates"],
-                                                      np.full(len(view["positions"]), n_keys)], 1).astype(np.int64))
-            view["mask"] = mask
-        return self.step.paged_rows(layer, q.float(), view["tables"], view["meta"], fresh, view["rows"], view["mask"],
-                                    view["sink_cols"], store.k[layer], store.v[layer], self.inv_freq)
+        return self.step.paged_rows(layer, q.float(), pv, fresh, store.k[layer], store.v[layer])
+
+    def _paged_view(self, view: dict, layout):
+        """The extension's PagedView of kv/paged.py's step view (made once a step, kept in it); None without plain
+        RoPE."""
+        if self.inv_freq is None:
+            return None
+        if "pv" not in view:  # each row's position, candidates and slab keys; its visible slab columns
+            t = len(view["positions"])
+            mask, n_keys = _row_masks(layout, list(range(t)))
+            rows = np.stack([view["positions"], view["candidates"], np.full(t, n_keys)], 1).astype(np.int64)
+            view["pv"] = self.module.PagedView(view["tables"], view["meta"], torch.from_numpy(rows), mask, view["sink_cols"],
+                                               self.inv_freq)
+        return view["pv"]
 
     def segments(self, rows: int) -> "NativeSegments":
         """A runner of one step's dense work in C++ segments, attention left to the caller (engine/steps)."""

@@ -161,6 +161,66 @@ struct PagedConfig {
   bool bounds_far;  // the bounds table holds far_keys' bounds (page choice past the context has started)
 };
 
+// One paged session's step as kv/paged.py hands it over (`_native_view`, once a step): its tables, their bookkeeping,
+// and per row its position, candidate count and slab keys (rows (T, 3) int64), visible slab columns (mask (T, N)
+// bool), the sink's slab columns, and the rotary's frequencies (D/2 fp32).
+//   tables: compact keys at true positions (ring codes, ring scales, file codes, file scales), the same of far_keys,
+//     the page store (ring, file; fp32 K/V, stack 2), the page bounds (L, 2, Hkv, pages, D) fp16;
+//   meta: per table (rows, cold pages, ring size once wrapped else 0) for keys, far_keys, pages; then sink, window,
+//     page size, recall pages, shortlist pages, shortlist_from, far_distance, max_context, bounds rows, bounds of
+//     far_keys (0 / 1).
+struct PagedView {
+  std::vector<at::Tensor> tables;
+  std::vector<int64_t> meta, sinks;
+  at::Tensor rows, mask, inv_freq;
+  PagedConfig cf{};
+
+  PagedView(std::vector<at::Tensor> tables_, std::vector<int64_t> meta_, const at::Tensor& rows_, const at::Tensor& mask_,
+            const at::Tensor& sink_cols, const at::Tensor& inv_freq_)
+      : tables(std::move(tables_)), meta(std::move(meta_)), rows(rows_.contiguous()), mask(mask_.contiguous()),
+        inv_freq(inv_freq_.contiguous()) {
+    TORCH_CHECK(tables.size() == 11 && meta.size() == 19, "paged view: 11 tables and 19 numbers");
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(1) == 3, "paged view: rows must be (T, 3) int64");
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == rows.size(0),
+                "paged view: mask must be (T, N) bool");
+    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat, "paged view: inv_freq must be fp32");
+    cf = PagedConfig{meta[9], meta[10], meta[11], meta[12], meta[13], meta[14], meta[15], meta[16], meta[17], meta[18] != 0};
+    TORCH_CHECK(cf.P >= 1 && cf.P <= kChunk && cf.M >= 0 && cf.sink >= 0 && cf.window >= 0,
+                "paged view: the page size must be 1 .. 256");
+    const bool four = tables[0].scalar_type() == at::kByte;
+    TORCH_CHECK(four || tables[0].scalar_type() == at::kChar, "paged view: compact keys must be 4-bit (uint8) or int8 codes");
+    TORCH_CHECK(tables[4].scalar_type() == tables[0].scalar_type(), "paged view: far_keys must be coded as the keys");
+    TORCH_CHECK(tables[1].scalar_type() == at::kHalf && tables[5].scalar_type() == at::kHalf, "paged view: scales must be fp16");
+    TORCH_CHECK(tables[8].scalar_type() == at::kFloat && tables[8].dim() == 5 && tables[8].size(1) == 2,
+                "paged view: the page store must hold fp32 K/V rows");
+    const at::Tensor& b = tables[10];
+    TORCH_CHECK(b.scalar_type() == at::kHalf && b.is_contiguous() && b.dim() == 5 && b.size(1) == 2 && b.size(3) >= cf.bounds_rows,
+                "paged view: bounds must be (L, 2, Hkv, pages, D) fp16, contiguous");
+    auto sc = sink_cols.to(at::kLong).contiguous();
+    sinks.assign(sc.data_ptr<int64_t>(), sc.data_ptr<int64_t>() + sc.numel());
+    TORCH_CHECK(static_cast<int64_t>(sinks.size()) <= kChunk, "paged view: at most 256 sink columns");
+  }
+
+  // against the model and the session's slab (capacity columns)
+  void check(int64_t T, int64_t Hkv, int64_t D, int64_t layers, int64_t capacity) const {
+    TORCH_CHECK(rows.size(0) == T, "paged view: ", rows.size(0), " rows for a step of ", T);
+    TORCH_CHECK(inv_freq.numel() == D / 2, "paged view: inv_freq must hold D/2 frequencies");
+    for (int t : {0, 4})
+      TORCH_CHECK(tables[t].dim() == 5 && tables[t].size(0) == layers && tables[t].size(2) == Hkv &&
+                      (tables[t].size(4) == D / 2 || tables[t].size(4) == D) && tables[t].size(4) * (tables[t].scalar_type() == at::kByte ? 2 : 1) == D,
+                  "paged view: compact keys must be (L, 1, Hkv, rows, D/2 or D) for this model");
+    TORCH_CHECK(tables[8].size(0) == layers && tables[8].size(2) == Hkv && tables[8].size(4) == D,
+                "paged view: the page store must be (L, 2, Hkv, rows, D) for this model");
+    TORCH_CHECK(tables[10].size(0) == layers && tables[10].size(2) == Hkv && tables[10].size(4) == D,
+                "paged view: bounds must be (L, 2, Hkv, pages, D) for this model");
+    const int64_t N = mask.size(1);
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    for (int64_t j = 0; j < T; ++j)
+      TORCH_CHECK(rp[j * 3 + 1] >= 0 && rp[j * 3 + 2] >= 0 && rp[j * 3 + 2] <= std::min(N, capacity), "paged view: bad row");
+    for (const int64_t s : sinks) TORCH_CHECK(s >= 0 && s < capacity, "paged view: a sink column is out of the slab");
+  }
+};
+
 // The G query rows of one KV head, in score_keys' layout: 4-bit codes hold even dimensions in low nibbles, odd ones
 // in high ones, so the even dimensions first, then the odd ones, per row.
 inline void score_layout(const float* q, int64_t G, int64_t D, bool four, float* out) {

@@ -523,7 +523,8 @@ class RowStep {
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                  const std::vector<std::vector<at::Tensor>>& k_slabs, const std::vector<std::vector<at::Tensor>>& v_slabs,
                  const at::Tensor& row_session, const at::Tensor& row_slot, const at::Tensor& mask,
-                 const at::Tensor& row_keys, const std::vector<int64_t>& capture) {
+                 const at::Tensor& row_keys, const std::vector<int64_t>& capture,
+                 const std::vector<int64_t>& paged_sessions = {}, const std::vector<PagedView>& paged_views = {}) {
     at::NoGradGuard no_grad;
     const int64_t R = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat, "row step: x must be (R, hidden) fp32");
@@ -557,6 +558,24 @@ class RowStep {
     const float* sp = sn.data_ptr<float>();
     const int64_t half = D / 2, nq = H * D, nkv = Hkv * D;
 
+    // paged sessions (paged_rows.h): their rows attend through their PagedView; attend_into gives them no columns
+    TORCH_CHECK(paged_sessions.size() == paged_views.size(), "row step: one PagedView per paged session");
+    std::vector<int64_t> nk_rest(nk_p, nk_p + R), paged_first, paged_rows_n;
+    for (size_t i = 0; i < paged_sessions.size(); ++i) {
+      const int64_t s = paged_sessions[i];
+      TORCH_CHECK(s >= 0 && s < static_cast<int64_t>(k_slabs.size()), "row step: bad paged session index");
+      int64_t first = -1, n = 0;
+      for (int64_t r = 0; r < R; ++r)
+        if (sess_p[r] == s) {
+          TORCH_CHECK(first < 0 || first + n == r, "row step: a paged session's rows must be contiguous");
+          if (first < 0) first = r;
+          ++n;
+          nk_rest[r] = 0;
+        }
+      paged_views[i].check(n, Hkv, D, layers_, k_slabs[s][0].size(1));
+      paged_first.push_back(first);
+      paged_rows_n.push_back(n);
+    }
     for (const int64_t l : capture) TORCH_CHECK(l >= 0 && l < layers_, "row step: captured layer out of range");
     const int64_t nc = static_cast<int64_t>(capture.size());
     auto captured = at::empty({nc ? R : 0, nc * hidden_}, opts.dtype(at::kFloat));
@@ -592,7 +611,11 @@ class RowStep {
         vp[r] = v_slabs[sess_p[r]][l].data_ptr<float>();
         caps[r] = ks.size(1);
       }
-      attend_into(q.data(), R, kp, vp, caps, mask_p, N, nk_p, att.data(), parts);
+      attend_into(q.data(), R, kp, vp, caps, mask_p, N, nk_rest.data(), att.data(), parts);
+      for (size_t i = 0; i < paged_sessions.size(); ++i) {
+        const int64_t s = paged_sessions[i], r0 = paged_first[i];
+        paged_attend(l, &q[r0 * H * D], paged_rows_n[i], paged_views[i], {}, k_slabs[s][l], v_slabs[s][l], &att[r0 * H * D]);
+      }
       finish(l, xp, R, att.data(), inv.data(), opts);
       for (int64_t c = 0; c < nc; ++c)
         if (capture[c] == l) {
@@ -742,79 +765,63 @@ class RowStep {
     return out;
   }
 
-  // A paged session's row-exact rows at layer l (paged_rows.h): q (H, T, D) rotated at the rows' positions; tables:
-  // the compact keys' codes and scales (ring, spill file) at true positions, the same of far_keys, the page store's
-  // rows (ring, file; fp32 K/V, stack 2) and the page bounds (L, 2, Hkv, pages, D) fp16; meta: per table (rows, cold
-  // pages, ring size once wrapped else 0) for keys, far_keys, pages, then sink, window, page size, recall pages,
-  // shortlist pages, shortlist_from, far_distance, max_context, bounds rows, bounds of far_keys (0 / 1); fresh: the
-  // step's still-resident candidates as the tables would hold them (codes (Hkv, nf, Dc), scales (Hkv, nf, 1), far
-  // codes, far scales, K/V (2, Hkv, nf, D)) or empty; rows (T, 3) int64: position, candidates, slab keys; mask_w (T, N)
-  // bool: each row's visible slab columns; sink_cols: the sink's slab columns (rows past the trained context move them);
-  // inv_freq (D/2,) fp32: the rotary's frequencies. -> (H, T, D).
-  at::Tensor paged_rows(int64_t l, const at::Tensor& q, const std::vector<at::Tensor>& tables, const std::vector<int64_t>& meta,
-                        const std::vector<at::Tensor>& fresh, const at::Tensor& rows, const at::Tensor& mask_w,
-                        const at::Tensor& sink_cols, const at::Tensor& k_slab, const at::Tensor& v_slab,
-                        const at::Tensor& inv_freq) const {
+  // A paged session's row-exact rows at layer l (paged_rows.h): q (H, T, D) rotated at the rows' positions, over its
+  // PagedView; fresh: the step's still-resident candidates as the tables would hold them (codes (Hkv, nf, Dc), scales
+  // (Hkv, nf, 1), far codes, far scales, K/V (2, Hkv, nf, D)) or empty. -> (H, T, D).
+  at::Tensor paged_rows(int64_t l, const at::Tensor& q, const PagedView& view, const std::vector<at::Tensor>& fresh,
+                        const at::Tensor& k_slab, const at::Tensor& v_slab) const {
     at::NoGradGuard no_grad;
-    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
     TORCH_CHECK(l >= 0 && l < layers_, "paged rows: layer out of range");
-    TORCH_CHECK(q.dim() == 3 && q.size(0) == H && q.size(2) == D && q.scalar_type() == at::kFloat,
+    TORCH_CHECK(q.dim() == 3 && q.size(0) == heads_ && q.size(2) == head_dim_ && q.scalar_type() == at::kFloat,
                 "paged rows: q must be (H, T, D) fp32");
-    const int64_t T = q.size(1);
-    TORCH_CHECK(tables.size() == 11 && meta.size() == 19 && (fresh.empty() || fresh.size() == 5), "paged rows: bad table list");
-    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == T && rows.size(1) == 3,
-                "paged rows: rows must be (T, 3) int64");
-    TORCH_CHECK(mask_w.scalar_type() == at::kBool && mask_w.dim() == 2 && mask_w.size(0) == T, "paged rows: mask_w must be (T, N) bool");
-    for (const at::Tensor* t : {&k_slab, &v_slab})
-      TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == at::kFloat &&
-                      t->is_contiguous() && t->size(1) == k_slab.size(1),
-                  "paged rows: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
-    TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == D / 2, "paged rows: inv_freq must be (D/2,) fp32");
-    const PagedConfig cf{meta[9], meta[10], meta[11], meta[12], meta[13], meta[14], meta[15], meta[16], meta[17], meta[18] != 0};
-    TORCH_CHECK(cf.P >= 1 && cf.P <= kChunk && cf.M >= 0, "paged rows: the page size must be 1 .. 256");
-    const bool four = tables[0].scalar_type() == at::kByte;
-    TORCH_CHECK((four && tables[0].size(-1) * 2 == D) || (tables[0].scalar_type() == at::kChar && tables[0].size(-1) == D),
-                "paged rows: compact keys must be 4-bit (D/2 bytes) or int8");
-    TORCH_CHECK(tables[1].scalar_type() == at::kHalf && tables[5].scalar_type() == at::kHalf, "paged rows: scales must be fp16");
-    TORCH_CHECK(tables[8].scalar_type() == at::kFloat && tables[8].size(1) == 2 && tables[8].size(-1) == D,
-                "paged rows: the page store must hold fp32 K/V rows");
-    const at::Tensor& bounds = tables[10];
-    TORCH_CHECK(bounds.scalar_type() == at::kHalf && bounds.is_contiguous() && bounds.dim() == 5 && bounds.size(1) == 2 &&
-                    bounds.size(0) == layers_ && bounds.size(2) == Hkv && bounds.size(4) == D && bounds.size(3) >= cf.bounds_rows,
-                "paged rows: bounds must be (L, 2, Hkv, pages, D) fp16");
+    check_slabs(k_slab, v_slab);
+    auto qr = q.transpose(0, 1).contiguous();  // (T, H, D)
+    auto out = at::empty_like(qr);
+    paged_attend(l, qr.data_ptr<float>(), q.size(1), view, fresh, k_slab, v_slab, out.data_ptr<float>());
+    return out.transpose(0, 1);
+  }
+
+ private:
+  // PagedView rows (T of them, q (T, H, D) row-major) at layer l -> out (T, H, D): page choice, reads, attention.
+  void paged_attend(int64_t l, const float* qp, int64_t T, const PagedView& view, const std::vector<at::Tensor>& fresh,
+                    const at::Tensor& k_slab, const at::Tensor& v_slab, float* op) const {
+    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
+    view.check(T, Hkv, D, layers_, k_slab.size(1));
+    TORCH_CHECK(fresh.empty() || fresh.size() == 5, "paged rows: fresh is codes, scales, far codes, far scales, K/V");
+    const PagedConfig& cf = view.cf;
     std::vector<at::Tensor> fc;
     for (const auto& f : fresh) fc.push_back(f.contiguous());
-    auto rows_of = [&](PagedTier tr, int f) {
-      PagedRows pr{tr, nullptr, 0};
+    auto rows_of = [&](int t, int m, int f) {
+      PagedRows pr{PagedTier(view.tables[t], view.tables[t + 2], cf.P, view.meta[m], view.meta[m + 1], view.meta[m + 2]),
+                   nullptr, 0};
       if (!fc.empty()) {
         const at::Tensor& x = fc[f];
-        TORCH_CHECK(x.dim() >= 2 && x.element_size() * x.size(-1) == tr.width && x.numel() == tr.S * Hkv * x.size(-2) * x.size(-1),
+        TORCH_CHECK(x.dim() >= 2 && x.element_size() * x.size(-1) == pr.tier.width &&
+                        x.numel() == pr.tier.S * Hkv * x.size(-2) * x.size(-1),
                     "paged rows: the step's resident rows must be (S, Hkv, n, ...) as their table's rows");
-        pr.fresh = static_cast<const uint8_t*>(fc[f].data_ptr());
-        pr.fresh_n = fc[f].size(-2);
+        pr.fresh = static_cast<const uint8_t*>(x.data_ptr());
+        pr.fresh_n = x.size(-2);
       }
       return pr;
     };
-    // codes and scales are separate payloads of one table: (ring, file) pairs at 0/2 and 1/3 (far_keys 4/6, 5/7)
-    const PagedRows codes = rows_of(PagedTier(tables[0], tables[2], cf.P, meta[0], meta[1], meta[2]), 0);
-    const PagedRows scales = rows_of(PagedTier(tables[1], tables[3], cf.P, meta[0], meta[1], meta[2]), 1);
-    const PagedRows far_codes = rows_of(PagedTier(tables[4], tables[6], cf.P, meta[3], meta[4], meta[5]), 2);
-    const PagedRows far_scales = rows_of(PagedTier(tables[5], tables[7], cf.P, meta[3], meta[4], meta[5]), 3);
-    const PagedRows kv = rows_of(PagedTier(tables[8], tables[9], cf.P, meta[6], meta[7], meta[8]), 4);
-    auto qr = q.transpose(0, 1).contiguous();  // (T, H, D)
-    auto rc = rows.contiguous(), mw = mask_w.contiguous(), sc = sink_cols.to(at::kLong).contiguous(), fr = inv_freq.contiguous();
-    const int64_t N = mw.size(1), cap = k_slab.size(1);
-    const int64_t* rp = rc.data_ptr<int64_t>();
-    for (int64_t j = 0; j < T; ++j)
-      TORCH_CHECK(rp[j * 3 + 1] >= 0 && rp[j * 3 + 2] >= 0 && rp[j * 3 + 2] <= std::min(N, cap), "paged rows: bad row");
-    const std::vector<int64_t> sinks(sc.data_ptr<int64_t>(), sc.data_ptr<int64_t>() + sc.numel());
-    for (const int64_t s : sinks) TORCH_CHECK(s >= 0 && s < cap, "paged rows: a sink column is out of the slab");
-    TORCH_CHECK(static_cast<int64_t>(sinks.size()) <= kChunk, "paged rows: at most 256 sink columns");
-    auto out = at::empty({T, H, D}, qr.options());
-    const float* qp = qr.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    const c10::Half* bp = bounds.data_ptr<c10::Half>();
-    const int64_t bcap = bounds.size(3);
+    // tables: the keys' ring codes, ring scales, file codes, file scales at 0..3 (a ring's file two places on), the
+    // same of far_keys at 4..7, the page store's ring and file at 8, 9, the bounds at 10
+    const PagedRows codes = rows_of(0, 0, 0), scales = rows_of(1, 0, 1), far_codes = rows_of(4, 3, 2),
+                    far_scales = rows_of(5, 3, 3);
+    PagedRows kv{PagedTier(view.tables[8], view.tables[9], cf.P, view.meta[6], view.meta[7], view.meta[8]), nullptr, 0};
+    if (!fc.empty()) {
+      TORCH_CHECK(fc[4].dim() == 4 && fc[4].size(0) == 2 && fc[4].size(1) == Hkv && fc[4].size(3) == D &&
+                      fc[4].scalar_type() == at::kFloat,
+                  "paged rows: the step's resident K/V must be (2, Hkv, n, D) fp32");
+      kv.fresh = static_cast<const uint8_t*>(fc[4].data_ptr());
+      kv.fresh_n = fc[4].size(2);
+    }
+    const int64_t N = view.mask.size(1), cap = k_slab.size(1);
+    const int64_t* rp = view.rows.data_ptr<int64_t>();
+    const bool* mp = view.mask.data_ptr<bool>();
+    const float* freq = view.inv_freq.data_ptr<float>();
+    const c10::Half* bp = view.tables[10].data_ptr<c10::Half>();
+    const int64_t bcap = view.tables[10].size(3);
     at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> parts, scores(G * kChunk);
       for (int64_t t = lo; t < hi; ++t) {
@@ -824,16 +831,20 @@ class RowStep {
         std::vector<int64_t> pages;
         if (c > 0)
           pages = choose_pages(cf, l, h, pos, c, qh, G, D, far ? far_codes : codes, far ? far_scales : scales, bp, bcap, Hkv,
-                               far, fr.data_ptr<float>());
+                               far, freq);
         attend_paged_row(cf, l, h, pos, c, nk, qh, G, D, scale_, pages, kv, k_slab.data_ptr<float>(),
-                         v_slab.data_ptr<float>(), cap, mw.data_ptr<bool>() + j * N, sinks, fr.data_ptr<float>(), parts,
-                         scores, op + (j * H + h * G) * D);
+                         v_slab.data_ptr<float>(), cap, mp + j * N, view.sinks, freq, parts, scores, op + (j * H + h * G) * D);
       }
     });
-    return out.transpose(0, 1);
   }
 
- private:
+  void check_slabs(const at::Tensor& k_slab, const at::Tensor& v_slab) const {
+    for (const at::Tensor* t : {&k_slab, &v_slab})
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == kv_heads_ && t->size(2) == head_dim_ && t->scalar_type() == at::kFloat &&
+                      t->is_contiguous() && t->size(1) == k_slab.size(1),
+                  "row step: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
+  }
+
   // Attention of R rows: q (R, H, D) row-major, row r over its K/V slab (kp[r], vp[r]: (Hkv, caps[r], D)), the
   // columns mask[r] (N wide) marks among its first nk[r] -> att (R, H, D). Each (row, kv head, chunk of columns) alone,
   // then each row's chunks merged in column order; rows in blocks of kRowBlock, so a long prefill chunk's partial
@@ -976,6 +987,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp16 -> (B, M, C) fp32, max over g (kv/paged_store.RowQuant.group_max_scores)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_isa", [] { return static_cast<int64_t>(q4::best_isa()); }, "0 none (no q4 kernel here), 1 AVX2, 2 AVX-512 VNNI");
+  pybind11::class_<PagedView>(m, "PagedView")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&>());
   pybind11::class_<RowStep>(m, "RowStep")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, std::vector<int64_t>,
                           std::vector<at::Tensor>>())
