@@ -231,38 +231,51 @@ inline void score_layout(const float* q, int64_t G, int64_t D, bool four, float*
     }
 }
 
-// Row (pos, c candidates [sink, sink + c)) of KV head h at layer l: its chosen pages in position order (at most M).
-inline std::vector<int64_t> choose_pages(const PagedConfig& cf, int64_t l, int64_t h, int64_t pos, int64_t c, const float* qh,
-                                         int64_t G, int64_t D, const PagedRows& codes, const PagedRows& scales,
-                                         const c10::Half* bounds, int64_t bounds_cap, int64_t Hkv, bool far,
-                                         const float* inv_freq) {
-  const int64_t P = cf.P, n_pages = (c + P - 1) / P;
-  std::vector<int64_t> chosen;
+// One (row, KV head) of a step: its page choice and its attention's parts, in phases that share the threads out
+// evenly (a decode row has only Hkv of them: 3 for SmolLM2 on 2 threads), each piece computed alone and combined in a
+// fixed order, so a row's bits depend on nothing but its own inputs.
+struct PagedTask {
+  int64_t row = 0, h = 0, pos = 0, c = 0, nk = 0;
+  bool far = false;
+  const float* q = nullptr;          // its G query rows (G, D) at its position
+  std::vector<float> qs;             // those rows as the scoring reads them (rotated to far_distance past the context)
+  std::vector<int64_t> cand;         // the pages whose keys are scored
+  std::vector<float> cand_best;      // each one's best key score
+  std::vector<int64_t> pages;        // the chosen pages, position order
+  std::vector<float> parts;          // the attention's parts: pages, the moved sink (past the context), slab chunks
+  int64_t nw = 0;                    // slab chunks
+  bool sink = false;
+};
+
+// Phase 1: the task's candidate pages (every page when it has at most M: chosen whole, nothing scored; else every page,
+// or past `shortlist_from` pages the S the page bounds rank highest plus the page it sees in part).
+inline void plan_choice(const PagedConfig& cf, int64_t l, PagedTask& t, int64_t G, int64_t D, const PagedRows& codes,
+                        const PagedRows& scales, const c10::Half* bounds, int64_t bounds_cap, int64_t Hkv, const float* inv_freq) {
+  const int64_t P = cf.P, n_pages = (t.c + P - 1) / P;
   if (n_pages <= cf.M) {
-    for (int64_t j = 0; j < n_pages; ++j) chosen.push_back(j);
-    return chosen;
+    for (int64_t j = 0; j < n_pages; ++j) t.pages.push_back(j);
+    return;
   }
   const bool four = codes.tier.width * 2 == D;
-  std::vector<float> qs(G * D), qf(G * D);
-  if (far) rotate_by(qh, G, D, inv_freq, cf.far_distance - pos, qf.data());
-  else std::memcpy(qf.data(), qh, G * D * sizeof(float));
-  score_layout(qf.data(), G, D, four, qs.data());
-  std::vector<int64_t> cand;  // pages whose keys are scored
-  const int64_t whole = c / P;
+  std::vector<float> qf(G * D);
+  if (t.far) rotate_by(t.q, G, D, inv_freq, cf.far_distance - t.pos, qf.data());
+  else std::memcpy(qf.data(), t.q, G * D * sizeof(float));
+  t.qs.resize(G * D);
+  score_layout(qf.data(), G, D, four, t.qs.data());
+  const int64_t whole = t.c / P;
   if (cf.S > 0 && n_pages > cf.shortlist_from) {
-    // rank the pages the row sees whole by their bound: max over g of sum max(q * hi, q * lo)
     std::vector<std::pair<float, int64_t>> ranked(whole);
     std::vector<c10::Half> made(2 * D);
     std::vector<uint8_t> cbuf, sbuf;
     for (int64_t j = 0; j < whole; ++j) {
       const c10::Half *hi, *lo;
-      if (j < cf.bounds_rows && cf.bounds_far == far) {  // else (a row below the context once choice past it began)
+      if (j < cf.bounds_rows && cf.bounds_far == t.far) {  // else (a row below the context once choice past it began)
         // made here from its codes at true positions
-        hi = bounds + ((l * 2 + 0) * Hkv + h) * bounds_cap * D + j * D;
-        lo = bounds + ((l * 2 + 1) * Hkv + h) * bounds_cap * D + j * D;
+        hi = bounds + ((l * 2 + 0) * Hkv + t.h) * bounds_cap * D + j * D;
+        lo = bounds + ((l * 2 + 1) * Hkv + t.h) * bounds_cap * D + j * D;
       } else {
-        const uint8_t* cp = codes.run(l, 0, h, j * P, P, cbuf);
-        const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, h, j * P, P, sbuf));
+        const uint8_t* cp = codes.run(l, 0, t.h, j * P, P, cbuf);
+        const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, t.h, j * P, P, sbuf));
         page_bound(cp, sp, P, D, four, made.data(), made.data() + D);
         hi = made.data(), lo = made.data() + D;
       }
@@ -273,86 +286,103 @@ inline std::vector<int64_t> choose_pages(const PagedConfig& cf, int64_t l, int64
       return a.first > b.first || (a.first == b.first && a.second < b.second);
     });
     for (int64_t i = 0; i < keep; ++i)
-      if (ranked[i].first > -INFINITY) cand.push_back(ranked[i].second);
-    if (whole < n_pages) cand.push_back(whole);  // the page it sees in part: always scored
+      if (ranked[i].first > -INFINITY) t.cand.push_back(ranked[i].second);
+    if (whole < n_pages) t.cand.push_back(whole);  // the page it sees in part: always scored
   } else {
-    for (int64_t j = 0; j < n_pages; ++j) cand.push_back(j);
+    for (int64_t j = 0; j < n_pages; ++j) t.cand.push_back(j);
   }
-  std::vector<std::pair<float, int64_t>> page_scores;
-  std::vector<float> scores(P);
-  std::vector<uint8_t> cbuf, sbuf;
-  for (const int64_t j : cand) {
-    const int64_t n = std::min(P, c - j * P);
-    const uint8_t* cp = codes.run(l, 0, h, j * P, n, cbuf);
-    const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, h, j * P, n, sbuf));
-    if (four) score_keys_any<true>(qs.data(), G, D, cp, sp, 0, n, scores.data());
-    else score_keys_any<false>(qs.data(), G, D, cp, sp, 0, n, scores.data());
-    float best = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) best = scores[i] > best ? scores[i] : best;
-    if (best > -INFINITY) page_scores.push_back({best, j});
-  }
-  const int64_t keep = std::min<int64_t>(cf.M, static_cast<int64_t>(page_scores.size()));
-  std::partial_sort(page_scores.begin(), page_scores.begin() + keep, page_scores.end(), [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
-  for (int64_t i = 0; i < keep; ++i) chosen.push_back(page_scores[i].second);
-  std::sort(chosen.begin(), chosen.end());
-  return chosen;
+  t.cand_best.assign(t.cand.size(), -INFINITY);
 }
 
-// The attention of one row of KV head h over its chosen pages (position order) and its session's slab, one softmax:
-// each page one chunk (its visible rows), then (past the trained context) the moved sink, then the slab's visible
-// columns in chunks of kChunk as the whole-step call reads them; merged in that order. Past the trained context the
-// row's query is counter-rotated by each page's move and by the sink's.
-inline void attend_paged_row(const PagedConfig& cf, int64_t l, int64_t h, int64_t pos, int64_t c, int64_t nk, const float* qh,
-                             int64_t G, int64_t D, float scale, const std::vector<int64_t>& pages, const PagedRows& kv,
-                             const float* k_slab, const float* v_slab, int64_t cap, const bool* mask_w,
-                             const std::vector<int64_t>& sink_cols, const float* inv_freq, std::vector<float>& parts,
-                             std::vector<float>& scores, float* out) {
-  static bool all_rows[kChunk] = {};
+// Phase 2: candidates [k0, k1) of a task: each page's best key score (its visible keys' compact codes).
+inline void score_candidates(const PagedConfig& cf, int64_t l, PagedTask& t, int64_t k0, int64_t k1, int64_t G, int64_t D,
+                             const PagedRows& codes, const PagedRows& scales) {
+  const bool four = codes.tier.width * 2 == D;
+  const int64_t P = cf.P;
+  std::vector<float> scores(P);
+  std::vector<uint8_t> cbuf, sbuf;
+  for (int64_t k = k0; k < k1; ++k) {
+    const int64_t j = t.cand[k], n = std::min(P, t.c - j * P);
+    const uint8_t* cp = codes.run(l, 0, t.h, j * P, n, cbuf);
+    const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, t.h, j * P, n, sbuf));
+    if (four) score_keys_any<true>(t.qs.data(), G, D, cp, sp, 0, n, scores.data());
+    else score_keys_any<false>(t.qs.data(), G, D, cp, sp, 0, n, scores.data());
+    float best = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) best = scores[i] > best ? scores[i] : best;
+    t.cand_best[k] = best;
+  }
+}
+
+// Phase 3: the M best-scoring candidates (ties to the lower page), in position order; then the attention's part count.
+inline void finish_choice(const PagedConfig& cf, PagedTask& t, int64_t G, int64_t D, const std::vector<int64_t>& sink_cols) {
+  if (!t.cand.empty()) {
+    std::vector<std::pair<float, int64_t>> scored;
+    for (size_t k = 0; k < t.cand.size(); ++k)
+      if (t.cand_best[k] > -INFINITY) scored.push_back({t.cand_best[k], t.cand[k]});
+    const int64_t keep = std::min<int64_t>(cf.M, static_cast<int64_t>(scored.size()));
+    std::partial_sort(scored.begin(), scored.begin() + keep, scored.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (int64_t i = 0; i < keep; ++i) t.pages.push_back(scored[i].second);
+    std::sort(t.pages.begin(), t.pages.end());
+  }
+  t.nw = (t.nk + kChunk - 1) / kChunk;
+  t.sink = t.far && !sink_cols.empty();
+  t.parts.resize((t.pages.size() + (t.sink ? 1 : 0) + t.nw) * G * (D + 2));
+}
+
+inline int64_t part_count(const PagedTask& t) { return static_cast<int64_t>(t.pages.size()) + (t.sink ? 1 : 0) + t.nw; }
+
+// Phase 4: part ci of a task's attention, alone: one chosen page (its visible rows; past the context the query
+// counter-rotated by the page's move to the i-th of n page slots ending right before the window), the moved sink, or
+// a chunk of kChunk slab columns (those the row sees, without the sink past the context) as the whole-step call reads
+// them. A row that recalls nothing has only slab chunks: the whole-step call's own parts.
+inline void attend_part(const PagedConfig& cf, int64_t l, const PagedTask& t, int64_t ci, int64_t G, int64_t D, float scale,
+                        const PagedRows& kv, const float* k_slab, const float* v_slab, int64_t cap, const bool* mask_w,
+                        const std::vector<int64_t>& sink_cols, const float* inv_freq, std::vector<float>& scores,
+                        float* part) {
+  static bool all_rows[kChunk];
   static const bool init = [] {
     for (int64_t i = 0; i < kChunk; ++i) all_rows[i] = true;
     return true;
   }();
   (void)init;
-  const int64_t P = cf.P, n = static_cast<int64_t>(pages.size()), nw = (nk + kChunk - 1) / kChunk;
-  const bool far = pos >= cf.max_context;
-  const bool sink = far && !sink_cols.empty();
-  const int64_t nch = n + (sink ? 1 : 0) + nw, stride = D + 2;
-  parts.resize(nch * G * stride);
-  std::vector<float> moved(G * D);
-  std::vector<uint8_t> kbuf, vbuf;
-  int64_t ci = 0;
-  for (int64_t i = 0; i < n; ++i, ++ci) {
-    const int64_t r0 = pages[i] * P, rn = std::min(P, c - r0);  // the page's rows the row sees
+  const int64_t P = cf.P, n = static_cast<int64_t>(t.pages.size()), h = t.h;
+  std::vector<float> moved;
+  if (ci < n) {
+    const int64_t r0 = t.pages[ci] * P, rn = std::min(P, t.c - r0);
+    std::vector<uint8_t> kbuf, vbuf;
     const auto* kb = reinterpret_cast<const float*>(kv.run(l, 0, h, r0, rn, kbuf));
     const auto* vb = reinterpret_cast<const float*>(kv.run(l, 1, h, r0, rn, vbuf));
-    const float* qq = qh;
-    if (far) {  // page i sits at the i-th of n page slots ending right before the window
-      const int64_t slot_start = pos - cf.window - (n - i) * P + 1;
-      rotate_by(qh, G, D, inv_freq, -(slot_start - (cf.sink + r0)), moved.data());
+    const float* qq = t.q;
+    if (t.far) {
+      const int64_t slot_start = t.pos - cf.window - (n - ci) * P + 1;
+      moved.resize(G * D);
+      rotate_by(t.q, G, D, inv_freq, -(slot_start - (cf.sink + r0)), moved.data());
       qq = moved.data();
     }
-    attend_chunk_any(D, G, qq, kb, vb, all_rows, 0, rn, scale, scores.data(), &parts[ci * G * stride]);
+    attend_chunk_any(D, G, qq, kb, vb, all_rows, 0, rn, scale, scores.data(), part);
+    return;
   }
-  std::vector<uint8_t> window_mask;
-  if (sink) {  // the sink, moved right before the pages; the window without it
+  if (t.sink && ci == n) {  // the sink, moved right before the pages
     const int64_t ns = static_cast<int64_t>(sink_cols.size());
     std::vector<float> ks(ns * D), vs(ns * D);
     for (int64_t s = 0; s < ns; ++s) {
       std::memcpy(&ks[s * D], k_slab + (h * cap + sink_cols[s]) * D, D * sizeof(float));
       std::memcpy(&vs[s * D], v_slab + (h * cap + sink_cols[s]) * D, D * sizeof(float));
     }
-    rotate_by(qh, G, D, inv_freq, -(pos - cf.window - n * P - cf.sink + 1), moved.data());
-    attend_chunk_any(D, G, moved.data(), ks.data(), vs.data(), all_rows, 0, ns, scale, scores.data(), &parts[ci * G * stride]);
-    ++ci;
-    window_mask.assign(mask_w, mask_w + nk);
+    moved.resize(G * D);
+    rotate_by(t.q, G, D, inv_freq, -(t.pos - cf.window - n * P - cf.sink + 1), moved.data());
+    attend_chunk_any(D, G, moved.data(), ks.data(), vs.data(), all_rows, 0, ns, scale, scores.data(), part);
+    return;
+  }
+  const int64_t w = ci - n - (t.sink ? 1 : 0), j0 = w * kChunk, j1 = std::min(t.nk, j0 + kChunk);
+  std::vector<uint8_t> window_mask;
+  if (t.sink) {  // the window without the sink (attended above, moved)
+    window_mask.assign(mask_w, mask_w + j1);
     for (const int64_t s : sink_cols)
-      if (s < nk) window_mask[s] = 0;
+      if (s < j1) window_mask[s] = 0;
     mask_w = reinterpret_cast<const bool*>(window_mask.data());
   }
-  for (int64_t w = 0; w < nw; ++w, ++ci)
-    attend_chunk_any(D, G, qh, k_slab + h * cap * D, v_slab + h * cap * D, mask_w, w * kChunk, std::min(nk, (w + 1) * kChunk),
-                     scale, scores.data(), &parts[ci * G * stride]);
-  for (int64_t g = 0; g < G; ++g) merge_chunks(&parts[g * stride], nch, G * stride, D, out + g * D);
+  attend_chunk_any(D, G, t.q, k_slab + h * cap * D, v_slab + h * cap * D, mask_w, j0, j1, scale, scores.data(), part);
 }

@@ -820,22 +820,53 @@ class RowStep {
     const int64_t* rp = view.rows.data_ptr<int64_t>();
     const bool* mp = view.mask.data_ptr<bool>();
     const float* freq = view.inv_freq.data_ptr<float>();
+    const float *ks = k_slab.data_ptr<float>(), *vs = v_slab.data_ptr<float>();
     const c10::Half* bp = view.tables[10].data_ptr<c10::Half>();
-    const int64_t bcap = view.tables[10].size(3);
+    const int64_t bcap = view.tables[10].size(3), stride = D + 2;
+    std::vector<PagedTask> tasks(T * Hkv);
+    for (int64_t i = 0; i < T * Hkv; ++i) {
+      PagedTask& t = tasks[i];
+      t.row = i / Hkv, t.h = i % Hkv, t.pos = rp[t.row * 3], t.c = rp[t.row * 3 + 1], t.nk = rp[t.row * 3 + 2];
+      t.far = t.pos >= cf.max_context;
+      t.q = qp + (t.row * H + t.h * G) * D;
+    }
+    // 1: each task's candidates (its query turned for scoring, the bounds' shortlist)
     at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<float> parts, scores(G * kChunk);
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t j = t / Hkv, h = t % Hkv, pos = rp[j * 3], c = rp[j * 3 + 1], nk = rp[j * 3 + 2];
-        const bool far = pos >= cf.max_context;
-        const float* qh = qp + (j * H + h * G) * D;
-        std::vector<int64_t> pages;
-        if (c > 0)
-          pages = choose_pages(cf, l, h, pos, c, qh, G, D, far ? far_codes : codes, far ? far_scales : scales, bp, bcap, Hkv,
-                               far, freq);
-        attend_paged_row(cf, l, h, pos, c, nk, qh, G, D, scale_, pages, kv, k_slab.data_ptr<float>(),
-                         v_slab.data_ptr<float>(), cap, mp + j * N, view.sinks, freq, parts, scores, op + (j * H + h * G) * D);
+      for (int64_t i = lo; i < hi; ++i) {
+        PagedTask& t = tasks[i];
+        plan_choice(cf, l, t, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, bp, bcap, Hkv, freq);
       }
     });
+    // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together
+    constexpr int64_t kScorePages = 8;
+    std::vector<std::pair<int64_t, int64_t>> items;  // (task, first candidate)
+    for (int64_t i = 0; i < T * Hkv; ++i)
+      for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += kScorePages) items.push_back({i, k});
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t it = lo; it < hi; ++it) {
+        PagedTask& t = tasks[items[it].first];
+        const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + kScorePages, t.cand.size());
+        score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales);
+      }
+    });
+    // 3: the chosen pages; 4: the attention's parts, every task's shared out together; 5: each row's parts merged
+    items.clear();
+    for (int64_t i = 0; i < T * Hkv; ++i) {
+      finish_choice(cf, tasks[i], G, D, view.sinks);
+      for (int64_t c = 0; c < part_count(tasks[i]); ++c) items.push_back({i, c});
+    }
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scores(G * kChunk);
+      for (int64_t it = lo; it < hi; ++it) {
+        PagedTask& t = tasks[items[it].first];
+        const int64_t c = items[it].second;
+        attend_part(cf, l, t, c, G, D, scale_, kv, ks, vs, cap, mp + t.row * N, view.sinks, freq, scores,
+                    &t.parts[c * G * stride]);
+      }
+    });
+    for (const PagedTask& t : tasks)
+      for (int64_t g = 0; g < G; ++g)
+        merge_chunks(&t.parts[g * stride], part_count(t), G * stride, D, op + (t.row * H + t.h * G + g) * D);
   }
 
   void check_slabs(const at::Tensor& k_slab, const at::Tensor& v_slab) const {
