@@ -251,7 +251,7 @@ class PagedCache(SinkWindowCache):
         allowed = plan["allowed"][w]
         if plan["far"] != "none" and self._rotate is not None and not self.far_active:
             self._start_far_choice()
-        if self._native_rows is not None and w is None and getattr(layout, "row_exact", False):
+        if self._native_rows is not None and w is None:  # every row as a one-token step at its position would
             o = self._native_attend(layer, q, k_all, v_all, layout, plan)
             if o is not None:
                 self._time(t0, t0, t0)  # choice, reads and attention in one call: counted as attention
@@ -353,12 +353,13 @@ class PagedCache(SinkWindowCache):
 
     def _native_attend(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layout: AttentionLayout,
                        plan: Plan) -> torch.Tensor | None:
-        """Row-exact rows through the backend's fused recall (the native CPU step's `paged_rows`): per row, the page
-        choice `_choose_pages` makes for a one-row step at its position (compact keys at true positions, or far_keys
-        past the trained context; the bounds' shortlist past `shortlist_from` of the row's own pages), the chosen
-        pages read from either tier, and the attention `_attend_rows` gives it, in one call per layer. Taken for every
-        row-exact row of a session it can take (the page store exact fp32, a global layer) or for none, so a verify
-        block's rows equal the one-token steps at their positions. None: not a session for it (the Python path)."""
+        """Every row of the step (decode, verify block, prefill chunk) through the backend's fused recall (the native
+        CPU step's `paged_rows`), each as the one-token step at its position: the page choice `_choose_pages` makes
+        for a one-row step there (compact keys at true positions, or far_keys past the trained context; the bounds'
+        shortlist past `shortlist_from` of the row's own pages), the chosen pages read from either tier, and the
+        attention `_attend_rows` gives it, in one call per layer. Taken for every step of a session it can take (the
+        page store exact fp32, a global layer) or for none, so verify blocks and prefill chunks give the one-token
+        steps' bits (a prompt's K/V is what decoding it writes). None: not a session for it (the Python path)."""
         view = self._native_plan(plan, layout)
         if view is None or self._native_rows is None:
             return None

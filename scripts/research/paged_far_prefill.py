@@ -1,13 +1,19 @@
-"""Prefill cost of `paged` past the trained context: a prefill chunk's rows batched (`_attend_far_chunk`,
-two attention calls per layer) against row by row (`_attend_rows`, three calls per row per layer), side by
-side in one process on the same tokens (issue 29 item 3: prefill tok/s at 32k >= 0.5x its rate at 2k).
+"""Prefill cost of `paged` against `full`, up to the trained context and past it (issue 29 item 3: prefill time
+<= 1.15x `full`'s at 4k and 7.5k; prefill tok/s at 32k >= 0.5x its rate at 2k), side by side in one process.
 
-One session per arm prefills --tokens tokens in --chunk chunks (the daemon's defaults: sink 4, window 1020,
-pages of 64, 8 recalled, int4 weights on the CPU); the seconds of each chunk are summed per segment: up
-to 2k, 2k to the trained context, and past it. Also: the row-by-row arm's last chunk's logits against the
-batched arm's (max abs difference), so the batched path's numbers come with its agreement.
+One session per arm prefills --tokens tokens (an arm's own cap with --arm-tokens) in --chunk chunks (the daemon's
+defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native CPU step on). Arms:
+  full                  `full` (it stops at the trained context);
+  native                `paged` as it runs by default: every row of a prefill chunk chooses its pages and attends in
+                        C++ as the one-token step at its position would (csrc/paged_rows.h), bit for bit;
+  python-recall         `paged` with the recall in kv/paged.py (each chunk's rows batched: two attention calls per
+                        layer, `_attend_far_chunk` past the context), the dense work in the native step's segments:
+                        the path before csrc/paged_rows.h.
+Per arm: each chunk's seconds, the cumulative seconds at 4,096 and 7,680 tokens, and the rate per segment (up to 2k,
+2k to 4k, 4k to the trained context, past it, and the last 4,096 tokens). The logits of the chunk ending at 7,680
+tokens of each paged arm against `full`'s (max abs difference; argmax equal).
 
-    .venv/bin/python scripts/research/paged_far_prefill.py --tokens 12288 --threads 2
+    .venv/bin/python scripts/research/paged_far_prefill.py --tokens 32768 --arm-tokens full=7680,python-recall=9216
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
-OUT = ROOT / "results" / "research" / "paged_far_prefill.json"
+OUT = ROOT / "results" / "research" / "paged_prefill_native.json"
+CHECKPOINTS = (4096, 7680)
 
 
 def main(argv=None) -> int:
@@ -28,9 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--tokens", type=int, default=12288)
+    ap.add_argument("--arm-tokens", default="", help="per arm caps, e.g. full=7680,python-recall=9216")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--arms", default="batched,rows")
+    ap.add_argument("--arms", default="full,native,python-recall")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
 
@@ -39,50 +47,72 @@ def main(argv=None) -> int:
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.engine.steps import forward
     from inference_engine.kv.factory import make_cache
-    from inference_engine.kv.paged import PagedCache
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
 
     torch.set_num_threads(args.threads)
     meta = run_metadata(vars(args))
     model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
+    if not model.use_native_step():
+        raise SystemExit("the native step is unavailable here (see the log)")
+    native = model.native_step
     ctx = model.spec.max_context
-    strategy = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8)
+    caps = {k: int(v) for k, v in (kv.split("=") for kv in args.arm_tokens.split(",") if kv)}
+    paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8)
     ids = torch.randint(3, model.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    real = PagedCache._attend_far_chunk
     arms, last = {}, {}
     for arm in args.arms.split(","):
-        PagedCache._attend_far_chunk = real if arm == "batched" else (lambda self, *a, **k: None)  # type: ignore[method-assign]
-        cache = make_cache(strategy, model.geometry(), max_step=args.chunk, max_context=ctx)
-        segments = {"to_2k": [0, 0.0], "2k_to_context": [0, 0.0], "past_context": [0, 0.0]}
+        native.paged_recall = "python" if arm == "python-recall" else "whole"
+        n = min(args.tokens, caps.get(arm, args.tokens), ctx if arm == "full" else args.tokens)
+        cache = make_cache(KVStrategy("full") if arm == "full" else paged, model.geometry(), max_step=args.chunk,
+                           max_context=ctx)
+        chunks = []
         with torch.inference_mode():
-            for a in range(0, len(ids), args.chunk):
-                part = ids[a:a + args.chunk]
+            for a in range(0, n, args.chunk):
+                part = ids[a:min(a + args.chunk, n)]
                 t = time.perf_counter()
                 logits, _ = forward(model, model.tensor(part), range(a, a + len(part)), cache, logits="last")
                 cache.commit()
-                dt = time.perf_counter() - t
-                seg = "to_2k" if a + len(part) <= 2048 else ("2k_to_context" if a + len(part) <= ctx else "past_context")
-                segments[seg][0] += len(part)
-                segments[seg][1] += dt
-                print(f"{arm}: {a + len(part)} tokens, chunk {dt:.2f} s", flush=True)
-        last[arm] = logits.float()
-        arms[arm] = {"segments": {k: {"tokens": n, "seconds": round(s, 2), "tok_s": round(n / s, 1) if s else None}
-                                  for k, (n, s) in segments.items()},
-                     "timings": {k: round(v, 2) if isinstance(v, float) else v for k, v in cache.timings.items()}}
-        seg = arms[arm]["segments"]
-        if seg["past_context"]["tok_s"] and seg["to_2k"]["tok_s"]:
-            arms[arm]["past_context_over_to_2k"] = round(seg["past_context"]["tok_s"] / seg["to_2k"]["tok_s"], 3)
-    PagedCache._attend_far_chunk = real  # type: ignore[method-assign]
-    doc = meta | {"model": model.model_id, "max_context": ctx, "strategy": "paged sink 4, window 1020, pages of 64, 8 recalled",
-                  "arms": arms}
-    if "batched" in arms and "rows" in arms:
-        doc["past_context_batched_over_rows"] = round(arms["batched"]["segments"]["past_context"]["tok_s"]
-                                                      / arms["rows"]["segments"]["past_context"]["tok_s"], 3)
-        doc["last_chunk_logits_max_abs_diff"] = float((last["batched"] - last["rows"]).abs().max())
-        doc["last_chunk_argmax_equal"] = bool(torch.equal(last["batched"].argmax(-1), last["rows"].argmax(-1)))
+                chunks.append((a + len(part), time.perf_counter() - t))
+                if a + len(part) == CHECKPOINTS[-1]:
+                    last[arm] = logits.float()
+                print(f"{arm}: {a + len(part)} tokens, chunk {chunks[-1][1]:.2f} s", flush=True)
+
+        def span(lo: int, hi: int) -> dict | None:
+            s = [(end, dt) for end, dt in chunks if lo < end <= hi]
+            if not s or s[-1][0] != min(hi, n):
+                return None
+            tokens, seconds = s[-1][0] - lo, sum(dt for _, dt in s)
+            return {"tokens": tokens, "seconds": round(seconds, 2), "tok_s": round(tokens / seconds, 1)}
+
+        segments = {"to_2k": span(0, 2048), "2k_to_4k": span(2048, 4096), "4k_to_context": span(4096, ctx),
+                    "past_context": span(ctx, n) if n > ctx else None,
+                    "last_4k": span(n - 4096, n) if n >= 8192 else None}
+        arms[arm] = {"tokens": n, "chunk_seconds": [round(dt, 3) for _, dt in chunks], "segments": segments,
+                     "cumulative_s": {str(c): round(sum(dt for end, dt in chunks if end <= c), 2)
+                                      for c in CHECKPOINTS if c <= n},
+                     "whole_tok_s": round(n / sum(dt for _, dt in chunks), 1)}
+        if segments["last_4k"] and segments["to_2k"]:
+            arms[arm]["last_4k_over_to_2k"] = round(segments["last_4k"]["tok_s"] / segments["to_2k"]["tok_s"], 3)
+            arms[arm]["whole_over_to_2k"] = round(arms[arm]["whole_tok_s"] / segments["to_2k"]["tok_s"], 3)
+    native.paged_recall = "whole"
+    ratios = {}
+    for arm in arms:
+        if arm == "full" or "full" not in arms:
+            continue
+        for c in CHECKPOINTS:
+            if str(c) in arms[arm]["cumulative_s"] and str(c) in arms["full"]["cumulative_s"]:
+                ratios[f"{arm} / full, prefill seconds to {c}"] = round(
+                    arms[arm]["cumulative_s"][str(c)] / arms["full"]["cumulative_s"][str(c)], 3)
+        if arm in last and "full" in last:  # the chunk ending at the last checkpoint
+            ratios[f"{arm} vs full, logits at {CHECKPOINTS[-1]}: max abs diff"] = float((last[arm] - last["full"]).abs().max())
+            ratios[f"{arm} vs full, logits at {CHECKPOINTS[-1]}: argmax equal"] = bool(
+                torch.equal(last[arm].argmax(-1), last["full"].argmax(-1)))
+    doc = meta | {"model": model.model_id, "max_context": ctx,
+                  "strategy": "paged sink 4, window 1020, pages of 64, 8 recalled (shortlist 64 past 256 pages)",
+                  "arms": arms, "ratios": ratios}
     write_json(pathlib.Path(args.out), doc)
-    print({k: v for k, v in doc.items() if k.startswith(("past", "last"))})
+    print(ratios, {a: (v.get("last_4k_over_to_2k"), v.get("whole_over_to_2k")) for a, v in arms.items()})
     return 0
 
 
