@@ -29,6 +29,11 @@ true positions below it; past it (`far_keys`), it scores every out-of-window key
 in-range distance from the query (InfLLM gives its memory units one position as well): a second compact
 copy of each archived key rotated back to position 0 (kept from a session's first step, archived and saved with
 the page store, made from it for a state saved without them), scored against the query rotated to `far_distance`.
+Where the backend has a fused recall (the native CPU step: `paged_row_attention`, backends/torch/csrc/paged_rows.h),
+every row of a step (decode, verify, prefill chunk) takes it instead of the Python path below, each row as the
+one-token step at its position: the same page choice, read from the same tables (`_native_view` hands them over as
+views), and the same attention to float rounding; a decode step is then one whole-step call (`layout.recall`). The
+Python path stays the reference and serves every other case (coded page stores, MLX, CUDA).
 Byte counts: `resident_nbytes` (sink + window slab; flat), `selection_nbytes` (compact keys;
 grows with the pages), `stored_nbytes` (page store). `nbytes` = resident + selection, what a
 session holds for attention every step; the page store is a cheaper tier.

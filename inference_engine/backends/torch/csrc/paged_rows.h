@@ -1,4 +1,5 @@
-// Paged recall for row-exact rows (decode rows, verify blocks) in one call per layer: kv/paged.py's page choice
+// Paged recall for every row of a paged step (decode rows, verify blocks, prefill chunks, each as the one-token step at
+// its position) in one call per layer: kv/paged.py's page choice
 // (compact keys scored, through the page bounds' shortlist past `shortlist_from` pages), its reads of the chosen pages
 // from either tier of the page store, and the row's attention over them and the resident slab, one softmax. Past the
 // trained context a row chooses through far_keys with its query rotated to far_distance, and attends in InfLLM's
