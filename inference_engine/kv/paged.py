@@ -100,7 +100,7 @@ class PagedCache(SinkWindowCache):
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         self._resident_rows: Callable | None = None  # the backend's fused-step attention of resident rows (recall_hook)
         self._recalled_rows: Callable | None = None  # the backend's attention of a row over recalled rows + slab
-        self._native_rows: Callable | None = None  # the backend's fused recall of row-exact rows (`_native_attend`)
+        self._native_rows: Callable | None = None  # the backend's fused recall of a step's rows (`_native_attend`)
         # shortlist_pages > 0: per complete page, per layer and KV head, the elementwise max and min of its compact keys
         # (decoded), rounded outward to float16: `bounds` row j = page j, stack (max, min)
         self.shortlist = max(strategy.shortlist_pages, strategy.recall_pages) if strategy.shortlist_pages else 0
@@ -212,7 +212,8 @@ class PagedCache(SinkWindowCache):
         step, and a verify block's rows that recall nothing attend through `resident_rows` (`_attend_rows`), so they
         equal the one-token steps bit for bit. `recalled_rows`: the backend's attention of a row over its recalled rows
         and the slab (row-exact rows below the trained context; None: torch's two-part call). `paged_rows`: the
-        backend's fused recall of row-exact rows (`_native_attend`), None where it has none. Binds the backend's
+        backend's fused recall of a step's rows (`_native_attend`), None where it has none; a decode step whose every
+        candidate is archived then gets `layout.recall`, so the backend's fused row step may take it whole. Binds the backend's
         rotation on the first step, as attend_with_pages does."""
         if rotate_keys is not None and self._rotate is None:
             self._keep_far_keys(rotate_keys)

@@ -224,9 +224,9 @@ class TorchCausalLM:
 
     @property
     def paged_row_attention(self):
-        """kv/paged.py's row-exact rows (decode, verify) take their page choice, page reads and attention through this
-        (layer, q (H, T, D), view, fresh, store, layout) -> (H, T, D) or None (not a plain slab: the Python path): the
-        native step's `paged_rows`. None when there is no native step."""
+        """kv/paged.py's rows (decode, verify, prefill chunks) take their page choice, page reads and attention
+        through this (layer, q (H, T, D), view, fresh, store, layout) -> (H, T, D) or None (not a plain slab: the
+        Python path): the native step's `paged_rows`. None when there is no native step."""
         native = self.native_step
         return native.paged_rows if native is not None and self.row_graphs is None and native.paged_recall != "python" else None
 

@@ -183,7 +183,7 @@ class NativeRowStep:
         self.steps = 0  # whole steps run natively (reported)
         self.segment_steps = 0  # steps whose dense work ran in C++ segments (NativeSegments)
         self.paged_steps = 0  # whole steps that recalled pages (paged decode steps)
-        # how a paged session's row-exact steps recall (research scripts compare them): "whole" (a decode step is one
+        # how a paged session's steps recall (research scripts compare them): "whole" (a decode step is one
         # whole-step call, recall included), "segments" (layer by layer, the recall in C++: csrc/paged_rows.h),
         # "python" (layer by layer, the recall in kv/paged.py)
         self.paged_recall = "whole"
@@ -258,9 +258,10 @@ class NativeRowStep:
                                          store.k[layer], store.v[layer], mask, n_keys)
 
     def paged_rows(self, layer: int, q: torch.Tensor, view: dict, fresh: list, store, layout) -> torch.Tensor | None:
-        """A paged session's row-exact rows (q (H, T, D)) at `layer`: page choice, page reads and attention in one call
-        (csrc/paged_rows.h) over the tables kv/paged.py's `_native_view` hands over -> (H, T, D); None where the
-        whole-step call would not take the step (not plain_slab) or the rotary is not plain RoPE."""
+        """A paged session's rows (q (H, T, D)) at `layer`, each as the one-token step at its position: page choice,
+        page reads and attention in one call (csrc/paged_rows.h) over the tables kv/paged.py's `_native_view` hands
+        over -> (H, T, D); None where the whole-step call would not take the step (not plain_slab) or the rotary is not
+        plain RoPE."""
         pv = self._paged_view(view, layout) if plain_slab(layout, store) else None
         if pv is None:
             return None
