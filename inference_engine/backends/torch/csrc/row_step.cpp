@@ -697,10 +697,7 @@ class RowStep {
     const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, R = q.size(1);
     TORCH_CHECK(q.dim() == 3 && q.size(0) == H && q.size(2) == D && q.scalar_type() == at::kFloat,
                 "row step: q must be (H, R, D) fp32");
-    for (const at::Tensor* t : {&k_slab, &v_slab})
-      TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == at::kFloat &&
-                      t->is_contiguous() && t->size(1) == k_slab.size(1),
-                  "row step: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
+    check_slabs(k_slab, v_slab);
     TORCH_CHECK(mask.dim() == 2 && mask.size(0) == R && mask.scalar_type() == at::kBool, "row step: mask must be (R, N) bool");
     auto msk = mask.contiguous(), nk = row_keys.contiguous();
     TORCH_CHECK(nk.scalar_type() == at::kLong && nk.numel() == R, "row step: row_keys must be (R,) int64");
@@ -734,10 +731,7 @@ class RowStep {
                 "row step: recalled rows must be (Hkv, E, D) fp32, K and V alike");
     const int64_t E = kr.size(1);
     TORCH_CHECK(mask_r.scalar_type() == at::kBool && mask_r.numel() == Hkv * E, "row step: mask_r must be (Hkv, E) bool");
-    for (const at::Tensor* t : {&k_slab, &v_slab})
-      TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == at::kFloat &&
-                      t->is_contiguous() && t->size(1) == k_slab.size(1),
-                  "row step: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
+    check_slabs(k_slab, v_slab);
     TORCH_CHECK(mask_w.scalar_type() == at::kBool && n_keys >= 0 && n_keys <= mask_w.numel() && n_keys <= k_slab.size(1),
                 "row step: mask_w must be (N,) bool, n_keys <= N");
     auto qc = q.contiguous(), krc = kr.contiguous(), vrc = vr.contiguous(), mr = mask_r.contiguous(),
@@ -765,7 +759,7 @@ class RowStep {
     return out;
   }
 
-  // A paged session's row-exact rows at layer l (paged_rows.h): q (H, T, D) rotated at the rows' positions, over its
+  // A paged session's rows at layer l (paged_rows.h): q (H, T, D) rotated at the rows' positions, over its
   // PagedView; fresh: the step's still-resident candidates as the tables would hold them (codes (Hkv, nf, Dc), scales
   // (Hkv, nf, 1), far codes, far scales, K/V (2, Hkv, nf, D)) or empty. -> (H, T, D).
   at::Tensor paged_rows(int64_t l, const at::Tensor& q, const PagedView& view, const std::vector<at::Tensor>& fresh,
@@ -775,6 +769,7 @@ class RowStep {
     TORCH_CHECK(q.dim() == 3 && q.size(0) == heads_ && q.size(2) == head_dim_ && q.scalar_type() == at::kFloat,
                 "paged rows: q must be (H, T, D) fp32");
     check_slabs(k_slab, v_slab);
+    view.check(q.size(1), kv_heads_, head_dim_, layers_, k_slab.size(1));
     auto qr = q.transpose(0, 1).contiguous();  // (T, H, D)
     auto out = at::empty_like(qr);
     paged_attend(l, qr.data_ptr<float>(), q.size(1), view, fresh, k_slab, v_slab, out.data_ptr<float>());
@@ -782,11 +777,11 @@ class RowStep {
   }
 
  private:
-  // PagedView rows (T of them, q (T, H, D) row-major) at layer l -> out (T, H, D): page choice, reads, attention.
+  // PagedView rows (T of them, q (T, H, D) row-major) at layer l -> out (T, H, D): page choice, reads, attention. The
+  // callers check the view against the model and the slab once (run: once a step; paged_rows: once a call).
   void paged_attend(int64_t l, const float* qp, int64_t T, const PagedView& view, const std::vector<at::Tensor>& fresh,
                     const at::Tensor& k_slab, const at::Tensor& v_slab, float* op) const {
     const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
-    view.check(T, Hkv, D, layers_, k_slab.size(1));
     TORCH_CHECK(fresh.empty() || fresh.size() == 5, "paged rows: fresh is codes, scales, far codes, far scales, K/V");
     const PagedConfig& cf = view.cf;
     std::vector<at::Tensor> fc;
