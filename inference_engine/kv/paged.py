@@ -754,6 +754,14 @@ class PagedCache(SinkWindowCache):
         self._limit_keys()  # first: rows made now stream through the RAM ring
         self._catch_up_far_keys()
 
+    def _far_current(self) -> bool:
+        """far_keys hold every row of the page store: caught up first where the rotation is known (below the context
+        they are made a page at a time, so a save finds up to a page missing)."""
+        if self._rotate is not None and self.far_keys.rows < self.pages.rows:
+            with torch.inference_mode():  # the tables are the steps' (inference tensors); a save runs outside a step
+                self._catch_up_far_keys()
+        return self.far_keys.rows == self.pages.rows
+
     def _catch_up_far_keys(self) -> None:
         """far_keys rows for the page store's rows they lack, from its keys as it returns them, rotated to position 0
         and encoded (4,096 rows at a time per layer)."""
@@ -872,7 +880,9 @@ class PagedCache(SinkWindowCache):
             self.pages.reserve(self.pages.rows + n)
             self.keys.reserve(self.keys.rows + n)
             kv = self._read_all_layers(order)  # (L, 2, Hkv, n, D)
-            far_in_step = self._rotate is not None and self.far_keys.rows == self.pages.rows  # else caught up later
+            # far_keys: past the context (page choice reads them) with every step's rows; below it (idle until then)
+            # a page at a time, caught up below, and before a save (_far_current): one call, not one a step
+            far_in_step = self._rotate is not None and self.far_active and self.far_keys.rows == self.pages.rows
             self.pages.write_all(self.pages.rows, kv)
             self.keys.write_all(self.keys.rows, kv[:, :1])
             if far_in_step:
@@ -881,18 +891,19 @@ class PagedCache(SinkWindowCache):
                 self.far_keys.rows += n
             self.pages.rows += n
             self.keys.rows += n
+            if self._rotate is not None and not self.far_active and self.pages.rows - self.far_keys.rows >= self.page_size:
+                self._catch_up_far_keys()
             if self.shortlisting:  # made when the shortlist starts to apply (all pages at once), then page by page
                 self._update_bounds()
         return super()._evict_dead()
 
     def _read_all_layers(self, slots: np.ndarray) -> torch.Tensor:
         """(L, 2, Hkv, n, D): every layer's K and V at resident `slots`. A plain slab store whose slots
-        form one run (a decode step archives one position) is read as slices, stacked in one copy."""
+        form one run (a decode step archives one position) is read in one copy."""
         layers = range(self.geometry.num_layers)
         store = self.store
         if type(store) is SlabStore and slots.size and bool((np.diff(slots) == 1).all()):  # torch slabs, one run
-            a, b = int(slots[0]), int(slots[-1]) + 1
-            return torch.stack([torch.stack([store.k[i][:, a:b], store.v[i][:, a:b]]) for i in layers])
+            return store.read_run(int(slots[0]), int(slots[-1]) + 1)
         t = store.slots_tensor(slots)
         return torch.stack([torch.stack(store.read(i, t)) for i in layers])
 
@@ -910,7 +921,7 @@ class PagedCache(SinkWindowCache):
     def delta_state(self, since: SaveMark | None = None) -> CacheDelta:
         """As for any cache; but a saver holding append segments without far_keys (the session was loaded from a
         state without them) gets every archived row again once far_keys are up to date, so its next load has them."""
-        if self._far_unsaved and since is not None and since.appended_rows and self.far_keys.rows == self.pages.rows:
+        if self._far_unsaved and since is not None and since.appended_rows and self._far_current():
             since = SaveMark(since.rows_through, 0)
         delta = super().delta_state(since)
         if delta.appended is not None and delta.appended.start == 0 and any(k.startswith("far_keys.") for k in delta.appended.axes):
@@ -921,7 +932,7 @@ class PagedCache(SinkWindowCache):
         start = min(appended_from, self.pages.rows)
         tensors = {f"pages.{k}": v for k, v in self.pages.state(start).items()}
         tensors |= {f"keys.{k}": v for k, v in self.keys.state(start).items()}
-        if self.far_keys.rows == self.pages.rows:  # up to date (not before a loaded session's first step, nor on MLX)
+        if self._far_current():  # up to date (not before a loaded session's first step, nor on MLX)
             tensors |= {f"far_keys.{k}": v for k, v in self.far_keys.state(start).items()}
         return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows}
 

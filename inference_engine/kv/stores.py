@@ -151,14 +151,39 @@ class SlotStore:
 
 
 class SlabStore(SlotStore):
-    """Uncompressed rows; `fetch` returns views of the first n slots of each slab."""
+    """Uncompressed rows; `fetch` returns views of the first n slots of each slab. Every layer's K and V slab
+    (Hkv, capacity, D) is a view of one (L, 2, Hkv, capacity, D) tensor, so a run of slots is read for every layer
+    in one copy (`read_run`: paged archives a decode step's evicted row so)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: str | torch.device, *, allocate: bool = True):
         super().__init__(capacity, device)
         n = capacity if allocate else 0  # rows_deferred: load_state brings the slabs
-        self.k = [torch.zeros(num_kv_heads, n, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
+        self._set(torch.zeros(num_layers, 2, num_kv_heads, n, head_dim, dtype=dtype, device=device))
+
+    def _set(self, kv: torch.Tensor) -> None:
+        self.kv: torch.Tensor | None = kv  # (L, 2, Hkv, capacity, D)
+        self.k = [x[0] for x in kv]
+        self.v = [x[1] for x in kv]
+
+    def _own(self) -> torch.Tensor | None:
+        """The (L, 2, Hkv, capacity, D) tensor the slabs are views of; None where a subclass set slabs of its own."""
+        kv = getattr(self, "kv", None)
+        return kv if kv is not None and self.k and self.k[0].data_ptr() == kv[0, 0].data_ptr() else None
+
+    def _whole(self) -> torch.Tensor:
+        kv = self._own()
+        return kv if kv is not None else torch.stack([torch.stack([k, v]) for k, v in zip(self.k, self.v)])
+
+    def read_run(self, a: int, b: int) -> torch.Tensor:
+        """(L, 2, Hkv, b - a, D): every layer's K and V at slots a .. b - 1, a copy. Slabs loaded from a state (its
+        tensors adopted as they are, per layer) are brought into one tensor here first, once."""
+        kv = self._own()
+        if kv is None and type(self) is SlabStore:
+            self._set(kv := self._whole())
+        if kv is not None:
+            return kv[:, :, :, a:b].clone()
+        return torch.stack([torch.stack([k[:, a:b], v[:, a:b]]) for k, v in zip(self.k, self.v)])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(1, slots, k)
@@ -172,18 +197,16 @@ class SlabStore(SlotStore):
         return self.k[layer][:, slots], self.v[layer][:, slots]
 
     def _grow(self, capacity: int) -> None:
-        extra = capacity - self.capacity
-        self.k = [torch.cat([x, x.new_zeros(x.shape[0], extra, x.shape[2])], 1) for x in self.k]
-        self.v = [torch.cat([x, x.new_zeros(x.shape[0], extra, x.shape[2])], 1) for x in self.v]
+        kv = self._whole()
+        grown = kv.new_zeros(*kv.shape[:3], capacity, kv.shape[4])
+        grown[:, :, :, :kv.shape[3]] = kv
+        self._set(grown)
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
-        def moved(x: torch.Tensor) -> torch.Tensor:
-            y = x.new_zeros(x.shape[0], capacity, x.shape[2])
-            y.index_copy_(1, dst, x.index_select(1, src))
-            return y
-
-        self.k = [moved(x) for x in self.k]
-        self.v = [moved(x) for x in self.v]
+        kv = self._whole()
+        moved = kv.new_zeros(*kv.shape[:3], capacity, kv.shape[4])
+        moved.index_copy_(3, dst, kv.index_select(3, src))
+        self._set(moved)
 
     row_axes = {"k": 2, "v": 2}
 
@@ -196,7 +219,8 @@ class SlabStore(SlotStore):
         return {"k": torch.stack(self.k), "v": torch.stack(self.v)}  # (L, Hkv, capacity, D)
 
     def _load_payload(self, payload: dict) -> None:
-        dev, dtype = self.k[0].device, self.k[0].dtype
+        dev, dtype = self.k[0].device, self.k[0].dtype  # the state's tensors adopted as they are (no second copy)
+        self.kv = None
         self.k = [t.to(dev, dtype).contiguous() for t in payload["k"].unbind(0)]
         self.v = [t.to(dev, dtype).contiguous() for t in payload["v"].unbind(0)]
 

@@ -121,29 +121,48 @@ inline void page_bound(const uint8_t* codes, const c10::Half* sc, int64_t n, int
 
 // A page's bound score for G query rows qf (G, D): max over g of sum over d of max(q * hi, q * lo) (hi >= lo, so
 // the larger product is q * hi where q > 0, q * lo where q < 0: kv/paged.py's two matmuls over the clamped query).
-// With AVX2 and F16C: 8 dimensions at a time, the float16 bounds converted in registers.
-inline float bound_score(const float* qf, int64_t G, int64_t D, const c10::Half* hi, const c10::Half* lo) {
-  float best = -INFINITY;
+// With AVX2 and F16C: 8 dimensions at a time, the float16 bounds converted in registers, NP pages at a time (each
+// page's sums the same operations in the same order as alone, so the same bits; their add chains side by side).
 #if defined(__AVX2__) && defined(__F16C__)
+template <int NP>
+inline void bound_scores(const float* qf, int64_t G, int64_t D, const c10::Half* const* hi, const c10::Half* const* lo,
+                         float* out) {
+  for (int p = 0; p < NP; ++p) out[p] = -INFINITY;
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t gn = std::min<int64_t>(4, G - g0);
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[NP][4];
+    for (int p = 0; p < NP; ++p)
+      for (int g = 0; g < 4; ++g) acc[p][g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 h = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + d)));
-      const __m256 l = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo + d)));
+      __m256 h[NP], l[NP];
+      for (int p = 0; p < NP; ++p) {
+        h[p] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi[p] + d)));
+        l[p] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo[p] + d)));
+      }
       for (int64_t g = 0; g < gn; ++g) {
         const __m256 x = _mm256_loadu_ps(qf + (g0 + g) * D + d);
-        acc[g] = _mm256_add_ps(acc[g], _mm256_max_ps(_mm256_mul_ps(x, h), _mm256_mul_ps(x, l)));
+        for (int p = 0; p < NP; ++p)
+          acc[p][g] = _mm256_add_ps(acc[p][g], _mm256_max_ps(_mm256_mul_ps(x, h[p]), _mm256_mul_ps(x, l[p])));
       }
     }
-    for (int64_t g = 0; g < gn; ++g) {
-      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
-      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-      const float s = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-      best = s > best ? s : best;
-    }
+    for (int p = 0; p < NP; ++p)
+      for (int64_t g = 0; g < gn; ++g) {
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[p][g]), _mm256_extractf128_ps(acc[p][g], 1));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        const float s = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+        out[p] = s > out[p] ? s : out[p];
+      }
   }
+}
+#endif
+
+inline float bound_score(const float* qf, int64_t G, int64_t D, const c10::Half* hi, const c10::Half* lo) {
+#if defined(__AVX2__) && defined(__F16C__)
+  float best;
+  bound_scores<1>(qf, G, D, &hi, &lo, &best);
+  return best;
 #else
+  float best = -INFINITY;
   for (int64_t g = 0; g < G; ++g) {
     float s = 0.f;
     for (int64_t d = 0; d < D; ++d) {
@@ -152,8 +171,8 @@ inline float bound_score(const float* qf, int64_t G, int64_t D, const c10::Half*
     }
     best = s > best ? s : best;
   }
-#endif
   return best;
+#endif
 }
 
 // The configuration of one paged session's step (kv/paged.py builds it once a step).
@@ -248,50 +267,87 @@ struct PagedTask {
   bool sink = false;
 };
 
-// Phase 1: the task's candidate pages (every page when it has at most M: chosen whole, nothing scored; else every page,
-// or past `shortlist_from` pages the S the page bounds rank highest plus the page it sees in part).
-inline void plan_choice(const PagedConfig& cf, int64_t l, PagedTask& t, int64_t G, int64_t D, const PagedRows& codes,
-                        const PagedRows& scales, const c10::Half* bounds, int64_t bounds_cap, int64_t Hkv, const float* inv_freq) {
+// Phase 1, in three parts so that a step's few tasks (a decode row has Hkv of them: 3 for SmolLM2, on 2 threads) share
+// the threads evenly: plan_begin (per task: every page chosen whole when it has at most M; else its query turned for
+// scoring, and every page a candidate, or past `shortlist_from` pages a bound to rank per whole page), rank_pages
+// (the bounds of pages [j0, j1) of a task: items of kRankPages pages, every task's shared out together), plan_end
+// (per task: the S pages the bounds rank highest plus the page it sees in part).
+struct PagedRank {
+  std::vector<float> qf;                        // the task's query rows (G, D), rotated as its choice reads them
+  std::vector<std::pair<float, int64_t>> ranked;  // (bound score, page) per whole page
+};
+
+constexpr int64_t kRankPages = 64;
+
+inline void plan_begin(const PagedConfig& cf, PagedTask& t, PagedRank& rk, int64_t G, int64_t D, const PagedRows& codes,
+                       const float* inv_freq) {
   const int64_t P = cf.P, n_pages = (t.c + P - 1) / P;
   if (n_pages <= cf.M) {
     for (int64_t j = 0; j < n_pages; ++j) t.pages.push_back(j);
     return;
   }
   const bool four = codes.tier.width * 2 == D;
-  std::vector<float> qf(G * D);
-  if (t.far) rotate_by(t.q, G, D, inv_freq, cf.far_distance - t.pos, qf.data());
-  else std::memcpy(qf.data(), t.q, G * D * sizeof(float));
+  rk.qf.resize(G * D);
+  if (t.far) rotate_by(t.q, G, D, inv_freq, cf.far_distance - t.pos, rk.qf.data());
+  else std::memcpy(rk.qf.data(), t.q, G * D * sizeof(float));
   t.qs.resize(G * D);
-  score_layout(qf.data(), G, D, four, t.qs.data());
-  const int64_t whole = t.c / P;
+  score_layout(rk.qf.data(), G, D, four, t.qs.data());
   if (cf.S > 0 && n_pages > cf.shortlist_from) {
-    std::vector<std::pair<float, int64_t>> ranked(whole);
-    std::vector<c10::Half> made(2 * D);
-    std::vector<uint8_t> cbuf, sbuf;
-    for (int64_t j = 0; j < whole; ++j) {
-      const c10::Half *hi, *lo;
-      if (j < cf.bounds_rows && cf.bounds_far == t.far) {  // else (a row below the context once choice past it began)
-        // made here from its codes at true positions
-        hi = bounds + ((l * 2 + 0) * Hkv + t.h) * bounds_cap * D + j * D;
-        lo = bounds + ((l * 2 + 1) * Hkv + t.h) * bounds_cap * D + j * D;
-      } else {
-        const uint8_t* cp = codes.run(l, 0, t.h, j * P, P, cbuf);
-        const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, t.h, j * P, P, sbuf));
-        page_bound(cp, sp, P, D, four, made.data(), made.data() + D);
-        hi = made.data(), lo = made.data() + D;
-      }
-      ranked[j] = {bound_score(qf.data(), G, D, hi, lo), j};
-    }
-    const int64_t keep = std::min<int64_t>(cf.S, whole);
-    std::partial_sort(ranked.begin(), ranked.begin() + keep, ranked.end(), [](const auto& a, const auto& b) {
-      return a.first > b.first || (a.first == b.first && a.second < b.second);
-    });
-    for (int64_t i = 0; i < keep; ++i)
-      if (ranked[i].first > -INFINITY) t.cand.push_back(ranked[i].second);
-    if (whole < n_pages) t.cand.push_back(whole);  // the page it sees in part: always scored
+    rk.ranked.resize(t.c / P);
   } else {
     for (int64_t j = 0; j < n_pages; ++j) t.cand.push_back(j);
+    t.cand_best.assign(t.cand.size(), -INFINITY);
   }
+}
+
+inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, PagedRank& rk, int64_t j0, int64_t j1,
+                       int64_t G, int64_t D, const PagedRows& codes, const PagedRows& scales, const c10::Half* bounds,
+                       int64_t bounds_cap, int64_t Hkv) {
+  const int64_t P = cf.P;
+  const bool four = codes.tier.width * 2 == D;
+  std::vector<c10::Half> made(2 * D);
+  std::vector<uint8_t> cbuf, sbuf;
+  const bool table = cf.bounds_far == t.far;  // else (a row below the context once choice past it began) made here
+  const c10::Half* hi_t = bounds + ((l * 2 + 0) * Hkv + t.h) * bounds_cap * D;
+  const c10::Half* lo_t = bounds + ((l * 2 + 1) * Hkv + t.h) * bounds_cap * D;
+  int64_t j = j0;
+#if defined(__AVX2__) && defined(__F16C__)
+  if (table)  // pages in the table, two at a time
+    for (; j + 2 <= std::min(j1, cf.bounds_rows); j += 2) {
+      const c10::Half* hi[2] = {hi_t + j * D, hi_t + (j + 1) * D};
+      const c10::Half* lo[2] = {lo_t + j * D, lo_t + (j + 1) * D};
+      float sc[2];
+      bound_scores<2>(rk.qf.data(), G, D, hi, lo, sc);
+      rk.ranked[j] = {sc[0], j};
+      rk.ranked[j + 1] = {sc[1], j + 1};
+    }
+#endif
+  for (; j < j1; ++j) {
+    const c10::Half *hi, *lo;
+    if (table && j < cf.bounds_rows) {  // else made here from its codes at true positions
+      hi = hi_t + j * D;
+      lo = lo_t + j * D;
+    } else {
+      const uint8_t* cp = codes.run(l, 0, t.h, j * P, P, cbuf);
+      const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, t.h, j * P, P, sbuf));
+      page_bound(cp, sp, P, D, four, made.data(), made.data() + D);
+      hi = made.data(), lo = made.data() + D;
+    }
+    rk.ranked[j] = {bound_score(rk.qf.data(), G, D, hi, lo), j};
+  }
+}
+
+inline void plan_end(const PagedConfig& cf, PagedTask& t, PagedRank& rk) {
+  if (rk.ranked.empty()) return;  // chosen whole, or every page a candidate (plan_begin)
+  const int64_t whole = static_cast<int64_t>(rk.ranked.size()), keep = std::min<int64_t>(cf.S, whole);
+  // the top `keep` in order (score down, ties to the lower page: a strict total order, so the same pages in the same
+  // order as a partial sort of the whole list)
+  auto before = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  if (keep < whole) std::nth_element(rk.ranked.begin(), rk.ranked.begin() + keep, rk.ranked.end(), before);
+  std::sort(rk.ranked.begin(), rk.ranked.begin() + keep, before);
+  for (int64_t i = 0; i < keep; ++i)
+    if (rk.ranked[i].first > -INFINITY) t.cand.push_back(rk.ranked[i].second);
+  if (whole < (t.c + cf.P - 1) / cf.P) t.cand.push_back(whole);  // the page it sees in part: always scored
   t.cand_best.assign(t.cand.size(), -INFINITY);
 }
 

@@ -372,41 +372,71 @@ inline void merge_chunks(const float* parts, int64_t chunks, int64_t stride, int
 
 // Scores of keys [c0, c1) of one (b, m): qs holds the G query rows as the codes lay out their dimensions (4-bit: the
 // even dimensions, then the odd ones, per row; 8-bit: as they are). G and the code width are compile-time, so the G
-// accumulators stay in registers (AVX2: 8 floats each; elsewhere plain loops).
+// accumulators stay in registers (AVX2: 8 floats each; elsewhere plain loops). With AVX2, NK keys at a time: each
+// key's sums are the same operations in the same order as alone (so the same bits), but NK keys' accumulator chains
+// run side by side (one key's 2 D / 16 dependent FMAs per query row left the FMA units waiting on their latency).
+#if defined(__AVX2__)
+template <int G, bool FOUR, int NK>
+inline void score_keys_block(const float* qs, int64_t D, const uint8_t* codes, const c10::Half* sc, int64_t c, float* out) {
+  const int64_t row_bytes = FOUR ? D / 2 : D;
+  __m256 acc[NK][G];
+  for (int k = 0; k < NK; ++k)
+    for (int g = 0; g < G; ++g) acc[k][g] = _mm256_setzero_ps();
+  if (FOUR) {
+    const int64_t half = D / 2;
+    const __m256i eight = _mm256_set1_epi32(8), fifteen = _mm256_set1_epi32(15);
+    for (int64_t i = 0; i < half; i += 8) {
+      __m256 lo[NK], hi[NK];
+      for (int k = 0; k < NK; ++k) {
+        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + k) * row_bytes + i)));
+        lo[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x, fifteen), eight));
+        hi[k] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x, 4), eight));
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m256 ql = _mm256_loadu_ps(qs + g * D + i), qh = _mm256_loadu_ps(qs + g * D + half + i);
+        for (int k = 0; k < NK; ++k) {
+          acc[k][g] = _mm256_fmadd_ps(ql, lo[k], acc[k][g]);
+          acc[k][g] = _mm256_fmadd_ps(qh, hi[k], acc[k][g]);
+        }
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < D; i += 8) {
+      __m256 kk[NK];
+      for (int k = 0; k < NK; ++k)
+        kk[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + k) * row_bytes + i))));
+      for (int g = 0; g < G; ++g) {
+        const __m256 qv = _mm256_loadu_ps(qs + g * D + i);
+        for (int k = 0; k < NK; ++k) acc[k][g] = _mm256_fmadd_ps(qv, kk[k], acc[k][g]);
+      }
+    }
+  }
+  for (int k = 0; k < NK; ++k) {
+    float best = -INFINITY;
+    for (int g = 0; g < G; ++g) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[k][g]), _mm256_extractf128_ps(acc[k][g], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      const float dot = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      best = dot > best ? dot : best;
+    }
+    out[c + k] = best * static_cast<float>(sc[c + k]);
+  }
+}
+#endif
+
 template <int G, bool FOUR>
 inline void score_keys(const float* qs, int64_t D, const uint8_t* codes, const c10::Half* sc, int64_t c0, int64_t c1,
                        float* out) {
+#if defined(__AVX2__)
+  constexpr int NK = G <= 3 ? 2 : 1;  // 2 G accumulators + decoded codes + query rows within the 16 ymm registers
+  int64_t c = c0;
+  for (; c + NK <= c1; c += NK) score_keys_block<G, FOUR, NK>(qs, D, codes, sc, c, out);
+  for (; c < c1; ++c) score_keys_block<G, FOUR, 1>(qs, D, codes, sc, c, out);
+#else
   const int64_t row_bytes = FOUR ? D / 2 : D;
   for (int64_t c = c0; c < c1; ++c) {
     const uint8_t* row = codes + c * row_bytes;
     float dots[G];
-#if defined(__AVX2__)
-    __m256 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-    if (FOUR) {
-      const int64_t half = D / 2;
-      const __m256i eight = _mm256_set1_epi32(8), fifteen = _mm256_set1_epi32(15);
-      for (int64_t i = 0; i < half; i += 8) {
-        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x, fifteen), eight));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x, 4), eight));
-        for (int g = 0; g < G; ++g) {
-          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + i), lo, acc[g]);
-          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + half + i), hi, acc[g]);
-        }
-      }
-    } else {
-      for (int64_t i = 0; i < D; i += 8) {
-        const __m256 k = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i))));
-        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + i), k, acc[g]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[g]), _mm256_extractf128_ps(acc[g], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      dots[g] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
-#else
     for (int g = 0; g < G; ++g) dots[g] = 0.f;
     for (int64_t i = 0; i < (FOUR ? D / 2 : D); ++i) {
       if (FOUR) {
@@ -418,11 +448,11 @@ inline void score_keys(const float* qs, int64_t D, const uint8_t* codes, const c
         for (int g = 0; g < G; ++g) dots[g] += qs[g * D + i] * k;
       }
     }
-#endif
     float best = -INFINITY;
     for (int g = 0; g < G; ++g) best = dots[g] > best ? dots[g] : best;
     out[c] = best * static_cast<float>(sc[c]);
   }
+#endif
 }
 
 // Any G: groups of up to 4 query rows, the max carried across them.
@@ -825,16 +855,29 @@ class RowStep {
       t.far = t.pos >= cf.max_context;
       t.q = qp + (t.row * H + t.h * G) * D;
     }
-    // 1: each task's candidates (its query turned for scoring, the bounds' shortlist)
-    at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) {
-        PagedTask& t = tasks[i];
-        plan_choice(cf, l, t, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, bp, bcap, Hkv, freq);
+    // 1: each task's candidates (its query turned for scoring; past shortlist_from the bounds ranked, kRankPages
+    // pages an item, every task's items shared out together; then the shortlist)
+    std::vector<PagedRank> ranks(T * Hkv);
+    std::vector<std::pair<int64_t, int64_t>> items;  // (task, first page / candidate / part)
+    for (int64_t i = 0; i < T * Hkv; ++i) {
+      PagedTask& t = tasks[i];
+      plan_begin(cf, t, ranks[i], G, D, t.far ? far_codes : codes, freq);
+      for (int64_t j = 0; j < static_cast<int64_t>(ranks[i].ranked.size()); j += kRankPages) items.push_back({i, j});
+    }
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t it = lo; it < hi; ++it) {
+        const int64_t i = items[it].first, j0 = items[it].second;
+        const PagedTask& t = tasks[i];
+        const int64_t j1 = std::min<int64_t>(j0 + kRankPages, ranks[i].ranked.size());
+        rank_pages(cf, l, t, ranks[i], j0, j1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, bp, bcap, Hkv);
       }
+    });
+    at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) plan_end(cf, tasks[i], ranks[i]);
     });
     // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together
     constexpr int64_t kScorePages = 8;
-    std::vector<std::pair<int64_t, int64_t>> items;  // (task, first candidate)
+    items.clear();
     for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += kScorePages) items.push_back({i, k});
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
