@@ -16,7 +16,9 @@ shortlist) and the median seconds of one decode step's choice over all layers.
 With --model, the cache has that model's geometry and trained context, and each variant also times
 --decode-steps whole decode steps of the real model (its weights, --weights) over that synthetic history:
 forward + commit of one token, row-exact as the engine decodes, past the trained context in InfLLM's layout.
-What a decode step costs at 32k against 1k (issue 29: >= 0.8x) is read from these, side by side in one run.
+What a decode step costs at 32k against 1k (issue 29: >= 0.8x) is read from these, side by side in one run: every
+length keeps its own cache, and the steps are interleaved (each round one step per length, variant and arm, then
+`full`), so a drift in the box's speed lands on every cell alike.
 --step-arms times each whole decode step per arm, interleaved: `pieces` (every op from Python, what a paged step ran
 before the native segments), `native` (the native CPU step as it runs by default: a paged decode step is one C++ call,
 its page choice, page reads and attention included, csrc/paged_rows.h), `native-segments` (the same recall in C++, but
@@ -100,11 +102,12 @@ def main() -> int:
                                  layer_windows=(None,) * args.layers, dtype=torch.float32, device="cpu")
         context = lengths[-1] + args.chunk  # past the longest history: every choice below it, at true positions
     strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0], shortlist_from=0)
-    cache = make_cache(strategy, geometry, max_step=args.chunk, max_context=context)
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
+    caches: dict = {}
     t_fill = time.perf_counter()
-    for n in lengths:
+    for n in lengths:  # a cache per length (filled in turn), so the decode steps below can interleave the lengths
+        cache = caches[n] = make_cache(strategy, geometry, max_step=args.chunk, max_context=context)
         fill_with_random_kv(cache, n, args.chunk, gen)
         q = torch.randn(args.heads, 1, args.head_dim, generator=gen)
         # "<S>-<path>": the shortlist's choice with few-query scoring forced to each other path ("int": torch._int_mm,
@@ -127,20 +130,6 @@ def main() -> int:
                 times[name].append(time.perf_counter() - t0)
                 cache.abort()
         paged_store._scoring = measured
-        steps: dict = {f"{name}/{a}": [] for name in times if "-" not in name
-                       for a in (arms if model is not None else [])}
-        if model is not None:
-            token = model.tensor([17])
-            for _ in range(args.decode_steps):
-                for key in steps:
-                    name, a = key.split("/")
-                    arm(a)
-                    cache.shortlist = cache.shortlist_from = 0 if name == "exact" else int(name)
-                    at = cache.next_position
-                    t0 = time.perf_counter()
-                    forward(model, token, range(at, at + 1), cache, logits="last", row_exact=True)
-                    cache.commit()
-                    steps[key].append(time.perf_counter() - t0)
         cache.shortlist = cache.shortlist_from = shortlists[0]
         pages = cache.pages.rows // 64
         out[str(n)] = {
@@ -152,25 +141,44 @@ def main() -> int:
             "tiers_exact": {"hot": cache.resident_nbytes + cache.keys.nbytes, "stored": cache.pages.nbytes},
             "choice_s_per_decode_step": {k: statistics.median(v) for k, v in times.items()},
         }
-        if model is not None:
-            out[str(n)]["decode_step_s"] = {k: statistics.median(v) for k, v in steps.items()}
-            out[str(n)]["decode_step_s_mean"] = {k: statistics.mean(v) for k, v in steps.items()}
         print(n, out[str(n)], flush=True)
-    if model is not None and args.full_reference:
-        full = make_cache(KVStrategy("full"), geometry, max_step=args.chunk, max_context=context)
-        fill_with_random_kv(full, args.full_reference, args.chunk, gen)
-        token, ref = model.tensor([17]), {a: [] for a in arms}
-        for _ in range(args.decode_steps):
-            for a in arms:
-                arm(a)
-                at = full.next_position
-                t0 = time.perf_counter()
-                forward(model, token, range(at, at + 1), full, logits="last", row_exact=True)
-                full.commit()
-                ref[a].append(time.perf_counter() - t0)
-        out["full_reference"] = {"tokens": args.full_reference, "decode_step_s": {a: statistics.median(v) for a, v in ref.items()}}
-        print("full", out["full_reference"], flush=True)
     if model is not None:
+        # whole decode steps, interleaved: each round one step per (length, variant, arm) in turn, and of `full` at
+        # --full-reference tokens, so a drift in the box's speed lands on every cell alike (the ratios below are
+        # taken side by side)
+        variants = ["exact"] + [str(s) for s in shortlists]
+        steps = {n: {f"{name}/{a}": [] for name in variants for a in arms} for n in lengths}
+        full = ref = None
+        if args.full_reference:
+            full = make_cache(KVStrategy("full"), geometry, max_step=args.chunk, max_context=context)
+            fill_with_random_kv(full, args.full_reference, args.chunk, gen)
+            ref = {a: [] for a in arms}
+        token = model.tensor([17])
+
+        def timed(cache) -> float:
+            at = cache.next_position
+            t0 = time.perf_counter()
+            forward(model, token, range(at, at + 1), cache, logits="last", row_exact=True)
+            cache.commit()
+            return time.perf_counter() - t0
+
+        for _ in range(args.decode_steps):
+            for n in lengths:
+                for key in steps[n]:
+                    name, a = key.split("/")
+                    arm(a)
+                    caches[n].shortlist = caches[n].shortlist_from = 0 if name == "exact" else int(name)
+                    steps[n][key].append(timed(caches[n]))
+            if full is not None:
+                for a in arms:
+                    arm(a)
+                    ref[a].append(timed(full))
+        for n in lengths:
+            out[str(n)]["decode_step_s"] = {k: statistics.median(v) for k, v in steps[n].items()}
+            out[str(n)]["decode_step_s_mean"] = {k: statistics.mean(v) for k, v in steps[n].items()}
+        if ref is not None:
+            out["full_reference"] = {"tokens": args.full_reference, "decode_step_s": {a: statistics.median(v) for a, v in ref.items()}}
+            print("full", out["full_reference"], flush=True)
         out["native_steps"] = ({"whole": native_step.steps, "whole_paged": native_step.paged_steps,
                                 "segments": native_step.segment_steps} if native_step else None)
         first, last = str(lengths[0]), str(lengths[-1])
@@ -184,6 +192,7 @@ def main() -> int:
                         out["ratios"][f"{key} at {last} vs full/{a} at {args.full_reference}"] = s_full / s_paged
     out["scoring"] = paged_store.scoring_path()
     meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8", "max_context": context,
+                                      "decode_steps_interleaved": "each round: one step per (length, variant, arm), then full",
                                       "kv": "random normal K/V (the choice's cost and bytes do not depend on them)",
                                       "fill_s": time.perf_counter() - t_fill})
     write_json(pathlib.Path(args.out), meta | {"lengths": out})
