@@ -275,6 +275,7 @@ struct PagedTask {
 struct PagedRank {
   std::vector<float> qf;                        // the task's query rows (G, D), rotated as its choice reads them
   std::vector<std::pair<float, int64_t>> ranked;  // (bound score, page) per whole page
+  bool shortlist = false;                        // its candidates are the bounds' shortlist (plan_end makes them)
 };
 
 constexpr int64_t kRankPages = 64;
@@ -293,6 +294,7 @@ inline void plan_begin(const PagedConfig& cf, PagedTask& t, PagedRank& rk, int64
   t.qs.resize(G * D);
   score_layout(rk.qf.data(), G, D, four, t.qs.data());
   if (cf.S > 0 && n_pages > cf.shortlist_from) {
+    rk.shortlist = true;
     rk.ranked.resize(t.c / P);
   } else {
     for (int64_t j = 0; j < n_pages; ++j) t.cand.push_back(j);
@@ -338,7 +340,7 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
 }
 
 inline void plan_end(const PagedConfig& cf, PagedTask& t, PagedRank& rk) {
-  if (rk.ranked.empty()) return;  // chosen whole, or every page a candidate (plan_begin)
+  if (!rk.shortlist) return;  // chosen whole, or every page a candidate (plan_begin)
   const int64_t whole = static_cast<int64_t>(rk.ranked.size()), keep = std::min<int64_t>(cf.S, whole);
   // the top `keep` in order (score down, ties to the lower page: a strict total order, so the same pages in the same
   // order as a partial sort of the whole list)
