@@ -1,0 +1,44 @@
+"""scripts/research/paged_scaling.py on a tiny random-weight int4 model: every length keeps its own cache, the decode
+steps of each (length, variant, arm) and of the `full` reference are timed in the same rounds, and the JSON carries
+the provenance, the per-length figures and the side-by-side ratios. Nothing here reads a timing's value."""
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from factories import tiny_model_dir
+from inference_engine.backends.torch import native
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "research" / "paged_scaling.py"
+
+
+def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path):
+    if native.load() is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"the native row step did not build here: {native.unavailable_reason()}")
+        pytest.skip("no C++ compiler: no native step to compare")
+    out = tmp_path / "paged_scaling.json"
+    steps = 2
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--weights", "int4",
+                        "--lengths", "700,1400", "--shortlists", "2", "--repeats", "1", "--decode-steps", str(steps),
+                        "--step-arms", "native,native-python-recall", "--full-reference", "600", "--threads", "1",
+                        "--chunk", "256", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("scripts/research/paged_scaling.py ") and doc["commit"]
+    assert doc["config"]["decode_steps_interleaved"].startswith("each round")
+    lengths = doc["lengths"]
+    keys = {f"{v}/{a}" for v in ("exact", "2") for a in ("native", "native-python-recall")}
+    for n in ("700", "1400"):
+        assert set(lengths[n]["decode_step_s"]) == keys and lengths[n]["archived_positions"] > 0
+        assert set(lengths[n]["choice_s_per_decode_step"]) >= {"exact", "2"}
+    assert set(lengths["full_reference"]["decode_step_s"]) == {"native", "native-python-recall"}
+    ratios = lengths["ratios"]
+    assert len(ratios) == 2 * len(keys) and all(v > 0 for v in ratios.values())
+    # every length and arm took its steps: the whole-step calls counted for both lengths and the reference
+    assert lengths["native_steps"]["whole"] >= steps * (2 * 2 + 1)
