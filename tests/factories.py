@@ -32,6 +32,23 @@ def load_model(path: str, backend: str = "torch"):
 BACKENDS = ("torch", "mlx")
 
 
+def require_native():
+    """The native CPU row step's module; a test needing it fails where a C++ compiler could not build it and skips
+    where there is none (the daemon then runs every step in Python)."""
+    import shutil
+
+    import pytest
+
+    from inference_engine.backends.torch import native
+
+    mod = native.load()
+    if mod is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"the native row step did not build here: {native.unavailable_reason()}")
+        pytest.skip("no C++ compiler: the daemon runs every step in Python here")
+    return mod
+
+
 def require_backend(backend: str) -> None:
     """Skip a test of `backend` that cannot run here (MLX not installed), except under CI, where
     `make test` installs MLX and a missing one is a failure."""

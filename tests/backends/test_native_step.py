@@ -2,13 +2,12 @@
 C++ call compute what the Python pieces compute (to float rounding), keep the engine's bit-equalities among
 themselves (a verify block's rows = one-token steps; a session batched = the session alone), and decline what
 they do not cover, which then runs in Python."""
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from factories import tiny_model_dir
+from factories import require_native, tiny_model_dir
 from inference_engine.backends.torch import native
 from inference_engine.backends.torch.model import TorchCausalLM
 from inference_engine.engine import steps
@@ -20,12 +19,7 @@ from inference_engine.kv.strategy import KVStrategy
 
 
 def _module():
-    mod = native.load()
-    if mod is None:
-        if shutil.which("c++") or shutil.which("g++"):  # a compiler that could not build it is a failure
-            pytest.fail(f"the native row step did not build here: {native.unavailable_reason()}")
-        pytest.skip("no C++ compiler: the daemon runs every step in Python here")
-    return mod
+    return require_native()
 
 
 @pytest.fixture(params=[0, 1], ids=["attention-vec16", "attention-avx2"])

@@ -2,24 +2,18 @@
 and without its chunk, and the JSON carries the provenance and the ratios. Nothing here reads a timing's value."""
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
-import pytest
 
-from factories import tiny_model_dir
-from inference_engine.backends.torch import native
+from factories import require_native, tiny_model_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "research" / "native_prefill.py"
 
 
 def test_native_prefill_script_runs_both_arms(tmp_path):
-    if native.load() is None:
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"the native row step did not build here: {native.unavailable_reason()}")
-        pytest.skip("no C++ compiler: no native step to compare")
+    require_native()
     out = tmp_path / "native_prefill.json"
     model = tiny_model_dir("llama")
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--lengths", "40,90", "--chunk", "32",

@@ -3,24 +3,18 @@ steps of each (length, variant, arm) and of the `full` reference are timed in th
 the provenance, the per-length figures and the side-by-side ratios. Nothing here reads a timing's value."""
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
-import pytest
 
-from factories import tiny_model_dir
-from inference_engine.backends.torch import native
+from factories import require_native, tiny_model_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "research" / "paged_scaling.py"
 
 
 def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path):
-    if native.load() is None:
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"the native row step did not build here: {native.unavailable_reason()}")
-        pytest.skip("no C++ compiler: no native step to compare")
+    require_native()
     out = tmp_path / "paged_scaling.json"
     steps = 2
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--weights", "int4",
