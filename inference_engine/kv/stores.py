@@ -179,11 +179,11 @@ class SlabStore(SlotStore):
         """(L, 2, Hkv, b - a, D): every layer's K and V at slots a .. b - 1, a copy. Slabs loaded from a state (its
         tensors adopted as they are, per layer) are brought into one tensor here first, once."""
         kv = self._own()
-        if kv is None and type(self) is SlabStore:
+        if kv is None and type(self) is SlabStore:  # joined once (a subclass's slabs are its own: read per layer)
             self._set(kv := self._whole())
-        if kv is not None:
-            return kv[:, :, :, a:b].clone()
-        return torch.stack([torch.stack([k[:, a:b], v[:, a:b]]) for k, v in zip(self.k, self.v)])
+        if kv is None:
+            return torch.stack([torch.stack([k[:, a:b], v[:, a:b]]) for k, v in zip(self.k, self.v)])
+        return kv[:, :, :, a:b].clone()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(1, slots, k)

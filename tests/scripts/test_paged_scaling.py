@@ -6,7 +6,6 @@ import pathlib
 import subprocess
 import sys
 
-
 from factories import require_native, tiny_model_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
