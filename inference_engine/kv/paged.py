@@ -19,12 +19,13 @@ the same compact code it gets when archived. With `recall_pages` >= the number o
 query attends to its whole history: paged == full.
 
 Past the trained context (`max_context`) there is no limit (InfLLM's layout, arXiv 2402.04617): a
-query at p >= max_context attends to its window at true positions, to its chosen pages as if they sat
-in position order right before the window, and to the sink right before those, so no distance it sees
-exceeds sink + window + recall_pages * page_size (checked against the trained context). Keys stay
+query at p >= far_from (the trained context unless the strategy's `far_from` is smaller) attends to its
+window at true positions, to its chosen pages as if they sat in position order right before the window,
+and to the sink right before those, so no distance it sees exceeds sink + window + recall_pages *
+page_size (checked against the trained context). Keys stay
 post-RoPE at their true positions in every tier; the recalled ones are rotated on recall (RoPE
-composes: rotating a key at p_k by d puts it at p_k + d), by the backend's `rotate_keys`. Below the
-trained context nothing changes: every query attends at true positions. Page choice, too, scores at
+composes: rotating a key at p_k by d puts it at p_k + d), by the backend's `rotate_keys`. Below
+far_from nothing changes: every query attends at true positions. Page choice, too, scores at
 true positions below it; past it (`far_keys`), it scores every out-of-window key as if it sat at one
 in-range distance from the query (InfLLM gives its memory units one position as well): a second compact
 copy of each archived key rotated back to position 0 (kept from a session's first step, archived and saved with
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 from inference_engine.backends.torch.attention import (attend_layout_row, attend_merged, attend_moved_row, attend_row_two_part,
                                                        attention_lse, page_pair_mix, page_pair_scores, page_tiles)
 from inference_engine.errors import CacheInvariantError
-from inference_engine.kv.layout import AttentionLayout, CacheGeometry
+from inference_engine.kv.layout import AttentionLayout, CacheGeometry, SinkShift
 from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, SpillingRowTable, make_row_codec, ram_rows_for
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import AppendOnly, CacheDelta, SaveMark
@@ -97,6 +98,8 @@ class PagedCache(SinkWindowCache):
         self.far_active = False  # page choice past the trained context (through far_keys) has started
         self._far_unsaved = False  # loaded without far_keys: a saver's segments lack them (delta_state)
         self.far_distance = self.window + self.page_size
+        # queries at p >= far_from attend (and choose pages) in InfLLM's layout; below it at true positions
+        self.far_from = min(strategy.far_from, max_context) if strategy.far_from else max_context
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         self._resident_rows: Callable | None = None  # the backend's fused-step attention of resident rows (recall_hook)
         self._recalled_rows: Callable | None = None  # the backend's attention of a row over recalled rows + slab
@@ -199,7 +202,7 @@ class PagedCache(SinkWindowCache):
             if missing:
                 raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
             cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
-        far = np.arange(first, first + t) >= self.max_context  # rows that choose through far_keys
+        far = np.arange(first, first + t) >= self.far_from  # rows that choose through far_keys
         return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols,
                 "first": first, "far": "all" if far.all() else ("some" if far.any() else "none"),
                 "far_rows": torch.from_numpy(far).to(dev)}
@@ -266,12 +269,12 @@ class PagedCache(SinkWindowCache):
         c = plan["c"]
         t1 = time.perf_counter()
         t = idx.shape[1]
-        if not getattr(layout, "row_exact", False) and layout.first_position >= self.max_context:
+        if not getattr(layout, "row_exact", False) and layout.first_position >= self.far_from:
             o = self._attend_far_chunk(layer, q, k_all, v_all, layout, plan, w, idx, scale, rotate_keys)
             if o is not None:
                 self._time(t0, t1, t1)
                 return o
-        if getattr(layout, "row_exact", False) or layout.last_position >= self.max_context:
+        if getattr(layout, "row_exact", False) or layout.last_position >= self.far_from:
             return self._attend_rows(layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1, rotate_keys)
         sel = self._selection(idx, ok, allowed, c)  # (Hkv, T, C)
         rows, valid = _rows_per_head(sel.any(1))  # per head: keys any of the step's queries chose
@@ -336,13 +339,13 @@ class PagedCache(SinkWindowCache):
                     bias = vis["page_bias"][j].index_select(0, flat % plan["n_pages"]).view(1, hkv, 1, -1)
             tb = time.perf_counter()  # two calls merged by log-sum-exp: no copy of the resident slab
             p_row = layout.first_position + j
-            if n_pages == 0 and p_row < self.max_context:  # nothing out of its window: a one-token step here recalls
+            if n_pages == 0 and p_row < self.far_from:  # nothing out of its window: a one-token step here recalls
                 # nothing either and attends to the resident slab (the backend's fused step, or the pieces' call); so
                 # does this row
                 o = self._resident_rows(layer, q[:, j:j + 1], self.store, layout, [j]) if self._resident_rows else None
                 if o is None:
                     o = attend_layout_row(q[:, j:j + 1], k_all, v_all, layout, w, j, scale)
-            elif p_row >= self.max_context:
+            elif p_row >= self.far_from:
                 o = self._far_row(layer, qj, kr, vr, bias, pages, p_row, k_all, v_all, layout,
                                   self._resident_bias(plan, layout, w, q.dtype)[j], scale, rotate_keys)
             else:
@@ -406,25 +409,25 @@ class PagedCache(SinkWindowCache):
         tables += [pr, pf, self.bounds.data["rows"]]
         meta += m
         meta += [self.sink, self.window, self.page_size, self.recall_pages, self.shortlist, self.shortlist_from,
-                 self.far_distance, self.max_context, self.bounds.rows, int(self.far_active)]
+                 self.far_distance, self.far_from, self.bounds.rows, int(self.far_active)]
         first, t = layout.first_position, layout.positions.numel()
         positions = np.arange(first, first + t)
         kp = layout.key_positions
         return {"tables": tables, "meta": meta, "positions": positions,
                 "candidates": np.maximum(positions - self.window + 1 - self.sink, 0),
                 "sink_cols": torch.nonzero((kp >= 0) & (kp < self.sink)).flatten(),
-                "far_rows": bool(self.far_active and positions[-1] >= self.max_context)}
+                "far_rows": bool(self.far_active and positions[-1] >= self.far_from)}
 
     def _far_row(self, layer: int, qj: torch.Tensor, kr: torch.Tensor | None, vr: torch.Tensor | None,
                  bias_r: torch.Tensor | None, pages: torch.Tensor | None, p: int, k_all: torch.Tensor, v_all: torch.Tensor,
                  layout: AttentionLayout, bias_w: torch.Tensor, scale: float, rotate_keys: RotateKeys | None) -> torch.Tensor:
-        """One query row at p >= max_context (InfLLM's layout): its window at true positions; its recalled
+        """One query row at p >= far_from (InfLLM's layout): its window at true positions; its recalled
         rows (pages (Hkv, n) in position order) as if they sat in that order right before the window; the
         sink right before them. A page moves as a whole, so the row's G query vectors are counter-rotated once
         per page (and once for the sink) instead of its keys being rotated (`attend_moved_row`)."""
         if rotate_keys is None:
-            raise ValueError(f"position {p} is past the trained context of {self.max_context}: paged needs the backend's "
-                             "rotate_keys there (the torch backend has it)")
+            raise ValueError(f"position {p} is past far_from ({self.far_from}; the trained context: {self.max_context}): "
+                             "paged needs the backend's rotate_keys there (the torch backend has it)")
         hkv, g, d = qj.shape[1:]
         q = qj[0]  # (Hkv, G, D)
         n = 0 if pages is None else pages.shape[1]
@@ -530,6 +533,11 @@ class PagedCache(SinkWindowCache):
     def _sink_start(self, p: Any, n: int) -> Any:
         """Where the sink starts, as seen from a query at p with n recalled pages (right before them)."""
         return p - self.window - n * self.page_size - self.sink + 1
+
+    def _sink_shift(self) -> SinkShift | None:
+        """Past far_from (not only past the trained context) a query that recalls nothing sees the sink next to its
+        window, as its chosen pages would see it."""
+        return SinkShift(self.far_from, self.sink, self.sink + self.window - 1)
 
     def _stored_keys(self, k: torch.Tensor) -> torch.Tensor:
         """Keys as the page store returns them (its codec's round trip; themselves for the exact `identity` one): what
@@ -952,7 +960,7 @@ class PagedCache(SinkWindowCache):
         self._far_unsaved = held != rows > 0
         self.far_active = False  # page choice past the context starts again at the first step there
         self.bounds.rows = 0  # derived from the keys: rebuilt, not saved
-        if self.shortlisting and self.next_position < self.max_context:
+        if self.shortlisting and self.next_position < self.far_from:
             self._update_bounds()
         self.evicted_total = int(meta["evicted_total"])
 

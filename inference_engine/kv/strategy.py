@@ -39,6 +39,11 @@ class KVStrategy:
     # paged: host RAM for the page store, per session, in MB (2^20 bytes): the newest pages that fit stay in RAM, older
     # ones move to a memory-mapped spill file (paged_store.SpillingRowTable); 0 = every page in RAM
     page_ram_mb: float = 128
+    # paged: positions from which a query attends in InfLLM's layout (its chosen pages and the sink moved next to its
+    # window, every distance under sink + window + recall_pages * page_size); 0 = the model's trained context. Below
+    # it a query attends at true positions. A smaller value keeps the layout the model reads well for more of the
+    # history (docs/paged.md, "Where the InfLLM layout starts")
+    far_from: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -69,6 +74,12 @@ class KVStrategy:
                 raise ValueError(f"{name} must be an int >= 0 (shortlist_pages 0: score every candidate key), "
                                  f"got {getattr(self, name)!r}")
 
+        reach = self.sink + self.window + self.recall_pages * self.page_size
+        if isinstance(self.far_from, bool) or not isinstance(self.far_from, int) or not (self.far_from == 0 or self.far_from >= reach):
+            raise ValueError(f"far_from must be 0 (the trained context) or a position >= sink + window + recall_pages * "
+                             f"page_size = {reach} (the distances the layout reaches), got {self.far_from!r}")
+        if self.far_from and self.name != "paged":
+            raise ValueError(f"far_from applies to the paged strategy only, not {self.name!r}")
         if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, (int, float)) or not 0 <= self.page_ram_mb < 2 ** 40:
             raise ValueError(f"page_ram_mb must be a number >= 0 (MB of host RAM for a session's pages; 0: all in RAM), "
                              f"got {self.page_ram_mb!r}")
@@ -87,6 +98,7 @@ class KVStrategy:
                     "page_compressor": self.page_compressor, "page_key_bits": str(self.page_key_bits)}
             out |= {"shortlist_pages": str(self.shortlist_pages), "shortlist_from": str(self.shortlist_from),
                     "page_ram_mb": f"{self.page_ram_mb:g}"}
+            out["far_from"] = str(self.far_from) if self.far_from else "trained context"
         return out
 
     @property

@@ -47,6 +47,10 @@ def _add_serve(sub) -> None:
                    help="paged: host RAM per session for the page store (the exact K/V of evicted positions); pages past "
                         "it are kept in a memory-mapped spill file on disk and read from there when recalled; 0 = keep "
                         "every page in RAM")
+    p.add_argument("--page-far-from", type=int, default=d.page_far_from, metavar="POS",
+                   help="paged: positions from which a query attends in InfLLM's layout (its recalled pages and the sink "
+                        "moved next to its window); 0 = the model's trained context. Below it queries attend at true "
+                        "positions (docs/paged.md, 'Where the InfLLM layout starts')")
     p.add_argument("--page-spill-dir", default=None, metavar="DIR",
                    help="paged: where the page store's spill files are created (unlinked at once: nothing is left behind) "
                         "(default: <state dir>/spill with --persist turn, else the system temp dir)")
@@ -179,6 +183,7 @@ def serve_config(args) -> ServeConfig:
         page_shortlist=args.page_shortlist,
         page_shortlist_from=args.page_shortlist_from,
         page_ram_mb=args.page_ram_mb,
+        page_far_from=args.page_far_from,
         page_spill_dir=args.page_spill_dir,
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,

@@ -34,6 +34,7 @@ class ServeConfig:
     page_shortlist: int = 64  # paged: past page_shortlist_from candidate pages, rank pages by key bounds, score the best N
     page_shortlist_from: int = 256  # paged: candidate pages past which the shortlist applies (page_shortlist 0: never)
     page_ram_mb: int = 128  # paged: MB of a session's page store kept in host RAM; the rest in a spill file (0 = all in RAM)
+    page_far_from: int = 0  # paged: positions from which queries attend in InfLLM's layout (0 = the trained context)
     page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
     capacity: int = 16
     idle_ttl: float = 1800.0
@@ -120,7 +121,7 @@ class ServeConfig:
                                           kv_dtype=self.kv_dtype, q_range=self.kv_q_range, page_size=self.page_size,
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,
                                           shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
-                                          page_ram_mb=self.page_ram_mb,
+                                          page_ram_mb=self.page_ram_mb, far_from=self.page_far_from,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
 
@@ -157,6 +158,9 @@ def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
         raise ConfigError(f"--page-compressor {cfg.page_compressor} runs on --backend torch only; with --backend mlx use identity")
     if cfg.kv_dtype != "fp32":
         raise ConfigError(f"--kv-dtype {cfg.kv_dtype} runs on --backend torch only; with --backend mlx use fp32")
+    if cfg.kv_strategy == "paged" and cfg.page_far_from:
+        raise ConfigError(f"--page-far-from {cfg.page_far_from} runs on --backend torch only (InfLLM's layout moves recalled "
+                          "keys with its rotate_keys); with --backend mlx use 0 (paged stops at the trained context there)")
     if cfg.drafter and cfg.drafter != "ngram" and cfg.spec_k:
         raise ConfigError(f"--drafter {cfg.drafter} (a dLM drafter) runs on --backend torch only; with --backend mlx use "
                           "--drafter ngram")

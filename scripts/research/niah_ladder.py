@@ -96,6 +96,9 @@ ARMS = {
                                    page_shortlist_from=0),
     "paged_4+508_p64_m8_s64": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=64,
                                    page_shortlist_from=0),
+    # InfLLM's layout from position 4096 instead of the trained context (docs/paged.md, "Where the InfLLM layout starts")
+    "paged_4+508_p64_m8_far4k": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
+                                     page_far_from=4096),
     "paged_4+1020_p64_m8": dict(kv_strategy="paged", sink=4, window=1020, page_size=64, recall_pages=8),
     # the same 512 recalled rows in finer pages, and a narrower window with more recalled rows (chosen on --sample-set dev)
     "paged_4+508_p32_m16": dict(kv_strategy="paged", sink=4, window=508, page_size=32, recall_pages=16),

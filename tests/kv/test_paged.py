@@ -281,6 +281,23 @@ def test_a_prefill_chunk_past_the_context_attends_as_its_rows_would_alone(monkey
 
 
 
+@pytest.mark.parametrize("chunk, row_exact", [(16, False), (1, True)])
+def test_far_from_starts_infllms_layout_below_the_trained_context(chunk, row_exact):
+    """far_from F < the trained context C: from F on a session attends (and chooses pages) as a session on a model
+    trained to F would, bit for bit (prefill chunks and one-token steps, the native recall where it is built); before
+    F as the default one does; and from F on it differs from the default, which keeps true positions up to C."""
+    m = short_context_model("int4")  # C = 64
+    history, f = ids(120, seed=7), 40  # sink 4 + window 12 + 2 pages of 8 = 32 <= 40
+    early = feed(m, make_cache(paged(far_from=f), m.geometry(), max_step=16, max_context=64), history, chunk, row_exact)
+    as_trained = feed(m, make_cache(paged(), m.geometry(), max_step=16, max_context=f), history, chunk, row_exact)
+    default = feed(m, new_cache(m, paged(), max_step=16), history, chunk, row_exact)
+    assert torch.equal(early, as_trained)
+    assert torch.equal(early[:f], default[:f])
+    assert not torch.allclose(early[f:64], default[f:64], rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="far_from must be 0 .* = 32"):
+        paged(far_from=31)
+
+
 def test_past_the_context_page_choice_scores_every_candidate_at_one_distance():
     """Below max_context page choice scores keys at their true positions (far_keys are kept, idle). Past it,
     far_keys holds each archived key rotated back to position 0 (as the exact page store holds it), queries are rotated

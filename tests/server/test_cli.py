@@ -83,3 +83,17 @@ def test_the_server_sets_the_spill_dir_once_creating_it(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="--page-spill-dir"):  # refused at start, not at the first spill
         use_spill_dir(ServeConfig(page_spill_dir=str(tmp_path / "file" / "spill")))
     assert len(calls) == 2
+
+
+def test_page_far_from_reaches_the_paged_strategy_and_is_checked():
+    from inference_engine.server.config import ConfigError
+
+    assert serve_config(serve_args()).strategy()[0].far_from == 0  # the trained context
+    cfg = serve_config(serve_args("--kv-strategy", "paged", "--page-far-from", "4096"))
+    assert cfg.strategy()[0].far_from == 4096 and cfg.strategy()[0].describe()["far_from"] == "4096"
+    with pytest.raises(ConfigError, match=r"far_from must be 0 .* >= sink \+ window \+ recall_pages \* page_size = 1536"):
+        serve_config(serve_args("--kv-strategy", "paged", "--page-far-from", "1000")).validate()
+    with pytest.raises(ConfigError, match="far_from applies to the paged strategy only"):
+        serve_config(serve_args("--kv-strategy", "sink_window", "--page-far-from", "4096")).validate()
+    with pytest.raises(ConfigError, match="--page-far-from 4096 runs on --backend torch only"):
+        serve_config(serve_args("--kv-strategy", "paged", "--page-far-from", "4096", "--backend", "mlx")).validate()

@@ -177,7 +177,7 @@ inline float bound_score(const float* qf, int64_t G, int64_t D, const c10::Half*
 
 // The configuration of one paged session's step (kv/paged.py builds it once a step).
 struct PagedConfig {
-  int64_t sink, window, P, M, S, shortlist_from, far_distance, max_context, bounds_rows;
+  int64_t sink, window, P, M, S, shortlist_from, far_distance, far_from, bounds_rows;
   bool bounds_far;  // the bounds table holds far_keys' bounds (page choice past the context has started)
 };
 
@@ -187,8 +187,8 @@ struct PagedConfig {
 //   tables: compact keys at true positions (ring codes, ring scales, file codes, file scales), the same of far_keys,
 //     the page store (ring, file; fp32 K/V, stack 2), the page bounds (L, 2, Hkv, pages, D) fp16;
 //   meta: per table (rows, cold pages, ring size once wrapped else 0) for keys, far_keys, pages; then sink, window,
-//     page size, recall pages, shortlist pages, shortlist_from, far_distance, max_context, bounds rows, bounds of
-//     far_keys (0 / 1).
+//     page size, recall pages, shortlist pages, shortlist_from, far_distance, far_from (rows at or past it: InfLLM's
+//     layout), bounds rows, bounds of far_keys (0 / 1).
 struct PagedView {
   std::vector<at::Tensor> tables;
   std::vector<int64_t> meta, sinks;

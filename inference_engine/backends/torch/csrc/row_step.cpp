@@ -852,7 +852,7 @@ class RowStep {
     for (int64_t i = 0; i < T * Hkv; ++i) {
       PagedTask& t = tasks[i];
       t.row = i / Hkv, t.h = i % Hkv, t.pos = rp[t.row * 3], t.c = rp[t.row * 3 + 1], t.nk = rp[t.row * 3 + 2];
-      t.far = t.pos >= cf.max_context;
+      t.far = t.pos >= cf.far_from;
       t.q = qp + (t.row * H + t.h * G) * D;
     }
     // 1: each task's candidates (its query turned for scoring; past shortlist_from the bounds ranked, kRankPages
