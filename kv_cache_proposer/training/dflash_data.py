@@ -10,11 +10,14 @@ Held-out source keys (corpus.is_heldout) never reach a job.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import json
 import os
 import pathlib
 import random
 
+import numpy as np
 import torch
 
 from kv_cache_proposer.training import corpus as corpus_mod
@@ -173,11 +176,76 @@ def build_chunk(model, items: list[dict], *, layers: tuple[int, ...], max_new: i
     return {"sequences": len(seqs), "tokens": offsets[-1], "generated": sum(len(g) for g in gens)}
 
 
-def load_chunks(paths: list[pathlib.Path]) -> dict:
-    """The chunks concatenated (seq_offsets rebased) plus their sha256."""
+class ChunkRows:
+    """One per-token tensor (feats or final) of many chunk files, each chunk's rows a memory map of its file: nothing
+    is read until indexed, so data larger than RAM trains (the kernel's page cache keeps what fits). Indexed as the
+    trainer indexes the concatenated tensor: a slice (rows of one sequence, so of one chunk; across chunks they are
+    joined) or a LongTensor of rows."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.parts = parts
+        self.starts = [0]
+        for t in parts:
+            self.starts.append(self.starts[-1] + t.shape[0])
+        self.shape = torch.Size((self.starts[-1], *parts[0].shape[1:]))
+        self.dtype = parts[0].dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            a, b, step = key.indices(self.shape[0])
+            if step != 1:
+                raise IndexError("ChunkRows takes slices of step 1")
+            i = bisect.bisect_right(self.starts, a) - 1
+            out = []
+            while a < b:
+                e = min(b, self.starts[i + 1])
+                out.append(self.parts[i][a - self.starts[i]:e - self.starts[i]])
+                a, i = e, i + 1
+            return out[0] if len(out) == 1 else (torch.cat(out) if out else self.parts[0][:0])
+        idx = torch.as_tensor(key, dtype=torch.long)
+        flat = idx.flatten()
+        chunk = torch.bucketize(flat, torch.tensor(self.starts[1:]), right=True)
+        out = torch.empty(flat.numel(), *self.shape[1:], dtype=self.dtype)
+        for c in torch.unique(chunk).tolist():
+            at = torch.nonzero(chunk == c).flatten()
+            out[at] = self.parts[c][flat[at] - self.starts[c]]
+        return out.view(*idx.shape, *self.shape[1:])
+
+
+_ST_DTYPES = {"F16": np.float16, "BF16": None, "F32": np.float32, "I32": np.int32, "I64": np.int64}
+
+
+def map_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as copy-on-write memory maps (the format: an 8-byte little-endian header length,
+    a JSON header of dtype / shape / data_offsets, then the data): nothing is read until used."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _ST_DTYPES.get(info["dtype"])
+        if dt is None:
+            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, which map_safetensors does not map")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end == begin:
+            out[name] = torch.from_numpy(np.zeros(shape, dtype=dt))
+            continue
+        out[name] = torch.from_numpy(np.memmap(path, dtype=dt, mode="c", offset=8 + n + begin, shape=shape))
+    return out
+
+
+def load_chunks(paths: list[pathlib.Path], mapped: bool = False) -> dict:
+    """The chunks concatenated (seq_offsets rebased) plus their sha256. mapped: feats and final stay memory maps of
+    the files (ChunkRows), the rest (8 bytes a token and per-sequence fields) in RAM: for data larger than RAM."""
     from safetensors.torch import load_file
 
-    parts = [load_file(str(p)) for p in paths]
+    parts = [map_safetensors(p) if mapped else load_file(str(p)) for p in paths]
     h = hashlib.sha256()
     for p in paths:
         with open(p, "rb") as f:
@@ -188,5 +256,6 @@ def load_chunks(paths: list[pathlib.Path]) -> dict:
         offs.append(p["seq_offsets"][1:] + base)
         base += int(p["seq_offsets"][-1])
     cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
-    return {"tokens": cat("tokens"), "feats": cat("feats"), "final": cat("final"), "argmax": cat("argmax"),
+    rows = (lambda k: ChunkRows([p[k] for p in parts])) if mapped else cat  # noqa: E731
+    return {"tokens": cat("tokens"), "feats": rows("feats"), "final": rows("final"), "argmax": cat("argmax"),
             "seq_offsets": torch.cat(offs), "gen_start": cat("gen_start"), "style": cat("style"), "sha256": h.hexdigest()}

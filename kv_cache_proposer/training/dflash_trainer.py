@@ -267,7 +267,7 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
     paths = sorted(work.glob("part-*.safetensors"))
     if not paths:
         raise SystemExit(f"no data chunks in {work}; run --stage data first")
-    data = dflash_data.load_chunks(paths)
+    data = dflash_data.load_chunks(paths, mapped=True)  # feats and final read from the files as batches need them
     V, Hv = embed.shape
     cfg = DFlashConfig(vocab_size=V, verifier_hidden_size=Hv, capture_layers=tuple(spec["layers"]),
                        hidden_size=args.hidden or Hv, num_layers=args.drafter_layers, num_heads=args.heads,

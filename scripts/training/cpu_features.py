@@ -326,8 +326,9 @@ def main(argv=None) -> int:
             "bytes_per_token_expected": len(layers) * H * 2 + H * 2 + 4 + 4,
             "projection_4M_tokens": {"hours": round(TOKENS_4M / rate / 3600, 2) if rate else None,
                                      "disk_GB": round(TOKENS_4M * bpt / 1e9, 2),
-                                     "note": "at this run's rate and disk per token, same threads; the trainer's "
-                                             "load_chunks holds every chunk in RAM (about the disk size)"},
+                                     "note": "at this run's rate and disk per token, same threads; the "
+                                             "trainer maps feats and final from the chunk files (load_chunks "
+                                             "mapped=True), so RAM need not hold them"},
             "seconds_since_start": round(time.monotonic() - T0, 1),
         })
         write_json(ROOT / args.rate_json if not os.path.isabs(args.rate_json) else pathlib.Path(args.rate_json), payload)
