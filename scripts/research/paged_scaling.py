@@ -24,7 +24,8 @@ before the native segments), `native` (the native CPU step as it runs by default
 its page choice, page reads and attention included, csrc/paged_rows.h), `native-segments` (the same recall in C++, but
 layer by layer between the C++ segments of the dense work, backends/torch/native.NativeSegments: what a verify block
 runs), `native-python-recall` (the segments, page choice and attention in kv/paged.py: the native step before
-csrc/paged_rows.h). --full-reference N also times
+csrc/paged_rows.h), `native-keys1` (the default step with the compact keys' dots summed one or two keys at a time,
+as before key_dots8: the same bits). --full-reference N also times
 `full` at N tokens of the same random history through the native whole-step call (issue 29: paged at 32k >= 0.9x
 full at 1k).
 
@@ -62,7 +63,7 @@ def main() -> int:
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--step-arms", default="native",
-                    help="comma list of pieces, native, native-segments, native-python-recall (with --model)")
+                    help="comma list of pieces, native, native-segments, native-python-recall, native-keys1 (with --model)")
     ap.add_argument("--full-reference", type=int, default=0, help="also time full at this many tokens (with --model)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
@@ -93,6 +94,8 @@ def main() -> int:
             model.native_step = native_step if name.startswith("native") else None
             if native_step is not None:  # native = the default (a decode step whole, its recall in C++)
                 native_step.paged_recall = {"native-segments": "segments", "native-python-recall": "python"}.get(name, "whole")
+                # native-keys1: the default step with the compact keys' scores summed one or two keys at a time
+                native_step.module.score_eight(0 if name == "native-keys1" else 1)
         geometry = model.geometry()
         args.layers, args.kv_heads, args.head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
         args.heads = model.spec.num_heads

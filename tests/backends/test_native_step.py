@@ -408,6 +408,38 @@ def test_the_kernels_prefetch_distance_never_changes_a_bit():
         mod.q4_prefetch(default)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 5])
+def test_every_key_scores_the_same_bits_in_a_batch_as_alone(bits, groups):
+    """The compact keys' scoring sums eight keys' dots at once (csrc key_dots8) and the rest one or two at a time:
+    each key's score must not depend on which of those it fell in, nor on its place in the call."""
+    from inference_engine.kv.paged_store import RowQuant
+
+    mod = _module()
+    g = torch.Generator().manual_seed(bits * 10 + groups)
+    rq = RowQuant(bits, 64)
+    n = 8 * 5 + 3  # whole blocks of eight, then a pair and one
+    pay = rq.encode(torch.randn(2 * n, 64, generator=g))
+    codes, scale = pay["codes"].reshape(2, n, -1), pay["scale"].reshape(2, n, 1)
+    q = torch.randn(2, groups, 3, 64, generator=g)  # (B, G, M, D)
+    batch = mod.group_max_scores(q, codes, scale)
+    assert batch.shape == (2, 3, n)
+    for c in range(n):
+        alone = mod.group_max_scores(q, codes[:, c:c + 1].contiguous(), scale[:, c:c + 1].contiguous())
+        assert torch.equal(alone[..., 0], batch[..., c]), c
+    for start in (1, 5, 11):  # shifted, so other keys make the blocks of eight
+        shifted = mod.group_max_scores(q, codes[:, start:].contiguous(), scale[:, start:].contiguous())
+        assert torch.equal(shifted, batch[..., start:])
+    assert mod.score_eight() == 1
+    try:  # research scripts time the one- or two-at-a-time sums: the same bits
+        mod.score_eight(0)
+        assert torch.equal(mod.group_max_scores(q, codes, scale), batch)
+    finally:
+        mod.score_eight(1)
+    want = (q @ rq.decode(pay).reshape(2, 1, n, 64).transpose(-1, -2)).amax(1)  # the decoded keys' scores
+    torch.testing.assert_close(batch, want, rtol=1e-4, atol=1e-3)
+
+
 def test_per_matrix_activation_planes():
     """planes per matrix kind (wqkv, wo, w_gate_up, w_down): each choice runs through the native step and reaches the
     kernel (a mixed choice's logits differ from all-two's), and a bad spec is a clear error."""

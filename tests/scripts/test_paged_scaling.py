@@ -18,7 +18,7 @@ def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path)
     steps = 2
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--weights", "int4",
                         "--lengths", "700,1400", "--shortlists", "2", "--repeats", "1", "--decode-steps", str(steps),
-                        "--step-arms", "native,native-python-recall", "--full-reference", "600", "--threads", "1",
+                        "--step-arms", "native,native-keys1,native-python-recall", "--full-reference", "600", "--threads", "1",
                         "--chunk", "256", "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -26,11 +26,11 @@ def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path)
     assert doc["command"].startswith("scripts/research/paged_scaling.py ") and doc["commit"]
     assert doc["config"]["decode_steps_interleaved"].startswith("each round")
     lengths = doc["lengths"]
-    keys = {f"{v}/{a}" for v in ("exact", "2") for a in ("native", "native-python-recall")}
+    keys = {f"{v}/{a}" for v in ("exact", "2") for a in ("native", "native-keys1", "native-python-recall")}
     for n in ("700", "1400"):
         assert set(lengths[n]["decode_step_s"]) == keys and lengths[n]["archived_positions"] > 0
         assert set(lengths[n]["choice_s_per_decode_step"]) >= {"exact", "2"}
-    assert set(lengths["full_reference"]["decode_step_s"]) == {"native", "native-python-recall"}
+    assert set(lengths["full_reference"]["decode_step_s"]) == {"native", "native-keys1", "native-python-recall"}
     ratios = lengths["ratios"]
     assert len(ratios) == 2 * len(keys) and all(v > 0 for v in ratios.values())
     # every length and arm took its steps: the whole-step calls counted for both lengths and the reference
