@@ -6,7 +6,10 @@ context: --steps decode steps (`steps.decode_step`), then --steps verify blocks 
 drafted tokens (`steps.verify_block`, greedy, drafts that are all rejected, so each block commits
 one token and the context stays put), interleaved in rounds so a loaded machine slows both alike.
 With several --compile modes (e.g. off,auto: the Python pieces and the native CPU row step) each mode
-gets its own sessions, measured in the same rounds, and the JSON holds one block per mode.
+gets its own sessions, measured in the same rounds, and the JSON holds one block per mode. A mode
+`auto/row` is the native step with its attention tasks run row by row (the order before the default's
+chunk by chunk: the same bits, csrc/row_step.cpp attention_by_chunk); --prefill-chunk N also times a
+prefill chunk of N rows at each context (forwarded, then aborted), where that order matters most.
 Records the median ms of each and their ratio, and the split of a verify block's time: the same
 forward with row_exact off (rows attend batched, as a prefill chunk does) shows what row-exact
 attention costs.
@@ -57,7 +60,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=5, help="rows of a verify block: the fed token + rows - 1 drafts")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--compile", default="off,auto", help="--compile modes, comma-separated (off, auto, on), side by side")
+    p.add_argument("--compile", default="off,auto",
+                   help="--compile modes, comma-separated (off, auto, on, auto/row: native, attention row by row), side by side")
+    p.add_argument("--prefill-chunk", type=int, default=0, help="also time a prefill chunk of this many rows (0: no)")
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "verify_cost.json"))
     p.add_argument("--merge", nargs="+", default=[], metavar="PART_JSON",
                    help="only merge these runs (e.g. of two commits, for a regression check) into --out: per run its "
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
     modes = args.compile.split(",")
     setups = {}
     for mode in modes:  # each mode's step machinery, swapped in around its measurements
-        m.use_step_graphs(mode)
+        m.use_step_graphs(mode.split("/")[0])
         setups[mode] = (m.graphs, m.native_step, m.describe_step())
     cfg = ServeConfig()
     strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)
@@ -90,16 +95,19 @@ def main(argv=None) -> int:
     engine = Engine(m, strategy, prefill_chunk=256)
     greedy = SamplingParams()
     sessions = {}
+    span = min(1000, m.spec.vocab_size - 100)  # token ids 100 .. 100 + span (a tiny test model's vocabulary is small)
     for mode in modes:
         for c in contexts:
             kv = engine.new_session_kv()
-            prompt = [(7 * i + 3) % 1000 + 100 for i in range(c)]
+            prompt = [(7 * i + 3) % span + 100 for i in range(c)]
             for i in range(0, c, 256):
                 steps.prefill_chunk(m, kv, prompt[i : i + 256])
             sessions[mode, c] = kv
 
     def use(mode):
         m.graphs, m.native_step, _ = setups[mode]
+        if m.native_step is not None:
+            m.native_step.module.attention_by_chunk(0 if mode.endswith("/row") else 1)
 
     def timed(fn) -> float:
         t = time.perf_counter()
@@ -122,12 +130,22 @@ def main(argv=None) -> int:
         steps.forward(m, m.tensor(ids), range(start, start + len(ids)), kv.cache, logits="all")
         kv.cache.abort()
 
-    times: dict = {key: {"decode": [], "verify": [], "verify_rows_batched": []} for key in sessions}
+    def prefill_rows(kv):
+        """A prefill chunk of --prefill-chunk rows at the session's context, forwarded as the engine does, then aborted."""
+        start = kv.cache.next_position
+        ids = [(11 * i + 5) % span + 100 for i in range(args.prefill_chunk)]
+        steps.forward(m, m.tensor(ids), range(start, start + len(ids)), kv.cache, logits="last", row_exact=True)
+        kv.cache.abort()
+
+    kinds = ["decode", "verify", "verify_rows_batched"] + (["prefill_chunk"] if args.prefill_chunk else [])
+    times: dict = {key: {k: [] for k in kinds} for key in sessions}
     for (mode, _), kv in sessions.items():  # warm-up
         use(mode)
         steps.decode_step(m, kv, int(kv.last_logits.argmax()), greedy=True)
         verify(kv)
         batched_rows(kv)
+        if args.prefill_chunk:
+            prefill_rows(kv)
     for r in range(args.rounds):
         for (mode, c), kv in sessions.items():
             use(mode)
@@ -136,6 +154,8 @@ def main(argv=None) -> int:
                             for _ in range(args.steps)]
             t["verify"] += [timed(lambda: verify(kv)) for _ in range(args.steps)]
             t["verify_rows_batched"] += [timed(lambda: batched_rows(kv)) for _ in range(args.steps)]
+            if args.prefill_chunk:
+                t["prefill_chunk"].append(timed(lambda: prefill_rows(kv)))
         print(f"round {r + 1}/{args.rounds}", flush=True)
     by_mode = {}
     for mode in modes:
@@ -154,6 +174,9 @@ def main(argv=None) -> int:
             for c, v in by_mode[mode]["by_context"].items():
                 v[f"decode_speedup_vs_{modes[0]}"] = round(base[c]["decode_ms_median"] / v["decode_ms_median"], 3)
                 v[f"verify_speedup_vs_{modes[0]}"] = round(base[c]["verify_ms_median"] / v["verify_ms_median"], 3)
+                if args.prefill_chunk:
+                    v[f"prefill_chunk_speedup_vs_{modes[0]}"] = round(
+                        base[c]["prefill_chunk_ms_median"] / v["prefill_chunk_ms_median"], 3)
     doc = meta | {"strategy": strategy.describe(), "by_compile": by_mode,
                   "target": {"verify_vs_decode_le": 1.3, "met_by": [k for k, v in by_mode.items() if v["met"]]}}
     write_json(pathlib.Path(args.out), doc)

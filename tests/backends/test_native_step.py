@@ -107,6 +107,33 @@ def test_a_native_verify_block_equals_native_one_token_steps(strategy, attention
         assert torch.equal(a.cache.store.v[layer], b.cache.store.v[layer])
 
 
+def test_attention_chunk_by_chunk_or_row_by_row_gives_the_same_bits(attention):
+    """A step's attention tasks run chunk by chunk (a chunk's K/V read once for every row of the block) by default;
+    row by row (the order before) must give the same bits: prefill chunks whose rows span several column chunks, and
+    a verify block."""
+    m = _model()
+    mod = m.native_step.module
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=64)
+    prompt = _prompt(700, seed=3)  # rows past 512 columns: three chunks of 256
+    kvs, logits = [], []
+    was = mod.attention_by_chunk()
+    assert was == 1
+    try:
+        for order in (1, 0):
+            mod.attention_by_chunk(order)
+            kv = engine.new_session_kv()
+            engine.prefill(kv, prompt)
+            steps.verify_block(m, kv, 17, [18, 19, 20, 21], SamplingParams(), None, budget=10)
+            kvs.append(kv)
+            logits.append(kv.last_logits)
+    finally:
+        mod.attention_by_chunk(was)
+    assert torch.equal(logits[0], logits[1])
+    for layer in range(m.spec.num_layers):
+        assert torch.equal(kvs[0].cache.store.k[layer], kvs[1].cache.store.k[layer])
+        assert torch.equal(kvs[0].cache.store.v[layer], kvs[1].cache.store.v[layer])
+
+
 def test_the_two_attention_codes_agree_to_float_rounding():
     mod = _module()
     if mod.q4_isa() == 0:

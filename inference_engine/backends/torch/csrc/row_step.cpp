@@ -19,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -466,6 +467,14 @@ inline void score_keys_8(const float* qs, int64_t D, const uint8_t* codes, const
   for (int k = 0; k < 8; ++k) out[c + k] = b[k] * static_cast<float>(sc[c + k]);
 }
 #endif
+
+// Whether a step's attention runs its tasks chunk by chunk (1, the default: attend_into's column chunks and a paged
+// step's pages and slab chunks each read once for every row of the step that reads them) or row by row (0: research
+// scripts time the difference; the same bits either way).
+inline int64_t& attention_by_chunk() {
+  static int64_t on = 1;
+  return on;
+}
 
 // Whether score_keys sums eight keys at once (key_dots8; 1, the default) or one or two at a time (0: research scripts
 // time the difference; the bits are the same either way).
@@ -945,6 +954,18 @@ class RowStep {
       finish_choice(cf, tasks[i], G, D, view.sinks);
       for (int64_t c = 0; c < part_count(tasks[i]); ++c) items.push_back({i, c});
     }
+    if (attention_by_chunk() && T > 1) {
+      // by (KV head, what the part reads: a page, the sink, a slab chunk), rows last: a page or chunk read by several
+      // rows of the step (a verify block's, a prefill chunk's) is read from memory once and stays in cache for the
+      // rest; each part's arithmetic and where it goes are unchanged, so the same bits
+      auto key = [&](const std::pair<int64_t, int64_t>& it) {
+        const PagedTask& t = tasks[it.first];
+        const int64_t n = static_cast<int64_t>(t.pages.size()), c = it.second;
+        const int64_t what = c < n ? t.pages[c] : (t.sink && c == n ? -1 : (int64_t{1} << 40) + c - n - (t.sink ? 1 : 0));
+        return std::make_tuple(t.h, what, t.row);
+      };
+      std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return key(a) < key(b); });
+    }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> scores(G * kChunk);
       for (int64_t it = lo; it < hi; ++it) {
@@ -984,13 +1005,30 @@ class RowStep {
       }
       const int64_t tasks = first[rb], stride = D + 2;
       parts.resize(tasks * G * stride);
+      // The tasks in (KV head, chunk, row) order: a chunk's keys and values (kChunk x D fp32 each) are read from
+      // memory once and stay in cache for every row of the block that sees them (a verify block's rows, a prefill
+      // chunk's), where row by row each row streamed its whole slab again. A task's arithmetic and where its part
+      // goes do not depend on the order, so the bits are the same.
+      int64_t most = 0;
+      for (int64_t i = 0; i < rb; ++i) most = std::max(most, (first[i + 1] - first[i]) / Hkv);
+      std::vector<int64_t> order;  // task indices (into parts) in that order
+      order.reserve(tasks);
+      if (!attention_by_chunk())
+        for (int64_t t = 0; t < tasks; ++t) order.push_back(t);  // row by row (research scripts time the difference)
+      else
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t c = 0; c < most; ++c)
+          for (int64_t i = 0; i < rb; ++i) {
+            const int64_t nch = (first[i + 1] - first[i]) / Hkv;
+            if (c < nch) order.push_back(first[i] + h * nch + c);
+          }
       // small steps stay on this thread
       const int64_t grain = cols * H * D < (1 << 18) ? std::max<int64_t>(tasks, 1) : 1;
       at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
         std::vector<float> scores(G * kChunk);
-        int64_t i = 0;
-        for (int64_t t = lo; t < hi; ++t) {
-          while (t >= first[i + 1]) ++i;
+        for (int64_t o = lo; o < hi; ++o) {
+          const int64_t t = order[o];
+          const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
           const int64_t r = r0 + i;
           const int64_t idx = t - first[i], nch = (first[i + 1] - first[i]) / Hkv;
           const int64_t h = idx / nch, c = idx % nch;
@@ -1093,6 +1131,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return was;
   }, "bytes ahead the int4 kernel prefetches (0 = none); returns the previous value (-1: only read it)",
         pybind11::arg("bytes") = -1);
+  m.def("attention_by_chunk", [](int64_t on) {
+    const int64_t was = attention_by_chunk();
+    if (on >= 0) attention_by_chunk() = on ? 1 : 0;
+    return was;
+  }, "whether a step's attention runs its tasks chunk by chunk (1, the default: a chunk's keys and values read once for "
+     "every row of the block) or row by row (0); the same bits either way; returns the previous value (-1: only read it)",
+        pybind11::arg("on") = -1);
   m.def("score_eight", [](int64_t on) {
     const int64_t was = score_eight();
     if (on >= 0) score_eight() = on ? 1 : 0;

@@ -1,0 +1,31 @@
+"""scripts/research/verify_cost.py on a tiny random-weight int4 model: the native step's attention orders (chunk by
+chunk, the default, and row by row) measured side by side, with a prefill chunk; the JSON says which is which."""
+import json
+import pathlib
+import subprocess
+import sys
+
+from factories import require_native, tiny_model_dir
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "research" / "verify_cost.py"
+
+
+def test_verify_cost_times_both_attention_orders_and_a_prefill_chunk(tmp_path):
+    require_native()
+    out = tmp_path / "verify_cost.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--weights", "int4",
+                        "--threads", "1", "--contexts", "64,300", "--rounds", "1", "--steps", "2",
+                        "--compile", "auto,auto/row", "--prefill-chunk", "32", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("scripts/research/verify_cost.py ")
+    assert set(doc["by_compile"]) == {"auto", "auto/row"}
+    for mode in ("auto", "auto/row"):
+        assert doc["by_compile"][mode]["step"]["row_step"].startswith("native")
+        for c in ("64", "300"):
+            cell = doc["by_compile"][mode]["by_context"][c]
+            assert cell["decode_ms_median"] > 0 and cell["verify_ms_median"] > 0 and cell["prefill_chunk_ms_median"] > 0
+    row = doc["by_compile"]["auto/row"]["by_context"]["300"]
+    assert row["prefill_chunk_speedup_vs_auto"] > 0 and row["verify_speedup_vs_auto"] > 0
