@@ -6,6 +6,8 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
   full                  `full` (it stops at the trained context);
   native                `paged` as it runs by default: every row of a prefill chunk chooses its pages and attends in
                         C++ as the one-token step at its position would (csrc/paged_rows.h), bit for bit;
+  full/row, native/row  the same with the native step's attention tasks run row by row (the order before the
+                        default's chunk by chunk, csrc/row_step.cpp attention_by_chunk: the same bits);
   python-recall         `paged` with the recall in kv/paged.py (each chunk's rows batched: two attention calls per
                         layer, `_attend_far_chunk` past the context), the dense work in the native step's segments:
                         the path before csrc/paged_rows.h.
@@ -62,9 +64,11 @@ def main(argv=None) -> int:
     ids = torch.randint(3, model.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     arms, last = {}, {}
     for arm in args.arms.split(","):
+        base = arm.split("/")[0]
         native.paged_recall = "python" if arm == "python-recall" else "whole"
-        n = min(args.tokens, caps.get(arm, args.tokens), ctx if arm == "full" else args.tokens)
-        cache = make_cache(KVStrategy("full") if arm == "full" else paged, model.geometry(), max_step=args.chunk,
+        native.module.attention_by_chunk(0 if arm.endswith("/row") else 1)
+        n = min(args.tokens, caps.get(arm, args.tokens), ctx if base == "full" else args.tokens)
+        cache = make_cache(KVStrategy("full") if base == "full" else paged, model.geometry(), max_step=args.chunk,
                            max_context=ctx)
         chunks = []
         with torch.inference_mode():
@@ -96,6 +100,7 @@ def main(argv=None) -> int:
             arms[arm]["last_4k_over_to_2k"] = round(segments["last_4k"]["tok_s"] / segments["to_2k"]["tok_s"], 3)
             arms[arm]["whole_over_to_2k"] = round(arms[arm]["whole_tok_s"] / segments["to_2k"]["tok_s"], 3)
     native.paged_recall = "whole"
+    native.module.attention_by_chunk(1)
     ratios = {}
     for arm in arms:
         if arm == "full" or "full" not in arms:

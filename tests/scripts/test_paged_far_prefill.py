@@ -1,0 +1,27 @@
+"""scripts/research/paged_far_prefill.py on a tiny random-weight int4 model (trained context 2048): `full` to its
+context, `paged` past it with the native step's attention chunk by chunk and row by row; per arm its chunks' times."""
+import json
+import pathlib
+import subprocess
+import sys
+
+from factories import require_native, tiny_model_dir
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "research" / "paged_far_prefill.py"
+
+
+def test_paged_far_prefill_runs_full_and_both_attention_orders_past_the_context(tmp_path):
+    require_native()
+    out = tmp_path / "prefill.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama", max_position_embeddings=2048)),
+                        "--tokens", "2560", "--chunk", "256", "--threads", "1", "--arms", "full,native,native/row",
+                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("scripts/research/paged_far_prefill.py ")
+    arms = doc["arms"]
+    assert arms["full"]["tokens"] == 2048  # full stops at the trained context
+    for arm in ("native", "native/row"):
+        assert arms[arm]["tokens"] == 2560 and len(arms[arm]["chunk_seconds"]) == 10
+        assert arms[arm]["segments"]["past_context"]["tokens"] == 512
