@@ -6,8 +6,8 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
   full                  `full` (it stops at the trained context);
   native                `paged` as it runs by default: every row of a prefill chunk chooses its pages and attends in
                         C++ as the one-token step at its position would (csrc/paged_rows.h), bit for bit;
-  full/row, native/row  the same with the native step's attention tasks run row by row (the order before the
-                        default's chunk by chunk, csrc/row_step.cpp attention_by_chunk: the same bits);
+  full/row, native/row  the same with the native step's tasks run row by row (the order before the default's,
+                        by the data they read: csrc/row_step.cpp order_by_data, the same bits);
   python-recall         `paged` with the recall in kv/paged.py (each chunk's rows batched: two attention calls per
                         layer, `_attend_far_chunk` past the context), the dense work in the native step's segments:
                         the path before csrc/paged_rows.h.
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     for arm in args.arms.split(","):
         base = arm.split("/")[0]
         native.paged_recall = "python" if arm == "python-recall" else "whole"
-        native.module.attention_by_chunk(0 if arm.endswith("/row") else 1)
+        native.module.order_by_data(0 if arm.endswith("/row") else 1)
         n = min(args.tokens, caps.get(arm, args.tokens), ctx if base == "full" else args.tokens)
         cache = make_cache(KVStrategy("full") if base == "full" else paged, model.geometry(), max_step=args.chunk,
                            max_context=ctx)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
             arms[arm]["last_4k_over_to_2k"] = round(segments["last_4k"]["tok_s"] / segments["to_2k"]["tok_s"], 3)
             arms[arm]["whole_over_to_2k"] = round(arms[arm]["whole_tok_s"] / segments["to_2k"]["tok_s"], 3)
     native.paged_recall = "whole"
-    native.module.attention_by_chunk(1)
+    native.module.order_by_data(1)
     ratios = {}
     for arm in arms:
         if arm == "full" or "full" not in arms:

@@ -7,8 +7,8 @@ drafted tokens (`steps.verify_block`, greedy, drafts that are all rejected, so e
 one token and the context stays put), interleaved in rounds so a loaded machine slows both alike.
 With several --compile modes (e.g. off,auto: the Python pieces and the native CPU row step) each mode
 gets its own sessions, measured in the same rounds, and the JSON holds one block per mode. A mode
-`auto/row` is the native step with its attention tasks run row by row (the order before the default's
-chunk by chunk: the same bits, csrc/row_step.cpp attention_by_chunk); --prefill-chunk N also times a
+`auto/row` is the native step with a step's tasks run row by row (the order before the default's, by
+the data they read: the same bits, csrc/row_step.cpp order_by_data); --prefill-chunk N also times a
 prefill chunk of N rows at each context (forwarded, then aborted), where that order matters most.
 Records the median ms of each and their ratio, and the split of a verify block's time: the same
 forward with row_exact off (rows attend batched, as a prefill chunk does) shows what row-exact
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     def use(mode):
         m.graphs, m.native_step, _ = setups[mode]
         if m.native_step is not None:
-            m.native_step.module.attention_by_chunk(0 if mode.endswith("/row") else 1)
+            m.native_step.module.order_by_data(0 if mode.endswith("/row") else 1)
 
     def timed(fn) -> float:
         t = time.perf_counter()

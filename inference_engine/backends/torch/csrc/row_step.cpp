@@ -468,10 +468,10 @@ inline void score_keys_8(const float* qs, int64_t D, const uint8_t* codes, const
 }
 #endif
 
-// Whether a step's attention runs its tasks chunk by chunk (1, the default: attend_into's column chunks and a paged
-// step's pages and slab chunks each read once for every row of the step that reads them) or row by row (0: research
-// scripts time the difference; the same bits either way).
-inline int64_t& attention_by_chunk() {
+// Whether a step of several rows runs its tasks by the data they read (1, the default: attend_into's column chunks, a
+// paged step's pages and slab chunks, and the candidate pages its rows score, each read from memory once for every
+// row of the step that reads them) or row by row (0: research scripts time the difference; the same bits either way).
+inline int64_t& order_by_data() {
   static int64_t on = 1;
   return on;
 }
@@ -936,15 +936,29 @@ class RowStep {
     at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) plan_end(cf, tasks[i], ranks[i]);
     });
-    // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together
-    constexpr int64_t kScorePages = 8;
+    // 2: the candidates' keys scored, 8 pages an item, every task's items shared out together. A step of
+    // several rows (a verify block, a prefill chunk) scores a page an item, by (KV head, table, page), rows last: the
+    // rows' candidates overlap, and a page's codes are then read from memory once for all of them. A task's
+    // candidates are put in page order for it: the choice (finish_choice) is a strict total order on (score, page),
+    // so it does not depend on their order, and each page's score is its own: the same bits.
+    const bool by_page = order_by_data() && T > 1;
+    const int64_t per_item = by_page ? 1 : 8;
     items.clear();
-    for (int64_t i = 0; i < T * Hkv; ++i)
-      for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += kScorePages) items.push_back({i, k});
+    for (int64_t i = 0; i < T * Hkv; ++i) {
+      if (by_page) std::sort(tasks[i].cand.begin(), tasks[i].cand.end());
+      for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += per_item) items.push_back({i, k});
+    }
+    if (by_page) {
+      auto key = [&](const std::pair<int64_t, int64_t>& it) {
+        const PagedTask& t = tasks[it.first];
+        return std::make_tuple(t.h, t.far, t.cand[it.second], t.row);
+      };
+      std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return key(a) < key(b); });
+    }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t it = lo; it < hi; ++it) {
         PagedTask& t = tasks[items[it].first];
-        const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + kScorePages, t.cand.size());
+        const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + per_item, t.cand.size());
         score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales);
       }
     });
@@ -954,7 +968,7 @@ class RowStep {
       finish_choice(cf, tasks[i], G, D, view.sinks);
       for (int64_t c = 0; c < part_count(tasks[i]); ++c) items.push_back({i, c});
     }
-    if (attention_by_chunk() && T > 1) {
+    if (order_by_data() && T > 1) {
       // by (KV head, what the part reads: a page, the sink, a slab chunk), rows last: a page or chunk read by several
       // rows of the step (a verify block's, a prefill chunk's) is read from memory once and stays in cache for the
       // rest; each part's arithmetic and where it goes are unchanged, so the same bits
@@ -1013,7 +1027,7 @@ class RowStep {
       for (int64_t i = 0; i < rb; ++i) most = std::max(most, (first[i + 1] - first[i]) / Hkv);
       std::vector<int64_t> order;  // task indices (into parts) in that order
       order.reserve(tasks);
-      if (!attention_by_chunk())
+      if (!order_by_data())
         for (int64_t t = 0; t < tasks; ++t) order.push_back(t);  // row by row (research scripts time the difference)
       else
       for (int64_t h = 0; h < Hkv; ++h)
@@ -1131,12 +1145,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return was;
   }, "bytes ahead the int4 kernel prefetches (0 = none); returns the previous value (-1: only read it)",
         pybind11::arg("bytes") = -1);
-  m.def("attention_by_chunk", [](int64_t on) {
-    const int64_t was = attention_by_chunk();
-    if (on >= 0) attention_by_chunk() = on ? 1 : 0;
+  m.def("order_by_data", [](int64_t on) {
+    const int64_t was = order_by_data();
+    if (on >= 0) order_by_data() = on ? 1 : 0;
     return was;
-  }, "whether a step's attention runs its tasks chunk by chunk (1, the default: a chunk's keys and values read once for "
-     "every row of the block) or row by row (0); the same bits either way; returns the previous value (-1: only read it)",
+  }, "whether a step of several rows runs its attention and page scoring by the data they read (1, the default: a "
+     "chunk's keys and values, a page, read once for every row of the step) or row by row (0); the same bits either "
+     "way; returns the previous value (-1: only read it)",
         pybind11::arg("on") = -1);
   m.def("score_eight", [](int64_t on) {
     const int64_t was = score_eight();
