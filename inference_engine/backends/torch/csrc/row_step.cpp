@@ -580,6 +580,19 @@ at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const 
   return out;
 }
 
+// A step's items (task, index) in the order of an integer key in [0, buckets), stable (items of one key keep their
+// order: rows ascending, as the items are made): a counting sort, as a prefill chunk's paged step has tens of
+// thousands of items a layer.
+template <class Key>
+inline void sort_items(std::vector<std::pair<int64_t, int64_t>>& items, int64_t buckets, Key key) {
+  std::vector<int64_t> start(buckets + 1, 0);
+  for (const auto& it : items) ++start[key(it) + 1];
+  for (int64_t b = 0; b < buckets; ++b) start[b + 1] += start[b];
+  std::vector<std::pair<int64_t, int64_t>> out(items.size());
+  for (const auto& it : items) out[start[key(it)]++] = it;
+  items.swap(out);
+}
+
 #include "paged_rows.h"
 
 class RowStep {
@@ -949,11 +962,13 @@ class RowStep {
       for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += per_item) items.push_back({i, k});
     }
     if (by_page) {
-      auto key = [&](const std::pair<int64_t, int64_t>& it) {
+      int64_t pages = 1;
+      for (const PagedTask& t : tasks)
+        for (const int64_t j : t.cand) pages = std::max(pages, j + 1);
+      sort_items(items, Hkv * 2 * pages, [&](const std::pair<int64_t, int64_t>& it) {
         const PagedTask& t = tasks[it.first];
-        return std::make_tuple(t.h, t.far, t.cand[it.second], t.row);
-      };
-      std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return key(a) < key(b); });
+        return (t.h * 2 + (t.far ? 1 : 0)) * pages + t.cand[it.second];
+      });
     }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t it = lo; it < hi; ++it) {
@@ -972,13 +987,18 @@ class RowStep {
       // by (KV head, what the part reads: a page, the sink, a slab chunk), rows last: a page or chunk read by several
       // rows of the step (a verify block's, a prefill chunk's) is read from memory once and stays in cache for the
       // rest; each part's arithmetic and where it goes are unchanged, so the same bits
-      auto key = [&](const std::pair<int64_t, int64_t>& it) {
+      int64_t pages = 0, chunks = 0;
+      for (const PagedTask& t : tasks) {
+        for (const int64_t j : t.pages) pages = std::max(pages, j + 1);
+        chunks = std::max(chunks, t.nw);
+      }
+      const int64_t per_head = pages + 1 + chunks;  // the pages, the sink, the slab chunks
+      sort_items(items, Hkv * per_head, [&](const std::pair<int64_t, int64_t>& it) {
         const PagedTask& t = tasks[it.first];
         const int64_t n = static_cast<int64_t>(t.pages.size()), c = it.second;
-        const int64_t what = c < n ? t.pages[c] : (t.sink && c == n ? -1 : (int64_t{1} << 40) + c - n - (t.sink ? 1 : 0));
-        return std::make_tuple(t.h, what, t.row);
-      };
-      std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return key(a) < key(b); });
+        const int64_t what = c < n ? t.pages[c] : (t.sink && c == n ? pages : pages + 1 + c - n - (t.sink ? 1 : 0));
+        return t.h * per_head + what;
+      });
     }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> scores(G * kChunk);
