@@ -110,8 +110,7 @@ def test_a_native_verify_block_equals_native_one_token_steps(strategy, attention
 def test_a_step_by_data_or_row_by_row_gives_the_same_bits(attention):
     """A step's attention tasks run by the data they read (a chunk's K/V read once for every row of the block) by
     default; row by row (the order before) must give the same bits: prefill chunks whose rows span several column
-    chunks, and a verify block. (Paged steps: test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_the_context
-    compares several-row steps, ordered by data, with one-row steps; and the test after this one.)"""
+    chunks, and a verify block."""
     m = _model()
     mod = m.native_step.module
     engine = Engine(m, KVStrategy("full"), prefill_chunk=64)
@@ -586,34 +585,6 @@ def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_
     # a prefill chunk's rows recall natively too, each as the one-token step at its position (row-independent dense
     # kernels, each row's own choice and attention): bit for bit, so a prompt's K/V is what decoding it writes (INV-3)
     assert torch.equal(runs["chunks"], runs["steps"])
-
-
-@pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED],
-                         ids=["exact", "shortlisted-spilled"])
-def test_paged_steps_by_data_or_row_by_row_give_the_same_bits(strategy):
-    """Prefill chunks and verify blocks of a paged session, below and past the trained context (64): their rows' page
-    scoring and attention ordered by the pages and chunks they read (the default) or row by row, the same bits."""
-    _module()
-    m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
-    assert m.use_native_step() is True
-    mod = m.native_step.module
-    history = _prompt(160, seed=4)
-    runs = []
-    try:
-        for order in (1, 0):
-            mod.order_by_data(order)
-            cache = _cache(m, strategy, 16)
-            out = []
-            for i, chunk in zip(range(0, 160, 16), [16, 5] * 10):
-                part = history[i:i + chunk]
-                logits, _ = steps.forward(m, m.tensor(part), range(cache.next_position, cache.next_position + len(part)),
-                                          cache, row_exact=chunk == 5)
-                cache.commit()
-                out.append(logits)
-            runs.append(torch.cat(out))
-    finally:
-        mod.order_by_data(1)
-    assert torch.equal(runs[0], runs[1])
 
 
 @pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED],

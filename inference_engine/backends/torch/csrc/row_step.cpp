@@ -19,7 +19,6 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -468,9 +467,11 @@ inline void score_keys_8(const float* qs, int64_t D, const uint8_t* codes, const
 }
 #endif
 
-// Whether a step of several rows runs its tasks by the data they read (1, the default: attend_into's column chunks, a
-// paged step's pages and slab chunks, and the candidate pages its rows score, each read from memory once for every
-// row of the step that reads them) or row by row (0: research scripts time the difference; the same bits either way).
+// Whether attend_into runs a step's tasks by the data they read (1, the default: a column chunk's keys and values read
+// from memory once for every row of the step that sees them) or row by row (0: research scripts time the difference;
+// the same bits either way). Measured: a 5-row verify block 1.06-1.07x faster at 1k and 4k tokens, `full`'s prefill
+// to 7,680 tokens 1.06x (results/research/verify_cost_attention_order_avx2.json, paged_prefill_attention_order.json).
+// The same ordering of a paged step's page scoring and attention measured no faster (0.98x prefill) and was not kept.
 inline int64_t& order_by_data() {
   static int64_t on = 1;
   return on;
@@ -578,19 +579,6 @@ at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const 
     }
   });
   return out;
-}
-
-// A step's items (task, index) in the order of an integer key in [0, buckets), stable (items of one key keep their
-// order: rows ascending, as the items are made): a counting sort, as a prefill chunk's paged step has tens of
-// thousands of items a layer.
-template <class Key>
-inline void sort_items(std::vector<std::pair<int64_t, int64_t>>& items, int64_t buckets, Key key) {
-  std::vector<int64_t> start(buckets + 1, 0);
-  for (const auto& it : items) ++start[key(it) + 1];
-  for (int64_t b = 0; b < buckets; ++b) start[b + 1] += start[b];
-  std::vector<std::pair<int64_t, int64_t>> out(items.size());
-  for (const auto& it : items) out[start[key(it)]++] = it;
-  items.swap(out);
 }
 
 #include "paged_rows.h"
@@ -949,31 +937,15 @@ class RowStep {
     at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) plan_end(cf, tasks[i], ranks[i]);
     });
-    // 2: the candidates' keys scored, 8 pages an item, every task's items shared out together. A step of
-    // several rows (a verify block, a prefill chunk) scores a page an item, by (KV head, table, page), rows last: the
-    // rows' candidates overlap, and a page's codes are then read from memory once for all of them. A task's
-    // candidates are put in page order for it: the choice (finish_choice) is a strict total order on (score, page),
-    // so it does not depend on their order, and each page's score is its own: the same bits.
-    const bool by_page = order_by_data() && T > 1;
-    const int64_t per_item = by_page ? 1 : 8;
+    // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together
+    constexpr int64_t kScorePages = 8;
     items.clear();
-    for (int64_t i = 0; i < T * Hkv; ++i) {
-      if (by_page) std::sort(tasks[i].cand.begin(), tasks[i].cand.end());
-      for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += per_item) items.push_back({i, k});
-    }
-    if (by_page) {
-      int64_t pages = 1;
-      for (const PagedTask& t : tasks)
-        for (const int64_t j : t.cand) pages = std::max(pages, j + 1);
-      sort_items(items, Hkv * 2 * pages, [&](const std::pair<int64_t, int64_t>& it) {
-        const PagedTask& t = tasks[it.first];
-        return (t.h * 2 + (t.far ? 1 : 0)) * pages + t.cand[it.second];
-      });
-    }
+    for (int64_t i = 0; i < T * Hkv; ++i)
+      for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += kScorePages) items.push_back({i, k});
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t it = lo; it < hi; ++it) {
         PagedTask& t = tasks[items[it].first];
-        const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + per_item, t.cand.size());
+        const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + kScorePages, t.cand.size());
         score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales);
       }
     });
@@ -982,23 +954,6 @@ class RowStep {
     for (int64_t i = 0; i < T * Hkv; ++i) {
       finish_choice(cf, tasks[i], G, D, view.sinks);
       for (int64_t c = 0; c < part_count(tasks[i]); ++c) items.push_back({i, c});
-    }
-    if (order_by_data() && T > 1) {
-      // by (KV head, what the part reads: a page, the sink, a slab chunk), rows last: a page or chunk read by several
-      // rows of the step (a verify block's, a prefill chunk's) is read from memory once and stays in cache for the
-      // rest; each part's arithmetic and where it goes are unchanged, so the same bits
-      int64_t pages = 0, chunks = 0;
-      for (const PagedTask& t : tasks) {
-        for (const int64_t j : t.pages) pages = std::max(pages, j + 1);
-        chunks = std::max(chunks, t.nw);
-      }
-      const int64_t per_head = pages + 1 + chunks;  // the pages, the sink, the slab chunks
-      sort_items(items, Hkv * per_head, [&](const std::pair<int64_t, int64_t>& it) {
-        const PagedTask& t = tasks[it.first];
-        const int64_t n = static_cast<int64_t>(t.pages.size()), c = it.second;
-        const int64_t what = c < n ? t.pages[c] : (t.sink && c == n ? pages : pages + 1 + c - n - (t.sink ? 1 : 0));
-        return t.h * per_head + what;
-      });
     }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> scores(G * kChunk);
@@ -1047,15 +1002,16 @@ class RowStep {
       for (int64_t i = 0; i < rb; ++i) most = std::max(most, (first[i + 1] - first[i]) / Hkv);
       std::vector<int64_t> order;  // task indices (into parts) in that order
       order.reserve(tasks);
-      if (!order_by_data())
+      if (!order_by_data()) {
         for (int64_t t = 0; t < tasks; ++t) order.push_back(t);  // row by row (research scripts time the difference)
-      else
-      for (int64_t h = 0; h < Hkv; ++h)
-        for (int64_t c = 0; c < most; ++c)
-          for (int64_t i = 0; i < rb; ++i) {
-            const int64_t nch = (first[i + 1] - first[i]) / Hkv;
-            if (c < nch) order.push_back(first[i] + h * nch + c);
-          }
+      } else {
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t c = 0; c < most; ++c)
+            for (int64_t i = 0; i < rb; ++i) {
+              const int64_t nch = (first[i + 1] - first[i]) / Hkv;
+              if (c < nch) order.push_back(first[i] + h * nch + c);
+            }
+      }
       // small steps stay on this thread
       const int64_t grain = cols * H * D < (1 << 18) ? std::max<int64_t>(tasks, 1) : 1;
       at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
@@ -1169,9 +1125,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const int64_t was = order_by_data();
     if (on >= 0) order_by_data() = on ? 1 : 0;
     return was;
-  }, "whether a step of several rows runs its attention and page scoring by the data they read (1, the default: a "
-     "chunk's keys and values, a page, read once for every row of the step) or row by row (0); the same bits either "
-     "way; returns the previous value (-1: only read it)",
+  }, "whether a step's attention (not a paged step's recall) runs its tasks by the data they read (1, the default: a "
+     "chunk's keys and values read once for every row of the step) or row by row (0); the same bits either way; "
+     "returns the previous value (-1: only read it)",
         pybind11::arg("on") = -1);
   m.def("score_eight", [](int64_t on) {
     const int64_t was = score_eight();
