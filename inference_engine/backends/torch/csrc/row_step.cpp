@@ -1121,21 +1121,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return was;
   }, "bytes ahead the int4 kernel prefetches (0 = none); returns the previous value (-1: only read it)",
         pybind11::arg("bytes") = -1);
-  m.def("order_by_data", [](int64_t on) {
-    const int64_t was = order_by_data();
-    if (on >= 0) order_by_data() = on ? 1 : 0;
-    return was;
-  }, "whether a step's attention (not a paged step's recall) runs its tasks by the data they read (1, the default: a "
-     "chunk's keys and values read once for every row of the step) or row by row (0); the same bits either way; "
-     "returns the previous value (-1: only read it)",
-        pybind11::arg("on") = -1);
-  m.def("score_eight", [](int64_t on) {
-    const int64_t was = score_eight();
-    if (on >= 0) score_eight() = on ? 1 : 0;
-    return was;
-  }, "whether the compact keys' scoring sums eight keys at once (1, the default) or one or two at a time (0); the "
-     "same bits either way; returns the previous value (-1: only read it)",
-        pybind11::arg("on") = -1);
+  // research toggles of orders that never change a bit: -1 reads one, 0 / 1 sets it; each returns the previous value
+  const auto toggle = [&m](const char* name, int64_t& (*ref)(), const char* doc) {
+    m.def(name, [ref](int64_t on) {
+      const int64_t was = ref();
+      if (on >= 0) ref() = on ? 1 : 0;
+      return was;
+    }, doc, pybind11::arg("on") = -1);
+  };
+  toggle("order_by_data", &order_by_data,
+         "whether a step's attention (not a paged step's recall) runs its tasks by the data they read (1, the default: "
+         "a chunk's keys and values read once for every row of the step) or row by row (0); the same bits either way");
+  toggle("score_eight", &score_eight,
+         "whether the compact keys' scoring sums eight keys at once (1, the default) or one or two at a time (0); the "
+         "same bits either way");
   m.def("row_attention", [](int64_t kernel) {
     const int64_t was = attention_kernel();
     if (kernel >= 0) {
