@@ -173,10 +173,14 @@ def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
 
 
 def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pathlib.Path, *, draft_vocab: torch.Tensor,
-          rank: int = 0, world: int = 1, device="cpu", log=print) -> tuple[DFlashModel, dict]:
+          rank: int = 0, world: int = 1, device="cpu", log=print, init_state: dict | None = None) -> tuple[DFlashModel, dict]:
     torch.manual_seed(tc.seed)
     model = DFlashModel(cfg, embed.to(device), head.to(device)).to(device)
     model.set_draft_vocab(draft_vocab)
+    if init_state is not None:  # warm start (--init-from): a checkpoint's weights, its config and draft vocabulary
+        missing, unexpected = model.load_state_dict(init_state, strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"--init-from does not match the drafter's config: missing {missing}, unexpected {unexpected}")
     col_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
     col_of[model.draft_vocab.cpu()] = torch.arange(model.draft_vocab.numel())
     params = [p for p in model.parameters() if p.requires_grad]
@@ -256,12 +260,34 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
                    "best_validated": best_info}
 
 
+def warm_start(name_or_path: str, layers, vocab_size: int, verifier_hidden: int) -> tuple[DFlashConfig, dict]:
+    """A v2 checkpoint's config and weights (fp32) to start training from; its captured layers must be the data's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from kv_cache_proposer.drafter import FORMAT_V2, MANIFEST_FILE, WEIGHTS_FILE, resolve_checkpoint
+
+    path = resolve_checkpoint(name_or_path)
+    man = json.loads((path / MANIFEST_FILE).read_text())
+    if man.get("format") != FORMAT_V2:
+        raise SystemExit(f"--init-from {path}: format {man.get('format')!r} is not {FORMAT_V2}")
+    cfg = DFlashConfig.from_dict(man["config"])
+    if list(cfg.capture_layers) != list(layers):
+        raise SystemExit(f"--init-from {path} conditions on layers {list(cfg.capture_layers)}, the data on {list(layers)}")
+    if (cfg.vocab_size, cfg.verifier_hidden_size) != (vocab_size, verifier_hidden):
+        raise SystemExit(f"--init-from {path} was trained for vocab {cfg.vocab_size} x hidden {cfg.verifier_hidden_size}, "
+                         f"the verifier has {vocab_size} x {verifier_hidden}")
+    state = load_file(str(path / man.get("weights", WEIGHTS_FILE)))
+    return cfg, {k: (v.float() if v.is_floating_point() else v.long()) for k, v in state.items()}
+
+
 def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib.Path, *, rank: int, world: int,
                  data_seconds: float, commit: str, machine: dict) -> None:
     """scripts/training/train_drafter_v2.py's train stage: load the chunks, train, export with a manifest."""
     import json
 
-    from kv_cache_proposer.drafter import save_drafter
+    from kv_cache_proposer.drafter import resolve_checkpoint, save_drafter
 
     spec = json.loads((work / "jobs.json").read_text())
     paths = sorted(work.glob("part-*.safetensors"))
@@ -269,19 +295,24 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
         raise SystemExit(f"no data chunks in {work}; run --stage data first")
     data = dflash_data.load_chunks(paths, mapped=True)  # feats and final read from the files as batches need them
     V, Hv = embed.shape
-    cfg = DFlashConfig(vocab_size=V, verifier_hidden_size=Hv, capture_layers=tuple(spec["layers"]),
+    init_from, init_state = getattr(args, "init_from", ""), None
+    if init_from:
+        cfg, init_state = warm_start(init_from, spec["layers"], V, Hv)
+        draft_vocab = init_state["draft_vocab"]
+    else:
+        cfg = DFlashConfig(vocab_size=V, verifier_hidden_size=Hv, capture_layers=tuple(spec["layers"]),
                        hidden_size=args.hidden or Hv, num_layers=args.drafter_layers, num_heads=args.heads,
                        num_kv_heads=args.kv_heads, intermediate_size=args.intermediate,
                        draft_vocab_size=args.draft_vocab if 0 < args.draft_vocab < V else 0,
                        context_window=args.context_window, block_size=args.block_size,
                        verifier=pathlib.Path(args.verifier).expanduser().name)
-    draft_vocab = choose_draft_vocab(data, V, cfg.draft_vocab_size, always_ids)
+        draft_vocab = choose_draft_vocab(data, V, cfg.draft_vocab_size, always_ids)
     tc = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, lr=args.lr,
                      save_every=args.save_every, seed=args.seed, time_budget_s=args.time_budget_min * 60,
                      feat_dropout=args.feat_dropout, val_every_seq=args.val_every_seq, weight_decay=args.weight_decay)
     device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if torch.cuda.is_available() else "cpu"
     model, info = train(tc, cfg, data, embed, head, work, draft_vocab=draft_vocab, rank=rank, world=world, device=device,
-                        log=lambda s: print(s, flush=True))
+                        log=lambda s: print(s, flush=True), init_state=init_state)
     if rank != 0:
         return
     styles = {v: k for k, v in dflash_data.STYLES.items()}
@@ -310,6 +341,8 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
                  "draft_vocab_coverage_of_verifier_greedy_tokens": round(torch.isin(greedy, model.draft_vocab).float().mean().item(), 4)},
         "training": {
             "command": " ".join(["torchrun" if dist.is_initialized() else "python"] + sys.argv),
+            "init_from": ({"checkpoint": str(resolve_checkpoint(init_from)), "note": "warm start: its config, draft "
+                           "vocabulary and weights; the optimizer starts fresh"} if init_from else None),
             "world_size": world, "threads_per_process": torch.get_num_threads(),
             "backend": dist.get_backend() if dist.is_initialized() else "none (one process, no DDP)",
             "trained_on": machine, "commit_at_start": commit,

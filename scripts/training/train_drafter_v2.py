@@ -71,6 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--val-every-seq", type=int, default=0,
                     help="hold out every n-th sequence for validation and export the best validated weights (0 = off)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init-from", default="", help="warm start from this v2 checkpoint (shipped name or directory): its "
+                    "config, draft vocabulary and weights; the drafter-shape flags are then ignored")
     ap.add_argument("--note", default="", help="recorded in the manifest's data section (how the data stage ran)")
     return ap.parse_args(argv)
 

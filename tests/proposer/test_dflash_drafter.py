@@ -217,6 +217,43 @@ def test_training_script_learns_the_tiny_verifier_and_exports_a_loadable_checkpo
     assert generate(spec_engine, prompt(12, 9), 20)[0] == generate(ar, prompt(12, 9), 20)[0]
 
 
+def test_a_warm_start_begins_from_the_checkpoint_bit_for_bit(tmp_path):
+    """--init-from: the checkpoint's config, draft vocabulary and weights are where training starts (0 steps exports
+    them unchanged); a checkpoint conditioned on other layers than the data's is refused by name."""
+    import importlib.util
+    import pathlib
+    import shutil
+
+    from safetensors.torch import load_file
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "training" / "train_drafter_v2.py"
+    spec = importlib.util.spec_from_file_location("train_drafter_v2", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    verifier = tiny_verifier_dir()
+    assert mod.main(_train_args(tmp_path, verifier, steps=8)) == 0
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    for f in (tmp_path / "work").glob("*"):
+        if f.name != "train_state_v2.pt":  # the data only: a train state in the work dir would be resumed instead
+            shutil.copy(f, warm / f.name)
+    args = _train_args(tmp_path, verifier, steps=0)
+    args[args.index("--out") + 1], args[args.index("--work-dir") + 1] = str(tmp_path / "ck2"), str(warm)
+    args[args.index("--hidden") + 1] = "16"  # shape flags are ignored: the checkpoint's config wins
+    assert mod.main([*args, "--stage", "train", "--init-from", str(tmp_path / "ck")]) == 0
+    a, b = load_file(str(tmp_path / "ck" / "drafter.safetensors")), load_file(str(tmp_path / "ck2" / "drafter.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    manifest = json.loads((tmp_path / "ck2" / "manifest.json").read_text())
+    assert manifest["training"]["init_from"]["checkpoint"] == str(tmp_path / "ck") and manifest["config"]["hidden_size"] == 32
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "ck", other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["config"]["capture_layers"] = [1, 0]
+    (other / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SystemExit, match="conditions on layers"):
+        mod.main([*args, "--stage", "train", "--init-from", str(other)])
+
+
 @pytest.mark.slow
 def test_training_runs_under_torchrun_with_two_processes(tmp_path):
     import pathlib
