@@ -48,7 +48,7 @@ class TrainConfig:
     seed: int = 0
     time_budget_s: float = 0.0
     feat_dropout: float = 0.0  # dropout on the fused context features (the verifier states identify training positions)
-    val_every_seq: int = 0  # > 0: every n-th sequence is held out for validation; the best validated weights are kept
+    val_every_seq: int = 0  # > 0: 1 in n sequences of each style, at random, held out; the best validated weights are kept
     eval_every: int = 50
     loss: LossWeights = dataclasses.field(default_factory=LossWeights)
 
@@ -172,6 +172,17 @@ def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
     return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
+def validation_split(style: torch.Tensor, n: int, seed: int = 12345) -> torch.Tensor:
+    """Held-out sequences: 1 in n of each style (at least one), drawn at random. Every n-th sequence would not do:
+    the corpus interleaves styles with a period that can divide n (cpu_features' plan made every 50th one chat)."""
+    g = torch.Generator().manual_seed(seed)
+    held = torch.zeros(style.numel(), dtype=torch.bool)
+    for st in style.unique().tolist():
+        idx = (style == st).nonzero().flatten()
+        held[idx[torch.randperm(idx.numel(), generator=g)[: max(1, idx.numel() // n)]]] = True
+    return held
+
+
 def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pathlib.Path, *, draft_vocab: torch.Tensor,
           rank: int = 0, world: int = 1, device="cpu", log=print, init_state: dict | None = None) -> tuple[DFlashModel, dict]:
     torch.manual_seed(tc.seed)
@@ -201,10 +212,11 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
         net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     gen = torch.Generator().manual_seed(tc.seed * 1000 + rank * 7919 + step)
     n = tc.val_every_seq
-    sampler = AnchorSampler(data, cfg, gen, keep=(lambda s: s % n != n - 1) if n else (lambda s: True))
+    held = validation_split(data["style"], n) if n else torch.zeros(data["style"].numel(), dtype=torch.bool)
+    sampler = AnchorSampler(data, cfg, gen, keep=lambda s: not held[s])
     val_batches, best = [], None
     if n:
-        vs = AnchorSampler(data, cfg, torch.Generator().manual_seed(12345), keep=lambda s: s % n == n - 1)
+        vs = AnchorSampler(data, cfg, torch.Generator().manual_seed(12345), keep=lambda s: bool(held[s]))
         val_batches = [vs.batch(tc.seqs_per_step, tc.anchors_per_seq) for _ in range(6)]
         log(f"r{rank}: validation: {len(vs.seqs)} sequences, {len(val_batches)} fixed batches")
     log(f"r{rank}: {len(sampler.seqs)} sequences, {sampler.n_anchors} anchors")

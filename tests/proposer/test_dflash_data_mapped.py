@@ -51,3 +51,17 @@ def test_the_sampler_draws_the_same_batches_from_mapped_chunks(tmp_path):
         batches.append([s.batch(4, 6) for _ in range(5)])
     for a, b in zip(*batches):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_validation_holds_out_every_style_not_a_period():
+    """The trainer's held-out sequences: 1 in n of each style, at random, even when styles repeat with a period that
+    divides n (every n-th sequence would then be one style only)."""
+    from kv_cache_proposer.training.dflash_trainer import validation_split
+
+    style = torch.tensor([0, 0, 1, 2, 1] * 100)  # period 5 divides n = 50: s % 50 == 49 would hold out style 1 only
+    held = validation_split(style, 50)
+    assert {int(style[i]) for i in held.nonzero().flatten()} == {0, 1, 2}
+    for st in (0, 1, 2):
+        assert int(held[style == st].sum()) == max(1, int((style == st).sum()) // 50)
+    assert torch.equal(held, validation_split(style, 50))  # the same split every run (resume, re-export)
+    assert validation_split(torch.tensor([3]), 50).tolist() == [True]
