@@ -189,6 +189,17 @@ def test_checkpoint_round_trip_by_directory(tmp_path):
     assert a.ids.tolist() == b.ids.tolist() and bool((a.ids >= 100).all() and (a.ids < 164).all())
 
 
+def _train_script():
+    import importlib.util
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "training" / "train_drafter_v2.py"
+    spec = importlib.util.spec_from_file_location("train_drafter_v2", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _train_args(tmp_path, verifier, steps=40):
     return ["--verifier", str(verifier), "--name", "tiny-dflash", "--out", str(tmp_path / "ck"), "--work-dir", str(tmp_path / "work"),
             "--synthetic", "40", "--max-new", "12", "--layers", "0,1", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
@@ -197,13 +208,7 @@ def _train_args(tmp_path, verifier, steps=40):
 
 
 def test_training_script_learns_the_tiny_verifier_and_exports_a_loadable_checkpoint(tmp_path):
-    import importlib.util
-    import pathlib
-
-    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "training" / "train_drafter_v2.py"
-    spec = importlib.util.spec_from_file_location("train_drafter_v2", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _train_script()
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=60)) == 0
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
@@ -220,16 +225,11 @@ def test_training_script_learns_the_tiny_verifier_and_exports_a_loadable_checkpo
 def test_a_warm_start_begins_from_the_checkpoint_bit_for_bit(tmp_path):
     """--init-from: the checkpoint's config, draft vocabulary and weights are where training starts (0 steps exports
     them unchanged); a checkpoint conditioned on other layers than the data's is refused by name."""
-    import importlib.util
-    import pathlib
     import shutil
 
     from safetensors.torch import load_file
 
-    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "training" / "train_drafter_v2.py"
-    spec = importlib.util.spec_from_file_location("train_drafter_v2", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _train_script()
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=8)) == 0
     warm = tmp_path / "warm"
