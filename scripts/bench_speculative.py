@@ -84,6 +84,10 @@ def main() -> int:
     ap.add_argument("--heldout-from", default="smollm2-135m-dlm",
                     help="drafter checkpoint whose held-out prompts are used (the same set for every drafter)")
     ap.add_argument("--ks", default="2,4,8,16")
+    ap.add_argument("--prompt-order", default="spread", choices=("spread", "file"),
+                    help="spread: the first prompt of every source key, then the second of each, ... (the held-out file "
+                         "groups prompts by key: its first 9 code prompts are one module); file: the file's order, as runs "
+                         "before 2026-11-28 took it")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts-per-style", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
@@ -122,7 +126,8 @@ def main() -> int:
             drafters[name] = TimedDrafter(load_drafter(name, verifier_embed=model.embed, verifier_lm_head=model.lm_head))
     heldout = json.loads((resolve_checkpoint(args.heldout_from) / "heldout_prompts.json").read_text())
     styles = args.styles.split(",")
-    per_style = {style: style_prompts(style, heldout, path)[: args.prompts_per_style] for style in styles}
+    per_style = {style: order_prompts(style_prompts(style, heldout, path), args.prompt_order)[: args.prompts_per_style]
+                 for style in styles}
     # styles interleaved, so a run stopped by --time-budget-min still covers each style about equally
     prompts = [(style, per_style[style][i]) for i in range(args.prompts_per_style) for style in styles if i < len(per_style[style])]
     ks = [int(k) for k in args.ks.split(",")]
@@ -274,6 +279,18 @@ EDIT_INSTRUCTION = "Add type hints to this Python function. Reply with the compl
 
 def arm_key(drafter: str, k: int) -> str:
     return f"{drafter}/k{k}"
+
+
+def order_prompts(prompts: list, order: str = "spread") -> list:
+    """`spread`: round-robin over the prompts' source keys in first-seen order, each key's prompts in file order, so the
+    first N prompts come from as many sources as N allows; `file`: unchanged."""
+    if order == "file":
+        return list(prompts)
+    by_key: dict = {}
+    for p in prompts:
+        by_key.setdefault(p["key"], []).append(p)
+    groups = list(by_key.values())
+    return [g[i] for i in range(max((len(g) for g in groups), default=0)) for g in groups if i < len(g)]
 
 
 def style_prompts(style: str, heldout: dict, model_path) -> list:
