@@ -9,6 +9,7 @@ import tempfile
 from inference_engine.model_store.tiny import make_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 _TINY_ROOT = pathlib.Path(tempfile.mkdtemp(prefix="kakeya-tiny-"))
 
 
@@ -150,3 +151,15 @@ def feed(m, cache, tokens, chunk, row_exact=False):
         cache.commit()
         out.append(m.to_host(logits))
     return torch.cat(out)
+
+
+def load_script(relpath: str):
+    """A script under the repository root (e.g. "scripts/bench_speculative.py") imported as a module, so tests call
+    its functions and main() in-process."""
+    import importlib.util
+
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

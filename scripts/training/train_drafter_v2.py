@@ -69,7 +69,7 @@ def parse_args(argv=None):
     ap.add_argument("--feat-dropout", type=float, default=0.0, help="dropout on the fused verifier features (training)")
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--val-every-seq", type=int, default=0,
-                    help="hold out every n-th sequence for validation and export the best validated weights (0 = off)")
+                    help="hold out 1 in n sequences of each style (at random) for validation; export the best validated weights (0 = off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-from", default="", help="warm start from this v2 checkpoint (shipped name or directory): its "
                     "config, draft vocabulary and weights; the drafter-shape flags are then ignored")

@@ -5,7 +5,6 @@ reload after a spill) and answers (its timings are the bench's to report, not th
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import pathlib
@@ -15,7 +14,7 @@ import sys
 
 import pytest
 
-from factories import require_smollm2
+from factories import load_script, require_smollm2
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_agentic" / "bench_session_long_run.py"
@@ -23,10 +22,7 @@ BENCH = [sys.executable, str(SCRIPT.relative_to(ROOT))]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_session_long_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(str(SCRIPT.relative_to(ROOT)))
 
 
 @pytest.mark.timeout(1800)  # two legs of a 45-second run, a loaded box's slow daemon starts and the TTFT part

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from factories import load_model, tiny_model_dir
+from factories import load_model, load_script, tiny_model_dir
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.engine.steps import StepInput, forward_batch
@@ -189,17 +189,6 @@ def test_checkpoint_round_trip_by_directory(tmp_path):
     assert a.ids.tolist() == b.ids.tolist() and bool((a.ids >= 100).all() and (a.ids < 164).all())
 
 
-def _train_script():
-    import importlib.util
-    import pathlib
-
-    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "training" / "train_drafter_v2.py"
-    spec = importlib.util.spec_from_file_location("train_drafter_v2", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _train_args(tmp_path, verifier, steps=40):
     return ["--verifier", str(verifier), "--name", "tiny-dflash", "--out", str(tmp_path / "ck"), "--work-dir", str(tmp_path / "work"),
             "--synthetic", "40", "--max-new", "12", "--layers", "0,1", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
@@ -208,7 +197,7 @@ def _train_args(tmp_path, verifier, steps=40):
 
 
 def test_training_script_learns_the_tiny_verifier_and_exports_a_loadable_checkpoint(tmp_path):
-    mod = _train_script()
+    mod = load_script("scripts/training/train_drafter_v2.py")
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=60)) == 0
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
@@ -229,7 +218,7 @@ def test_a_warm_start_begins_from_the_checkpoint_bit_for_bit(tmp_path):
 
     from safetensors.torch import load_file
 
-    mod = _train_script()
+    mod = load_script("scripts/training/train_drafter_v2.py")
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=8)) == 0
     warm = tmp_path / "warm"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from proposer_factories import tiny_drafter, tiny_verifier
 
-from factories import load_model, require_smollm2
+from factories import load_model, load_script, require_smollm2
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine, GenerateParams
 from inference_engine.kv.registry import make_strategy
@@ -281,14 +281,7 @@ def test_cross_model_server_reports_its_proposer_and_generates():
 
 
 def _calibrate_module():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "training" / "calibrate_restore.py"
-    spec = importlib.util.spec_from_file_location("calibrate_restore", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/training/calibrate_restore.py")
 
 
 def test_calibration_measures_no_shift_for_exact_keys_and_the_shift_of_wrong_ones(tmp_path):
