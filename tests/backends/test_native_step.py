@@ -107,6 +107,45 @@ def test_a_native_verify_block_equals_native_one_token_steps(strategy, attention
         assert torch.equal(a.cache.store.v[layer], b.cache.store.v[layer])
 
 
+@pytest.mark.parametrize("strategy", [KVStrategy("full"), KVStrategy("sink_window", 4, 300)], ids=lambda s: s.name)
+def test_trimmed_columns_and_rows_apart_give_the_same_bits(strategy, attention):
+    """A whole step's rows end at their last visible column (trim_columns: a ring not yet full, a prefill chunk's causal
+    mask) and a step of several rows shares its per-row loops and short attention out to the threads (rows_apart);
+    each setting must give the bits of scanning every column on one thread: prefill chunks, a verify block, and one
+    forward of three sessions' decode rows at different lengths (the ring of 304 columns holds 20-90 tokens)."""
+    m = _model()
+    mod = m.native_step.module
+    engine = Engine(m, strategy, prefill_chunk=32)
+    assert mod.trim_columns() == 1 and mod.rows_apart() == 1
+    runs = []
+    try:
+        for trim, apart in ((0, 0), (1, 0), (0, 1), (1, 1)):
+            mod.trim_columns(trim)
+            mod.rows_apart(apart)
+            kvs = [engine.new_session_kv() for _ in range(3)]
+            for i, kv in enumerate(kvs):
+                engine.prefill(kv, _prompt(20 + 35 * i, seed=i))
+            steps.verify_block(m, kvs[0], 17, [18, 19, 20, 21], SamplingParams(), None, budget=10)
+            inputs = []
+            for kv in kvs:
+                start = kv.cache.next_position
+                inputs.append(steps.StepInput(m.tensor([int(kv.last_logits.argmax())]), range(start, start + 1),
+                                              kv.cache, "last", row_exact=True))
+            out = steps.forward_batch(m, inputs)
+            for kv in kvs:
+                kv.cache.commit(1)
+            runs.append(([o[0] for o in out], [kv.cache.store for kv in kvs]))
+    finally:
+        mod.trim_columns(1)
+        mod.rows_apart(1)
+    ref_logits, ref_stores = runs[0]
+    for logits, stores in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+        for a, b in zip(stores, ref_stores):
+            for layer in range(m.spec.num_layers):
+                assert torch.equal(a.k[layer], b.k[layer]) and torch.equal(a.v[layer], b.v[layer])
+
+
 def test_a_step_by_data_or_row_by_row_gives_the_same_bits(attention):
     """A step's attention tasks run by the data they read (a chunk's K/V read once for every row of the block) by
     default; row by row (the order before) must give the same bits: prefill chunks whose rows span several column

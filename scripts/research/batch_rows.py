@@ -1,0 +1,127 @@
+"""What a forward of several sessions' decode rows costs against one, in-process (issue 28: aggregate decode at 8
+sessions >= 3x one session): the engine's own batched forward (`steps.forward_batch`, as EngineLoop runs it), no
+gRPC, no sampling, so what the daemon adds on top is not in these figures (scripts/bench_agentic/bench_load.py
+measures that).
+
+--sessions sessions of the daemon's default strategy, each prefilled with --context token ids; per round, for each
+arm and each batch size n in --batches, one forward of the first n sessions' next decode rows (row-exact, greedy
+scoring, as a decode step), then aborted, so every forward sees the same history. Arms and batch sizes interleave
+in --rounds, so a drift in the box's speed lands on every cell alike. Arms are settings of the native CPU row step
+that never change a bit (csrc/row_step.cpp), to time what each is worth:
+  before  every row scans all of its mask's columns, per-row loops on one thread (trim_columns 0, rows_apart 0)
+  trim    rows end at their last visible column (trim_columns 1)
+  apart   trim, and a step of several rows shares its per-row loops and short attention out to the threads (default)
+Records the median ms per forward, tokens per second (n / median) and the speedup at n over n = 1 per arm, and
+each arm's speedup over `before` per n. Writes results/research/batch_rows.json.
+
+    python scripts/research/batch_rows.py --threads 2 --out results/research/batch_rows_avx2.json
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+
+ARMS = {"before": (0, 0), "trim": (1, 0), "apart": (1, 1)}  # (trim_columns, rows_apart)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--weights", default="int4", choices=("int8", "int4"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=32, help="tokens each session holds before its decode row")
+    p.add_argument("--batches", default="1,2,4,8", help="sessions per forward")
+    p.add_argument("--arms", default="before,trim,apart")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--out", default=str(ROOT / "results" / "research" / "batch_rows.json"))
+    args = p.parse_args(argv)
+
+    import torch
+
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine import steps
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.strategy import KVStrategy
+    from inference_engine.model_store import resolve_model
+    from inference_engine.server.config import ServeConfig
+
+    torch.set_num_threads(args.threads)
+    meta = run_metadata(vars(args))
+    m = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
+    m.use_step_graphs("auto")
+    if m.native_step is None:
+        raise SystemExit("batch_rows: the native CPU row step is not available here (no C++ compiler, or not a CPU)")
+    mod = m.native_step.module
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"batch_rows: unknown arms {unknown}; choose from {sorted(ARMS)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg = ServeConfig()
+    strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)
+    engine = Engine(m, strategy, prefill_chunk=256)
+    span = min(1000, m.spec.vocab_size - 100)
+    kvs = []
+    for s in range(max(batches)):
+        kv = engine.new_session_kv()
+        ids = [(7 * i + 13 * s) % span + 100 for i in range(args.context)]
+        for i in range(0, len(ids), 256):
+            steps.prefill_chunk(m, kv, ids[i:i + 256])
+        kvs.append(kv)
+
+    def forward(n: int) -> float:
+        inputs = []
+        for kv in kvs[:n]:
+            start = kv.cache.next_position
+            inputs.append(steps.StepInput(m.tensor([int(kv.last_logits.argmax())]), range(start, start + 1), kv.cache,
+                                          "last", row_exact=True, greedy=True))
+        t = time.perf_counter()
+        steps.forward_batch(m, inputs)
+        dt = time.perf_counter() - t
+        for kv in kvs[:n]:
+            kv.cache.abort()
+        return dt
+
+    def use(arm: str) -> None:
+        trim, apart = ARMS[arm]
+        mod.trim_columns(trim)
+        mod.rows_apart(apart)
+
+    cells = [(a, n) for a in arms for n in batches]
+    for a, n in cells:  # warm-up
+        use(a)
+        forward(n)
+    times: dict = {c: [] for c in cells}
+    for r in range(args.rounds):
+        for a, n in cells:
+            use(a)
+            times[a, n].append(forward(n))
+    use("apart")  # the default again
+    by_arm: dict = {}
+    for a in arms:
+        med = {n: statistics.median(times[a, n]) for n in batches}
+        by_arm[a] = {str(n): {"forward_ms_median": round(med[n] * 1000, 3), "tok_s": round(n / med[n], 1),
+                              "speedup_vs_1": round(n * med[batches[0]] / med[n], 3) if batches[0] == 1 else None}
+                     for n in batches}
+        print(a, {n: v["forward_ms_median"] for n, v in by_arm[a].items()}, flush=True)
+    if "before" in by_arm:
+        for a in arms:
+            for n, v in by_arm[a].items():
+                v["speedup_vs_before"] = round(by_arm["before"][n]["forward_ms_median"] / v["forward_ms_median"], 3)
+    doc = meta | {"strategy": strategy.describe(), "step": m.describe_step(), "arms": {a: dict(zip(("trim_columns", "rows_apart"), ARMS[a])) for a in arms},
+                  "by_arm": by_arm,
+                  "what": "one forward of n sessions' decode rows (engine forward_batch, in-process), median of --rounds "
+                          "interleaved rounds; the daemon's sampling, streaming and gRPC are not in it"}
+    write_json(pathlib.Path(args.out), doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
