@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         use(a)
         forward(n)
     times: dict = {c: [] for c in cells}
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         for a, n in cells:
             use(a)
             times[a, n].append(forward(n))
@@ -115,8 +115,8 @@ def main(argv=None) -> int:
         for a in arms:
             for n, v in by_arm[a].items():
                 v["speedup_vs_before"] = round(by_arm["before"][n]["forward_ms_median"] / v["forward_ms_median"], 3)
-    doc = meta | {"strategy": strategy.describe(), "step": m.describe_step(), "arms": {a: dict(zip(("trim_columns", "rows_apart"), ARMS[a])) for a in arms},
-                  "by_arm": by_arm,
+    settings = {a: dict(zip(("trim_columns", "rows_apart"), ARMS[a])) for a in arms}
+    doc = meta | {"strategy": strategy.describe(), "step": m.describe_step(), "arms": settings, "by_arm": by_arm,
                   "what": "one forward of n sessions' decode rows (engine forward_batch, in-process), median of --rounds "
                           "interleaved rounds; the daemon's sampling, streaming and gRPC are not in it"}
     write_json(pathlib.Path(args.out), doc)
