@@ -8,7 +8,9 @@ one token and the context stays put), interleaved in rounds so a loaded machine 
 With several --compile modes (e.g. off,auto: the Python pieces and the native CPU row step) each mode
 gets its own sessions, measured in the same rounds, and the JSON holds one block per mode. A mode
 `auto/row` is the native step with a step's tasks run row by row (the order before the default's, by
-the data they read: the same bits, csrc/row_step.cpp order_by_data); --prefill-chunk N also times a
+the data they read: the same bits, csrc/row_step.cpp order_by_data); `auto/untrimmed` the native step scanning
+every column of its rows' masks, its per-row loops on one thread (trim_columns 0, rows_apart 0: the same bits; the
+step before 39c54e0); --prefill-chunk N also times a
 prefill chunk of N rows at each context (forwarded, then aborted), where that order matters most.
 Records the median ms of each and their ratio, and the split of a verify block's time: the same
 forward with row_exact off (rows attend batched, as a prefill chunk does) shows what row-exact
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", default="off,auto",
-                   help="--compile modes, comma-separated (off, auto, on, auto/row: native, attention row by row), side by side")
+                   help="--compile modes, comma-separated (off, auto, on, auto/row: native, attention row by row; "
+                        "auto/untrimmed: native, every mask column scanned), side by side")
     p.add_argument("--prefill-chunk", type=int, default=0, help="also time a prefill chunk of this many rows (0: no)")
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "verify_cost.json"))
     p.add_argument("--merge", nargs="+", default=[], metavar="PART_JSON",
@@ -107,7 +110,11 @@ def main(argv=None) -> int:
     def use(mode):
         m.graphs, m.native_step, _ = setups[mode]
         if m.native_step is not None:
-            m.native_step.module.order_by_data(0 if mode.endswith("/row") else 1)
+            mod = m.native_step.module
+            mod.order_by_data(0 if mode.endswith("/row") else 1)
+            untrimmed = mode.endswith("/untrimmed")  # every mask column scanned, per-row loops on one thread
+            mod.trim_columns(0 if untrimmed else 1)
+            mod.rows_apart(0 if untrimmed else 1)
 
     def timed(fn) -> float:
         t = time.perf_counter()
