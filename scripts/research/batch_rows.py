@@ -7,10 +7,13 @@ measures that).
 arm and each batch size n in --batches, one forward of the first n sessions' next decode rows (row-exact, greedy
 scoring, as a decode step), then aborted, so every forward sees the same history. Arms and batch sizes interleave
 in --rounds, so a drift in the box's speed lands on every cell alike. Arms are settings of the native CPU row step
-that never change a bit (csrc/row_step.cpp), to time what each is worth:
-  before  every row scans all of its mask's columns, per-row loops on one thread (trim_columns 0, rows_apart 0)
+(csrc/row_step.cpp), to time what each is worth:
+  before  every row scans all of its mask's columns, per-row loops on one thread, SiLU in plain floats
+          (trim_columns 0, rows_apart 0, silu_vectors 0: the step before 39c54e0)
   trim    rows end at their last visible column (trim_columns 1)
-  apart   trim, and a step of several rows shares its per-row loops and short attention out to the threads (default)
+  apart   trim, and a step of several rows shares its per-row loops and short attention out to the threads
+  silu    apart, and the MLP's SiLU in AVX2 vectors (silu_vectors 1; rounds differently: not the same bits as the
+          others, each row-exact) - the default where the CPU has AVX2
 Records the median ms per forward, tokens per second (n / median) and the speedup at n over n = 1 per arm, and
 each arm's speedup over `before` per n. Writes results/research/batch_rows.json.
 
@@ -28,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
-ARMS = {"before": (0, 0), "trim": (1, 0), "apart": (1, 1)}  # (trim_columns, rows_apart)
+ARMS = {"before": (0, 0, 0), "trim": (1, 0, 0), "apart": (1, 1, 0), "silu": (1, 1, 1)}  # trim_columns, rows_apart, silu_vectors
 
 
 def main(argv=None) -> int:
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=32, help="tokens each session holds before its decode row")
     p.add_argument("--batches", default="1,2,4,8", help="sessions per forward")
-    p.add_argument("--arms", default="before,trim,apart")
+    p.add_argument("--arms", default="before,trim,apart,silu")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "batch_rows.json"))
     args = p.parse_args(argv)
@@ -90,9 +93,10 @@ def main(argv=None) -> int:
         return dt
 
     def use(arm: str) -> None:
-        trim, apart = ARMS[arm]
+        trim, apart, silu = ARMS[arm]
         mod.trim_columns(trim)
         mod.rows_apart(apart)
+        mod.silu_vectors(int(bool(silu) and mod.q4_isa() != 0))
 
     cells = [(a, n) for a in arms for n in batches]
     for a, n in cells:  # warm-up
@@ -103,7 +107,7 @@ def main(argv=None) -> int:
         for a, n in cells:
             use(a)
             times[a, n].append(forward(n))
-    use("apart")  # the default again
+    use("silu")  # the default again
     by_arm: dict = {}
     for a in arms:
         med = {n: statistics.median(times[a, n]) for n in batches}
@@ -115,7 +119,7 @@ def main(argv=None) -> int:
         for a in arms:
             for n, v in by_arm[a].items():
                 v["speedup_vs_before"] = round(by_arm["before"][n]["forward_ms_median"] / v["forward_ms_median"], 3)
-    settings = {a: dict(zip(("trim_columns", "rows_apart"), ARMS[a])) for a in arms}
+    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors"), ARMS[a])) for a in arms}
     doc = meta | {"strategy": strategy.describe(), "step": m.describe_step(), "arms": settings, "by_arm": by_arm,
                   "what": "one forward of n sessions' decode rows (engine forward_batch, in-process), median of --rounds "
                           "interleaved rounds; the daemon's sampling, streaming and gRPC are not in it"}

@@ -9,8 +9,8 @@ With several --compile modes (e.g. off,auto: the Python pieces and the native CP
 gets its own sessions, measured in the same rounds, and the JSON holds one block per mode. A mode
 `auto/row` is the native step with a step's tasks run row by row (the order before the default's, by
 the data they read: the same bits, csrc/row_step.cpp order_by_data); `auto/untrimmed` the native step scanning
-every column of its rows' masks, its per-row loops on one thread (trim_columns 0, rows_apart 0: the same bits; the
-step before 39c54e0); --prefill-chunk N also times a
+every column of its rows' masks, its per-row loops on one thread, SiLU in plain floats (trim_columns 0, rows_apart
+0, silu_vectors 0: the step before 39c54e0); --prefill-chunk N also times a
 prefill chunk of N rows at each context (forwarded, then aborted), where that order matters most.
 Records the median ms of each and their ratio, and the split of a verify block's time: the same
 forward with row_exact off (rows attend batched, as a prefill chunk does) shows what row-exact
@@ -115,6 +115,7 @@ def main(argv=None) -> int:
             untrimmed = mode.endswith("/untrimmed")  # every mask column scanned, per-row loops on one thread
             mod.trim_columns(0 if untrimmed else 1)
             mod.rows_apart(0 if untrimmed else 1)
+            mod.silu_vectors(0 if untrimmed else int(mod.q4_isa() != 0))
 
     def timed(fn) -> float:
         t = time.perf_counter()

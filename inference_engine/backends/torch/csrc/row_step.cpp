@@ -217,6 +217,20 @@ KAKEYA_AVX2_FN inline __m256 exp8(__m256 x) {  // exp_f's steps, lane by lane
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+// SiLU(g) * u for 8 elements at a time (gu: the gate/up matmul's row, g = gu[0, n), u = gu[n, 2n)); returns how many
+// it did (whole vectors). exp8 is exp_f's steps lane by lane, fused where AVX2 fuses them, so an element's bits differ
+// from the plain loop's by rounding but depend only on the element and its index: rows stay exact.
+KAKEYA_AVX2_FN inline int64_t silu_mul_avx2(const float* __restrict gu, int64_t n, float* __restrict out) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gu + i), u = _mm256_loadu_ps(gu + n + i);
+    const __m256 e = exp8(_mm256_sub_ps(zero, g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+  }
+  return i;
+}
+
 KAKEYA_AVX2_FN inline float hsum8(__m256 v) {  // a fixed tree
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -485,6 +499,10 @@ inline int64_t& order_by_data() {
 // order before.
 inline int64_t& rows_apart_on() {
   static int64_t on = 1;
+  return on;
+}
+inline int64_t& silu_vectors() {  // the MLP's SiLU in AVX2 vectors (1, where the CPU has AVX2) or plain floats (0)
+  static int64_t on = q4::best_isa() != q4::kNone;
   return on;
 }
 inline int64_t& trim_columns() {  // RowStep::run's rows end at their last visible column (1) or scan all (0)
@@ -1102,9 +1120,15 @@ class RowStep {
     const float* gup = gu.data_ptr<float>();
     std::vector<float> act(R * inter_);
     rows_apart(R, [&](int64_t r) {  // each element alone: the same bits on any thread
-      for (int64_t i = 0; i < inter_; ++i) {
-        const float g = gup[r * 2 * inter_ + i], u = gup[r * 2 * inter_ + inter_ + i];
-        act[r * inter_ + i] = g / (1.f + exp_f(-g)) * u;
+      const float* gr = gup + r * 2 * inter_;
+      float* ar = act.data() + r * inter_;
+      int64_t i = 0;
+#if KAKEYA_X86
+      if (silu_vectors()) i = silu_mul_avx2(gr, inter_, ar);  // 1.2 -> ms of an 8-row step's ~27 on an AVX2 EPYC
+#endif
+      for (; i < inter_; ++i) {
+        const float g = gr[i], u = gr[inter_ + i];
+        ar[i] = g / (1.f + exp_f(-g)) * u;
       }
     });
     add_into(xp, as_float(wdown(linear_input(act.data(), nullptr, nullptr, R, inter_, wdown.bf16_input(), opts))),
@@ -1189,6 +1213,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "whether a step of several rows shares its per-row loops and its attention's tasks (over short histories too) "
      "out to the threads (1, the default) or runs them on one thread as before (0); the same bits either way",
         pybind11::arg("on") = -1);
+  toggle("silu_vectors", &silu_vectors,
+         "whether the MLP's SiLU runs in AVX2 vectors (1, the default where the CPU has AVX2) or in plain floats (0); "
+         "the two round differently (each is row-exact)");
   toggle("trim_columns", &trim_columns,
          "whether a whole step's rows attend only up to their last visible column (1, the default) or scan every "
          "column of the step's mask, masked ones skipped one by one (0); the same bits either way");
