@@ -10,6 +10,8 @@ Arms, one after another on the same machine and thread count:
                        backends/torch/native.py); the arms without the suffix run --compile off
   kakeya-batching-on-chunkN  batching on with --prefill-chunk N (smaller chunks bound the inter-token
                        latency others see while an append lands, at some prefill cost)
+  kakeya-batching-on-sharedN  batching on with --prefill-chunk-shared N (the prefill tokens a forward carries while
+                       other sessions decode; the default 32); combines with -chunkN before it
   llama.cpp-batched    llama.cpp on the same GGUF with n sequences in one context (n_seq_max = n), each
                        forward carrying one token per decoding sequence plus up to --llama-chunk prefill
                        tokens: llama-server's continuous batching, driven in-process through
@@ -47,13 +49,15 @@ def workload(session: int, turns: int, seed: int, vocab: int = 40000):
 
 
 class Daemon:
-    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off"):
+    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off", shared=None):
         # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
         cmd = [os.path.join(os.path.dirname(sys.executable), "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
                "--weights", weights, "--compile", compile,
                "--batching", batching, "--threads", str(threads), "--state-dir", state_dir]
         if prefill_chunk:
             cmd += ["--prefill-chunk", str(prefill_chunk)]
+        if shared is not None:
+            cmd += ["--prefill-chunk-shared", str(shared)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("READY"):
@@ -386,7 +390,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="batching-on,batching-off,batching-on-chunk32,llama.cpp-batched,llama.cpp",
-                    help="batching-on|batching-off[-chunkN][-compile|-auto] (kakeya serve, --prefill-chunk N, --compile on "
+                    help="batching-on|batching-off[-chunkN][-sharedN][-compile|-auto] (kakeya serve, --prefill-chunk N, "
+                         "--prefill-chunk-shared N, --compile on "
                          "or auto (on the CPU: the native row step); otherwise --compile off), llama.cpp-batched (n "
                          "sequences in one context, batched decode) and llama.cpp (one Llama object per session, one "
                          "call at a time)")
@@ -415,10 +420,14 @@ def main() -> int:
             for suffix, m in (("-compile", "on"), ("-auto", "auto")):
                 if arm.endswith(suffix):
                     rest, compile_mode = arm[: -len(suffix)], m
+            rest, _, shared = rest.partition("-shared")
             mode, _, chunk = rest.removeprefix("batching-").partition("-chunk")
             res["compile"] = compile_mode
+            if shared:
+                res["prefill_chunk_shared"] = int(shared)
             d = Daemon(args.model, args.weights, mode, args.threads, tempfile.mkdtemp(prefix="kakeya-load-"),
-                       prefill_chunk=int(chunk) if chunk else None, compile=res["compile"])
+                       prefill_chunk=int(chunk) if chunk else None, compile=res["compile"],
+                       shared=int(shared) if shared else None)
             try:
                 for n in levels:
                     res[n] = run_level_kakeya(d.target, n, args, d.rss)

@@ -19,10 +19,12 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def test_eight_sessions_keep_taking_turns_and_lose_nothing(tmp_path, seconds):
     out = tmp_path / "load.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_agentic" / "bench_load.py"), "--model", str(tiny_model_dir("llama")),
-           "--weights", "int4", "--arms", "batching-on", "--levels", "8", "--duration-s", str(seconds), "--threads", "1",
+           "--weights", "int4", "--arms", "batching-on-shared16", "--levels", "8", "--duration-s", str(seconds), "--threads", "1",
            "--generate", "8", "--interference-levels", "", "--out", str(out)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
-    level = json.loads(out.read_text())["arms"]["batching-on"]["8"]
+    arm = json.loads(out.read_text())["arms"]["batching-on-shared16"]
+    assert arm["prefill_chunk_shared"] == 16  # the arm's daemon ran with --prefill-chunk-shared 16
+    level = arm["8"]
     assert level["errors"] == 0, level["error_samples"]
     assert level["sessions_lost"] == 0
     assert level["turns_min_per_session"] >= 2  # every session kept working (each took several turns)
