@@ -1,5 +1,6 @@
 """scripts/research/verify_cost.py on a tiny random-weight int4 model: the native step's attention orders (chunk by
-chunk, the default, and row by row) measured side by side, with a prefill chunk; the JSON says which is which."""
+chunk, the default, and row by row) and the untrimmed step (every mask column scanned) measured side by side, with a
+prefill chunk; the JSON says which is which."""
 import json
 import pathlib
 import subprocess
@@ -16,13 +17,13 @@ def test_verify_cost_times_both_attention_orders_and_a_prefill_chunk(tmp_path):
     out = tmp_path / "verify_cost.json"
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--weights", "int4",
                         "--threads", "1", "--contexts", "64,300", "--rounds", "1", "--steps", "2",
-                        "--compile", "auto,auto/row", "--prefill-chunk", "32", "--out", str(out)],
+                        "--compile", "auto,auto/row,auto/untrimmed", "--prefill-chunk", "32", "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/verify_cost.py ")
-    assert set(doc["by_compile"]) == {"auto", "auto/row"}
-    for mode in ("auto", "auto/row"):
+    assert set(doc["by_compile"]) == {"auto", "auto/row", "auto/untrimmed"}
+    for mode in ("auto", "auto/row", "auto/untrimmed"):
         assert doc["by_compile"][mode]["step"]["row_step"].startswith("native")
         for c in ("64", "300"):
             cell = doc["by_compile"][mode]["by_context"][c]
