@@ -804,9 +804,26 @@ class PagedCache(SinkWindowCache):
         top `recall_pages` pages by best key, as the exact path does. Equal to the exact path whenever the pages it
         would choose are in the shortlist. A step of many queries scores the union of their shortlists in one call
         (per KV head) and masks each query to its own."""
+        sc = self._shortlist_scores(layer, q, k_all, plan, w)
+        pages_u, page_scores = sc["pages_u"], sc["page_scores"]
+        hkv, t, u = page_scores.shape
+        n_pages, m = plan["n_pages"], self.recall_pages
+        k = min(m, u)
+        best, at_u = _top(page_scores, k, stable=sc["far"])
+        idx = pages_u.gather(1, at_u.reshape(hkv, -1)).view(hkv, t, k)
+        ok = best > float("-inf")
+        if k < min(m, n_pages):  # fewer pages in every shortlist than recall_pages: the rest chosen as nothing
+            idx, ok = F.pad(idx, (0, min(m, n_pages) - k)), F.pad(ok, (0, min(m, n_pages) - k), value=False)
+        return idx, ok
+
+    def _shortlist_scores(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan, w: int | None) -> dict:
+        """The shortlisted choice's scores (research scripts read them too): bound (Hkv, T, pages) per query and
+        whole page (-inf where it sees the page in part or not at all), short (Hkv, T, pages) the pages each query
+        scores, pages_u (Hkv, U) their union per head, page_scores (Hkv, T, U) each one's best compact-key score for
+        each query (-inf outside its shortlist), whole (T, pages), far (scored past the trained context)."""
         hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
         g, t = q.shape[0] // hkv, q.shape[1]
-        n_pages, m = plan["n_pages"], self.recall_pages
+        n_pages = plan["n_pages"]
         key = ("shortlist", w)
         if key not in plan:  # per step, shared by the layers
             seen = self._row_visible(plan, w, q.dtype)["page_bias"] == 0  # (T, pages, P): rows each query may see
@@ -845,13 +862,8 @@ class PagedCache(SinkWindowCache):
         scores.masked_fill_(~seen[:, pages_u].permute(1, 0, 2, 3), float("-inf"))  # (Hkv, T, U, P)
         mine = short.gather(-1, pages_u[:, None].expand(hkv, t, u)) & valid_u[:, None]  # (Hkv, T, U)
         page_scores = scores.amax(-1).masked_fill_(~mine, float("-inf"))
-        k = min(m, u)
-        best, at_u = _top(page_scores, k, stable=far)
-        idx = pages_u.gather(1, at_u.reshape(hkv, -1)).view(hkv, t, k)
-        ok = best > float("-inf")
-        if k < min(m, n_pages):  # fewer pages in every shortlist than recall_pages: the rest chosen as nothing
-            idx, ok = F.pad(idx, (0, min(m, n_pages) - k)), F.pad(ok, (0, min(m, n_pages) - k), value=False)
-        return idx, ok
+        return {"bound": bound, "short": short, "pages_u": pages_u, "page_scores": page_scores, "whole": whole,
+                "far": far}
 
     def _rows_kv(self, layer: int, rows: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                  cols: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

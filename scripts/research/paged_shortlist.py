@@ -12,6 +12,11 @@ also makes the shortlisted choice for each S, from the same queries and the same
   best_page_found fraction of (layer, KV head, query) whose exact best page the shortlisted choice holds
   select_s        seconds per decode step spent choosing pages (exact and each S, same calls, side by side)
   bytes_read      bytes of selection data a decode step reads per layer and head (bounds + shortlisted keys)
+  early_stop      (decode steps) whether scoring the shortlist in bound order could stop early and still choose
+                  exactly what it chooses: per (layer, KV head, query), the shortlisted pages whose bound reaches the
+                  recall_pages-th best exact page score (those must be scored; pages seen in part always are), as a
+                  fraction of the pages scored now; and how often a page's exact score exceeded its bound (the
+                  bound must hold for such a stop to be exact)
 
 The end-to-end recall of a shortlisted arm is niah_ladder.py's (arm paged_4+508_p64_m8_s32).
 
@@ -99,6 +104,10 @@ def main() -> int:
             c["rows"] = c.get("rows", 0) + exact.shape[0] * exact.shape[1]
             c["exact_pages"] = c.get("exact_pages", 0) + int(exact.sum())
             c["n_pages"] = plan["n_pages"]
+            if decode and plan["n_pages"] > s:
+                self.shortlist = s
+                _early_stop(c, self._shortlist_scores(layer, q, k_all, plan, w), self.recall_pages)
+                self.shortlist = 0
         cell["exact"]["decode_steps"] = cell["exact"].get("decode_steps", 0) + (1 if decode and layer == 0 else 0)
         return idx, ok
 
@@ -138,10 +147,34 @@ def main() -> int:
                                               else pages * 64 * key_bytes),
                 "exact_bytes_read_per_layer_head": pages * 64 * key_bytes,
             }
+            if c.get("es_rows"):
+                row["shortlists"][str(s)]["early_stop"] = {
+                    "pages_scored_now": c["es_scored"] / c["es_rows"],
+                    "pages_that_must_be_scored": c["es_needed"] / c["es_rows"],
+                    "fraction_that_must_be_scored": c["es_needed"] / max(c["es_scored"], 1),
+                    "exact_above_bound": c["es_violations"], "queries": c["es_rows"]}
         out[rung] = row
     write_json(pathlib.Path(args.out), meta | {"rungs": out})
     print(out)
     return 0
+
+
+def _early_stop(c: dict, sc: dict, m: int) -> None:
+    """Adds to cell c what an early-stopping scorer would have to score of this choice (see the module doc)."""
+    import torch
+
+    bound, short, pages_u, page_scores, whole = sc["bound"], sc["short"], sc["pages_u"], sc["page_scores"], sc["whole"]
+    hkv, t, n = bound.shape
+    exact = torch.full_like(bound, float("-inf")).scatter_(-1, pages_u[:, None].expand(hkv, t, -1), page_scores)
+    k = min(m, page_scores.shape[-1])
+    thr = page_scores.topk(k, -1).values[..., -1:] if k else torch.full((hkv, t, 1), float("-inf"))
+    whole_short = short & whole[None]
+    needed = (whole_short & (bound >= thr)) | (short & ~whole[None])
+    finite = exact > float("-inf")
+    c["es_scored"] = c.get("es_scored", 0) + int(short.sum())
+    c["es_needed"] = c.get("es_needed", 0) + int(needed.sum())
+    c["es_violations"] = c.get("es_violations", 0) + int((whole_short & finite & (exact > bound)).sum())
+    c["es_rows"] = c.get("es_rows", 0) + hkv * t
 
 
 if __name__ == "__main__":
