@@ -495,8 +495,8 @@ inline int64_t& order_by_data() {
 // its attention's tasks once they hold attend_threshold() multiply-adds (columns x heads x head_dim, summed over the
 // rows): those ran on one thread, ~0.8 ms a row of an 8-session step on an AVX2 EPYC (attention over 33 keys 3.4 ms,
 // SiLU 1.7 ms, RoPE 0.75 ms of a 24.6 ms step; the matmuls, already shared, the rest). Every row's and every task's
-// arithmetic is its own, so the same bits on any thread. 0 / 1 << 18 (research scripts time the difference): the
-// order before.
+// arithmetic is its own, so the same bits on any thread. `rows_apart(0)` (research scripts time the difference) runs
+// them on one thread and puts the attention's threshold back at 1 << 18: the step before.
 inline int64_t& rows_apart_on() {
   static int64_t on = 1;
   return on;
@@ -1124,7 +1124,7 @@ class RowStep {
       float* ar = act.data() + r * inter_;
       int64_t i = 0;
 #if KAKEYA_X86
-      if (silu_vectors()) i = silu_mul_avx2(gr, inter_, ar);  // 1.2 -> ms of an 8-row step's ~27 on an AVX2 EPYC
+      if (silu_vectors()) i = silu_mul_avx2(gr, inter_, ar);  // 8 rows: 31.0 -> 29.5 ms a step (batch_rows_avx2.json)
 #endif
       for (; i < inter_; ++i) {
         const float g = gr[i], u = gr[inter_ + i];
