@@ -153,6 +153,16 @@ def feed(m, cache, tokens, chunk, row_exact=False):
     return torch.cat(out)
 
 
+def run_script(relpath: str, *args, timeout: float = 600):
+    """A script under the repository root (e.g. "scripts/research/verify_cost.py") run with this interpreter from the
+    root, its arguments str()-ed: the CompletedProcess, output captured as text."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(ROOT / relpath), *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def load_script(relpath: str):
     """A script under the repository root (e.g. "scripts/bench_speculative.py") imported as a module, so tests call
     its functions and main() in-process."""

@@ -1,22 +1,17 @@
 """scripts/research/batch_rows.py on a tiny random-weight int4 model: every arm and batch size timed in the same
 rounds, each cell's figures and the ratios written with the provenance. Nothing here reads a timing's value."""
 import json
-import pathlib
-import subprocess
-import sys
 
-from factories import require_native, tiny_model_dir
+from factories import require_native, run_script, tiny_model_dir
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "research" / "batch_rows.py"
+SCRIPT = "scripts/research/batch_rows.py"
 
 
 def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path):
     require_native()
     out = tmp_path / "batch_rows.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--threads", "1",
-                        "--context", "20", "--batches", "1,3", "--rounds", "2", "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = run_script(SCRIPT, "--model", tiny_model_dir("llama"), "--threads", "1", "--context", "20", "--batches", "1,3",
+                   "--rounds", "2", "--out", out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/batch_rows.py ") and doc["commit"]
@@ -30,7 +25,6 @@ def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path):
 
 def test_batch_rows_refuses_an_unknown_arm(tmp_path):
     require_native()
-    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--arms", "trim,fast",
-                        "--batches", "1", "--rounds", "1", "--out", str(tmp_path / "x.json")],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = run_script(SCRIPT, "--model", tiny_model_dir("llama"), "--arms", "trim,fast", "--batches", "1", "--rounds", "1",
+                   "--out", tmp_path / "x.json")
     assert r.returncode != 0 and "unknown arms ['fast']" in r.stderr

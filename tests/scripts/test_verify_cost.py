@@ -2,23 +2,16 @@
 chunk, the default, and row by row) and the untrimmed step (every mask column scanned) measured side by side, with a
 prefill chunk; the JSON says which is which."""
 import json
-import pathlib
-import subprocess
-import sys
 
-from factories import require_native, tiny_model_dir
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "research" / "verify_cost.py"
+from factories import require_native, run_script, tiny_model_dir
 
 
 def test_verify_cost_times_both_attention_orders_and_a_prefill_chunk(tmp_path):
     require_native()
     out = tmp_path / "verify_cost.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--weights", "int4",
-                        "--threads", "1", "--contexts", "64,300", "--rounds", "1", "--steps", "2",
-                        "--compile", "auto,auto/row,auto/untrimmed", "--prefill-chunk", "32", "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = run_script("scripts/research/verify_cost.py", "--model", tiny_model_dir("llama"), "--weights", "int4",
+                   "--threads", "1", "--contexts", "64,300", "--rounds", "1", "--steps", "2",
+                   "--compile", "auto,auto/row,auto/untrimmed", "--prefill-chunk", "32", "--out", out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/verify_cost.py ")

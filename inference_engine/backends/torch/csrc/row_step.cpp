@@ -509,10 +509,7 @@ inline int64_t& trim_columns() {  // RowStep::run's rows end at their last visib
   static int64_t on = 1;
   return on;
 }
-inline int64_t& attend_threshold() {
-  static int64_t macs = 1 << 16;
-  return macs;
-}
+inline int64_t attend_threshold() { return rows_apart_on() ? 1 << 16 : 1 << 18; }
 template <class F>
 inline void rows_apart(int64_t R, const F& fn) {
   if (R < 2 || !rows_apart_on()) {
@@ -1203,16 +1200,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("score_eight", &score_eight,
          "whether the compact keys' scoring sums eight keys at once (1, the default) or one or two at a time (0); the "
          "same bits either way");
-  m.def("rows_apart", [](int64_t on) {
-    const int64_t was = rows_apart_on();
-    if (on >= 0) {
-      rows_apart_on() = on ? 1 : 0;
-      attend_threshold() = on ? 1 << 16 : 1 << 18;
-    }
-    return was;
-  }, "whether a step of several rows shares its per-row loops and its attention's tasks (over short histories too) "
-     "out to the threads (1, the default) or runs them on one thread as before (0); the same bits either way",
-        pybind11::arg("on") = -1);
+  toggle("rows_apart", &rows_apart_on,
+         "whether a step of several rows shares its per-row loops and its attention's tasks (over short histories too) "
+         "out to the threads (1, the default) or runs them on one thread as before (0); the same bits either way");
   toggle("silu_vectors", &silu_vectors,
          "whether the MLP's SiLU runs in AVX2 vectors (1, the default where the CPU has AVX2) or in plain floats (0); "
          "the two round differently (each is row-exact)");
