@@ -164,8 +164,10 @@ def _early_stop(c: dict, sc: dict, m: int) -> None:
     import torch
 
     bound, short, pages_u, page_scores, whole = sc["bound"], sc["short"], sc["pages_u"], sc["page_scores"], sc["whole"]
-    hkv, t, n = bound.shape
-    exact = torch.full_like(bound, float("-inf")).scatter_(-1, pages_u[:, None].expand(hkv, t, -1), page_scores)
+    hkv, t, _ = bound.shape
+    # pages_u pads short heads with page 0 (its scores -inf there): amax, so a pad never hides page 0's real score
+    exact = torch.full_like(bound, float("-inf")).scatter_reduce(-1, pages_u[:, None].expand(hkv, t, -1), page_scores,
+                                                                 reduce="amax")
     k = min(m, page_scores.shape[-1])
     thr = page_scores.topk(k, -1).values[..., -1:] if k else torch.full((hkv, t, 1), float("-inf"))
     whole_short = short & whole[None]

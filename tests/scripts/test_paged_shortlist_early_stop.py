@@ -24,3 +24,9 @@ def test_early_stop_counts_the_pages_an_exact_stop_would_still_score():
     broken[0, 0, 3] = 2.5  # above page 3's bound of 2
     ps._early_stop(c, {"bound": bound, "short": short, "pages_u": pages_u, "page_scores": broken, "whole": whole}, 2)
     assert c["es_violations"] == 1 and c["es_rows"] == 2
+    # a head padded with page 0 (-inf in the pad) still sees page 0's real score above its bound
+    padded = {"bound": torch.tensor([[[1.0, INF]]]), "short": torch.tensor([[[True, False]]]),
+              "pages_u": torch.tensor([[0, 0]]), "page_scores": torch.tensor([[[2.0, INF]]]),
+              "whole": torch.tensor([[True, True]])}
+    ps._early_stop(c, padded, 1)
+    assert c["es_violations"] == 2
