@@ -70,7 +70,7 @@ class Engine:
         # that are decoding ride along a long append (one chunk per forward) instead of waiting behind it.
         # While other sessions generate, a prefill takes chunks of prefill_chunk_shared tokens (0 = prefill_chunk):
         # their inter-token latency is then one short chunk's forward.
-        self.loop = EngineLoop(model, prefill_chunk, row_budget=64, small_step=max(16, spec_k + 1), batching=on,
+        self.loop = EngineLoop(model, prefill_chunk, row_budget=64, batching=on,
                                shared_prefill=prefill_chunk_shared, model_thread=model_thread)
         if max_threads:
             torch.set_num_threads(max_threads)

@@ -10,8 +10,8 @@ Each iteration:
   1. advance every task that is not waiting on a forward, up to its next StepInput (tasks that
      finished leave; their callers get their last events and the return value or error);
   2. take the waiting steps in posting order (the oldest always goes, so nothing starves) within a
-     two-part budget: decode and verify steps (at most `small_step` rows each) up to `row_budget`
-     rows, prefill chunks up to `prefill_budget` tokens (`shared_prefill` while rows wait) - so while
+     two-part budget: decode and verify steps (`StepInput.row_exact`) up to `row_budget` rows, prefill
+     chunks up to `prefill_budget` tokens (`shared_prefill` while rows wait), a chunk of any size - so while
      long appends land chunk by chunk, every decoding session still advances one token per forward;
   3. run them as one forward (`steps.forward_batch`). A batch whose forward fails is run again one
      step at a time, so a bad step fails only its own session.
@@ -69,6 +69,7 @@ class _Task:
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     step: StepInput | None = None  # posted, waiting for a forward
     tokens: int = 0
+    rows: bool = False  # the posted step is decode/verify rows (row-exact), not a prefill chunk
     result: Any = None  # the forward's result, sent at the next advance
     error: BaseException | None = None  # thrown in at the next advance
     abandoned: bool = False  # the caller went away: closed at the next advance
@@ -78,14 +79,13 @@ class _Task:
 
 
 class EngineLoop:
-    def __init__(self, backend: Backend, prefill_budget: int, *, row_budget: int = 64, small_step: int = 16,
-                 batching: bool = True, shared_prefill: int = 0, model_thread: ModelThread | None = None):
+    def __init__(self, backend: Backend, prefill_budget: int, *, row_budget: int = 64, batching: bool = True, shared_prefill: int = 0, model_thread: ModelThread | None = None):
         """backend: the model every forward runs; prefill_budget: prefill tokens per forward; row_budget:
-        decode/verify rows per forward (a step of at most `small_step` tokens counts as one of those).
+        decode/verify rows per forward (the tokens of row-exact steps: decode steps and verify blocks).
         shared_prefill: a prefill chunk's tokens while other tasks are live (0 = the whole chunk).
         model_thread: a ModelThread that runs the loop (the daemon's), or None to run it on the callers' threads."""
         self.backend = backend
-        self.prefill_budget, self.row_budget, self.small_step = prefill_budget, row_budget, small_step
+        self.prefill_budget, self.row_budget = prefill_budget, row_budget
         self.batching = batching
         self.shared_prefill = shared_prefill
         self.model_thread = model_thread
@@ -203,7 +203,7 @@ class EngineLoop:
                 return self._finish(t, failure=e)
             send = err = None
             if isinstance(y, StepInput):
-                t.step, t.tokens = y, len(y.positions)
+                t.step, t.tokens, t.rows = y, len(y.positions), y.row_exact
                 self._waiting.append(t)
                 return None
             t.events.put(y)
@@ -224,17 +224,16 @@ class EngineLoop:
         are prefilling at once; a forward with no such rows packs chunks up to the prefill budget."""
         batch: list = []
         rows = prefill = 0
-        rows_wait = any(t.tokens <= self.small_step for t in self._waiting)
+        rows_wait = any(t.rows for t in self._waiting)
         prefill_budget = self.shared_prefill if rows_wait and self.shared_prefill else self.prefill_budget
         for t in list(self._waiting):
-            small = t.tokens <= self.small_step
             if batch:
                 if not self.batching:
                     break
-                if small and rows + t.tokens > self.row_budget or not small and prefill + t.tokens > prefill_budget:
+                if t.rows and rows + t.tokens > self.row_budget or not t.rows and prefill + t.tokens > prefill_budget:
                     continue
             batch.append(t)
-            rows, prefill = (rows + t.tokens, prefill) if small else (rows, prefill + t.tokens)
+            rows, prefill = (rows + t.tokens, prefill) if t.rows else (rows, prefill + t.tokens)
             self._waiting.remove(t)
         self.stats.queue_depth = len(self._waiting)
         return batch

@@ -185,24 +185,38 @@ def test_a_cancelled_session_leaves_the_others_unchanged():
 def test_take_fills_two_budgets_in_order_and_keeps_the_rest_queued():
     """The batch takes waiting steps in order: prefill chunks within the prefill budget, decode/
     verify steps within the row budget, the oldest always; a step that does not fit stays queued
-    for the next forward (steps hold tensors: the queue must not compare them)."""
-    def waiting(loop, sizes):
-        tasks = [_Task(one_step(None), tokens=n) for n in sizes]
+    for the next forward (steps hold tensors: the queue must not compare them). "r" marks decode/verify
+    rows (row-exact steps), "p" prefill chunks."""
+    def waiting(loop, steps):
+        tasks = [_Task(one_step(None), tokens=int(s[:-1]), rows=s[-1] == "r") for s in steps.split()]
         loop._waiting.extend(tasks)
         return tasks
 
-    b = EngineLoop(None, 10, row_budget=3, small_step=2)
-    first, big, d1, mid, d2, v3 = waiting(b, (4, 9, 1, 3, 1, 2))
+    b = EngineLoop(None, 10, row_budget=3)
+    first, big, d1, mid, d2, v3 = waiting(b, "4p 9p 1r 3p 1r 2r")
     assert b._take() == [first, d1, mid, d2]  # prefill 4+3 (9 does not fit), rows 1+1 (2 more would be 4 > 3)
     assert list(b._waiting) == [big, v3] and b.stats.queue_depth == 2
     assert b._take() == [big, v3]
     off = EngineLoop(None, 10, batching=False)
-    first, d1 = waiting(off, (4, 1))
+    first, d1 = waiting(off, "4p 1r")
     assert off._take() == [first] and off._take() == [d1]  # batching off: one step per forward
-    shared = EngineLoop(None, 64, small_step=2, shared_prefill=8)
-    a, b, c, d = waiting(shared, (8, 8, 1, 8))
+    shared = EngineLoop(None, 64, shared_prefill=8)
+    a, b, c, d = waiting(shared, "8p 8p 1r 8p")
     assert shared._take() == [a, c]  # a decode row waits: prefill gets 8 tokens of this forward, not 64
     assert shared._take() == [b, d]  # no row waits: chunks up to the prefill budget
+
+
+def test_a_short_prefill_chunk_counts_against_the_prefill_budget_not_the_rows():
+    """Chunks of a few tokens (--prefill-chunk-shared 8, an append's last piece) are prefill whatever their size:
+    with decode rows waiting, a forward takes one 8-token chunk, not every session's (counted as decode rows,
+    eight sessions' short chunks rode one forward: 64 prefill rows at the decode rows' latency)."""
+    shared = EngineLoop(None, 256, shared_prefill=8)
+    chunks = [_Task(one_step(None), tokens=8) for _ in range(4)]
+    rows = [_Task(one_step(None), tokens=1, rows=True) for _ in range(4)]
+    shared._waiting.extend([x for pair in zip(chunks, rows) for x in pair])
+    assert shared._take() == [chunks[0], *rows]
+    assert list(shared._waiting) == chunks[1:]
+    assert shared._take() == chunks[1:]  # no rows wait: up to the whole prefill budget
 
 
 @pytest.mark.parametrize("threaded", [False, True])
