@@ -44,8 +44,9 @@ class Engine:
         StrategyPlugin.build_resources), shared by every cache it makes; None for the built-ins.
         batching: "on" = concurrent sessions' steps share forwards (engine/loop.py), "off" = one
         session's step per forward, "auto" = on where it is exact (row-independent int8/int4 kernels
-        of the torch backend), off otherwise. prefill_chunk_shared: with batching on, the prefill chunk
-        while other sessions generate (0 = prefill_chunk). model_thread: the ModelThread that runs the
+        of the torch backend), off otherwise. prefill_chunk_shared: with batching on, a forward's tokens
+        while other sessions generate: their decode rows first, the prefill chunk the rest, at least half of it
+        (0 = whole prefill chunks). model_thread: the ModelThread that runs the
         engine loop (the daemon's), or None to run it on the callers' threads (in-process use).
         drafter: engine/prompt_lookup.py's PromptLookupDrafter or one of kv_cache_proposer's, read by duck typing
         (their `draft` signatures differ: a v2 drafter takes its state and position), hence Any."""
@@ -68,8 +69,8 @@ class Engine:
             raise ValueError(f"the {getattr(model, 'backend_name', '?')} backend cannot batch sessions' steps; use batching off")
         # A forward takes up to one prefill chunk plus 64 rows of decode/verify steps, so sessions
         # that are decoding ride along a long append (one chunk per forward) instead of waiting behind it.
-        # While other sessions generate, a prefill takes chunks of prefill_chunk_shared tokens (0 = prefill_chunk):
-        # their inter-token latency is then one short chunk's forward.
+        # While other sessions generate, a forward holds about prefill_chunk_shared tokens (their rows, then a
+        # prefill chunk; 0 = whole chunks): their inter-token latency is then one short forward's.
         self.loop = EngineLoop(model, prefill_chunk, row_budget=64, batching=on,
                                shared_prefill=prefill_chunk_shared, model_thread=model_thread)
         if max_threads:

@@ -11,8 +11,11 @@ Each iteration:
      finished leave; their callers get their last events and the return value or error);
   2. take the waiting steps in posting order (the oldest always goes, so nothing starves) within a
      two-part budget: decode and verify steps (`StepInput.row_exact`) up to `row_budget` rows, prefill
-     chunks up to `prefill_budget` tokens (`shared_prefill` while rows wait), a chunk of any size - so while
-     long appends land chunk by chunk, every decoding session still advances one token per forward;
+     chunks up to `prefill_budget` tokens, a chunk of any size - so while long appends land chunk by chunk,
+     every decoding session still advances one token per forward. While rows wait, `shared_prefill` is the
+     forward's token budget: the rows first, prefill what they leave, at least half of it (vLLM's token
+     budget, with a floor so prefill never starves): a forward's size, hence the rows' inter-token latency,
+     stays about `shared_prefill` rows' however many sessions decode or prefill;
   3. run them as one forward (`steps.forward_batch`). A batch whose forward fails is run again one
      step at a time, so a bad step fails only its own session.
 
@@ -82,7 +85,8 @@ class EngineLoop:
     def __init__(self, backend: Backend, prefill_budget: int, *, row_budget: int = 64, batching: bool = True, shared_prefill: int = 0, model_thread: ModelThread | None = None):
         """backend: the model every forward runs; prefill_budget: prefill tokens per forward; row_budget:
         decode/verify rows per forward (the tokens of row-exact steps: decode steps and verify blocks).
-        shared_prefill: a prefill chunk's tokens while other tasks are live (0 = the whole chunk).
+        shared_prefill: while other tasks are live, a forward's tokens (decode/verify rows first, prefill chunks
+        the rest, at least half of it; `prefill_share`); 0 = whole chunks, up to prefill_budget, always.
         model_thread: a ModelThread that runs the loop (the daemon's), or None to run it on the callers' threads."""
         self.backend = backend
         self.prefill_budget, self.row_budget = prefill_budget, row_budget
@@ -142,11 +146,17 @@ class EngineLoop:
                 return stop.value
 
     def prefill_tokens(self, full: int) -> int:
-        """Tokens a prefill chunk may take now: `full`, or `shared_prefill` while other tasks are live (their
-        decode rows ride in the same forwards, so a long append costs them one short chunk's forward per token)."""
+        """Tokens a prefill chunk may take now: `full`, or while other tasks are live the prefill share of a
+        forward next to the rows the decoding tasks post (each decoding task's last step: a row, or a verify
+        block), so a long append costs them about one `shared_prefill`-token forward per token."""
         if self.batching and self.shared_prefill and len(self._tasks) > 1:
-            return min(full, self.shared_prefill)
+            return min(full, self.prefill_share(sum(t.tokens for t in list(self._tasks) if t.rows)))
         return full
+
+    def prefill_share(self, rows: int) -> int:
+        """Prefill tokens of a forward that carries `rows` decode/verify rows: what they leave of
+        `shared_prefill`, at least half of it."""
+        return max(self.shared_prefill - rows, (self.shared_prefill + 1) // 2)
 
     def _inline(self) -> bool:
         mt = self.model_thread
@@ -219,13 +229,13 @@ class EngineLoop:
 
     def _take(self) -> list:
         """Waiting steps in posting order within the two budgets (the oldest always). While decode or verify
-        rows wait, prefill chunks get `shared_prefill` tokens of the forward (when set), not the whole
-        prefill budget: those rows' inter-token latency is one short chunk's forward however many sessions
-        are prefilling at once; a forward with no such rows packs chunks up to the prefill budget."""
+        rows wait, prefill chunks get what those rows leave of `shared_prefill` (when set; `prefill_share`),
+        not the whole prefill budget: those rows' inter-token latency is one short forward's however many
+        sessions are prefilling at once; a forward with no such rows packs chunks up to the prefill budget."""
         batch: list = []
         rows = prefill = 0
-        rows_wait = any(t.rows for t in self._waiting)
-        prefill_budget = self.shared_prefill if rows_wait and self.shared_prefill else self.prefill_budget
+        rows_wait = sum(t.tokens for t in self._waiting if t.rows)
+        prefill_budget = self.prefill_share(rows_wait) if rows_wait and self.shared_prefill else self.prefill_budget
         for t in list(self._waiting):
             if batch:
                 if not self.batching:

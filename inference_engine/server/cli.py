@@ -82,8 +82,9 @@ def _add_serve(sub) -> None:
                         "--backend mlx: fp32, fp16 or int4 (the same Q4_1 blocks), auto = int4")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="tokens per prefill forward (bounds peak memory)")
     p.add_argument("--prefill-chunk-shared", type=int, default=d.prefill_chunk_shared,
-                   help="with batching on, tokens per prefill forward while other sessions are generating: their next "
-                        "tokens wait one such forward, not a whole --prefill-chunk (0 = --prefill-chunk)")
+                   help="with batching on, tokens per forward while other sessions are generating: their decode rows "
+                        "first, a prefill chunk the rest (at least half), so their next tokens wait one such forward, "
+                        "not a whole --prefill-chunk (0 = whole --prefill-chunk chunks)")
     p.add_argument("--drafter", default=None,
                    help="speculative decoding: ngram (draft-free prompt lookup in the session's history) or a dLM drafter "
                         "(shipped name, e.g. smollm2-135m-dlm, or a checkpoint dir)")

@@ -10,6 +10,7 @@ from inference_engine.backends.torch.model import TorchCausalLM
 from inference_engine.engine import steps
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine
+from inference_engine.engine.loop import EngineLoop, _Task
 from inference_engine.engine.requests import GenerateParams
 from inference_engine.kv.strategy import KVStrategy
 
@@ -39,7 +40,7 @@ def test_prefill_takes_short_chunks_while_another_session_is_engaged(monkeypatch
     with generating(shared):  # another session generating (its decode rows ride along)
         chunks.clear()
         got = tokens(shared)
-    assert chunks == [8] * 8 + [6]
+    assert chunks == [7] * 10  # the other session's decode row takes 1 of the forward's 8 tokens
     assert got[0] == want[0] and torch.equal(got[1], want[1])  # int4 kernels are row-independent: bit for bit
 
 
@@ -67,3 +68,23 @@ def test_shared_chunks_only_with_batching_on():
     assert on8.loop.prefill_tokens(32) == 32  # alone
     with generating(on8):
         assert on8.loop.prefill_tokens(32) == 32  # the live task is the only one: still alone
+
+
+def test_the_prefill_share_is_what_the_decode_rows_leave_of_the_forward_at_least_half():
+    """--prefill-chunk-shared is a forward's token budget while others generate: their rows first (each decoding
+    task's last step: a row, or a verify block of k + 1), prefill the rest, never under half the budget."""
+    loop = EngineLoop(None, 256, shared_prefill=16)
+    assert [loop.prefill_share(r) for r in (0, 1, 4, 8, 9, 64)] == [16, 15, 12, 8, 8, 8]
+    assert EngineLoop(None, 256, shared_prefill=7).prefill_share(7) == 4  # half, rounded up
+    me = _Task(iter(()))
+    loop._tasks.append(me)
+    assert loop.prefill_tokens(256) == 256  # alone: the whole chunk
+    decoding = [_Task(iter(()), tokens=1, rows=True) for _ in range(3)] + [_Task(iter(()), tokens=5, rows=True)]
+    prefilling = _Task(iter(()), tokens=32)  # another session's prefill: no rows of its own
+    loop._tasks.extend([*decoding, prefilling])
+    assert loop.prefill_tokens(256) == 16 - 3 - 5 and loop.prefill_tokens(6) == 6
+    # at take time the budget follows the rows that wait: 4 rows leave 12 tokens; a chunk that does not fit waits
+    waiting = [_Task(iter(()), tokens=12), _Task(iter(()), tokens=13), *[_Task(iter(()), tokens=1, rows=True) for _ in range(4)]]
+    late = _Task(iter(()), tokens=12)
+    loop._waiting.extend([*waiting, late])
+    assert loop._take() == [waiting[0], *waiting[2:]] and list(loop._waiting) == [waiting[1], late]
