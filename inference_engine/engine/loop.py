@@ -82,7 +82,8 @@ class _Task:
 
 
 class EngineLoop:
-    def __init__(self, backend: Backend, prefill_budget: int, *, row_budget: int = 64, batching: bool = True, shared_prefill: int = 0, model_thread: ModelThread | None = None):
+    def __init__(self, backend: Backend, prefill_budget: int, *, row_budget: int = 64, batching: bool = True,
+                 shared_prefill: int = 0, model_thread: ModelThread | None = None):
         """backend: the model every forward runs; prefill_budget: prefill tokens per forward; row_budget:
         decode/verify rows per forward (the tokens of row-exact steps: decode steps and verify blocks).
         shared_prefill: while other tasks are live, a forward's tokens (decode/verify rows first, prefill chunks
