@@ -108,7 +108,8 @@ def test_every_live_session_rides_every_forward():
     rides every forward from its prefill to its last decode step, and nothing waits otherwise."""
     model = int4_model()
     jobs = [(ids(20, i), GenerateParams(max_tokens=12)) for i in range(4)]
-    engine, _ = all_at_once(lambda mt: Engine(model, KVStrategy("full"), prefill_chunk=32, batching="on", model_thread=mt), jobs)
+    engine, _ = all_at_once(lambda mt: Engine(model, KVStrategy("full"), prefill_chunk=32, batching="on", model_thread=mt,
+                                                prefill_chunk_shared=0), jobs)  # whole chunks: one per forward
     s = engine.loop.stats
     # forward k (1..4) prefills session k-1 beside the decode rows of those before it; each session then
     # decodes 11 steps (12 tokens, the first sampled from its prefill), so forwards 5..12 carry all 4.
