@@ -3,6 +3,7 @@ other session's decode rows wait one short chunk's forward; with row-independent
 prefilled session's tokens are bit for bit those of a full-chunk prefill."""
 import contextlib
 
+import pytest
 import torch
 
 from factories import tiny_model_dir
@@ -19,8 +20,9 @@ def _prompt(n, seed=0):
     return torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_prefill_takes_short_chunks_while_another_session_is_engaged(monkeypatch):
-    m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
+@pytest.mark.parametrize("weights", ["int4", "int8"])  # the formats batching is on for (--batching auto)
+def test_prefill_takes_short_chunks_while_another_session_is_engaged(monkeypatch, weights):
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights=weights)
     history = _prompt(70)
     chunks = []
     real = steps.prefill_chunk_task
@@ -41,7 +43,7 @@ def test_prefill_takes_short_chunks_while_another_session_is_engaged(monkeypatch
         chunks.clear()
         got = tokens(shared)
     assert chunks == [7] * 10  # the other session's decode row takes 1 of the forward's 8 tokens
-    assert got[0] == want[0] and torch.equal(got[1], want[1])  # int4 kernels are row-independent: bit for bit
+    assert got[0] == want[0] and torch.equal(got[1], want[1])  # int4/int8 kernels are row-independent: bit for bit
 
 
 @contextlib.contextmanager
