@@ -39,7 +39,7 @@ class Engine:
 
     def __init__(self, model: Backend, strategy: KVStrategy, *, prefill_chunk: int = 256, max_threads: int | None = None,
                  drafter: Any = None, spec_k: int = 0, drafter_name: str = "", strategy_resources: object = None,
-                 batching: str = "auto", prefill_chunk_shared: int = 16, model_thread: ModelThread | None = None):
+                 batching: str = "auto", prefill_chunk_shared: int = 8, model_thread: ModelThread | None = None):
         """strategy_resources: what the strategy's plugin built for this engine (kv/plugins.py
         StrategyPlugin.build_resources), shared by every cache it makes; None for the built-ins.
         batching: "on" = concurrent sessions' steps share forwards (engine/loop.py), "off" = one

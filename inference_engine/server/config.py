@@ -47,7 +47,7 @@ class ServeConfig:
     threads: int | str | None = None  # None = torch's choice, "auto" = fastest measured (engine/tuning.py)
     weights: str = "auto"  # fp32 | int8 | int4 | auto (int4 on cpu, fp32 elsewhere: scripts/bench_weights.py)
     prefill_chunk: int = 256
-    prefill_chunk_shared: int = 16  # a forward's tokens while other sessions generate: rows, then prefill (batching on; 0 = whole chunks)
+    prefill_chunk_shared: int = 8  # a forward's tokens while other sessions generate: rows, then prefill (batching on; 0 = whole chunks)
     max_workers: int = 16
     drafter: str | None = None  # "ngram" (prompt lookup), a shipped drafter name or checkpoint dir; enables speculation
     # drafts per verify step: 3, measured faster than 4 for ngram on every style on the CPU (a 4-row verify block
