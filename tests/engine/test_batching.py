@@ -96,7 +96,7 @@ def test_concurrent_sessions_batched_equal_their_solo_runs(drafter):
     solo = Engine(model, KVStrategy("sink_window", 4, 24), prefill_chunk=16, batching="off", **kw)
     want = [run_concurrently(solo, [job])[0] for job in jobs]
     batched, got = all_at_once(lambda mt: Engine(model, KVStrategy("sink_window", 4, 24), prefill_chunk=16, batching="on",
-                                                 model_thread=mt, **kw), jobs)
+                                                 model_thread=mt, prefill_chunk_shared=0, **kw), jobs)  # whole chunks
     assert got == want
     sizes = batched.loop.stats.batch_sizes
     assert max(sizes) == 5, sizes  # every live session rode the same forward
