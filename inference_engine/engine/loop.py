@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class BatchStats:
     last_batch_size: int = 0
     queue_depth: int = 0  # steps waiting for a forward after the last batch was taken
     batch_sizes: dict = field(default_factory=dict)  # size -> forwards
+    forward_seconds: float = 0.0  # wall time inside forwards (over the daemon's wall time: the model thread's busy share)
+    row_tokens: int = 0  # decode/verify rows run
+    prefill_tokens: int = 0  # prefill chunks' tokens run
 
 
 _DONE = object()  # the last item of a task's event queue
@@ -253,6 +257,9 @@ class EngineLoop:
         s = self.stats
         s.forwards, s.steps, s.last_batch_size = s.forwards + 1, s.steps + len(batch), len(batch)
         s.batch_sizes[len(batch)] = s.batch_sizes.get(len(batch), 0) + 1
+        rows = sum(t.tokens for t in batch if t.rows)
+        s.row_tokens, s.prefill_tokens = s.row_tokens + rows, s.prefill_tokens + sum(t.tokens for t in batch) - rows
+        t0 = time.perf_counter()
         try:
             for t, res in zip(batch, forward_batch(self.backend, [t.step for t in batch])):
                 t.result = res
@@ -265,5 +272,6 @@ class EngineLoop:
                         t.result = forward_batch(self.backend, [t.step])[0]
                     except BaseException as e1:
                         t.error = e1
+        s.forward_seconds += time.perf_counter() - t0
         for t in batch:
             t.step = None

@@ -82,6 +82,11 @@ class RuntimeMetrics:
                                   registry=r)
         self.steps_run = Gauge("engine_steps_run", "Sessions' steps the engine ran since start (steps / forwards = mean batch size).",
                                registry=r)
+        self.forward_seconds = Gauge("engine_forward_seconds", "Seconds the engine spent in forwards since start (its rate = the "
+                                     "model thread's busy share).", registry=r)
+        self.row_tokens_run = Gauge("engine_row_tokens_run", "Decode and verify rows the engine ran since start.", registry=r)
+        self.prefill_tokens_run = Gauge("engine_prefill_tokens_run", "Prefill tokens the engine ran since start (with "
+                                        "engine_row_tokens_run and engine_forwards_run: a forward's make-up).", registry=r)
         for kind in ("inv1", "inv2"):
             self.cache_invariant_violations_total.labels(kind=kind)
         for reason in ("ttl", "lru", "close"):

@@ -117,6 +117,9 @@ class Runtime:
         m.step_queue_depth.set_function(lambda: stats.queue_depth)
         m.forwards_run.set_function(lambda: stats.forwards)
         m.steps_run.set_function(lambda: stats.steps)
+        m.forward_seconds.set_function(lambda: stats.forward_seconds)
+        m.row_tokens_run.set_function(lambda: stats.row_tokens)
+        m.prefill_tokens_run.set_function(lambda: stats.prefill_tokens)
 
     def _observe_save(self, seconds: float) -> None:
         self.metrics.session_saves_total.inc()

@@ -237,7 +237,8 @@ def test_metrics_endpoint_exposes_session_metrics():
             "session_kv_resident_bytes", "session_kv_selection_bytes", "session_kv_stored_bytes", "session_kv_cold_bytes 0.0",
             "generate_prefill_tokens_bucket", "generate_prefill_duration_seconds_bucket", 'cache_invariant_violations_total{kind="inv1"}',
             'session_evicted_total{reason="lru"}', "generate_tokens_total 4.0", "generate_time_to_first_token_seconds_bucket",
-            "generate_decode_tokens_per_second_bucket", "history_truncated_tokens_total",
+            "generate_decode_tokens_per_second_bucket", "history_truncated_tokens_total", "engine_forward_seconds",
+            "engine_prefill_tokens_run 40.0", "engine_row_tokens_run 3.0",  # 40 prompt tokens; 4 tokens = 3 decode rows
         ):
             assert name in text, name
     finally:
