@@ -160,8 +160,8 @@ class EngineLoop:
 
     def prefill_share(self, rows: int) -> int:
         """Prefill tokens of a forward that carries `rows` decode/verify rows: what they leave of
-        `shared_prefill`, at least half of it."""
-        return max(self.shared_prefill - rows, (self.shared_prefill + 1) // 2)
+        `shared_prefill`, at least half of it (never more than the prefill budget)."""
+        return min(max(self.shared_prefill - rows, (self.shared_prefill + 1) // 2), self.prefill_budget)
 
     def _inline(self) -> bool:
         mt = self.model_thread

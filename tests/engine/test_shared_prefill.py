@@ -78,6 +78,7 @@ def test_the_prefill_share_is_what_the_decode_rows_leave_of_the_forward_at_least
     loop = EngineLoop(None, 256, shared_prefill=16)
     assert [loop.prefill_share(r) for r in (0, 1, 4, 8, 9, 64)] == [16, 15, 12, 8, 8, 8]
     assert EngineLoop(None, 256, shared_prefill=7).prefill_share(7) == 4  # half, rounded up
+    assert EngineLoop(None, 32, shared_prefill=64).prefill_share(1) == 32  # never past the prefill budget
     me = _Task(iter(()))
     loop._tasks.append(me)
     assert loop.prefill_tokens(256) == 256  # alone: the whole chunk
