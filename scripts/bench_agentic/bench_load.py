@@ -10,8 +10,8 @@ Arms, one after another on the same machine and thread count:
                        backends/torch/native.py); the arms without the suffix run --compile off
   kakeya-batching-on-chunkN  batching on with --prefill-chunk N (smaller chunks bound the inter-token
                        latency others see while an append lands, at some prefill cost)
-  kakeya-batching-on-sharedN  batching on with --prefill-chunk-shared N (the prefill tokens a forward carries while
-                       other sessions decode; the default 32); combines with -chunkN before it
+  kakeya-batching-on-sharedN  batching on with --prefill-chunk-shared N (a forward's token budget while other
+                       sessions decode: their rows, then prefill; the default 8); combines with -chunkN before it
   llama.cpp-batched    llama.cpp on the same GGUF with n sequences in one context (n_seq_max = n), each
                        forward carrying one token per decoding sequence plus up to --llama-chunk prefill
                        tokens: llama-server's continuous batching, driven in-process through
