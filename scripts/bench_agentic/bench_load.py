@@ -24,7 +24,9 @@ prefill included), per-session decode tok/s, p50/p95 inter-token latency and tim
 token, errors, sessions lost, the server's peak RSS; then pure decode (every session generates
 --decode-tokens at once after a 32-token history: aggregate decode tok/s). At
 --interference-levels the level runs again while one more session appends --big-append tokens.
---duration-s turns it into the long-load run. Writes results/bench_load.json and .png.
+--duration-s turns it into the long-load run. For our daemon every level, decode run and interference run also
+records "engine": its forwards over that stretch, read from its /metrics (mean forward ms, the model thread's busy
+share, decode/verify rows and prefill tokens per forward). Writes results/bench_load.json and .png.
 """
 from __future__ import annotations
 
@@ -48,11 +50,35 @@ def workload(session: int, turns: int, seed: int, vocab: int = 40000):
     return [[rng.randrange(100, hi) for _ in range(rng.randrange(40, 401))] for _ in range(turns)]
 
 
+ENGINE_COUNTERS = ("engine_forwards_run", "engine_forward_seconds", "engine_row_tokens_run", "engine_prefill_tokens_run")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def engine_make_up(before: dict, after: dict, wall_s: float) -> dict:
+    """What the daemon's forwards were over a stretch of wall time, from two scrapes of its engine counters:
+    forwards, mean forward ms, the model thread's busy share (time in forwards / wall), decode/verify rows and
+    prefill tokens per forward."""
+    d = {k: after[k] - before[k] for k in ENGINE_COUNTERS}
+    n = d["engine_forwards_run"]
+    return {"forwards": int(n), "forward_ms_mean": round(1e3 * d["engine_forward_seconds"] / n, 2) if n else None,
+            "busy_share": round(d["engine_forward_seconds"] / wall_s, 3) if wall_s > 0 else None,
+            "rows_per_forward": round(d["engine_row_tokens_run"] / n, 2) if n else None,
+            "prefill_tokens_per_forward": round(d["engine_prefill_tokens_run"] / n, 2) if n else None}
+
+
 class Daemon:
     def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off", shared=None):
         # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
+        self.metrics_port = free_port()
         cmd = [os.path.join(os.path.dirname(sys.executable), "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
-               "--weights", weights, "--compile", compile,
+               "--weights", weights, "--compile", compile, "--metrics-port", str(self.metrics_port),
                "--batching", batching, "--threads", str(threads), "--state-dir", state_dir]
         if prefill_chunk:
             cmd += ["--prefill-chunk", str(prefill_chunk)]
@@ -64,6 +90,22 @@ class Daemon:
             self.proc.kill()
             raise RuntimeError(f"kakeya serve did not start: {line!r}")
         self.target = f"127.0.0.1:{line.split()[1]}"
+
+    def engine(self) -> dict:
+        """The daemon's engine counters now (its /metrics, read with prometheus_client's parser)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).read().decode()
+        return {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.name in ENGINE_COUNTERS}
+
+    def measured(self, fn):
+        """fn()'s result (a dict) with the engine's make-up over the call (`engine_make_up`) as its "engine"."""
+        before, t0 = self.engine(), time.perf_counter()
+        out = fn()
+        out["engine"] = engine_make_up(before, self.engine(), time.perf_counter() - t0)
+        return out
 
     def rss(self):
         import psutil
@@ -430,15 +472,15 @@ def main() -> int:
                        shared=int(shared) if shared else None)
             try:
                 for n in levels:
-                    res[n] = run_level_kakeya(d.target, n, args, d.rss)
+                    res[n] = d.measured(lambda: run_level_kakeya(d.target, n, args, d.rss))
                     if args.decode_tokens and not args.duration_s:
-                        res[n]["decode"] = decode_kakeya(d.target, n, args)
+                        res[n]["decode"] = d.measured(lambda: decode_kakeya(d.target, n, args))
                         res[n]["errors"] += res[n]["decode"]["errors"]
                     print(arm, n, res[n]["aggregate_tok_s"], "tok/s", res[n].get("decode", {}).get("aggregate_decode_tok_s"),
                           "decode tok/s", flush=True)
                 for n in interference:
                     key = f"{n}+append{args.big_append}"
-                    res[key] = run_level_kakeya(d.target, n, args, d.rss, big_append=args.big_append)
+                    res[key] = d.measured(lambda: run_level_kakeya(d.target, n, args, d.rss, big_append=args.big_append))
                     print(arm, key, "itl p95", res[key]["itl_p95_s"], flush=True)
             finally:
                 d.close()

@@ -29,3 +29,6 @@ def test_eight_sessions_keep_taking_turns_and_lose_nothing(tmp_path, seconds):
     assert level["sessions_lost"] == 0
     assert level["turns_min_per_session"] >= 2  # every session kept working (each took several turns)
     assert level["generated_tokens"] == 8 * level["turns"]  # ignore_eos: every turn streamed all its tokens
+    engine = level["engine"]  # the daemon's /metrics over the level: its forwards' make-up
+    assert engine["forwards"] > 0 and engine["rows_per_forward"] > 0 and engine["prefill_tokens_per_forward"] > 0
+    assert 0 < engine["busy_share"] and engine["forward_ms_mean"] > 0
