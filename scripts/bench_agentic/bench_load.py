@@ -53,14 +53,6 @@ def workload(session: int, turns: int, seed: int, vocab: int = 40000):
 ENGINE_COUNTERS = ("engine_forwards_run", "engine_forward_seconds", "engine_row_tokens_run", "engine_prefill_tokens_run")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def engine_make_up(before: dict, after: dict, wall_s: float) -> dict:
     """What the daemon's forwards were over a stretch of wall time, from two scrapes of its engine counters:
     forwards, mean forward ms, the model thread's busy share (time in forwards / wall), decode/verify rows and
@@ -76,6 +68,8 @@ def engine_make_up(before: dict, after: dict, wall_s: float) -> dict:
 class Daemon:
     def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off", shared=None):
         # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
+        from inference_engine.server.cluster import free_port
+
         self.metrics_port = free_port()
         cmd = [os.path.join(os.path.dirname(sys.executable), "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
                "--weights", weights, "--compile", compile, "--metrics-port", str(self.metrics_port),

@@ -34,7 +34,6 @@ import pathlib
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,14 +45,10 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import ROOT, command_line, run_metadata, write_json  # noqa: E402
 
+from inference_engine.server.cluster import free_port  # noqa: E402
+
 CHECKPOINT = "checkpoint.json"
 RESUMED_LINE = "every agent resumed after the SIGKILL; checkpoint written"  # printed once per run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dir_bytes(path: str) -> int:
