@@ -13,7 +13,9 @@ in --rounds, so a drift in the box's speed lands on every cell alike. Arms are s
   trim    rows end at their last visible column (trim_columns 1)
   apart   trim, and a step of several rows shares its per-row loops and short attention out to the threads
   silu    apart, and the MLP's SiLU in AVX2 vectors (silu_vectors 1; rounds differently: not the same bits as the
-          others, each row-exact) - the default where the CPU has AVX2
+          others, each row-exact)
+  head    silu, and the greedy head's exact top 64 chosen and rescored in the C++ call that scores (refined_head)
+          instead of topk / gather / einsum / scatter from Python after it (the arms above) - the default
 Records the median ms per forward, tokens per second (n / median) and the speedup at n over n = 1 per arm, and
 each arm's speedup over `before` per n. Writes results/research/batch_rows.json.
 
@@ -31,7 +33,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
-ARMS = {"before": (0, 0, 0), "trim": (1, 0, 0), "apart": (1, 1, 0), "silu": (1, 1, 1)}  # trim_columns, rows_apart, silu_vectors
+# trim_columns, rows_apart, silu_vectors, the greedy head's refinement in C++ (csrc/row_step.cpp refined_head)
+ARMS = {"before": (0, 0, 0, 0), "trim": (1, 0, 0, 0), "apart": (1, 1, 0, 0), "silu": (1, 1, 1, 0), "head": (1, 1, 1, 1)}
 
 
 def main(argv=None) -> int:
@@ -41,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=32, help="tokens each session holds before its decode row")
     p.add_argument("--batches", default="1,2,4,8", help="sessions per forward")
-    p.add_argument("--arms", default="before,trim,apart,silu")
+    p.add_argument("--arms", default="before,trim,apart,silu,head")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "batch_rows.json"))
     args = p.parse_args(argv)
@@ -92,11 +95,25 @@ def main(argv=None) -> int:
             kv.cache.abort()
         return dt
 
+    head = m.head
+    fused = head.greedy_kernel
+    python_refine = None
+    if fused is not None:
+        from inference_engine.backends.torch.native import q4_pack
+
+        packed, r = q4_pack(mod, head.greedy_approx), min(head.greedy_refine, head.w.shape[0])
+
+        def python_refine(x):  # the greedy head before refined_head: the kernel's scores, the top r refined from Python
+            y = mod.q4_matmul(x.float().contiguous(), packed, 0, 1)
+            idx = y.topk(r, dim=-1).indices
+            return y.scatter(-1, idx, torch.einsum("mh,mrh->mr", x.float(), head.w[idx]))
+
     def use(arm: str) -> None:
-        trim, apart, silu = ARMS[arm]
+        trim, apart, silu, in_cpp = ARMS[arm]
         mod.trim_columns(trim)
         mod.rows_apart(apart)
         mod.silu_vectors(int(bool(silu) and mod.q4_isa() != 0))
+        head.greedy_kernel = fused if in_cpp or python_refine is None else python_refine
 
     cells = [(a, n) for a in arms for n in batches]
     for a, n in cells:  # warm-up
@@ -107,7 +124,7 @@ def main(argv=None) -> int:
         for a, n in cells:
             use(a)
             times[a, n].append(forward(n))
-    use("silu")  # the default again
+    use("head")  # the default again
     by_arm: dict = {}
     for a in arms:
         med = {n: statistics.median(times[a, n]) for n in batches}
@@ -119,7 +136,7 @@ def main(argv=None) -> int:
         for a in arms:
             for n, v in by_arm[a].items():
                 v["speedup_vs_before"] = round(by_arm["before"][n]["forward_ms_median"] / v["forward_ms_median"], 3)
-    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors"), ARMS[a])) for a in arms}
+    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors", "refined_head"), ARMS[a])) for a in arms}
     doc = meta | {"strategy": strategy.describe(), "step": m.describe_step(), "arms": settings, "by_arm": by_arm,
                   "what": "one forward of n sessions' decode rows (engine forward_batch, in-process), median of --rounds "
                           "interleaved rounds; the daemon's sampling, streaming and gRPC are not in it"}

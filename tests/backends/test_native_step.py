@@ -299,6 +299,39 @@ def test_the_q4_kernel_computes_the_int4_weights_within_int8_activation_rounding
         mod.q4_matmul(torch.randn(2, 64), packed)
 
 
+def test_the_native_greedy_head_is_the_refined_heads_greedy_path_in_one_call():
+    """csrc/row_step.cpp refined_head (what RefinedHead's greedy path calls with the native step on): the int4 kernel's
+    one-plane scores, each row's top `refine` of them recomputed exactly in fp32; so the argmax is the fp32 head's,
+    the refined logits are fp32 dot products, every other logit is the kernel's score bit for bit, and rows are
+    row-exact (alone, or in calls of other sizes)."""
+    from inference_engine.backends.torch.linear import RefinedHead
+
+    mod = _module()
+    if mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here: the greedy head keeps its Python path")
+    g = torch.Generator().manual_seed(3)
+    head = RefinedHead(torch.randn(4000, 64, generator=g) * 0.2, refine=8, greedy_refine=32)
+    packed = native.q4_pack(mod, head.greedy_approx)
+    x = torch.randn(9, 64, generator=g)
+    got = mod.refined_head(x, packed, head.w, 32)
+    scores, exact = mod.q4_matmul(x, packed, 0, 1), x @ head.w.T
+    changed = got != scores
+    assert (changed.sum(-1) <= 32).all() and changed.any(-1).all()
+    top = scores.topk(32, -1).indices
+    torch.testing.assert_close(got.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)  # the 32 refined
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert torch.equal(got[~changed], scores[~changed])  # the rest: the kernel's scores
+    for i in range(9):
+        assert torch.equal(mod.refined_head(x[i:i + 1].contiguous(), packed, head.w, 32), got[i:i + 1])
+    assert torch.equal(mod.refined_head(x[3:7].contiguous(), packed, head.w, 32), got[3:7])
+    # the Python path's scores, its choice (torch.topk) and its einsum give the same argmax and candidates
+    head.greedy_kernel = None
+    python = head(x, greedy=True) if head.greedy_approx is not None else None
+    assert python is not None and torch.equal(python.argmax(-1), got.argmax(-1))
+    with pytest.raises(RuntimeError, match="fp32 rows"):
+        mod.refined_head(x, packed, head.w[:10], 32)
+
+
 def _quantize_reference(x: torch.Tensor, planes: int):
     """The activation quantization q4_matmul.h documents, in torch: per row and group of 32, t = x * (127 / amax),
     qx1 = round half to even, clamped to +-127; qx2 = the same of (t - qx1) * 256; scale and scale * sum(256 qx1 + qx2)."""

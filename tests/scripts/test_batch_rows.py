@@ -15,8 +15,9 @@ def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/batch_rows.py ") and doc["commit"]
-    assert set(doc["by_arm"]) == {"before", "trim", "apart", "silu"}
-    assert doc["arms"]["before"] == {"trim_columns": 0, "rows_apart": 0, "silu_vectors": 0}
+    assert set(doc["by_arm"]) == {"before", "trim", "apart", "silu", "head"}
+    assert doc["arms"]["before"] == {"trim_columns": 0, "rows_apart": 0, "silu_vectors": 0, "refined_head": 0}
+    assert doc["arms"]["head"] == {"trim_columns": 1, "rows_apart": 1, "silu_vectors": 1, "refined_head": 1}
     for arm in doc["by_arm"].values():
         assert set(arm) == {"1", "3"}
         assert arm["1"]["speedup_vs_1"] == 1.0 and arm["3"]["forward_ms_median"] > 0 and arm["3"]["speedup_vs_before"] > 0

@@ -200,12 +200,16 @@ class RefinedHead:
         self.greedy_approx = (made("head.int4", Int4Linear, lambda: Int4Linear.from_float(self.w))
                               if k % GROUP == 0 and n % 16 == 0 else None)
         self.greedy_refine = greedy_refine
-        self.greedy_kernel: Any = None  # x -> 4-bit scores of greedy_approx's weights by another kernel (native.py), or None
+        # x -> this greedy path's whole result (greedy_approx's 4-bit scores, the top greedy_refine exact) in one call
+        # of another kernel (native.py: csrc/row_step.cpp refined_head), or None
+        self.greedy_kernel: Any = None
 
     def __call__(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         approx: Any
+        if greedy and self.greedy_kernel is not None:
+            return self.greedy_kernel(x)
         if greedy and self.greedy_approx is not None:
-            approx, r = self.greedy_kernel or self.greedy_approx, min(self.greedy_refine, self.w.shape[0])
+            approx, r = self.greedy_approx, min(self.greedy_refine, self.w.shape[0])
         else:
             approx, r = self.approx, self.refine
         y = approx(x).float()

@@ -169,9 +169,9 @@ class NativeRowStep:
                                    float(scale), kinds, tensors)
         head = model.head
         if self.q4 and isinstance(head, RefinedHead) and isinstance(head.greedy_approx, Int4Linear):
-            packed = q4_pack(module, head.greedy_approx)
+            packed, rows, refine = q4_pack(module, head.greedy_approx), head.w, min(head.greedy_refine, head.w.shape[0])
             # one int8 plane: only which 64 candidates the exact fp32 rescoring sees depends on it
-            head.greedy_kernel = lambda x: module.q4_matmul(x.float().contiguous(), packed, 0, 1)
+            head.greedy_kernel = lambda x: module.refined_head(x.float(), packed, rows, refine)
         from inference_engine.kv import paged_store
 
         # the page choice's one-pass scoring of compact keys (kv/paged_store measures whether it is the fastest path)
