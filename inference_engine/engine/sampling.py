@@ -19,12 +19,27 @@ def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.T
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if 0.0 < params.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
-        p = torch.softmax(sorted_x, -1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop = (torch.cumsum(p, -1) - p) >= params.top_p
-        x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
+        x = top_p_filter(x, params.top_p)
     return torch.softmax(x, -1)
+
+
+def top_p_filter(x: torch.Tensor, top_p: float, first: int = 256) -> torch.Tensor:
+    """x with every token dropped (-inf) whose higher-ranked tokens' probability mass already reaches top_p (the
+    first always stays). Sorting a 49k vocabulary for it took ~5 ms a step on a 2-core CPU; the kept tokens are
+    nearly always among the first few hundred, so the best `first` are taken (topk) and, if their mass falls
+    short of top_p, 4x as many, up to the whole vocabulary: whatever ranks below tokens already reaching top_p
+    is dropped, so the result is the full sort's."""
+    v = x.shape[-1]
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    k = min(first, v)
+    while True:
+        vals, idx = torch.topk(x, k, dim=-1)  # sorted, highest first
+        p = torch.exp(vals - lse)
+        before = torch.cumsum(p, -1) - p
+        if k == v or bool((before[..., -1] + p[..., -1] >= top_p).all()):
+            kept = vals.masked_fill(before >= top_p, float("-inf"))
+            return torch.full_like(x, float("-inf")).scatter(-1, idx, kept)
+        k = min(4 * k, v)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

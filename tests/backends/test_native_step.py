@@ -328,8 +328,43 @@ def test_the_native_greedy_head_is_the_refined_heads_greedy_path_in_one_call():
     head.greedy_kernel = None
     python = head(x, greedy=True) if head.greedy_approx is not None else None
     assert python is not None and torch.equal(python.argmax(-1), got.argmax(-1))
-    with pytest.raises(RuntimeError, match="fp32 rows"):
+    with pytest.raises(RuntimeError, match="must hold the head's 10 columns"):
         mod.refined_head(x, packed, head.w[:10], 32)
+    with pytest.raises(RuntimeError, match="fp32 rows"):
+        mod.refined_head(x, packed, head.w.double(), 32)
+
+
+def test_the_native_sampled_head_scores_the_head_and_its_residual_more_exactly_than_the_int8_path():
+    """RefinedHead's sampled path with the native step (RefinedHead.kernel: refined_head over the head's 4-bit copy and
+    the 4-bit residual of what that copy leaves, two activation planes, summed): its logits (used whole by sampling,
+    not only the argmax) are nearer the fp32 head's than the int8 kernel's with bf16 activations that it replaces;
+    its top `refine` are exact; rows are row-exact; and without the native step the Python path runs."""
+    from inference_engine.backends.torch.linear import RefinedHead
+
+    mod = _module()
+    if mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here: the head keeps its Python path")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(4000, 64, generator=g) * 0.2
+    head = RefinedHead(w, refine=8, greedy_refine=32)
+    x = torch.randn(9, 64, generator=g) * 2
+    python = head(x)
+    both = torch.cat([native.q4_pack(mod, head.greedy_approx), native.q4_pack_residual(mod, head.w, head.greedy_approx)])
+    got = mod.refined_head(x, both, head.w, 8, 2)
+    exact = x @ head.w.T
+    top = got.topk(8, -1).indices
+    torch.testing.assert_close(got.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    err, err_int8 = (got - exact).abs(), (python - exact).abs()
+    # random weights: ~25 % nearer (SmolLM2's head, outliers and all: ~3x, scripts/research/sampled_head.py)
+    assert err.max() < 0.9 * err_int8.max() and err.mean() < 0.9 * err_int8.mean()
+    # the two parts are what makes it ~8-bit: the copy alone is far coarser
+    alone = mod.q4_matmul(x, both[: 4000 // 16].contiguous(), 0, 2)
+    assert (alone - exact).abs().mean() > 4 * err.mean()
+    for i in range(0, 9, 4):
+        assert torch.equal(mod.refined_head(x[i:i + 1].contiguous(), both, head.w, 8, 2), got[i:i + 1])
+    with pytest.raises(RuntimeError, match="columns"):
+        mod.refined_head(x, both[:100].contiguous(), head.w, 8, 2)
 
 
 def _quantize_reference(x: torch.Tensor, planes: int):

@@ -22,6 +22,44 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert torch.allclose(p[:2], torch.tensor([0.5, 0.3]) / 0.8)
 
 
+def _top_p_by_full_sort(x, top_p):
+    """The definition, by sorting the whole vocabulary: drop a token once the mass before it reaches top_p."""
+    sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+    p = torch.softmax(sorted_x, -1)
+    drop = (torch.cumsum(p, -1) - p) >= top_p
+    return x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat to peaked: kept sets from thousands of tokens to a few
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_top_p_over_a_large_vocabulary_keeps_what_the_definition_keeps(scale, top_p):
+    """top_p_filter takes the best 256 (then 4x as many while their mass is short of top_p), not a whole sort: the
+    tokens the definition keeps (computed in float64), with their logits, batched rows too, whether the set is 3
+    tokens or most of the vocabulary."""
+    from inference_engine.engine.sampling import top_p_filter
+
+    x = torch.randn(3, 49152, generator=torch.Generator().manual_seed(int(scale * 10 + top_p * 1000))) * scale
+    got, want = top_p_filter(x, top_p), _top_p_by_full_sort(x.double(), top_p)  # the definition in float64
+    assert torch.equal(got[torch.isfinite(got)], x[torch.isfinite(got)])  # kept tokens keep their logits
+    differ = torch.isfinite(got) ^ torch.isfinite(want)
+    if top_p < 0.99:
+        assert not differ.any()
+    else:  # tens of thousands of tiny probabilities summed in fp32: the boundary may move by a few tokens whose mass
+        # is below the sum's rounding (sorting it all in fp32 moved it by 30-36 tokens, 1.7e-5 of mass, here)
+        p = torch.softmax(x.double(), -1)
+        sorted_p, order = torch.sort(p, -1, descending=True)
+        mass_before = torch.empty_like(p).scatter(-1, order, torch.cumsum(sorted_p, -1) - sorted_p)
+        assert differ.sum() <= 10 and ((mass_before[differ] - top_p).abs() < 1e-5).all()
+    kept = torch.isfinite(got).sum(-1)
+    assert (kept >= 1).all()
+    if scale == 0.5 and top_p == 0.999:
+        assert (kept > 1024).all()  # grew past the first 256 and 1,024 to reach the mass
+    # tokens already masked by top_k (-inf) stay out
+    masked = x.masked_fill(x < x.topk(10, -1).values[..., -1:], float("-inf"))
+    assert torch.equal(torch.isfinite(top_p_filter(masked, top_p)),
+                       torch.isfinite(_top_p_by_full_sort(masked.double(), top_p)))
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.0)

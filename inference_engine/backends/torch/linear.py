@@ -200,14 +200,18 @@ class RefinedHead:
         self.greedy_approx = (made("head.int4", Int4Linear, lambda: Int4Linear.from_float(self.w))
                               if k % GROUP == 0 and n % 16 == 0 else None)
         self.greedy_refine = greedy_refine
-        # x -> this greedy path's whole result (greedy_approx's 4-bit scores, the top greedy_refine exact) in one call
-        # of another kernel (native.py: csrc/row_step.cpp refined_head), or None
+        # x -> the whole result of a path in one call of another kernel (native.py: csrc/row_step.cpp refined_head),
+        # or None: greedy_kernel the greedy path's (greedy_approx's 4-bit scores, the top greedy_refine exact);
+        # kernel the other one's (scores of ~8-bit weights, the head plus its 4-bit residual, the top `refine` exact)
         self.greedy_kernel: Any = None
+        self.kernel: Any = None
 
     def __call__(self, x: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         approx: Any
         if greedy and self.greedy_kernel is not None:
             return self.greedy_kernel(x)
+        if not greedy and self.kernel is not None:
+            return self.kernel(x)
         if greedy and self.greedy_approx is not None:
             approx, r = self.greedy_approx, min(self.greedy_refine, self.w.shape[0])
         else:

@@ -169,9 +169,16 @@ class NativeRowStep:
                                    float(scale), kinds, tensors)
         head = model.head
         if self.q4 and isinstance(head, RefinedHead) and isinstance(head.greedy_approx, Int4Linear):
-            packed, rows, refine = q4_pack(module, head.greedy_approx), head.w, min(head.greedy_refine, head.w.shape[0])
-            # one int8 plane: only which 64 candidates the exact fp32 rescoring sees depends on it
-            head.greedy_kernel = lambda x: module.refined_head(x.float(), packed, rows, refine)
+            rows, n = head.w, head.w.shape[0]
+            # the head's 4-bit copy, then its residual (what the kernel's copy leaves of the fp32 rows) in 4 bits
+            both = torch.cat([q4_pack(module, head.greedy_approx), q4_pack_residual(module, head.w, head.greedy_approx)])
+            first = both[: n // 16]
+            greedy_refine, refine = min(head.greedy_refine, n), min(head.refine, n)
+            # greedy: the copy with one int8 plane (only which 64 candidates the exact rescoring sees depends on it);
+            # sampled: both with two planes, ~8-bit weights (their logits are used), more exact than torch's int8
+            # kernel with bf16 activations and ~3x faster where bf16 is emulated (scripts/research/sampled_head.py)
+            head.greedy_kernel = lambda x: module.refined_head(x.float(), first, rows, greedy_refine, 1)
+            head.kernel = lambda x: module.refined_head(x.float(), both, rows, refine, 2)
         from inference_engine.kv import paged_store
 
         # the page choice's one-pass scoring of compact keys (kv/paged_store measures whether it is the fastest path)
@@ -329,6 +336,19 @@ def q4_pack(module, lin) -> torch.Tensor:
     """An Int4Linear's codes and groups (w = (q - 8) * scale + zero = q * d + m) as the extension's q4x16 blocks."""
     d = lin.scale.float()
     return module.q4_pack(lin.codes().to(torch.uint8).contiguous(), d, lin.zero.float() - 8 * d)
+
+
+def q4_pack_residual(module, w: torch.Tensor, lin) -> torch.Tensor:
+    """What the kernel's copy of `lin` (q4_pack: d and m as fp16) leaves of the fp32 matrix w, quantized as Q4_1 and
+    packed the same way: scored beside lin's blocks and summed, ~8-bit weights."""
+    from inference_engine.backends.torch.linear import GROUP, quantize_q4_1
+
+    n, k = lin.shape
+    d = lin.scale.float()
+    d16, m16 = d.half().float(), (lin.zero.float() - 8 * d).half().float()
+    kept = (lin.codes().float().view(n, k // GROUP, GROUP) * d16[..., None] + m16[..., None]).view(n, k)
+    q, dr, mr = quantize_q4_1(w.float() - kept)
+    return module.q4_pack(q.to(torch.uint8).contiguous(), dr.float(), mr.float())
 
 
 def main() -> int:

@@ -625,19 +625,28 @@ at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const 
   return out;
 }
 
-// linear.RefinedHead's greedy path in one call: x (M, K) fp32, the head's 4-bit copy (q4::pack's blocks), its fp32
-// rows w (N, K) -> (M, N) fp32 logits: every one the int4 kernel's score with one int8 activation plane, except each
-// row's `refine` best scores, recomputed exactly from w. Replaces the kernel call plus topk, a gather of the chosen
-// rows, an einsum and a scatter from Python (~2.6 ms a decode step for SmolLM2's 49,152 x 576 head, ~1.1 of them the
-// kernel). A row's choice (a bounded min-heap, an earlier column kept on a tie) and its dot products (dot: fixed
+// linear.RefinedHead in one call: x (M, K) fp32, 4-bit copies of the head as q4::pack's blocks, its fp32 rows w (N, K)
+// -> (M, N) fp32 logits: each row's `refine` best scores recomputed exactly from w, every other logit the kernel's
+// score. The blocks hold N columns (the greedy path: one int8 activation plane, only which candidates the exact
+// rescoring sees depends on it) or 2N (the sampled path: the head and its residual after 4-bit quantization, w ~ w1 +
+// w2, scored with two planes and summed: ~8-bit weights, whose logits, unlike the argmax, are used). Replaces the
+// kernel call plus topk, a gather of the chosen rows, an einsum and a scatter from Python (greedy: ~1.5 -> 0.9 ms a
+// decode step for SmolLM2's 49,152 x 576 head; sampled: torch's int8 kernel with bf16 activations, ~9 ms where bf16
+// is emulated). A row's choice (a bounded min-heap, an earlier column kept on a tie) and its dot products (dot: fixed
 // lanes) depend on that row alone, so rows stay row-exact.
-at::Tensor refined_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w, int64_t refine) {
+at::Tensor refined_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w, int64_t refine,
+                        int64_t planes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "refined_head: x must be (M, K) fp32");
   auto xc = x.contiguous();
-  auto y = q4::matmul(xc, packed, 0, 1);
-  const int64_t M = y.size(0), N = y.size(1), K = xc.size(1);
-  TORCH_CHECK(w.dim() == 2 && w.size(0) == N && w.size(1) == K && w.scalar_type() == at::kFloat && w.is_contiguous(),
+  const int64_t K = xc.size(1), N = w.dim() == 2 ? w.size(0) : -1;
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kFloat && w.is_contiguous(),
               "refined_head: w must be the head's (N, K) fp32 rows, contiguous");
+  const int64_t columns = packed.dim() == 3 ? packed.size(0) * q4::kCols : -1;
+  TORCH_CHECK(columns == N || columns == 2 * N, "refined_head: the blocks must hold the head's ", N, " columns (or ",
+              2 * N, ": a head and its residual), got ", columns);
+  auto y = q4::matmul(xc, packed, 0, planes);
+  if (columns == 2 * N) y = y.narrow(1, 0, N) + y.narrow(1, N, N);  // w1 x + w2 x, one add a logit
+  const int64_t M = y.size(0);
   TORCH_CHECK(K % kLanes == 0 && refine >= 1, "refined_head: K must be a multiple of 16 and refine >= 1");
   const int64_t r = std::min(refine, N);
   float* yp = y.data_ptr<float>();
@@ -1266,9 +1275,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp16 -> (B, M, C) fp32, max over g (kv/paged_store.RowQuant.group_max_scores)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("refined_head", &refined_head,
-        "linear.RefinedHead's greedy logits: x (M, K) fp32, the head's q4 blocks, its fp32 rows (N, K), refine -> "
-        "(M, N) fp32: int4 scores (one int8 plane), each row's `refine` best recomputed exactly from the fp32 rows",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        "linear.RefinedHead's logits: x (M, K) fp32, q4 blocks of the head (N columns) or of it and its 4-bit residual "
+        "(2N, summed), its fp32 rows (N, K), refine, activation planes -> (M, N) fp32: the kernel's scores, each row's "
+        "`refine` best recomputed exactly from the fp32 rows",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("w"), pybind11::arg("refine"),
+        pybind11::arg("planes") = 1, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_isa", [] { return static_cast<int64_t>(q4::best_isa()); }, "0 none (no q4 kernel here), 1 AVX2, 2 AVX-512 VNNI");
   pybind11::class_<PagedView>(m, "PagedView")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, const at::Tensor&, const at::Tensor&, const at::Tensor&,
