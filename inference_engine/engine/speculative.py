@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_engine.engine.sampling import SamplingParams, target_distribution
+from inference_engine.engine.sampling import SamplingParams, draw, target_distribution
 
 
 def accept_drafts(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[list, int]:
@@ -39,9 +39,9 @@ def accept_drafts(drafts: Sequence[int], logits: torch.Tensor, params: SamplingP
         residual = probs[i].clone()
         residual[d] = 0.0
         if residual.sum() <= 0:  # p was one-hot at d: rejection had probability 0
-            return list(drafts[: i + 1]), int(torch.multinomial(probs[i + 1], 1, generator=gen))
-        return list(drafts[:i]), int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
-    return list(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=gen))
+            return list(drafts[: i + 1]), draw(probs[i + 1], gen)
+        return list(drafts[:i]), draw(residual, gen)
+    return list(drafts), draw(probs[len(drafts)], gen)
 
 
 @dataclass

@@ -10,7 +10,8 @@ against top_p_filter (the best 256 first). Side by side in one process:
   2. the head call alone, --rows 1 and 8, median of --rounds interleaved rounds;
   3. whole sampled decode steps in-process (Engine, one session, `full`, temperature 0.7, top-p 0.9, a fixed seed),
      --decode tokens after each held-out prompt, per arm, and greedy decoding as the reference, interleaved;
-  4. top-p on one row of real logits at temperature 0.7: a sort of the whole vocabulary against top_p_filter.
+  4. top-p on one row of real logits at temperature 0.7: a sort of the whole vocabulary against top_p_filter; one
+     token drawn from the resulting probabilities: torch.multinomial against sampling.draw (inverse CDF).
 Writes results/research/sampled_head.json.
 
     python scripts/research/sampled_head.py --threads 2
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     from inference_engine.engine.events import TokenGenerated
     from inference_engine.engine.generate import Engine
     from inference_engine.engine.requests import GenerateParams, SamplingParams
-    from inference_engine.engine.sampling import top_p_filter
+    from inference_engine.engine.sampling import draw, top_p_filter
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
 
@@ -163,17 +164,25 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             fn(logits)
             tp[name].append(time.perf_counter() - t)
+    probs = torch.softmax(top_p_filter(logits, 0.9), -1)[0]
+    gen = torch.Generator().manual_seed(0)
+    tp |= {"multinomial": [], "draw": []}
+    for _ in range(args.rounds):
+        for name, fn in (("multinomial", lambda: torch.multinomial(probs, 1, generator=gen)), ("draw", lambda: draw(probs, gen))):
+            t = time.perf_counter()
+            fn()
+            tp[name].append(time.perf_counter() - t)
     top_p_ms = {k: round(1000 * statistics.median(v), 3) for k, v in tp.items()}
     kept_same = bool(torch.equal(torch.isfinite(sort_all(logits)), torch.isfinite(top_p_filter(logits, 0.9))))
-    print("top-p ms", top_p_ms, "same kept set", kept_same, flush=True)
+    print("top-p and draw ms", top_p_ms, "same kept set", kept_same, flush=True)
 
     doc = meta | {"step": m.describe_step(), "quality": quality, "head_ms": head_ms, "decode": decode,
-                  "top_p_ms": top_p_ms, "top_p_same_kept_set": kept_same,
+                  "top_p_ms": top_p_ms,  # and one draw's "top_p_same_kept_set": kept_same,
                   "what": "the sampled steps' LM head: torch's int8 kernel (bf16 activations) vs the native int4 kernel over "
                           "the head's 4-bit copy and its 4-bit residual (two activation planes), each with the top 16 "
                           "rescored in fp32; quality against the fp32 head on teacher-forced held-out positions, head "
                           "call time, whole sampled decode steps (temperature 0.7, top-p 0.9) against greedy; top-p by a "
-                          "whole sort vs top_p_filter"}
+                          "whole sort vs top_p_filter, one draw by torch.multinomial vs sampling.draw"}
     write_json(pathlib.Path(args.out), doc)
     return 0
 

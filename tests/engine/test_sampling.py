@@ -70,6 +70,23 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
     assert draw(7) != draw(8)
 
 
+def test_draw_follows_the_distribution_and_never_draws_a_zero_probability_token():
+    """sampling.draw (inverse CDF in float64, what sample and speculative acceptance draw with): seeded draws follow the
+    probabilities (chi-square), unnormalized weights too, and tokens of zero probability never come up, at either end."""
+    from scipy.stats import chisquare
+
+    from inference_engine.engine.sampling import draw
+
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0])
+    g = torch.Generator().manual_seed(11)
+    counts = torch.bincount(torch.tensor([draw(probs * 3.0, g) for _ in range(4000)]), minlength=7)
+    assert counts[probs == 0].sum() == 0
+    keep = probs > 0
+    assert chisquare(counts[keep].numpy(), (probs[keep] / probs.sum() * 4000).numpy()).pvalue > 1e-3
+    assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0]), g) == 2
+    assert draw(torch.tensor([1.0, 0.0, 0.0]), torch.Generator().manual_seed(0)) == 0
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_k=-1), dict(top_p=1.5)])
 def test_bad_params_are_invalid_argument(kw):
     with pytest.raises(InvalidArgument):

@@ -24,4 +24,4 @@ def test_sampled_head_scores_times_and_decodes_both_arms(tmp_path):
         assert q["positions"] == 2 * 12 and 0 <= q["mean_abs_error"] <= q["max_abs_error"] and 0 <= q["top1_agreement"] <= 1
     assert set(doc["head_ms"]["int8"]) == {"1", "8"}
     assert set(doc["decode"]) == {"int8", "q4-residual", "greedy", "sampling"} and doc["decode"]["greedy"]["vs_greedy"] == 1.0
-    assert set(doc["top_p_ms"]) == {"sort", "top_p_filter"} and doc["top_p_same_kept_set"] is True
+    assert set(doc["top_p_ms"]) == {"sort", "top_p_filter", "multinomial", "draw"} and doc["top_p_same_kept_set"] is True
