@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     print("top-p and draw ms", top_p_ms, "same kept set", kept_same, flush=True)
 
     doc = meta | {"step": m.describe_step(), "quality": quality, "head_ms": head_ms, "decode": decode,
-                  "top_p_ms": top_p_ms,  # and one draw's "top_p_same_kept_set": kept_same,
+                  "top_p_ms": top_p_ms, "top_p_same_kept_set": kept_same,
                   "what": "the sampled steps' LM head: torch's int8 kernel (bf16 activations) vs the native int4 kernel over "
                           "the head's 4-bit copy and its 4-bit residual (two activation planes), each with the top 16 "
                           "rescored in fp32; quality against the fp32 head on teacher-forced held-out positions, head "
