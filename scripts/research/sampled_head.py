@@ -1,6 +1,7 @@
 """The LM head of sampled steps (temperature > 0) on the CPU with the native step: torch's int8 kernel (bf16
 activations, emulated where the CPU has no bf16) against the native int4 kernel over the head's 4-bit copy plus the
-4-bit residual of what that copy leaves (two int8 activation planes, summed: ~8-bit weights; RefinedHead.kernel,
+4-bit residual of what that copy leaves (the copy with two int8 activation planes, the residual with one, summed:
+~8-bit weights; RefinedHead.kernel,
 csrc/row_step.cpp refined_head), each with its top `refine` (16) rescored exactly in fp32; and top-p by a whole sort
 against top_p_filter (the best 256 first). Side by side in one process:
 
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     doc = meta | {"step": m.describe_step(), "quality": quality, "head_ms": head_ms, "decode": decode,
                   "top_p_ms": top_p_ms, "top_p_same_kept_set": kept_same,
                   "what": "the sampled steps' LM head: torch's int8 kernel (bf16 activations) vs the native int4 kernel over "
-                          "the head's 4-bit copy and its 4-bit residual (two activation planes), each with the top 16 "
+                          "the head's 4-bit copy (two activation planes) and its 4-bit residual (one), each with the top 16 "
                           "rescored in fp32; quality against the fp32 head on teacher-forced held-out positions, head "
                           "call time, whole sampled decode steps (temperature 0.7, top-p 0.9) against greedy; top-p by a "
                           "whole sort vs top_p_filter, one draw by torch.multinomial vs sampling.draw"}

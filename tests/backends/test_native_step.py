@@ -335,8 +335,8 @@ def test_the_native_greedy_head_is_the_refined_heads_greedy_path_in_one_call():
 
 
 def test_the_native_sampled_head_scores_the_head_and_its_residual_more_exactly_than_the_int8_path():
-    """RefinedHead's sampled path with the native step (RefinedHead.kernel: refined_head over the head's 4-bit copy and
-    the 4-bit residual of what that copy leaves, two activation planes, summed): its logits (used whole by sampling,
+    """RefinedHead's sampled path with the native step (RefinedHead.kernel: refined_head over the head's 4-bit copy, two
+    activation planes, and the 4-bit residual of what that copy leaves, one, summed): its logits (used whole by sampling,
     not only the argmax) are nearer the fp32 head's than the int8 kernel's with bf16 activations that it replaces;
     its top `refine` are exact; rows are row-exact; and without the native step the Python path runs."""
     from inference_engine.backends.torch.linear import RefinedHead

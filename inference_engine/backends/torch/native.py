@@ -175,8 +175,9 @@ class NativeRowStep:
             first = both[: n // 16]
             greedy_refine, refine = min(head.greedy_refine, n), min(head.refine, n)
             # greedy: the copy with one int8 plane (only which 64 candidates the exact rescoring sees depends on it);
-            # sampled: both with two planes, ~8-bit weights (their logits are used), more exact than torch's int8
-            # kernel with bf16 activations and ~3x faster where bf16 is emulated (scripts/research/sampled_head.py)
+            # sampled: the copy with two planes and the residual with one, ~8-bit weights (their logits are used), more
+            # exact than torch's int8 kernel with bf16 activations and faster where bf16 is emulated
+            # (scripts/research/sampled_head.py)
             head.greedy_kernel = lambda x: module.refined_head(x.float(), first, rows, greedy_refine, 1)
             head.kernel = lambda x: module.refined_head(x.float(), both, rows, refine, 2)
         from inference_engine.kv import paged_store

@@ -629,11 +629,11 @@ at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const 
 // -> (M, N) fp32 logits: each row's `refine` best scores recomputed exactly from w, every other logit the kernel's
 // score. The blocks hold N columns (the greedy path: one int8 activation plane, only which candidates the exact
 // rescoring sees depends on it) or 2N (the sampled path: the head and its residual after 4-bit quantization, w ~ w1 +
-// w2, scored with two planes and summed: ~8-bit weights, whose logits, unlike the argmax, are used). Replaces the
-// kernel call plus topk, a gather of the chosen rows, an einsum and a scatter from Python (greedy: ~1.5 -> 0.9 ms a
-// decode step for SmolLM2's 49,152 x 576 head; sampled: torch's int8 kernel with bf16 activations, ~9 ms where bf16
-// is emulated). A row's choice (a bounded min-heap, an earlier column kept on a tie) and its dot products (dot: fixed
-// lanes) depend on that row alone, so rows stay row-exact.
+// w2, the copy scored with `planes`, the residual with one, summed: ~8-bit weights, whose logits, unlike the argmax,
+// are used). Replaces the kernel call plus topk, a gather of the chosen rows, an einsum and a scatter from Python
+// (greedy: ~1.5 -> 0.9 ms a decode step for SmolLM2's 49,152 x 576 head; sampled: torch's int8 kernel with bf16
+// activations, ~5.5 ms where bf16 is emulated). A row's choice (a bounded min-heap, an earlier column kept on a tie)
+// and its dot products (dot: fixed lanes) depend on that row alone, so rows stay row-exact.
 at::Tensor refined_head(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w, int64_t refine,
                         int64_t planes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "refined_head: x must be (M, K) fp32");
@@ -644,8 +644,14 @@ at::Tensor refined_head(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t columns = packed.dim() == 3 ? packed.size(0) * q4::kCols : -1;
   TORCH_CHECK(columns == N || columns == 2 * N, "refined_head: the blocks must hold the head's ", N, " columns (or ",
               2 * N, ": a head and its residual), got ", columns);
-  auto y = q4::matmul(xc, packed, 0, planes);
-  if (columns == 2 * N) y = y.narrow(1, 0, N) + y.narrow(1, N, N);  // w1 x + w2 x, one add a logit
+  at::Tensor y;
+  if (columns == 2 * N) {  // w1 x + w2 x: the copy with `planes`, the residual with one (its activations' rounding is
+    // scaled by the residual's small weights: the same logits to 4 decimals on SmolLM2's head as with two)
+    const int64_t half = N / q4::kCols;
+    y = q4::matmul(xc, packed.narrow(0, 0, half), 0, planes) + q4::matmul(xc, packed.narrow(0, half, half), 0, 1);
+  } else {
+    y = q4::matmul(xc, packed, 0, planes);
+  }
   const int64_t M = y.size(0);
   TORCH_CHECK(K % kLanes == 0 && refine >= 1, "refined_head: K must be a multiple of 16 and refine >= 1");
   const int64_t r = std::min(refine, N);
