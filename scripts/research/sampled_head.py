@@ -1,9 +1,8 @@
 """The LM head of sampled steps (temperature > 0) on the CPU with the native step: torch's int8 kernel (bf16
 activations, emulated where the CPU has no bf16) against the native int4 kernel over the head's 4-bit copy plus the
 4-bit residual of what that copy leaves (the copy with two int8 activation planes, the residual with one, summed:
-~8-bit weights; RefinedHead.kernel,
-csrc/row_step.cpp refined_head), each with its top `refine` (16) rescored exactly in fp32; and top-p by a whole sort
-against top_p_filter (the best 256 first). Side by side in one process:
+~8-bit weights; RefinedHead.kernel, csrc/row_step.cpp refined_head), each with its top `refine` (16) rescored exactly
+in fp32; and top-p by a whole sort against top_p_filter (the best 256 first). Side by side in one process:
 
   1. quality: on the head inputs of --prompts held-out prompts (bench_weights' held-out split, half chat, half code),
      teacher-forced through the int4 model: each arm's logits against the fp32 head's (x @ W^T): max and mean absolute
