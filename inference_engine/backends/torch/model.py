@@ -184,7 +184,7 @@ class TorchCausalLM:
         from inference_engine.backends.torch import native
 
         if isinstance(self.head, RefinedHead):
-            self.head.greedy_kernel = None
+            self.head.greedy_kernel = self.head.kernel = None
         self.native_step = None
         if not on:
             return False
