@@ -365,6 +365,11 @@ def test_the_native_sampled_head_scores_the_head_and_its_residual_more_exactly_t
         assert torch.equal(mod.refined_head(x[i:i + 1].contiguous(), both, head.w, 8, 2), got[i:i + 1])
     with pytest.raises(RuntimeError, match="columns"):
         mod.refined_head(x, both[:100].contiguous(), head.w, 8, 2)
+    # a model's native step sets both paths' kernels, and turning it off drops both (the Python paths run again)
+    m = _model()
+    assert m.head.kernel is not None and m.head.greedy_kernel is not None
+    m.use_native_step(False)
+    assert m.head.kernel is None and m.head.greedy_kernel is None
 
 
 def _quantize_reference(x: torch.Tensor, planes: int):
