@@ -1,6 +1,7 @@
 """This daemon against llama.cpp and transformers on the same model, side by side in one run.
 
-Arms (same machine, same thread count, greedy, eos ignored):
+Arms (same machine, same thread count, greedy unless --temperature samples every generated token in every arm the
+same way: temperature, top-p, no top-k, no min-p; eos ignored):
   kakeya-<fmt>   `kakeya serve --kv-strategy full --weights <fmt> --persist off --compile off` in its own
                  process, driven only through the Python SDK over gRPC (one arm per entry of --formats;
                  `int4+kv_int8` adds `--kv-dtype int8`)
@@ -51,6 +52,10 @@ def parse_args(argv=None):
     ap.add_argument("--generate", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", default="off,auto,on", help="--compile modes of the daemon, one arm per format and mode")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample every generated token at this temperature (0: greedy), in this daemon and llama.cpp alike")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (1: off); no top-k, no "
+                    "min-p on either side")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_engine.json"))
@@ -90,12 +95,30 @@ class Daemon:
         self.proc.wait(30)
 
 
+def sampling(args) -> dict:
+    """The SDK's Generate arguments for --temperature / --top-p (greedy by default)."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "seed": 1} if args.temperature > 0 else {}
+
+
+def llama_sampling(args) -> dict:
+    """llama-cpp-python's sample()/generate() arguments for the same: its default chain also has top-k 40 and min-p
+    0.05, turned off so both sides draw from the same distribution."""
+    return {"temp": args.temperature, "top_p": args.top_p, "top_k": 0, "min_p": 0.0} if args.temperature > 0 else {"temp": 0.0}
+
+
+def hf_sampling(args) -> dict:
+    """transformers' generate() arguments for the same (its default top-k 50 turned off)."""
+    if args.temperature > 0:
+        return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": 0}
+    return {"do_sample": False}
+
+
 def kakeya_arm(d: Daemon, args) -> dict:
     out = {"decode_tok_s": {}, "prefill_tok_s": None, "turn_latency_s": []}
     for ctx in map(int, args.contexts.split(",")):
         with d.client.create_session(tokens(ctx, ctx), ignore_eos=True) as s:
             s.generate_all(max_tokens=1)  # prefill
-            r = s.generate_all(max_tokens=args.decode)
+            r = s.generate_all(max_tokens=args.decode, **sampling(args))
             out["decode_tok_s"][ctx] = (r.generated_tokens - 1) / (r.total_seconds - r.time_to_first_token_seconds)
     with d.client.create_session(tokens(args.prefill, 7), ignore_eos=True) as s:
         r = s.generate_all(max_tokens=1)
@@ -104,7 +127,7 @@ def kakeya_arm(d: Daemon, args) -> dict:
         for t in range(args.turns):
             start = time.perf_counter()
             s.append(tokens(args.append, 100 + t))
-            s.generate_all(max_tokens=args.generate)
+            s.generate_all(max_tokens=args.generate, **sampling(args))
             out["turn_latency_s"].append(time.perf_counter() - start)
     return out
 
@@ -119,11 +142,11 @@ def llama_cpp_arm(gguf: pathlib.Path, args) -> dict:
     def decode(prompt):
         llm.reset()
         llm.eval(prompt)
-        tok = llm.sample(temp=0.0)
+        tok = llm.sample(**llama_sampling(args))
         start = time.perf_counter()
         for _ in range(args.decode - 1):
             llm.eval([tok])
-            tok = llm.sample(temp=0.0)
+            tok = llm.sample(**llama_sampling(args))
         return (args.decode - 1) / (time.perf_counter() - start)
 
     for ctx in map(int, args.contexts.split(",")):
@@ -137,7 +160,7 @@ def llama_cpp_arm(gguf: pathlib.Path, args) -> dict:
     for t in range(args.turns):
         start = time.perf_counter()
         history += tokens(args.append, 100 + t)
-        gen = llm.generate(history, temp=0.0)  # reset=True: keeps the longest common prefix of the last evaluation
+        gen = llm.generate(history, **llama_sampling(args))  # reset=True: keeps the longest common prefix of the last evaluation
         for _ in range(args.generate):
             history.append(next(gen))
         out["turn_latency_s"].append(time.perf_counter() - start)
@@ -159,7 +182,7 @@ def transformers_arm(path: pathlib.Path, args) -> dict:
             model.generate(ids, max_new_tokens=1, do_sample=False)
             first = time.perf_counter() - t0
             t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=args.decode, min_new_tokens=args.decode, do_sample=False)
+            model.generate(ids, max_new_tokens=args.decode, min_new_tokens=args.decode, **hf_sampling(args))
             total = time.perf_counter() - t0
         out["decode_tok_s"][ctx] = (args.decode - 1) / max(1e-9, total - first)
     return out
