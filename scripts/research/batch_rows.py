@@ -15,7 +15,10 @@ in --rounds, so a drift in the box's speed lands on every cell alike. Arms are s
   silu    apart, and the MLP's SiLU in AVX2 vectors (silu_vectors 1; rounds differently: not the same bits as the
           others, each row-exact)
   head    silu, and the greedy head's exact top 64 chosen and rescored in the C++ call that scores (refined_head)
-          instead of topk / gather / einsum / scatter from Python after it (the arms above) - the default
+          instead of topk / gather / einsum / scatter from Python after it (the arms above) - the default settings
+  planes2 head, with the int4 kernel's activations as two int8 planes everywhere (the step before outlier channels)
+  outliers  head, with one plane and each linear's outlier channels exact (native.OUTLIERS; the default step)
+The arms before planes2 run the daemon's default step (use_step_graphs("auto")), whatever its activations are.
 Records the median ms per forward, tokens per second (n / median) and the speedup at n over n = 1 per arm, and
 each arm's speedup over `before` per n. Writes results/research/batch_rows.json.
 
@@ -34,7 +37,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
 # trim_columns, rows_apart, silu_vectors, the greedy head's refinement in C++ (csrc/row_step.cpp refined_head)
-ARMS = {"before": (0, 0, 0, 0), "trim": (1, 0, 0, 0), "apart": (1, 1, 0, 0), "silu": (1, 1, 1, 0), "head": (1, 1, 1, 1)}
+ARMS = {"before": (0, 0, 0, 0), "trim": (1, 0, 0, 0), "apart": (1, 1, 0, 0), "silu": (1, 1, 1, 0), "head": (1, 1, 1, 1),
+        "planes2": (1, 1, 1, 1), "outliers": (1, 1, 1, 1)}
 
 
 def main(argv=None) -> int:
@@ -65,6 +69,17 @@ def main(argv=None) -> int:
     if m.native_step is None:
         raise SystemExit("batch_rows: the native CPU row step is not available here (no C++ compiler, or not a CPU)")
     mod = m.native_step.module
+    from inference_engine.backends.torch import native
+
+    default_step = m.native_step
+    activations = {}  # arm -> the native step built with its activations
+    if "planes2" in args.arms.split(","):
+        m.use_native_step(planes=2, outliers=0)
+        activations["planes2"] = m.native_step
+    if "outliers" in args.arms.split(","):
+        m.use_native_step(planes=1, outliers=native.OUTLIERS)
+        activations["outliers"] = m.native_step
+    m.native_step = default_step
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -110,6 +125,7 @@ def main(argv=None) -> int:
 
     def use(arm: str) -> None:
         trim, apart, silu, in_cpp = ARMS[arm]
+        m.native_step = activations.get(arm, default_step)
         mod.trim_columns(trim)
         mod.rows_apart(apart)
         mod.silu_vectors(int(bool(silu) and mod.q4_isa() != 0))
@@ -136,7 +152,9 @@ def main(argv=None) -> int:
         for a in arms:
             for n, v in by_arm[a].items():
                 v["speedup_vs_before"] = round(by_arm["before"][n]["forward_ms_median"] / v["forward_ms_median"], 3)
-    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors", "refined_head"), ARMS[a])) for a in arms}
+    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors", "refined_head"), ARMS[a]))
+                | {"planes": activations.get(a, default_step).planes, "outliers": activations.get(a, default_step).outliers}
+                for a in arms}
     doc = meta | {"strategy": strategy.describe(), "step": m.describe_step(), "arms": settings, "by_arm": by_arm,
                   "what": "one forward of n sessions' decode rows (engine forward_batch, in-process), median of --rounds "
                           "interleaved rounds; the daemon's sampling, streaming and gRPC are not in it"}

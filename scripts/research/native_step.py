@@ -4,8 +4,12 @@ Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.
   python         the layer pieces driven from Python (--compile off)
   native-torchk  the native row step with torch's int4 kernel (_weight_int4pack_mm_for_cpu, bf16 activations) inside
   native-q4      the native row step with its own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes)
-                 for the layers and the head's greedy scoring (one plane there) (--compile auto, the default)
+                 for the layers and the head's greedy scoring (one plane there) (--compile auto's before outlier
+                 channels)
   native-q4-one-plane  the same with one int8 plane in the layers too (int8 activations, as llama.cpp's Q8)
+  native-q4-outliersC  (--outliers C,..) one plane, and each linear's C outlier input channels (native.outlier_channels:
+                 the largest |activations| over seeded random token ids) taken out of it and added exactly
+                 (--compile auto's default: C = native.OUTLIERS)
   planes-ABCD    (--plane-arms, quality only) activation planes per matrix kind: wqkv A, wo B, w_gate_up C,
                  w_down D (e.g. 1112: two planes in w_down only), to see whether some matrices can take one
 Measured:
@@ -52,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--prefetch", default="", help="prefetch distances in bytes to compare, e.g. 0,1024,2048,3072")
+    ap.add_argument("--outliers", default="", help="arms with one plane and C outlier channels each, e.g. 16,32")
     ap.add_argument("--plane-arms", default="", help="extra quality arms, planes per matrix kind, e.g. 1112,1122")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "native_step.json"))
     args = ap.parse_args(argv)
@@ -77,14 +82,20 @@ def main(argv=None) -> int:
     setups = {"python": (None, None)}
     m.use_native_step(q4=False)
     setups["native-torchk"] = (m.native_step, None)
-    m.use_native_step(q4=True, planes=1)
+    m.use_native_step(q4=True, planes=1, outliers=0)
     setups["native-q4-one-plane"] = (m.native_step, m.head.greedy_kernel)
-    m.use_native_step(q4=True)
+    outlier_arms = []
+    for c in (int(c) for c in args.outliers.split(",") if c):
+        m.use_native_step(q4=True, planes=1, outliers=c)
+        outlier_arms.append(f"native-q4-outliers{c}")
+        setups[outlier_arms[-1]] = (m.native_step, m.head.greedy_kernel)
+    m.use_native_step(q4=True, planes=2)
     setups["native-q4"] = (m.native_step, m.head.greedy_kernel)
+    arms = (*ARMS, *outlier_arms)
 
     plane_arms = [f"planes-{a}" for a in args.plane_arms.split(",") if a]
     for arm in plane_arms:
-        m.use_native_step(q4=True, planes=tuple(int(c) for c in arm.removeprefix("planes-")))
+        m.use_native_step(q4=True, planes=tuple(int(c) for c in arm.removeprefix("planes-")), outliers=0)
         setups[arm] = (m.native_step, m.head.greedy_kernel)
     m.native_step, m.head.greedy_kernel = setups["native-q4"]
 
@@ -98,7 +109,7 @@ def main(argv=None) -> int:
         seqs = fp32_references(path, args.prompts, args.tokens)
         engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
         quality = {}
-        for arm in (*ARMS, *plane_arms):
+        for arm in (*arms, *plane_arms):
             use(arm)
             agree = total = 0
             for p, cont, want in seqs:
@@ -128,7 +139,7 @@ def main(argv=None) -> int:
         for nt in threads:
             torch.set_num_threads(nt)
             sessions = {}
-            for arm in ARMS:
+            for arm in arms:
                 use(arm)
                 for c in contexts:
                     kv = engine.new_session_kv()
@@ -145,10 +156,11 @@ def main(argv=None) -> int:
                         times[arm, c].append(time.perf_counter() - t)
             row = {}
             for c in contexts:
-                ms = {arm: round(statistics.median(times[arm, c]) * 1e3, 3) for arm in ARMS}
+                ms = {arm: round(statistics.median(times[arm, c]) * 1e3, 3) for arm in arms}
                 row[str(c)] = {"step_ms_median": ms, "native_q4_speedup_vs_python": round(ms["python"] / ms["native-q4"], 3),
                                "native_q4_one_plane_speedup_vs_python": round(ms["python"] / ms["native-q4-one-plane"], 3),
                                "native_torchk_speedup_vs_python": round(ms["python"] / ms["native-torchk"], 3)}
+                row[str(c)] |= {f"{arm}_speedup_vs_native_q4": round(ms["native-q4"] / ms[arm], 3) for arm in outlier_arms}
                 print(f"threads {nt} ctx {c}", row[str(c)], flush=True)
             decode[str(nt)] = row
         out["decode"] = decode

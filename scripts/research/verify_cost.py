@@ -10,7 +10,8 @@ gets its own sessions, measured in the same rounds, and the JSON holds one block
 `auto/row` is the native step with a step's tasks run row by row (the order before the default's, by
 the data they read: the same bits, csrc/row_step.cpp order_by_data); `auto/untrimmed` the native step scanning
 every column of its rows' masks, its per-row loops on one thread, SiLU in plain floats (trim_columns 0, rows_apart
-0, silu_vectors 0: the step before 39c54e0); --prefill-chunk N also times a
+0, silu_vectors 0: the step before 39c54e0); `auto/planes2` the native step with the int4 kernel's activations as
+two int8 planes in every layer (the default before outlier channels, native.OUTLIERS); --prefill-chunk N also times a
 prefill chunk of N rows at each context (forwarded, then aborted), where that order matters most.
 Records the median ms of each and their ratio, and the split of a verify block's time: the same
 forward with row_exact off (rows attend batched, as a prefill chunk does) shows what row-exact
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", default="off,auto",
                    help="--compile modes, comma-separated (off, auto, on, auto/row: native, attention row by row; "
-                        "auto/untrimmed: native, every mask column scanned), side by side")
+                        "auto/untrimmed: native, every mask column scanned; auto/planes2: native, the int4 kernel's "
+                        "activations as two int8 planes, no outlier channels), side by side")
     p.add_argument("--prefill-chunk", type=int, default=0, help="also time a prefill chunk of this many rows (0: no)")
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "verify_cost.json"))
     p.add_argument("--merge", nargs="+", default=[], metavar="PART_JSON",
@@ -91,6 +93,8 @@ def main(argv=None) -> int:
     setups = {}
     for mode in modes:  # each mode's step machinery, swapped in around its measurements
         m.use_step_graphs(mode.split("/")[0])
+        if mode.endswith("/planes2") and m.native_step is not None:  # the int4 kernel's two-plane activations
+            m.use_native_step(planes=2, outliers=0)
         setups[mode] = (m.graphs, m.native_step, m.describe_step())
     cfg = ServeConfig()
     strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)

@@ -299,6 +299,70 @@ def test_the_q4_kernel_computes_the_int4_weights_within_int8_activation_rounding
         mod.q4_matmul(torch.randn(2, 64), packed)
 
 
+def test_outlier_channels_are_taken_out_of_the_quantized_activations_and_added_exactly():
+    """One plane with outlier channels (q4_matmul.h): the listed input channels are zeroed before the activations are
+    quantized and added after the groups as x[:, c] * wc[c]; its error against the int4 weights sits near two planes',
+    far under one plane's when those channels hold the large activations; rows stay independent; both ISAs agree."""
+    mod = _module()
+    if mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here: the native step keeps torch's int4 kernel")
+    lin, packed = _q4_case()
+    w = native.q4_weights(lin)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(2))
+    channels = torch.tensor([3, 40, 41, 90])
+    x[:, channels] *= 40.0  # massive activations in a few channels, as in real models
+    wc = native.outlier_blocks(lin, channels)
+    assert torch.equal(wc[1, :, 5], w[16 + 5, channels].half())  # block 1, column 5 of it
+    got = mod.q4_matmul(x, packed, 0, 1, channels, wc)
+    # the documented computation in torch: one plane of x with the channels zeroed, plus the channels exactly
+    rest = x.clone()
+    rest[:, channels] = 0
+    qx, scale, _ = _quantize_reference(rest, 1)
+    deq = (qx[:, 0].float().view(7, -1, 32) * scale[..., None]).view(7, 96)
+    want = deq @ w.T + x[:, channels] @ w[:, channels].half().float().T
+    assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    exact = x @ w.T
+    one, two = mod.q4_matmul(x, packed, 0, 1), mod.q4_matmul(x, packed)
+    err = {name: float((y - exact).abs().max()) for name, y in (("outliers", got), ("one", one), ("two", two))}
+    assert err["outliers"] * 10 < err["one"], err
+    for i in range(7):
+        assert torch.equal(mod.q4_matmul(x[i:i + 1].contiguous(), packed, 0, 1, channels, wc), got[i:i + 1])
+    if mod.q4_isa() == 2:
+        assert torch.equal(mod.q4_matmul(x, packed, 1, 1, channels, wc), got)
+    with pytest.raises(RuntimeError, match="wc must be"):
+        mod.q4_matmul(x, packed, 0, 1, channels, wc[:3].contiguous())
+
+
+def test_outlier_channels_are_each_linears_largest_activations_and_the_step_stays_row_exact():
+    """native.outlier_channels runs the Python pieces over seeded random ids (the same channels every time) and leaves
+    the model as it was; the native step with them keeps verify blocks equal to one-token steps."""
+    _module()
+    m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
+    before = [tuple(getattr(L, k) for k in native.LINEAR_KINDS) for L in m.layers]
+    chosen = native.outlier_channels(m, 8, tokens=64)
+    assert [tuple(getattr(L, k) for k in native.LINEAR_KINDS) for L in m.layers] == before
+    assert set(chosen) == {(i, k) for i in range(len(m.layers)) for k in native.LINEAR_KINDS}
+    for ch in chosen.values():
+        assert ch.dtype == torch.int64 and ch.numel() == 8 and torch.equal(ch, ch.sort().values)
+    assert native.outlier_channels(m, 8, tokens=64).keys() == chosen.keys()
+    assert all(torch.equal(a, b) for a, b in zip(native.outlier_channels(m, 8, tokens=64).values(), chosen.values()))
+    if m.use_native_step(planes=1, outliers=8) is not True or m.native_step.outliers != 8:
+        pytest.skip("no AVX2 here: the native step keeps torch's int4 kernel")
+    engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
+    a, b, c = engine.new_session_kv(), engine.new_session_kv(), engine.new_session_kv()
+    for kv in (a, b, c):
+        engine.prefill(kv, _prompt(30))
+    steps.decode_step(m, b, 17)
+    drafts = [int(b.last_logits.argmax())]
+    one_step = b.last_logits.clone()
+    steps.decode_step(m, b, drafts[0])
+    res = steps.verify_block(m, a, 17, drafts, SamplingParams(), None, budget=4)
+    assert res.accepted == 1 and torch.equal(a.last_logits, b.last_logits)
+    assert m.use_native_step(planes=1, outliers=0) is True  # one plane without them: other logits (the channels reach the kernel)
+    steps.decode_step(m, c, 17)
+    assert not torch.equal(c.last_logits, one_step)
+
+
 def test_the_native_greedy_head_is_the_refined_heads_greedy_path_in_one_call():
     """csrc/row_step.cpp refined_head (what RefinedHead's greedy path calls with the native step on): the int4 kernel's
     one-plane scores, each row's top `refine` of them recomputed exactly in fp32; so the argmax is the fp32 head's,
@@ -600,7 +664,7 @@ def test_per_matrix_activation_planes():
 def test_one_activation_plane_in_the_layers_is_a_research_arm_that_still_runs_exact_verify_blocks():
     _module()
     m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
-    assert m.use_native_step(planes=1) is True
+    assert m.use_native_step(planes=1, outliers=0) is True
     engine = Engine(m, KVStrategy("full"), prefill_chunk=16)
     a, b = engine.new_session_kv(), engine.new_session_kv()
     for kv in (a, b):

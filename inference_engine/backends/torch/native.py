@@ -34,6 +34,9 @@ import torch
 
 log = logging.getLogger("kakeya")
 
+LINEAR_KINDS = ("wqkv", "wo", "w_gate_up", "w_down")
+OUTLIERS = 16  # outlier input channels per linear with one activation plane (outlier_channels): the default step
+
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "row_step.cpp"
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _lock = threading.Lock()
@@ -132,14 +135,18 @@ def supports(model) -> str | None:
 class NativeRowStep:
     """The model's weights handed to the C++ RowStep once; `run(parts)` as backend.row_step.
 
-    int4 linears run through the extension's own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes,
-    integer dot products, AVX-512 VNNI or AVX2; results/research/native_step.json) where the CPU has one, repacked
-    once at start (`q4=False` keeps torch's kernel). The head's greedy scoring (linear.RefinedHead, the 4-bit pass
-    before its exact top 64) takes the same kernel with one plane."""
+    int4 linears run through the extension's own int4 kernel (csrc/q4_matmul.h: activations as one int8 plane with
+    each linear's 16 outlier input channels added exactly, integer dot products, AVX-512 VNNI or AVX2;
+    results/research/native_step_outliers_avx2.json) where the CPU has one, repacked once at start (`q4=False`
+    keeps torch's kernel). The head's greedy scoring (linear.RefinedHead, the 4-bit pass before its exact top 64)
+    takes the same kernel with one plane."""
 
-    def __init__(self, model, module, *, q4: bool = True, planes: int | tuple[int, int, int, int] = 2):
-        """planes: the int4 kernel's activation planes in the layers (2: ~16 bits, the default; 1: int8, research),
-        or one per matrix kind (wqkv, wo, w_gate_up, w_down)."""
+    def __init__(self, model, module, *, q4: bool = True, planes: int | tuple[int, int, int, int] = 1,
+                 outliers: int = OUTLIERS):
+        """planes: the int4 kernel's activation planes in the layers (1: int8, the default, with outlier channels;
+        2: ~16 bits), or one per matrix kind (wqkv, wo, w_gate_up, w_down). outliers: where a kind takes one plane,
+        that many input channels of each linear (`outlier_channels`) taken out of the quantized activations and
+        added exactly (0: none, one plane alone: under the quality gate, research only)."""
         from inference_engine.backends.torch.linear import Int4Linear, RefinedHead
 
         s = model.spec
@@ -149,18 +156,25 @@ class NativeRowStep:
         per_kind = (planes,) * 4 if isinstance(planes, int) else tuple(planes)
         if len(per_kind) != 4 or any(p not in (1, 2) for p in per_kind):
             raise ValueError(f"planes must be 1, 2 or four of them (wqkv, wo, w_gate_up, w_down), got {planes!r}")
-        for L in model.layers:
+        self.outliers = outliers if self.q4 else 0
+        self.planes = planes
+        chosen = cached_outlier_channels(model, self.outliers) if self.outliers else {}
+        for i, L in enumerate(model.layers):
             tensors += [L.ln_in.float().contiguous(), L.ln_post_attn.float().contiguous()]
-            for lin, p in zip((L.wqkv, L.wo, L.w_gate_up, L.w_down), per_kind):
-                if isinstance(lin, Int4Linear) and self.q4:
+            for kind, lin, p in zip(LINEAR_KINDS, (L.wqkv, L.wo, L.w_gate_up, L.w_down), per_kind):
+                if isinstance(lin, Int4Linear) and self.q4 and p == 1 and (i, kind) in chosen:
+                    channels = chosen[i, kind]
+                    kinds.append(5)
+                    tensors += [q4_pack(module, lin), outlier_blocks(lin, channels), channels]
+                elif isinstance(lin, Int4Linear) and self.q4:
                     kinds.append(3 if p == 2 else 4)
-                    tensors += [q4_pack(module, lin), torch.empty(0)]
+                    tensors += [q4_pack(module, lin), torch.empty(0), torch.empty(0)]
                 elif isinstance(lin, Int4Linear):
                     kinds.append(2)
-                    tensors += [lin.packed, lin.scale_zero]
+                    tensors += [lin.packed, lin.scale_zero, torch.empty(0)]
                 else:
                     kinds.append(1)
-                    tensors += [lin.q, lin.scales]
+                    tensors += [lin.q, lin.scales, torch.empty(0)]
         tensors.append(model.final_norm_weight.float().contiguous())
         down = model.layers[0].w_down
         inter = down.shape[1] if isinstance(down, Int4Linear) else down.q.shape[1]
@@ -339,16 +353,96 @@ def q4_pack(module, lin) -> torch.Tensor:
     return module.q4_pack(lin.codes().to(torch.uint8).contiguous(), d, lin.zero.float() - 8 * d)
 
 
-def q4_pack_residual(module, w: torch.Tensor, lin) -> torch.Tensor:
-    """What the kernel's copy of `lin` (q4_pack: d and m as fp16) leaves of the fp32 matrix w, quantized as Q4_1 and
-    packed the same way: scored beside lin's blocks and summed, ~8-bit weights."""
-    from inference_engine.backends.torch.linear import GROUP, quantize_q4_1
+def q4_weights(lin) -> torch.Tensor:
+    """The fp32 matrix (N, K) q4_pack's blocks compute with: q * d + m, d and m rounded to fp16 as the blocks hold
+    them."""
+    from inference_engine.backends.torch.linear import GROUP
 
     n, k = lin.shape
     d = lin.scale.float()
     d16, m16 = d.half().float(), (lin.zero.float() - 8 * d).half().float()
-    kept = (lin.codes().float().view(n, k // GROUP, GROUP) * d16[..., None] + m16[..., None]).view(n, k)
-    q, dr, mr = quantize_q4_1(w.float() - kept)
+    return (lin.codes().float().view(n, k // GROUP, GROUP) * d16[..., None] + m16[..., None]).view(n, k)
+
+
+
+
+def outlier_channels(model, count: int, *, tokens: int = 256, seed: int = 0) -> dict[tuple[int, str], torch.Tensor]:
+    """Each int4 linear's `count` input channels with the largest |activation| (sorted, int64), from the model's own
+    Python pieces run over `tokens` seeded random token ids: {(layer, kind): channels}. Random ids, not text, so no
+    tokenizer or data is needed; the channels a model's outliers sit in are mostly the same whatever it reads (for
+    SmolLM2, 32 channels chosen this way kept top-1 agreement with fp32 at the two planes' level:
+    scripts/research/activation_planes.py)."""
+    from inference_engine.backends.torch.linear import Int4Linear
+    from inference_engine.engine.steps import forward
+    from inference_engine.kv.factory import make_cache
+    from inference_engine.kv.strategy import KVStrategy
+
+    peaks: dict[tuple[int, str], torch.Tensor] = {}
+
+    class Recorder:
+        def __init__(self, key, lin):
+            self.key, self.lin = key, lin
+
+        def __call__(self, x):
+            a = x.detach().float().abs().amax(0)
+            peaks[self.key] = torch.maximum(peaks[self.key], a) if self.key in peaks else a
+            return self.lin(x)
+
+    saved_step = model.native_step
+    model.native_step = None  # the Python pieces call the linears below
+    wrapped = []
+    try:
+        for i, L in enumerate(model.layers):
+            for kind in LINEAR_KINDS:
+                lin = getattr(L, kind)
+                if isinstance(lin, Int4Linear) and lin.shape[1] >= count:
+                    setattr(L, kind, Recorder((i, kind), lin))
+                    wrapped.append((L, kind, lin))
+        if wrapped:
+            gen = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, model.spec.vocab_size, (tokens,), generator=gen)
+            cache = make_cache(KVStrategy("full"), model.geometry(), max_step=tokens, max_context=model.spec.max_context)
+            with torch.inference_mode():
+                forward(model, ids, range(tokens), cache)
+    finally:
+        for L, kind, lin in wrapped:
+            setattr(L, kind, lin)
+        model.native_step = saved_step
+    return {key: torch.sort(torch.topk(a, count).indices).values.to(torch.int64).contiguous() for key, a in peaks.items()}
+
+
+def outlier_blocks(lin, channels: torch.Tensor) -> torch.Tensor:
+    """The weights of `channels` (C inputs) as the int4 kernel adds them: (N / 16, C, 16) fp16, each block of 16
+    columns' in the order q4_pack's blocks stream."""
+    n = lin.shape[0]
+    return q4_weights(lin)[:, channels].half().view(n // 16, 16, -1).transpose(1, 2).contiguous()
+
+
+def cached_outlier_channels(model, count: int) -> dict[tuple[int, str], torch.Tensor]:
+    """outlier_channels, kept next to a pulled model (`.kakeya-outliers-<weights>.json`, packed.load_derived): made
+    once (a few seconds of the Python pieces at a daemon start), read after."""
+    from inference_engine.backends.torch import packed
+
+    path = getattr(model, "path", None)
+    data = packed.load_derived(path, "outliers", model.weights_format) if path is not None else None
+    if data is not None and str(count) in data:
+        return {(int(i), kind): torch.tensor(ch, dtype=torch.int64)
+                for key, ch in data[str(count)].items() for i, kind in [key.split(".", 1)]}
+    t0 = time.perf_counter()
+    chosen = outlier_channels(model, count)
+    log.info("outlier channels: %d per linear chosen in %.1f s", count, time.perf_counter() - t0)
+    if path is not None:
+        packed.save_derived(path, "outliers", model.weights_format,
+                            (data or {}) | {str(count): {f"{i}.{kind}": ch.tolist() for (i, kind), ch in chosen.items()}})
+    return chosen
+
+
+def q4_pack_residual(module, w: torch.Tensor, lin) -> torch.Tensor:
+    """What the kernel's copy of `lin` (q4_pack: d and m as fp16) leaves of the fp32 matrix w, quantized as Q4_1 and
+    packed the same way: scored beside lin's blocks and summed, ~8-bit weights."""
+    from inference_engine.backends.torch.linear import quantize_q4_1
+
+    q, dr, mr = quantize_q4_1(w.float() - q4_weights(lin))
     return module.q4_pack(q.to(torch.uint8).contiguous(), dr.float(), mr.float())
 
 

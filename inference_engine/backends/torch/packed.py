@@ -24,14 +24,44 @@ log = logging.getLogger("kakeya")
 FORMAT = 1
 
 
+def cache_key(model_dir: pathlib.Path, weights: str) -> str:
+    """What a file derived from the model's weights is valid for: this format, the weight format, the torch version,
+    the CPU's capability and the model files' sizes and times."""
+    sources = sorted(p for p in pathlib.Path(model_dir).iterdir()
+                     if p.is_file() and p.suffix in (".gguf", ".safetensors") and not p.name.startswith(".kakeya-"))
+    return json.dumps({"format": FORMAT, "weights": weights, "torch": torch.__version__,
+                       "cpu": torch.backends.cpu.get_cpu_capability(),
+                       "sources": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sources}}, sort_keys=True)
+
+
+def load_derived(model_dir: pathlib.Path, name: str, weights: str) -> dict | None:
+    """A small JSON made from the model (`.kakeya-<name>-<weights>.json`, save_derived) when it was made for this
+    cache_key, else None."""
+    path = pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc.get("data") if doc.get("key") == cache_key(model_dir, weights) else None
+
+
+def save_derived(model_dir: pathlib.Path, name: str, weights: str, data: dict) -> None:
+    """Write `data` for load_derived, atomically; a directory that cannot be written is only logged."""
+    path = pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.json"
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kakeya-", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": cache_key(model_dir, weights), "data": data}, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("%s not saved (%s): the next load makes it again", path, e)
+
+
 class PackedWeights:
     def __init__(self, model_dir: pathlib.Path, weights: str):
         self.path = pathlib.Path(model_dir) / f".kakeya-packed-{weights}.safetensors"
-        sources = sorted(p for p in pathlib.Path(model_dir).iterdir()
-                         if p.is_file() and p.suffix in (".gguf", ".safetensors") and not p.name.startswith(".kakeya-packed"))
-        self.key = json.dumps({"format": FORMAT, "weights": weights, "torch": torch.__version__,
-                               "cpu": torch.backends.cpu.get_cpu_capability(),
-                               "sources": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sources}}, sort_keys=True)
+        self.key = cache_key(model_dir, weights)
         self.loaded: dict[str, torch.Tensor] = {}
         self.made: dict[str, torch.Tensor] = {}
         self.hits = self.misses = 0

@@ -17,6 +17,13 @@
 // dot(q, qx2) (exact in int32, and in float: |.| < 2^24), so a second plane costs its dot products only:
 //   y[r, n] = sum_g fma-chain of (float(dot) * (d * s)) then (m * xsum), xsum = s * sum(256 qx1 + qx2).
 //
+// Outlier channels (optional, `channels` + `wc`): a few input channels (a linear's largest activations, chosen
+// by native.outlier_channels) are taken out of the quantized activations (set to 0 there) and added exactly after
+// the groups: y[r, n] += x[r, c] * w[n, c] for each listed c in order, w of those inputs as fp16 (wc: per block of
+// 16 columns, so they stream with the blocks; prefetched with them). One
+// plane with them measured as close to fp32 as two planes without (scripts/research/activation_planes.py), at half
+// the integer dot products per row.
+//
 // Exactness: integer dot products are exact, and every output element goes through the same float operations in
 // the same order whatever the number of rows, the row's place in the call, the thread or the ISA (AVX-512 and
 // AVX2 give the same bits: tests/backends/test_native_step.py). So rows are independent: a verify block's rows
@@ -30,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -196,6 +204,7 @@ inline int64_t& prefetch_ahead() {
 
 #if KAKEYA_X86
 constexpr int kRowTile = 8;
+constexpr int64_t kMaxOutliers = 64;  // outlier channels a call takes at most
 
 inline void prefetch_block(const uint8_t* blk, int64_t ahead) {
   if (!ahead) return;
@@ -205,7 +214,7 @@ inline void prefetch_block(const uint8_t* blk, int64_t ahead) {
 template <int P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void block_vnni(
     const uint8_t* w, int64_t groups, const int8_t* qx, const float* xs, const float* xsum, int64_t rows, int64_t k,
-    float* y, int64_t n, int64_t col0, int64_t ahead) {
+    float* y, int64_t n, int64_t col0, int64_t ahead, const float* xo, const c10::Half* wc, int64_t nc) {
   const __m512i lo_mask = _mm512_set1_epi8(15);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
     const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
@@ -238,6 +247,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(t), acc[r]);
       }
     }
+    if (nc) {  // the outlier channels, exactly, in order (as the AVX2 path: the same bits)
+      const c10::Half* wcb = wc + col0 * nc;  // this block's (C, 16)
+      alignas(64) float wf[kMaxOutliers * kCols];
+      for (int64_t c = 0; c < nc; ++c)
+        _mm512_store_ps(wf + c * kCols, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wcb + c * kCols))));
+      for (int r = 0; r < nr; ++r) {
+        __m512 a = acc[r];
+        const float* xr = xo + (r0 + r) * nc;
+        for (int64_t c = 0; c < nc; ++c) a = _mm512_fmadd_ps(_mm512_set1_ps(xr[c]), _mm512_load_ps(wf + c * kCols), a);
+        acc[r] = a;
+      }
+    }
     for (int r = 0; r < nr; ++r) _mm512_storeu_ps(y + (r0 + r) * n + col0, acc[r]);
   }
 }
@@ -246,7 +267,8 @@ template <int P>
 __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w, int64_t groups, const int8_t* qx,
                                                                   const float* xs, const float* xsum, int64_t rows,
                                                                   int64_t k, float* y, int64_t n, int64_t col0,
-                                                                  int64_t ahead) {
+                                                                  int64_t ahead, const float* xo, const c10::Half* wc,
+                                                                  int64_t nc) {
   const __m256i lo_mask = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {  // columns 8 * half .. 8 * half + 7: the 32-byte halves of each vector
@@ -288,6 +310,18 @@ __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w
           acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[r]);
         }
       }
+      if (nc) {  // the outlier channels, exactly, in order: each row's sum over them in a register
+        const c10::Half* wcb = wc + col0 * nc + half * 8;  // this block's (C, 16), its half
+        alignas(32) float wf[kMaxOutliers * 8];
+        for (int64_t c = 0; c < nc; ++c)
+          _mm256_store_ps(wf + c * 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wcb + c * kCols))));
+        for (int r = 0; r < nr; ++r) {
+          __m256 a = acc[r];
+          const float* xr = xo + (r0 + r) * nc;
+          for (int64_t c = 0; c < nc; ++c) a = _mm256_fmadd_ps(_mm256_set1_ps(xr[c]), _mm256_load_ps(wf + c * 8), a);
+          acc[r] = a;
+        }
+      }
       for (int r = 0; r < nr; ++r) _mm256_storeu_ps(y + (r0 + r) * n + col0 + half * 8, acc[r]);
     }
   }
@@ -309,8 +343,11 @@ inline std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t p
 }
 
 // x (M, K) fp32 contiguous, w from pack() for N columns -> y (M, N) fp32. isa: kNone picks the best this CPU has;
-// planes: 2 (~16-bit activations, the layers) or 1 (int8, the head's approximate greedy scoring).
-inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa = kNone, int64_t planes = 2) {
+// planes: 2 (~16-bit activations) or 1 (int8: the layers with outlier channels, the head's approximate greedy
+// scoring). channels (C,) int64 and wc (N / 16, C, 16) fp16 (each block of 16 columns' weights of the C channels, in
+// the order the blocks stream): outlier channels (see the top), or undefined / empty for none.
+inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa = kNone, int64_t planes = 2,
+                         const at::Tensor& channels = {}, const at::Tensor& wc = {}) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4 matmul: x must be (M, K) fp32");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kBlockBytes, "q4 matmul: w must come from q4 pack");
   const int64_t rows = x.size(0), k = x.size(1), groups = w.size(1), n = w.size(0) * kCols;
@@ -318,7 +355,32 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
   const Isa use = isa == kNone ? best_isa() : static_cast<Isa>(isa);
   TORCH_CHECK(use != kNone && use <= best_isa(), "q4 matmul: this CPU lacks AVX2 (or the ISA asked for)");
   TORCH_CHECK(planes == 1 || planes == 2, "q4 matmul: planes must be 1 or 2");
-  const auto [qx, scales] = quantize(x, planes);
+  const int64_t nc = channels.defined() ? channels.numel() : 0;
+  const auto xc = x.contiguous();
+  const float* xin = xc.data_ptr<float>();
+  std::vector<float> rest, xo;  // with outlier channels: x without them (zeros there), and them (M, C), exact
+  if (nc) {
+    TORCH_CHECK(channels.dim() == 1 && channels.scalar_type() == at::kLong && channels.is_contiguous(),
+                "q4 matmul: channels must be (C,) int64");
+    TORCH_CHECK(wc.defined() && wc.dim() == 3 && wc.scalar_type() == at::kHalf && wc.size(0) * kCols == n &&
+                wc.size(1) == nc && wc.size(2) == kCols && wc.is_contiguous(),
+                "q4 matmul: wc must be (N / 16, C, 16) fp16 contiguous for C channels (outlier_blocks)");
+    TORCH_CHECK(nc <= 64, "q4 matmul: at most 64 outlier channels, got ", nc);
+    const int64_t* ch = channels.data_ptr<int64_t>();
+    for (int64_t c = 0; c < nc; ++c) TORCH_CHECK(ch[c] >= 0 && ch[c] < k, "q4 matmul: channel ", ch[c], " out of range");
+    rest.assign(xin, xin + rows * k);
+    xo.resize(rows * nc);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        xo[r * nc + c] = rest[r * k + ch[c]];
+        rest[r * k + ch[c]] = 0.f;
+      }
+    xin = rest.data();
+  }
+  auto qx = at::empty({rows, planes, k}, x.options().dtype(at::kChar));
+  auto scales = at::empty({2, rows, groups}, x.options());
+  quantize(xin, rows, k, static_cast<int>(planes), qx.data_ptr<int8_t>(), scales.data_ptr<float>(),
+           scales.data_ptr<float>() + rows * groups);
   const float* xs = scales.data_ptr<float>();
   const float* xsum = xs + rows * groups;
   auto y = at::empty({rows, n}, x.options());
@@ -326,6 +388,8 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
   const int8_t* qp = qx.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = n / kCols;
+  const float* xop = nc ? xo.data() : nullptr;
+  const c10::Half* wcp = nc ? wc.data_ptr<c10::Half>() : nullptr;
 #if KAKEYA_X86
   // grain: a thread takes at least 16 column blocks (small matrices stay on one thread)
   const int64_t ahead = prefetch_ahead();
@@ -334,10 +398,13 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
       const uint8_t* wb = wp + b * groups * kBlockBytes;
       // the last blocks of the thread's range prefetch no further than the weights' end
       const int64_t pf = (hi - b) * groups * kBlockBytes > ahead + kBlockBytes ? ahead : 0;
-      if (use == kVnni512 && planes == 2) block_vnni<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf);
-      else if (use == kVnni512) block_vnni<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf);
-      else if (planes == 2) block_avx2<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf);
-      else block_avx2<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf);
+      if (nc && b + 1 < hi)  // the next block's outlier weights (C * 32 bytes)
+        for (int64_t line = 0; line < nc * kCols * 2; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(wcp + (b + 1) * kCols * nc) + line, _MM_HINT_T0);
+      if (use == kVnni512 && planes == 2) block_vnni<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, wcp, nc);
+      else if (use == kVnni512) block_vnni<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, wcp, nc);
+      else if (planes == 2) block_avx2<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, wcp, nc);
+      else block_avx2<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, wcp, nc);
     }
   });
 #endif
