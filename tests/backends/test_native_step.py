@@ -301,36 +301,40 @@ def test_the_q4_kernel_computes_the_int4_weights_within_int8_activation_rounding
 
 def test_outlier_channels_are_taken_out_of_the_quantized_activations_and_added_exactly():
     """One plane with outlier channels (q4_matmul.h): the listed input channels are zeroed before the activations are
-    quantized and added after the groups as x[:, c] * wc[c]; its error against the int4 weights sits near two planes',
-    far under one plane's when those channels hold the large activations; rows stay independent; both ISAs agree."""
+    quantized and added after their group as x[:, c] * w[:, c], w = fma(q, d, m) from the block's own codes; far
+    closer to the int4 weights than one plane alone when those channels hold the large activations; rows stay
+    independent; both ISAs agree; a bad list is a clear error."""
     mod = _module()
     if mod.q4_isa() == 0:
         pytest.skip("no AVX2 here: the native step keeps torch's int4 kernel")
     lin, packed = _q4_case()
-    w = native.q4_weights(lin)
+    # the weights as the kernel decodes them: q * d + m with d, m as fp16, rounded once (an fma) to fp32
+    n, k = lin.shape
+    d = lin.scale.float()
+    d16, m16 = d.half().double(), (lin.zero.float() - 8 * d).half().double()
+    w = (lin.codes().double().view(n, k // 32, 32) * d16[..., None] + m16[..., None]).view(n, k).float()
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(2))
-    channels = torch.tensor([3, 40, 41, 90])
+    channels = torch.tensor([3, 31, 40, 41, 90])  # inputs in groups 0, 0, 1, 1, 2, in every nibble position kind
     x[:, channels] *= 40.0  # massive activations in a few channels, as in real models
-    wc = native.outlier_blocks(lin, channels)
-    assert torch.equal(wc[1, :, 5], w[16 + 5, channels].half())  # block 1, column 5 of it
-    got = mod.q4_matmul(x, packed, 0, 1, channels, wc)
+    got = mod.q4_matmul(x, packed, 0, 1, channels)
     # the documented computation in torch: one plane of x with the channels zeroed, plus the channels exactly
     rest = x.clone()
     rest[:, channels] = 0
     qx, scale, _ = _quantize_reference(rest, 1)
     deq = (qx[:, 0].float().view(7, -1, 32) * scale[..., None]).view(7, 96)
-    want = deq @ w.T + x[:, channels] @ w[:, channels].half().float().T
+    want = deq @ w.T + x[:, channels] @ w[:, channels].T
     assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
     exact = x @ w.T
-    one, two = mod.q4_matmul(x, packed, 0, 1), mod.q4_matmul(x, packed)
-    err = {name: float((y - exact).abs().max()) for name, y in (("outliers", got), ("one", one), ("two", two))}
-    assert err["outliers"] * 10 < err["one"], err
+    one = mod.q4_matmul(x, packed, 0, 1)
+    err_out, err_one = float((got - exact).abs().max()), float((one - exact).abs().max())
+    assert err_out * 10 < err_one, (err_out, err_one)
     for i in range(7):
-        assert torch.equal(mod.q4_matmul(x[i:i + 1].contiguous(), packed, 0, 1, channels, wc), got[i:i + 1])
+        assert torch.equal(mod.q4_matmul(x[i:i + 1].contiguous(), packed, 0, 1, channels), got[i:i + 1])
     if mod.q4_isa() == 2:
-        assert torch.equal(mod.q4_matmul(x, packed, 1, 1, channels, wc), got)
-    with pytest.raises(RuntimeError, match="wc must be"):
-        mod.q4_matmul(x, packed, 0, 1, channels, wc[:3].contiguous())
+        assert torch.equal(mod.q4_matmul(x, packed, 1, 1, channels), got)
+    for bad in ([5, 3], [3, 3], [96], [-1]):
+        with pytest.raises(RuntimeError, match="ascending input indices"):
+            mod.q4_matmul(x, packed, 0, 1, torch.tensor(bad))
 
 
 def test_outlier_channels_are_each_linears_largest_activations_and_the_step_stays_row_exact():

@@ -165,16 +165,16 @@ class NativeRowStep:
                 if isinstance(lin, Int4Linear) and self.q4 and p == 1 and (i, kind) in chosen:
                     channels = chosen[i, kind]
                     kinds.append(5)
-                    tensors += [q4_pack(module, lin), outlier_blocks(lin, channels), channels]
+                    tensors += [q4_pack(module, lin), channels]
                 elif isinstance(lin, Int4Linear) and self.q4:
                     kinds.append(3 if p == 2 else 4)
-                    tensors += [q4_pack(module, lin), torch.empty(0), torch.empty(0)]
+                    tensors += [q4_pack(module, lin), torch.empty(0)]
                 elif isinstance(lin, Int4Linear):
                     kinds.append(2)
-                    tensors += [lin.packed, lin.scale_zero, torch.empty(0)]
+                    tensors += [lin.packed, lin.scale_zero]
                 else:
                     kinds.append(1)
-                    tensors += [lin.q, lin.scales, torch.empty(0)]
+                    tensors += [lin.q, lin.scales]
         tensors.append(model.final_norm_weight.float().contiguous())
         down = model.layers[0].w_down
         inter = down.shape[1] if isinstance(down, Int4Linear) else down.q.shape[1]
@@ -409,13 +409,6 @@ def outlier_channels(model, count: int, *, tokens: int = 256, seed: int = 0) -> 
             setattr(L, kind, lin)
         model.native_step = saved_step
     return {key: torch.sort(torch.topk(a, count).indices).values.to(torch.int64).contiguous() for key, a in peaks.items()}
-
-
-def outlier_blocks(lin, channels: torch.Tensor) -> torch.Tensor:
-    """The weights of `channels` (C inputs) as the int4 kernel adds them: (N / 16, C, 16) fp16, each block of 16
-    columns' in the order q4_pack's blocks stream."""
-    n = lin.shape[0]
-    return q4_weights(lin)[:, channels].half().view(n // 16, 16, -1).transpose(1, 2).contiguous()
 
 
 def cached_outlier_channels(model, count: int) -> dict[tuple[int, str], torch.Tensor]:

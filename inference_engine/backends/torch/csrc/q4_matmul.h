@@ -17,10 +17,10 @@
 // dot(q, qx2) (exact in int32, and in float: |.| < 2^24), so a second plane costs its dot products only:
 //   y[r, n] = sum_g fma-chain of (float(dot) * (d * s)) then (m * xsum), xsum = s * sum(256 qx1 + qx2).
 //
-// Outlier channels (optional, `channels` + `wc`): a few input channels (a linear's largest activations, chosen
-// by native.outlier_channels) are taken out of the quantized activations (set to 0 there) and added exactly after
-// the groups: y[r, n] += x[r, c] * w[n, c] for each listed c in order, w of those inputs as fp16 (wc: per block of
-// 16 columns, so they stream with the blocks; prefetched with them). One
+// Outlier channels (optional, `channels`): a few input channels (a linear's largest activations, chosen by
+// native.outlier_channels) are taken out of the quantized activations (set to 0 there) and added exactly: after
+// each group's integer part, y[r, n] += x[r, c] * w[n, c] for the group's listed c in order, w = fma(q, d, m) decoded
+// from the block's own codes (no second copy of any weight). One
 // plane with them measured as close to fp32 as two planes without (scripts/research/activation_planes.py), at half
 // the integer dot products per row.
 //
@@ -204,7 +204,10 @@ inline int64_t& prefetch_ahead() {
 
 #if KAKEYA_X86
 constexpr int kRowTile = 8;
-constexpr int64_t kMaxOutliers = 64;  // outlier channels a call takes at most
+
+// input i (0..31) of a group: its code is in vector P_(i / 8), byte 4j + i % 4 of column j's lane, the high nibble for
+// i % 8 >= 4 (the layout at the top): shifted down by this within each 32-bit lane
+inline int code_shift(int i) { return (i & 3) * 8 + ((i >> 2) & 1) * 4; }
 
 inline void prefetch_block(const uint8_t* blk, int64_t ahead) {
   if (!ahead) return;
@@ -214,7 +217,8 @@ inline void prefetch_block(const uint8_t* blk, int64_t ahead) {
 template <int P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void block_vnni(
     const uint8_t* w, int64_t groups, const int8_t* qx, const float* xs, const float* xsum, int64_t rows, int64_t k,
-    float* y, int64_t n, int64_t col0, int64_t ahead, const float* xo, const c10::Half* wc, int64_t nc) {
+    float* y, int64_t n, int64_t col0, int64_t ahead, const float* xo, const int64_t* ch, const int64_t* gfirst,
+    int64_t nc) {
   const __m512i lo_mask = _mm512_set1_epi8(15);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
     const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
@@ -231,6 +235,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes + 32)));
+      // this group's outlier channels: their weights q * d + m (one fma) decoded from the block's codes
+      const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
+      alignas(64) float wf[kGroup * kCols];
+      for (int64_t ci = c0; ci < c1; ++ci) {
+        const int i = static_cast<int>(ch[ci] - g * kGroup);
+        const __m512i v = _mm512_loadu_si512(blk + (i >> 3) * 64);
+        const __m512i q = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm512_set1_epi32(15));
+        _mm512_store_ps(wf + (ci - c0) * kCols, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m));
+      }
       for (int r = 0; r < nr; ++r) {
         const int8_t* xr = qx + (r0 + r) * P * k + g * kGroup;
         __m512i dot = _mm512_setzero_si512();
@@ -246,17 +259,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[r]);
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(t), acc[r]);
       }
-    }
-    if (nc) {  // the outlier channels, exactly, in order (as the AVX2 path: the same bits)
-      const c10::Half* wcb = wc + col0 * nc;  // this block's (C, 16)
-      alignas(64) float wf[kMaxOutliers * kCols];
-      for (int64_t c = 0; c < nc; ++c)
-        _mm512_store_ps(wf + c * kCols, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wcb + c * kCols))));
-      for (int r = 0; r < nr; ++r) {
-        __m512 a = acc[r];
-        const float* xr = xo + (r0 + r) * nc;
-        for (int64_t c = 0; c < nc; ++c) a = _mm512_fmadd_ps(_mm512_set1_ps(xr[c]), _mm512_load_ps(wf + c * kCols), a);
-        acc[r] = a;
+      for (int64_t ci = c0; ci < c1; ++ci) {  // then the group's outlier channels, exactly, in order (rows inside: their
+        const __m512 wv = _mm512_load_ps(wf + (ci - c0) * kCols);  // sums are independent chains)
+        for (int r = 0; r < nr; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xo[(r0 + r) * nc + ci]), wv, acc[r]);
       }
     }
     for (int r = 0; r < nr; ++r) _mm512_storeu_ps(y + (r0 + r) * n + col0, acc[r]);
@@ -267,8 +272,8 @@ template <int P>
 __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w, int64_t groups, const int8_t* qx,
                                                                   const float* xs, const float* xsum, int64_t rows,
                                                                   int64_t k, float* y, int64_t n, int64_t col0,
-                                                                  int64_t ahead, const float* xo, const c10::Half* wc,
-                                                                  int64_t nc) {
+                                                                  int64_t ahead, const float* xo, const int64_t* ch,
+                                                                  const int64_t* gfirst, int64_t nc) {
   const __m256i lo_mask = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {  // columns 8 * half .. 8 * half + 7: the 32-byte halves of each vector
@@ -287,6 +292,15 @@ __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + half * 16)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + 32 + half * 16)));
+        // this group's outlier channels: their weights q * d + m (one fma, as the AVX-512 path) from the block's codes
+        const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
+        alignas(32) float wf[kGroup * 8];
+        for (int64_t ci = c0; ci < c1; ++ci) {
+          const int i = static_cast<int>(ch[ci] - g * kGroup);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (i >> 3) * 64 + half * 32));
+          const __m256i q = _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm256_set1_epi32(15));
+          _mm256_store_ps(wf + (ci - c0) * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+        }
         for (int r = 0; r < nr; ++r) {
           const int8_t* xr = qx + (r0 + r) * P * k + g * kGroup;
           __m256i dot = _mm256_setzero_si256();
@@ -309,17 +323,9 @@ __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
           acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[r]);
         }
-      }
-      if (nc) {  // the outlier channels, exactly, in order: each row's sum over them in a register
-        const c10::Half* wcb = wc + col0 * nc + half * 8;  // this block's (C, 16), its half
-        alignas(32) float wf[kMaxOutliers * 8];
-        for (int64_t c = 0; c < nc; ++c)
-          _mm256_store_ps(wf + c * 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wcb + c * kCols))));
-        for (int r = 0; r < nr; ++r) {
-          __m256 a = acc[r];
-          const float* xr = xo + (r0 + r) * nc;
-          for (int64_t c = 0; c < nc; ++c) a = _mm256_fmadd_ps(_mm256_set1_ps(xr[c]), _mm256_load_ps(wf + c * 8), a);
-          acc[r] = a;
+        for (int64_t ci = c0; ci < c1; ++ci) {  // then the group's outlier channels, exactly, in order (rows inside:
+          const __m256 wv = _mm256_load_ps(wf + (ci - c0) * 8);  // their sums are independent chains)
+          for (int r = 0; r < nr; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xo[(r0 + r) * nc + ci]), wv, acc[r]);
         }
       }
       for (int r = 0; r < nr; ++r) _mm256_storeu_ps(y + (r0 + r) * n + col0 + half * 8, acc[r]);
@@ -344,10 +350,9 @@ inline std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t p
 
 // x (M, K) fp32 contiguous, w from pack() for N columns -> y (M, N) fp32. isa: kNone picks the best this CPU has;
 // planes: 2 (~16-bit activations) or 1 (int8: the layers with outlier channels, the head's approximate greedy
-// scoring). channels (C,) int64 and wc (N / 16, C, 16) fp16 (each block of 16 columns' weights of the C channels, in
-// the order the blocks stream): outlier channels (see the top), or undefined / empty for none.
+// scoring). channels (C,) int64, ascending: outlier channels (see the top), or undefined / empty for none.
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa = kNone, int64_t planes = 2,
-                         const at::Tensor& channels = {}, const at::Tensor& wc = {}) {
+                         const at::Tensor& channels = {}) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4 matmul: x must be (M, K) fp32");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kBlockBytes, "q4 matmul: w must come from q4 pack");
   const int64_t rows = x.size(0), k = x.size(1), groups = w.size(1), n = w.size(0) * kCols;
@@ -359,15 +364,18 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
   const auto xc = x.contiguous();
   const float* xin = xc.data_ptr<float>();
   std::vector<float> rest, xo;  // with outlier channels: x without them (zeros there), and them (M, C), exact
+  std::vector<int64_t> gfirst;  // per group, the first of its channels (groups + 1)
+  const int64_t* ch = nullptr;
   if (nc) {
     TORCH_CHECK(channels.dim() == 1 && channels.scalar_type() == at::kLong && channels.is_contiguous(),
                 "q4 matmul: channels must be (C,) int64");
-    TORCH_CHECK(wc.defined() && wc.dim() == 3 && wc.scalar_type() == at::kHalf && wc.size(0) * kCols == n &&
-                wc.size(1) == nc && wc.size(2) == kCols && wc.is_contiguous(),
-                "q4 matmul: wc must be (N / 16, C, 16) fp16 contiguous for C channels (outlier_blocks)");
-    TORCH_CHECK(nc <= 64, "q4 matmul: at most 64 outlier channels, got ", nc);
-    const int64_t* ch = channels.data_ptr<int64_t>();
-    for (int64_t c = 0; c < nc; ++c) TORCH_CHECK(ch[c] >= 0 && ch[c] < k, "q4 matmul: channel ", ch[c], " out of range");
+    ch = channels.data_ptr<int64_t>();
+    for (int64_t c = 0; c < nc; ++c)
+      TORCH_CHECK(ch[c] >= 0 && ch[c] < k && (c == 0 || ch[c] > ch[c - 1]),
+                  "q4 matmul: channels must be ascending input indices, got ", ch[c], " at ", c);
+    gfirst.assign(groups + 1, nc);
+    for (int64_t c = nc - 1; c >= 0; --c)
+      for (int64_t g = ch[c] / kGroup; g >= 0 && gfirst[g] > c; --g) gfirst[g] = c;
     rest.assign(xin, xin + rows * k);
     xo.resize(rows * nc);
     for (int64_t r = 0; r < rows; ++r)
@@ -389,7 +397,7 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
   float* yp = y.data_ptr<float>();
   const int64_t blocks = n / kCols;
   const float* xop = nc ? xo.data() : nullptr;
-  const c10::Half* wcp = nc ? wc.data_ptr<c10::Half>() : nullptr;
+  const int64_t* gp = nc ? gfirst.data() : nullptr;
 #if KAKEYA_X86
   // grain: a thread takes at least 16 column blocks (small matrices stay on one thread)
   const int64_t ahead = prefetch_ahead();
@@ -398,13 +406,10 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
       const uint8_t* wb = wp + b * groups * kBlockBytes;
       // the last blocks of the thread's range prefetch no further than the weights' end
       const int64_t pf = (hi - b) * groups * kBlockBytes > ahead + kBlockBytes ? ahead : 0;
-      if (nc && b + 1 < hi)  // the next block's outlier weights (C * 32 bytes)
-        for (int64_t line = 0; line < nc * kCols * 2; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(wcp + (b + 1) * kCols * nc) + line, _MM_HINT_T0);
-      if (use == kVnni512 && planes == 2) block_vnni<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, wcp, nc);
-      else if (use == kVnni512) block_vnni<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, wcp, nc);
-      else if (planes == 2) block_avx2<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, wcp, nc);
-      else block_avx2<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, wcp, nc);
+      if (use == kVnni512 && planes == 2) block_vnni<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
+      else if (use == kVnni512) block_vnni<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
+      else if (planes == 2) block_avx2<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
+      else block_avx2<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
     }
   });
 #endif

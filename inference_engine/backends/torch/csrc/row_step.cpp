@@ -37,9 +37,9 @@ struct Linear {
   int64_t kind = kDense;
   // dense: w (N, K); int8: q (N, K), scales (N,) bf16; int4: torch's packed, scale_zero (K/32, N, 2) bf16;
   // q4x16: q4::pack's blocks (fp32 activations in, quantized inside to two int8 planes, or one; fp32 out);
-  // q4x16 with outliers: a the blocks, b the outlier channels' weights (N / 16, C, 16) fp16, c the channels (C,) int64 (one
-  // plane for the rest: q4_matmul.h)
-  at::Tensor a, b, c;
+  // q4x16 with outliers: a the blocks, b the outlier input channels (C,) int64, ascending (one plane for the rest:
+  // q4_matmul.h)
+  at::Tensor a, b;
 
   bool bf16_input() const { return kind == kInt8 || kind == kInt4; }
 
@@ -49,7 +49,7 @@ struct Linear {
       case kInt8: return at::_weight_int8pack_mm(x, a, b);
       case kQ4x16: return q4::matmul(x, a);
       case kQ4x16OnePlane: return q4::matmul(x, a, q4::kNone, 1);
-      case kQ4x16Outliers: return q4::matmul(x, a, q4::kNone, 1, c, b);
+      case kQ4x16Outliers: return q4::matmul(x, a, q4::kNone, 1, b);
       default: return at::linear(x, a);
     }
   }
@@ -694,17 +694,17 @@ class RowStep {
           std::vector<int64_t> kinds, std::vector<at::Tensor> tensors)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), inter_(inter),
         eps_(static_cast<float>(eps)), scale_(static_cast<float>(attn_scale)) {
-    // per layer: ln_in, ln_post_attn, then (a, b, c) for wqkv, wo, w_gate_up, w_down (kinds: 4 per layer); last: final norm
+    // per layer: ln_in, ln_post_attn, then (a, b) for wqkv, wo, w_gate_up, w_down (kinds: 4 per layer); last: final norm
     TORCH_CHECK((head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128) && hidden % kLanes == 0,
                 "row step: head_dim must be 16, 32, 64 or 128 and hidden a multiple of 16");
     TORCH_CHECK(heads % kv_heads == 0, "row step: heads must be a multiple of kv_heads");
-    TORCH_CHECK(kinds.size() % 4 == 0 && tensors.size() == kinds.size() / 4 * 14 + 1, "row step: bad weight list");
+    TORCH_CHECK(kinds.size() % 4 == 0 && tensors.size() == kinds.size() / 4 * 10 + 1, "row step: bad weight list");
     layers_ = static_cast<int64_t>(kinds.size() / 4);
     for (int64_t l = 0; l < layers_; ++l) {
-      const at::Tensor* t = &tensors[l * 14];
+      const at::Tensor* t = &tensors[l * 10];
       ln_in_.push_back(t[0].contiguous());
       ln_post_.push_back(t[1].contiguous());
-      for (int j = 0; j < 4; ++j) lin_.push_back(Linear{kinds[l * 4 + j], t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j]});
+      for (int j = 0; j < 4; ++j) lin_.push_back(Linear{kinds[l * 4 + j], t[2 + 2 * j], t[3 + 2 * j]});
     }
     final_norm_ = tensors.back().contiguous();
   }
@@ -1232,15 +1232,14 @@ class RowStep {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_pack", &q4::pack, "codes (N, K) uint8, d, m (N, K/32) -> q4x16 blocks");
   m.def("q4_matmul",
-        [](const at::Tensor& x, const at::Tensor& w, int64_t isa, int64_t planes, std::optional<at::Tensor> channels,
-           std::optional<at::Tensor> wc) {
-          return q4::matmul(x, w, isa, planes, channels.value_or(at::Tensor()), wc.value_or(at::Tensor()));
+        [](const at::Tensor& x, const at::Tensor& w, int64_t isa, int64_t planes, std::optional<at::Tensor> channels) {
+          return q4::matmul(x, w, isa, planes, channels.value_or(at::Tensor()));
         },
         "x (M, K) fp32 @ q4x16 blocks -> (M, N) fp32; isa 0 = best, 1 AVX2, 2 AVX-512 VNNI; planes 2 (~16-bit "
-        "activations) or 1 (int8); channels (C,) int64 and wc (N / 16, C, 16) fp16 (native.outlier_blocks): outlier "
-        "channels added exactly",
+        "activations) or 1 (int8); channels (C,) int64, ascending: outlier input channels taken out of the "
+        "quantized activations and added exactly",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("isa") = 0, pybind11::arg("planes") = 2,
-        pybind11::arg("channels") = pybind11::none(), pybind11::arg("wc") = pybind11::none(),
+        pybind11::arg("channels") = pybind11::none(),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("q4_quantize", [](const at::Tensor& x, int64_t planes) {
     auto [qx, scales] = q4::quantize(x, planes);
