@@ -20,9 +20,9 @@
 // Outlier channels (optional, `channels`): a few input channels (a linear's largest activations, chosen by
 // native.outlier_channels) are taken out of the quantized activations (set to 0 there) and added exactly: after
 // each group's integer part, y[r, n] += x[r, c] * w[n, c] for the group's listed c in order, w = fma(q, d, m) decoded
-// from the block's own codes (no second copy of any weight). One
-// plane with them measured as close to fp32 as two planes without (scripts/research/activation_planes.py), at half
-// the integer dot products per row.
+// from the block's own codes (no second copy of any weight). One plane with 16 of them per linear passes the 99 %
+// top-1 agreement gate that one plane alone misses, at half the two planes' integer dot products per row
+// (scripts/research/native_step.py --outliers 16 -> results/research/native_step_outliers_avx2.json).
 //
 // Exactness: integer dot products are exact, and every output element goes through the same float operations in
 // the same order whatever the number of rows, the row's place in the call, the thread or the ISA (AVX-512 and
@@ -268,69 +268,82 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
   }
 }
 
+// One tile of rows (r0 .. r0 + nr) over one half (8 columns) of a block of 16 columns. NR > 0: exactly NR rows, so
+// their sums live in registers (a decode step's one row: its chain of fmas over the groups no longer goes through
+// memory); NR = 0: nr rows, up to kRowTile. Every element gets the same float operations in the same order either way.
+template <int P, int NR>
+__attribute__((target("avx2,fma,f16c"))) inline void tile_avx2(const uint8_t* w, int64_t groups, const int8_t* qx,
+                                                                 const float* xs, const float* xsum, int64_t k, float* y,
+                                                                 int64_t n, int64_t col0, int64_t ahead, const float* xo,
+                                                                 const int64_t* ch, const int64_t* gfirst, int64_t nc,
+                                                                 int half, int64_t r0, int64_t nr_runtime) {
+  const __m256i lo_mask = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nr = NR ? NR : nr_runtime;
+  __m256 acc[NR ? NR : kRowTile];
+  for (int r = 0; r < (NR ? NR : kRowTile); ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = w + g * kBlockBytes;
+    if (half == 0 && r0 == 0) prefetch_block(blk, ahead);
+    __m256i wq[8];
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 64 + half * 32));
+      wq[2 * p] = _mm256_and_si256(v, lo_mask);
+      wq[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + half * 16)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + 32 + half * 16)));
+    // this group's outlier channels: their weights q * d + m (one fma, as the AVX-512 path) from the block's codes
+    const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
+    alignas(32) float wf[kGroup * 8];
+    for (int64_t ci = c0; ci < c1; ++ci) {
+      const int i = static_cast<int>(ch[ci] - g * kGroup);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (i >> 3) * 64 + half * 32));
+      const __m256i q = _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm256_set1_epi32(15));
+      _mm256_store_ps(wf + (ci - c0) * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+    }
+    for (int r = 0; r < nr; ++r) {
+      const int8_t* xr = qx + (r0 + r) * P * k + g * kGroup;
+      __m256i dot = _mm256_setzero_si256();
+      for (int plane = 0; plane < P; ++plane) {
+        // u8 x s8 pairs into int16 (vpmaddubsw), the 8 chunks' pairs added in int16 (exact: |sum| <= 8 * 2 * 15 *
+        // 127 = 30480 < 2^15), then pairs of those into int32 once (vpmaddwd): the integer sums vpdpbusd makes,
+        // with one widening per plane instead of one per chunk (AVX2 CPUs are bound by these vector ops)
+        __m256i s[8];
+        for (int c = 0; c < 8; ++c) {
+          int32_t four;
+          std::memcpy(&four, xr + plane * k + 4 * c, 4);
+          s[c] = _mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(four));
+        }
+        const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(s[0], s[1]), _mm256_add_epi16(s[2], s[3])),
+                                           _mm256_add_epi16(_mm256_add_epi16(s[4], s[5]), _mm256_add_epi16(s[6], s[7])));
+        const __m256i p32 = _mm256_madd_epi16(t, ones);
+        dot = plane ? _mm256_add_epi32(_mm256_slli_epi32(dot, 8), p32) : p32;
+      }
+      const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[r]);
+    }
+    for (int64_t ci = c0; ci < c1; ++ci) {  // then the group's outlier channels, exactly, in order (rows inside:
+      const __m256 wv = _mm256_load_ps(wf + (ci - c0) * 8);  // their sums are independent chains)
+      for (int r = 0; r < nr; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xo[(r0 + r) * nc + ci]), wv, acc[r]);
+    }
+  }
+  for (int r = 0; r < nr; ++r) _mm256_storeu_ps(y + (r0 + r) * n + col0 + half * 8, acc[r]);
+}
+
 template <int P>
 __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w, int64_t groups, const int8_t* qx,
                                                                   const float* xs, const float* xsum, int64_t rows,
                                                                   int64_t k, float* y, int64_t n, int64_t col0,
                                                                   int64_t ahead, const float* xo, const int64_t* ch,
                                                                   const int64_t* gfirst, int64_t nc) {
-  const __m256i lo_mask = _mm256_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int half = 0; half < 2; ++half) {  // columns 8 * half .. 8 * half + 7: the 32-byte halves of each vector
+  for (int half = 0; half < 2; ++half)  // columns 8 * half .. 8 * half + 7: the 32-byte halves of each vector
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
-      __m256 acc[kRowTile];
-      for (int r = 0; r < kRowTile; ++r) acc[r] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* blk = w + g * kBlockBytes;
-        if (half == 0 && r0 == 0) prefetch_block(blk, ahead);
-        __m256i wq[8];
-        for (int p = 0; p < 4; ++p) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 64 + half * 32));
-          wq[2 * p] = _mm256_and_si256(v, lo_mask);
-          wq[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + half * 16)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + 32 + half * 16)));
-        // this group's outlier channels: their weights q * d + m (one fma, as the AVX-512 path) from the block's codes
-        const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
-        alignas(32) float wf[kGroup * 8];
-        for (int64_t ci = c0; ci < c1; ++ci) {
-          const int i = static_cast<int>(ch[ci] - g * kGroup);
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (i >> 3) * 64 + half * 32));
-          const __m256i q = _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm256_set1_epi32(15));
-          _mm256_store_ps(wf + (ci - c0) * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
-        }
-        for (int r = 0; r < nr; ++r) {
-          const int8_t* xr = qx + (r0 + r) * P * k + g * kGroup;
-          __m256i dot = _mm256_setzero_si256();
-          for (int plane = 0; plane < P; ++plane) {
-            // u8 x s8 pairs into int16 (vpmaddubsw), the 8 chunks' pairs added in int16 (exact: |sum| <= 8 * 2 * 15 *
-            // 127 = 30480 < 2^15), then pairs of those into int32 once (vpmaddwd): the integer sums vpdpbusd makes,
-            // with one widening per plane instead of one per chunk (AVX2 CPUs are bound by these vector ops)
-            __m256i s[8];
-            for (int c = 0; c < 8; ++c) {
-              int32_t four;
-              std::memcpy(&four, xr + plane * k + 4 * c, 4);
-              s[c] = _mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(four));
-            }
-            const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(s[0], s[1]), _mm256_add_epi16(s[2], s[3])),
-                                               _mm256_add_epi16(_mm256_add_epi16(s[4], s[5]), _mm256_add_epi16(s[6], s[7])));
-            const __m256i p32 = _mm256_madd_epi16(t, ones);
-            dot = plane ? _mm256_add_epi32(_mm256_slli_epi32(dot, 8), p32) : p32;
-          }
-          const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
-          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[r]);
-        }
-        for (int64_t ci = c0; ci < c1; ++ci) {  // then the group's outlier channels, exactly, in order (rows inside:
-          const __m256 wv = _mm256_load_ps(wf + (ci - c0) * 8);  // their sums are independent chains)
-          for (int r = 0; r < nr; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xo[(r0 + r) * nc + ci]), wv, acc[r]);
-        }
-      }
-      for (int r = 0; r < nr; ++r) _mm256_storeu_ps(y + (r0 + r) * n + col0 + half * 8, acc[r]);
+      if (nr == 1) tile_avx2<P, 1>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, 1);
+      else tile_avx2<P, 0>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, nr);
     }
-  }
 }
 #endif
 
