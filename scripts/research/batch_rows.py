@@ -16,9 +16,11 @@ in --rounds, so a drift in the box's speed lands on every cell alike. Arms are s
           others, each row-exact)
   head    silu, and the greedy head's exact top 64 chosen and rescored in the C++ call that scores (refined_head)
           instead of topk / gather / einsum / scatter from Python after it (the arms above) - the default settings
+  rowmem  head, but the int4 kernel's AVX2 path runs a one-row tile as a tile of up to 8 rows, its sums in memory
+          (q4_row_registers 0: the kernel before f45bac2; the same bits)
   planes2 head, with the int4 kernel's activations as two int8 planes everywhere (the step before outlier channels)
-  outliers  head, with one plane and each linear's outlier channels exact (native.OUTLIERS; the default step)
-The arms before planes2 run the daemon's default step (use_step_graphs("auto")), whatever its activations are.
+  outliers  head, with one plane and each linear's native.OUTLIERS outlier channels exact
+The other arms run the daemon's default step (use_step_graphs("auto"): activations as native.PLANES planes).
 Records the median ms per forward, tokens per second (n / median) and the speedup at n over n = 1 per arm, and
 each arm's speedup over `before` per n. Writes results/research/batch_rows.json.
 
@@ -37,8 +39,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
 # trim_columns, rows_apart, silu_vectors, the greedy head's refinement in C++ (csrc/row_step.cpp refined_head)
-ARMS = {"before": (0, 0, 0, 0), "trim": (1, 0, 0, 0), "apart": (1, 1, 0, 0), "silu": (1, 1, 1, 0), "head": (1, 1, 1, 1),
-        "planes2": (1, 1, 1, 1), "outliers": (1, 1, 1, 1)}
+# (and q4_row_registers: a one-row tile's sums in registers)
+ARMS = {"before": (0, 0, 0, 0, 0), "trim": (1, 0, 0, 0, 0), "apart": (1, 1, 0, 0, 0), "silu": (1, 1, 1, 0, 0),
+        "rowmem": (1, 1, 1, 1, 0), "head": (1, 1, 1, 1, 1), "planes2": (1, 1, 1, 1, 1), "outliers": (1, 1, 1, 1, 1)}
 
 
 def main(argv=None) -> int:
@@ -124,7 +127,8 @@ def main(argv=None) -> int:
             return y.scatter(-1, idx, torch.einsum("mh,mrh->mr", x.float(), head.w[idx]))
 
     def use(arm: str) -> None:
-        trim, apart, silu, in_cpp = ARMS[arm]
+        trim, apart, silu, in_cpp, registers = ARMS[arm]
+        mod.q4_row_registers(registers)
         m.native_step = activations.get(arm, default_step)
         mod.trim_columns(trim)
         mod.rows_apart(apart)
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
         for a in arms:
             for n, v in by_arm[a].items():
                 v["speedup_vs_before"] = round(by_arm["before"][n]["forward_ms_median"] / v["forward_ms_median"], 3)
-    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors", "refined_head"), ARMS[a]))
+    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors", "refined_head", "q4_row_registers"), ARMS[a]))
                 | {"planes": activations.get(a, default_step).planes, "outliers": activations.get(a, default_step).outliers}
                 for a in arms}
     doc = meta | {"strategy": strategy.describe(), "step": m.describe_step(), "arms": settings, "by_arm": by_arm,

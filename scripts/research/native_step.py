@@ -4,12 +4,10 @@ Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.
   python         the layer pieces driven from Python (--compile off)
   native-torchk  the native row step with torch's int4 kernel (_weight_int4pack_mm_for_cpu, bf16 activations) inside
   native-q4      the native row step with its own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes)
-                 for the layers and the head's greedy scoring (one plane there) (--compile auto's before outlier
-                 channels)
+                 for the layers and the head's greedy scoring (one plane there) (--compile auto, the default)
   native-q4-one-plane  the same with one int8 plane in the layers too (int8 activations, as llama.cpp's Q8)
   native-q4-outliersC  (--outliers C,..) one plane, and each linear's C outlier input channels (native.outlier_channels:
                  the largest |activations| over seeded random token ids) taken out of it and added exactly
-                 (--compile auto's default: C = native.OUTLIERS)
   planes-ABCD    (--plane-arms, quality only) activation planes per matrix kind: wqkv A, wo B, w_gate_up C,
                  w_down D (e.g. 1112: two planes in w_down only), to see whether some matrices can take one
 Measured:

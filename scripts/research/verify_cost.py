@@ -11,7 +11,8 @@ gets its own sessions, measured in the same rounds, and the JSON holds one block
 the data they read: the same bits, csrc/row_step.cpp order_by_data); `auto/untrimmed` the native step scanning
 every column of its rows' masks, its per-row loops on one thread, SiLU in plain floats (trim_columns 0, rows_apart
 0, silu_vectors 0: the step before 39c54e0); `auto/planes2` the native step with the int4 kernel's activations as
-two int8 planes in every layer (the default before outlier channels, native.OUTLIERS); --prefill-chunk N also times a
+two int8 planes in every layer, `auto/outliers` with one plane and native.OUTLIERS outlier channels per linear
+exact (whichever native.PLANES makes the default, side by side); --prefill-chunk N also times a
 prefill chunk of N rows at each context (forwarded, then aborted), where that order matters most.
 Records the median ms of each and their ratio, and the split of a verify block's time: the same
 forward with row_exact off (rows attend batched, as a prefill chunk does) shows what row-exact
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="off,auto",
                    help="--compile modes, comma-separated (off, auto, on, auto/row: native, attention row by row; "
                         "auto/untrimmed: native, every mask column scanned; auto/planes2: native, the int4 kernel's "
-                        "activations as two int8 planes, no outlier channels), side by side")
+                        "activations as two int8 planes; auto/outliers: one plane with outlier channels), side by side")
     p.add_argument("--prefill-chunk", type=int, default=0, help="also time a prefill chunk of this many rows (0: no)")
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "verify_cost.json"))
     p.add_argument("--merge", nargs="+", default=[], metavar="PART_JSON",
@@ -95,6 +96,8 @@ def main(argv=None) -> int:
         m.use_step_graphs(mode.split("/")[0])
         if mode.endswith("/planes2") and m.native_step is not None:  # the int4 kernel's two-plane activations
             m.use_native_step(planes=2, outliers=0)
+        if mode.endswith("/outliers") and m.native_step is not None:  # one plane, outlier channels exact
+            m.use_native_step(planes=1)
         setups[mode] = (m.graphs, m.native_step, m.describe_step())
     cfg = ServeConfig()
     strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)

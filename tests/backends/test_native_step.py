@@ -337,6 +337,27 @@ def test_outlier_channels_are_taken_out_of_the_quantized_activations_and_added_e
             mod.q4_matmul(x, packed, 0, 1, torch.tensor(bad))
 
 
+def test_a_one_row_tile_in_registers_gives_the_bits_of_the_general_tile():
+    """q4_matmul.h tile_avx2<P, 1> (a decode row's sums in registers) against the general tile (q4_row_registers 0):
+    the same float operations in the same order, so the same bits, with two planes, one, and outlier channels."""
+    mod = _module()
+    if mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here: the native step keeps torch's int4 kernel")
+    lin, packed = _q4_case()
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(3))
+    channels = torch.tensor([5, 33, 70])
+    cases = [(0, 2, None), (0, 1, None), (0, 1, channels)] + ([(1, 2, None), (1, 1, channels)] if mod.q4_isa() == 2 else [])
+    was = mod.q4_row_registers()
+    try:
+        for isa, planes, ch in cases:
+            mod.q4_row_registers(1)
+            fast = mod.q4_matmul(x, packed, isa, planes, ch)
+            mod.q4_row_registers(0)
+            assert torch.equal(mod.q4_matmul(x, packed, isa, planes, ch), fast)
+    finally:
+        mod.q4_row_registers(was)
+
+
 def test_outlier_channels_are_each_linears_largest_activations_and_the_step_stays_row_exact():
     """native.outlier_channels runs the Python pieces over seeded random ids (the same channels every time) and leaves
     the model as it was; the native step with them keeps verify blocks equal to one-token steps."""

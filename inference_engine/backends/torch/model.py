@@ -176,14 +176,14 @@ class TorchCausalLM:
                  ", dense work compiled by inductor (per bucket of rows, on first use)" if compiled else "")
         return sessions
 
-    def use_native_step(self, on: bool = True, *, q4: bool = True, planes: int | tuple[int, int, int, int] = 1,
+    def use_native_step(self, on: bool = True, *, q4: bool = True, planes: int | tuple[int, int, int, int] | None = None,
                         outliers: int | None = None) -> bool:
         """CPU row steps (decode rows, verify blocks over plain fp32 slabs) through the C++ extension
         (csrc/row_step.cpp), built on first use and cached; False (logged) where the model or the machine
         cannot take it: the Python pieces run every step then. q4: int4 linears (and the head's greedy scoring)
         through the extension's int4 kernel where the CPU has one (native.NativeRowStep): activations as `planes`
-        int8 planes (1 or 2, or one per matrix kind), with `outliers` outlier channels added exactly where one
-        (None: native.OUTLIERS; 0: none). on=False: off."""
+        int8 planes (1 or 2, or one per matrix kind; None: native.PLANES), with `outliers` outlier channels added
+        exactly where one (None: native.OUTLIERS; 0: none). on=False: off."""
         from inference_engine.backends.torch import native
 
         if isinstance(self.head, RefinedHead):
@@ -196,8 +196,7 @@ class TorchCausalLM:
         if mod is None:
             log.info("native CPU row step off: %s", why or native.unavailable_reason())
             return False
-        self.native_step = native.NativeRowStep(self, mod, q4=q4, planes=planes,
-                                                outliers=native.OUTLIERS if outliers is None else outliers)
+        self.native_step = native.NativeRowStep(self, mod, q4=q4, planes=planes, outliers=outliers)
         log.info("native CPU row step on: decode rows and verify blocks run every layer in one C++ call%s",
                  "; int4 matmuls through its own int4 kernel" if self.native_step.q4 else "")
         return True
@@ -259,7 +258,12 @@ class TorchCausalLM:
         """How a step's dense work runs (--compile): eager pieces, or graphs.StepGraphs.describe()."""
         out = {"step": "eager"} if self.graphs is None else self.graphs.describe()
         if self.native_step is not None:
-            out |= {"row_step": "native (C++)" + (", own int4 kernel" if self.native_step.q4 else ""),
+            ns = self.native_step
+            kernel = ""
+            if ns.q4:
+                kernel = ", own int4 kernel (" + (f"one int8 activation plane, {ns.outliers} outlier channels exact"
+                                                  if ns.planes == 1 and ns.outliers else f"activation planes {ns.planes}") + ")"
+            out |= {"row_step": "native (C++)" + kernel,
                     "native_steps": self.native_step.steps, "native_segment_steps": self.native_step.segment_steps}
         return out | (self.row_graphs.describe() if self.row_graphs is not None else {})
 

@@ -35,7 +35,13 @@ import torch
 log = logging.getLogger("kakeya")
 
 LINEAR_KINDS = ("wqkv", "wo", "w_gate_up", "w_down")
-OUTLIERS = 16  # outlier input channels per linear with one activation plane (outlier_channels): the default step
+# the int4 kernel's activations in the layers by default: two int8 planes (~16 bits). One plane with OUTLIERS outlier
+# channels per linear (outlier_channels) halves each row's integer work, but measured 98.83 % top-1 agreement with
+# fp32 (24 channels 98.95 %, 32 98.87 %; two planes 99.34 %): under the 99 % gate
+# (results/research/native_step_outliers_avx2.json, native_step_outliers_24_32_avx2.json), so it is an option
+# (use_native_step(planes=1)), not the default.
+PLANES = 2
+OUTLIERS = 16
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "row_step.cpp"
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
@@ -135,18 +141,19 @@ def supports(model) -> str | None:
 class NativeRowStep:
     """The model's weights handed to the C++ RowStep once; `run(parts)` as backend.row_step.
 
-    int4 linears run through the extension's own int4 kernel (csrc/q4_matmul.h: activations as one int8 plane with
-    each linear's 16 outlier input channels added exactly, integer dot products, AVX-512 VNNI or AVX2;
-    results/research/native_step_outliers_avx2.json) where the CPU has one, repacked once at start (`q4=False`
-    keeps torch's kernel). The head's greedy scoring (linear.RefinedHead, the 4-bit pass before its exact top 64)
+    int4 linears run through the extension's own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes by
+    default, or one with outlier channels; integer dot products, AVX-512 VNNI or AVX2; results/research/
+    native_step.json) where the CPU has one, repacked once at start (`q4=False` keeps torch's kernel). The head's greedy scoring (linear.RefinedHead, the 4-bit pass before its exact top 64)
     takes the same kernel with one plane."""
 
-    def __init__(self, model, module, *, q4: bool = True, planes: int | tuple[int, int, int, int] = 1,
-                 outliers: int = OUTLIERS):
-        """planes: the int4 kernel's activation planes in the layers (1: int8, the default, with outlier channels;
-        2: ~16 bits), or one per matrix kind (wqkv, wo, w_gate_up, w_down). outliers: where a kind takes one plane,
-        that many input channels of each linear (`outlier_channels`) taken out of the quantized activations and
-        added exactly (0: none, one plane alone: under the quality gate, research only)."""
+    def __init__(self, model, module, *, q4: bool = True, planes: int | tuple[int, int, int, int] | None = None,
+                 outliers: int | None = None):
+        """planes: the int4 kernel's activation planes in the layers (None: PLANES; 2: ~16 bits; 1: int8), or one
+        per matrix kind (wqkv, wo, w_gate_up, w_down). outliers: where a kind takes one plane, that many input
+        channels of each linear (`outlier_channels`) taken out of the quantized activations and added exactly
+        (None: OUTLIERS; 0: none, one plane alone)."""
+        planes = PLANES if planes is None else planes
+        outliers = OUTLIERS if outliers is None else outliers
         from inference_engine.backends.torch.linear import Int4Linear, RefinedHead
 
         s = model.spec
@@ -370,8 +377,9 @@ def outlier_channels(model, count: int, *, tokens: int = 256, seed: int = 0) -> 
     """Each int4 linear's `count` input channels with the largest |activation| (sorted, int64), from the model's own
     Python pieces run over `tokens` seeded random token ids: {(layer, kind): channels}. Random ids, not text, so no
     tokenizer or data is needed; the channels a model's outliers sit in are mostly the same whatever it reads (for
-    SmolLM2, 32 channels chosen this way kept top-1 agreement with fp32 at the two planes' level:
-    scripts/research/activation_planes.py)."""
+    SmolLM2, one plane with 16 channels chosen this way: 98.83 % top-1 agreement with fp32 against one plane
+    alone's 98.40 %, still under the 99 % gate: scripts/research/native_step.py --outliers 16 ->
+    results/research/native_step_outliers_avx2.json)."""
     from inference_engine.backends.torch.linear import Int4Linear
     from inference_engine.engine.steps import forward
     from inference_engine.kv.factory import make_cache

@@ -20,9 +20,10 @@
 // Outlier channels (optional, `channels`): a few input channels (a linear's largest activations, chosen by
 // native.outlier_channels) are taken out of the quantized activations (set to 0 there) and added exactly: after
 // each group's integer part, y[r, n] += x[r, c] * w[n, c] for the group's listed c in order, w = fma(q, d, m) decoded
-// from the block's own codes (no second copy of any weight). One plane with 16 of them per linear passes the 99 %
-// top-1 agreement gate that one plane alone misses, at half the two planes' integer dot products per row
-// (scripts/research/native_step.py --outliers 16 -> results/research/native_step_outliers_avx2.json).
+// from the block's own codes (no second copy of any weight). One plane with 16 of them per linear takes half the two
+// planes' integer dot products per row, but measured 98.83 % top-1 agreement with fp32 on SmolLM2 (one plane alone
+// 98.40 %, two 99.34 %), under the 99 % gate, so the layers keep two planes by default (native.PLANES;
+// scripts/research/native_step.py --outliers 16 -> results/research/native_step_outliers_avx2.json).
 //
 // Exactness: integer dot products are exact, and every output element goes through the same float operations in
 // the same order whatever the number of rows, the row's place in the call, the thread or the ISA (AVX-512 and
@@ -268,6 +269,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
   }
 }
 
+// Whether block_avx2 runs a tile of exactly one row as tile_avx2<P, 1> (1, the default) or as the general tile (0):
+// a research toggle (row_step.cpp q4_row_registers); the same bits either way.
+inline int64_t& row_registers() {
+  static int64_t on = 1;
+  return on;
+}
+
 // One tile of rows (r0 .. r0 + nr) over one half (8 columns) of a block of 16 columns. NR > 0: exactly NR rows, so
 // their sums live in registers (a decode step's one row: its chain of fmas over the groups no longer goes through
 // memory); NR = 0: nr rows, up to kRowTile. Every element gets the same float operations in the same order either way.
@@ -341,7 +349,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w
   for (int half = 0; half < 2; ++half)  // columns 8 * half .. 8 * half + 7: the 32-byte halves of each vector
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
-      if (nr == 1) tile_avx2<P, 1>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, 1);
+      if (nr == 1 && row_registers()) tile_avx2<P, 1>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, 1);
       else tile_avx2<P, 0>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, nr);
     }
 }

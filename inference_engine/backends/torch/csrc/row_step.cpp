@@ -1272,6 +1272,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("silu_vectors", &silu_vectors,
          "whether the MLP's SiLU runs in AVX2 vectors (1, the default where the CPU has AVX2) or in plain floats (0); "
          "the two round differently (each is row-exact)");
+  toggle("q4_row_registers", &q4::row_registers,
+         "whether the int4 kernel's AVX2 path runs a tile of one row with its sums in registers (1, the default) or "
+         "as a tile of up to 8 rows, sums in memory (0); the same bits either way");
   toggle("trim_columns", &trim_columns,
          "whether a whole step's rows attend only up to their last visible column (1, the default) or scan every "
          "column of the step's mask, masked ones skipped one by one (0); the same bits either way");
