@@ -143,8 +143,9 @@ class NativeRowStep:
 
     int4 linears run through the extension's own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes by
     default, or one with outlier channels; integer dot products, AVX-512 VNNI or AVX2; results/research/
-    native_step.json) where the CPU has one, repacked once at start (`q4=False` keeps torch's kernel). The head's greedy scoring (linear.RefinedHead, the 4-bit pass before its exact top 64)
-    takes the same kernel with one plane."""
+    native_step.json) where the CPU has one, repacked once at start (`q4=False` keeps torch's kernel). The head's
+    greedy scoring (linear.RefinedHead, the 4-bit pass before its exact top 64) takes the same kernel with one
+    plane."""
 
     def __init__(self, model, module, *, q4: bool = True, planes: int | tuple[int, int, int, int] | None = None,
                  outliers: int | None = None):
@@ -369,8 +370,6 @@ def q4_weights(lin) -> torch.Tensor:
     d = lin.scale.float()
     d16, m16 = d.half().float(), (lin.zero.float() - 8 * d).half().float()
     return (lin.codes().float().view(n, k // GROUP, GROUP) * d16[..., None] + m16[..., None]).view(n, k)
-
-
 
 
 def outlier_channels(model, count: int, *, tokens: int = 256, seed: int = 0) -> dict[tuple[int, str], torch.Tensor]:
