@@ -18,7 +18,7 @@ in --rounds, so a drift in the box's speed lands on every cell alike. Arms are s
           instead of topk / gather / einsum / scatter from Python after it (the arms above) - the default settings
   rowmem  head, but the int4 kernel's AVX2 path runs a one-row tile as a tile of up to 8 rows, its sums in memory
           (q4_row_registers 0: the kernel before f45bac2; the same bits)
-  planes2 head, with the int4 kernel's activations as two int8 planes everywhere (the step before outlier channels)
+  planes2 head, with the int4 kernel's activations as two int8 planes everywhere (native.PLANES, built explicitly)
   outliers  head, with one plane and each linear's native.OUTLIERS outlier channels exact
 The other arms run the daemon's default step (use_step_graphs("auto"): activations as native.PLANES planes).
 Records the median ms per forward, tokens per second (n / median) and the speedup at n over n = 1 per arm, and

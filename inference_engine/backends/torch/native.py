@@ -164,7 +164,7 @@ class NativeRowStep:
         per_kind = (planes,) * 4 if isinstance(planes, int) else tuple(planes)
         if len(per_kind) != 4 or any(p not in (1, 2) for p in per_kind):
             raise ValueError(f"planes must be 1, 2 or four of them (wqkv, wo, w_gate_up, w_down), got {planes!r}")
-        self.outliers = outliers if self.q4 else 0
+        self.outliers = outliers if self.q4 and 1 in per_kind else 0  # only where a kind takes one plane
         self.planes = planes
         chosen = cached_outlier_channels(model, self.outliers) if self.outliers else {}
         for i, L in enumerate(model.layers):
