@@ -66,6 +66,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=TOKENS_4M, help="tokens planned (the plan stops at this)")
     ap.add_argument("--minutes", type=float, default=0.0, help="stop starting chunks after this long (0 = none)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", default="greedy", choices=["greedy", "full"],
+                    help="argmax through the head's greedy path (what greedy decoding emits; default) or the full "
+                         "logits (the runs before 2026-11-29 21st session: progress.json's runs say which)")
     ap.add_argument("--step", default="auto", choices=["auto", "native", "pieces"],
                     help="native: the native CPU step (captured layers come out of its one C++ call); pieces: every op "
                          "from Python; auto: native where it builds, as the daemon's --compile auto on the CPU")
@@ -147,9 +150,11 @@ def plan(args, ptok: gpu_corpus.PromptTokenizer, layers: tuple[int, ...], log=pr
 
 
 @torch.inference_mode()
-def features(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int = 1) -> list[tuple]:
+def features(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int = 1, greedy: bool = True) -> list[tuple]:
     """Per sequence (feats (T, L*H) f16, final (T, H) f16, argmax (T,) i32), each sequence teacher-forced from
-    position 0 in a fresh `full` cache through the engine's forward_batch (`batch` sequences per forward)."""
+    position 0 in a fresh `full` cache through the engine's forward_batch (`batch` sequences per forward). greedy:
+    the argmax through the head's greedy path (StepInput.greedy: what the engine's greedy decoding emits), else
+    through the full logits (the head's sampled path; the same argmax but in rare near-ties, and ~1.3x the time)."""
     from inference_engine.engine.steps import StepInput, forward_batch
     from inference_engine.kv.factory import make_cache
     from inference_engine.kv.strategy import KVStrategy
@@ -161,7 +166,7 @@ def features(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int =
         inputs = []
         for s in part:
             cache = make_cache(KVStrategy("full"), geo, max_step=len(s), max_context=max(len(s), model.spec.max_context))
-            inputs.append(StepInput(model.tensor(s), range(len(s)), cache, "all", capture=layers))
+            inputs.append(StepInput(model.tensor(s), range(len(s)), cache, "all", capture=layers, greedy=greedy))
         res = forward_batch(model, inputs)
         for inp, (logits, hidden) in zip(inputs, res):
             inp.cache.abort()
@@ -169,11 +174,12 @@ def features(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int =
     return out
 
 
-def write_chunk(model, items: list[dict], layers: tuple[int, ...], batch: int, path: pathlib.Path) -> dict:
+def write_chunk(model, items: list[dict], layers: tuple[int, ...], batch: int, path: pathlib.Path,
+                greedy: bool = True) -> dict:
     from safetensors.torch import save_file
 
     seqs = [j["ids"] for j in items]
-    res = features(model, seqs, layers, batch)
+    res = features(model, seqs, layers, batch, greedy)
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
@@ -271,6 +277,7 @@ def main(argv=None) -> int:
     t0, cpu0, load0 = time.monotonic(), time.process_time(), os.getloadavg()
     done = {"chunks": 0, "sequences": 0, "tokens": 0, "bytes": 0, "forward_seconds": 0.0}
     agree = []
+    written = []  # which chunks this run wrote (so progress.json says which head made each)
     stopped = ""
     for c, items in enumerate(chunks):
         p = dflash_data.chunk_path(out, c)
@@ -280,8 +287,9 @@ def main(argv=None) -> int:
             stopped = f"--minutes {args.minutes} spent before chunk {c}"
             break
         tc = time.monotonic()
-        info = write_chunk(model, items, layers, args.batch, p)
+        info = write_chunk(model, items, layers, args.batch, p, args.head == "greedy")
         dt = time.monotonic() - tc
+        written.append(c)
         done["chunks"] += 1
         done["sequences"] += info["sequences"]
         done["tokens"] += info["tokens"]
@@ -296,6 +304,7 @@ def main(argv=None) -> int:
     rate = done["tokens"] / wall if wall > 0 and done["tokens"] else 0.0
     bpt = bytes_all / tok_all if tok_all else 0.0
     run = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "threads": args.threads, "batch": args.batch,
+           "head": args.head, "chunks_written_first_last": [written[0], written[-1]] if written else [],
            **done, "wall_seconds": round(wall, 1), "tokens_per_s": round(rate, 1), "load_seconds": round(load_s, 1),
            "process_cpu_seconds": round(cpu, 1), "tokens_per_cpu_second": round(done["tokens"] / cpu, 1) if cpu > 0 else 0.0,
            "load_average_start_end": [list(load0), list(os.getloadavg())],
