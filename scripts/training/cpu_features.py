@@ -12,12 +12,18 @@ and cut to its last --seq-len tokens. One item is one sequence, teacher-forced a
 Per chunk (part-NNN.safetensors, dflash_data.CHUNK = 32 sequences, so the trainer's chunk count holds):
 tokens (N,) i32, feats (N, L*H) f16 (the engine's StepInput.capture: the residual stream after each
 captured layer, concatenated in layer order), final (N, H) f16 (the engine's final normed hidden), argmax
-(N,) i32 (argmax of the engine's full logits at each position), seq_offsets (S+1,) i64, gen_start (S,) i64
-(= the sequence's length: nothing here is generated), style (S,) i64 (dflash_data.STYLES).
+(N,) i32 (the engine's greedy token at each position), seq_offsets (S+1,) i64, gen_start (S,) i64
+(= the sequence's length: nothing generated; with --generate the prompt's), style (S,) i64 (dflash_data.STYLES).
 
 The difference from dflash_data's own stage: there the sequences are a prompt plus the verifier's greedy
 continuation (targets agree with argmax on the whole continuation); here every token is corpus text, so
 the trainer (AnchorSampler) supervises only the blocks where the text agrees with the verifier's argmax.
+
+--generate N makes the other kind of data the issue asks to weigh against teacher forcing: each item's prompt
+(its last seq-len - N tokens), then the engine's own greedy continuation (up to N tokens or an eos), every token fed
+as a decode row (the rows of --gen-batch sequences in one forward, as the daemon batches sessions), features captured
+as it goes; gen_start marks where the continuation starts. Every run reports supervised draft slots (what the
+trainer can learn from: AnchorSampler's agreement runs, up to 4 a position) per second beside tokens per second.
 
 The output directory is resumable: jobs.json fixes the plan (every sequence's ids) at the first run; a
 chunk is written atomically and skipped when present. --max-tokens caps the plan, --minutes a run.
@@ -63,6 +69,12 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="output dir (default $KAKEYA_HOME/cache/drafter_teacher/cpu-features)")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per sequence at most (an item's last seq-len)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per engine forward (forward_batch)")
+    ap.add_argument("--generate", type=int, default=0,
+                    help="N > 0: self-generated continuations instead of teacher forcing: each item's prompt (its last "
+                         "seq-len - N tokens) then the engine's own greedy continuation, up to N tokens or an eos, "
+                         "features captured on the way (a plan of its own: use another --out)")
+    ap.add_argument("--gen-batch", type=int, default=16, help="with --generate: sequences decoded together (their decode "
+                                                              "rows in one forward, as the daemon batches sessions)")
     ap.add_argument("--max-tokens", type=int, default=TOKENS_4M, help="tokens planned (the plan stops at this)")
     ap.add_argument("--minutes", type=float, default=0.0, help="stop starting chunks after this long (0 = none)")
     ap.add_argument("--threads", type=int, default=2)
@@ -123,30 +135,37 @@ def plan(args, ptok: gpu_corpus.PromptTokenizer, layers: tuple[int, ...], log=pr
     for it in gpu_corpus.interleave(corpus.train):
         if tokens >= args.max_tokens:
             break
-        ids = ptok.ids(it)[-args.seq_len :]
-        ids = ids[: args.max_tokens - tokens]
+        ids = ptok.ids(it)[-(args.seq_len - args.generate) :]
+        ids = ids[: max(0, args.max_tokens - tokens - args.generate)]
         if len(ids) < 2:
             continue
         jobs.append({"kind": it.style, "key": it.key, "source": it.source, "ids": ids})
-        tokens += len(ids)
+        n = len(ids) + args.generate  # generated: at most --generate more (an eos ends it sooner)
+        tokens += n
         e = per.setdefault(f"{it.style}/{it.source}", {"sequences": 0, "tokens": 0})
         e["sequences"] += 1
-        e["tokens"] += len(ids)
+        e["tokens"] += n
     desc = {
-        "stage": "scripts/training/cpu_features.py: the daemon's engine teacher-forced over corpus text (no generation)",
+        "stage": ("scripts/training/cpu_features.py: the daemon's engine teacher-forced over corpus text (no generation)"
+                  if not args.generate else
+                  f"scripts/training/cpu_features.py --generate {args.generate}: corpus prompts, then the daemon's engine's "
+                  "own greedy continuations (decode rows batched), features captured as it generates"),
         "sources": corpus.describe(),
         "tokenizer": ptok.kind,
         "seq_len": args.seq_len,
         "planned": {"sequences": len(jobs), "tokens": tokens, "max_tokens": args.max_tokens,
                     "corpus_items_train": len(corpus.train), "per_style_source": dict(sorted(per.items()))},
         "styles": STYLE_NOTE,
-        "targets": "corpus text, teacher-forced; argmax = the engine's greedy token at each position, so the trainer "
-                   "supervises only blocks where the text agrees with it (no self-generated continuations)",
+        "targets": ("corpus text, teacher-forced; argmax = the engine's greedy token at each position, so the trainer "
+                    "supervises only blocks where the text agrees with it (no self-generated continuations)"
+                    if not args.generate else
+                    "prompt text (supervised where it agrees with the engine's argmax) then the engine's greedy "
+                    "continuation (the argmax at every generated position is the next token: all supervised)"),
         "features": f"engine StepInput.capture of layers {list(layers)} (residual stream after each), fp16; final = the "
                     "engine's final normed hidden, fp16",
         "plan_seconds": round(time.monotonic() - t0, 1),
     }
-    return {"layers": list(layers), "max_new": 0, "description": desc, "jobs": jobs}
+    return {"layers": list(layers), "max_new": args.generate, "description": desc, "jobs": jobs}
 
 
 @torch.inference_mode()
@@ -174,12 +193,76 @@ def features(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int =
     return out
 
 
+@torch.inference_mode()
+def generated_features(model, prompts: list[list[int]], layers: tuple[int, ...], max_new: int, eos, gen_batch: int = 16,
+                       greedy: bool = True) -> list[tuple]:
+    """Per prompt (ids, feats, final, argmax): the prompt teacher-forced (one forward, as features() does), then the
+    engine's own greedy continuation, up to max_new tokens or an eos, each token fed as a decode row (row-exact,
+    the decode rows of `gen_batch` sequences in one forward_batch, as the daemon batches sessions) with its features
+    captured. ids = prompt + continuation; every id has its row (the last generated one is fed too), so argmax at a
+    generated position is the next generated token, and at the last row what would follow."""
+    from inference_engine.engine.steps import StepInput, forward_batch
+    from inference_engine.kv.factory import make_cache
+    from inference_engine.kv.strategy import KVStrategy
+
+    geo, out = model.geometry(), []
+    for b in range(0, len(prompts), gen_batch):
+        seqs = []
+        for p in prompts[b : b + gen_batch]:
+            cache = make_cache(KVStrategy("full"), geo, max_step=len(p), max_context=max(len(p) + max_new, model.spec.max_context))
+            inp = StepInput(model.tensor(p), range(len(p)), cache, "all", capture=layers, greedy=greedy)
+            logits, hidden = forward_batch(model, [inp])[0]
+            cache.commit(len(p))
+            am = logits.argmax(-1).int().cpu()
+            s = {"cache": cache, "ids": list(p), "n0": len(p), "rows": len(p), "feats": [inp.captured.half().cpu()],
+                 "final": [hidden.half().cpu()], "argmax": [am]}
+            if max_new > 0:
+                s["ids"].append(int(am[-1]))
+            seqs.append(s)
+        while True:
+            live = [s for s in seqs if s["rows"] < len(s["ids"])]  # a generated token not fed yet
+            if not live:
+                break
+            inputs = [StepInput(model.tensor([s["ids"][s["rows"]]]), range(s["rows"], s["rows"] + 1), s["cache"], "last",
+                                row_exact=True, capture=layers, greedy=greedy) for s in live]
+            for s, inp, (logits, hidden) in zip(live, inputs, forward_batch(model, inputs)):
+                inp.cache.commit(1)
+                nxt = int(logits.argmax(-1).view(-1)[-1])
+                s["feats"].append(inp.captured.half().cpu())
+                s["final"].append(hidden.half().cpu())
+                s["argmax"].append(torch.tensor([nxt], dtype=torch.int32))
+                fed = s["ids"][s["rows"]]
+                s["rows"] += 1
+                if fed not in eos and len(s["ids"]) - s["n0"] < max_new:
+                    s["ids"].append(nxt)
+        for s in seqs:
+            out.append((s["ids"], torch.cat(s["feats"]), torch.cat(s["final"]), torch.cat(s["argmax"]), s["n0"]))
+    return out
+
+
+def supervised_slots(ok: torch.Tensor, block: int = 4) -> int:
+    """What the trainer can learn from, in draft slots: ok[t] = the argmax at t is the token at t + 1 (within a
+    sequence); an anchor at t + 1 supervises its k-th slot while ok holds from t on for k positions (AnchorSampler's
+    run length), at most `block`; summed over every position."""
+    run, total = 0, 0
+    for v in reversed(ok.tolist()):
+        run = run + 1 if v else 0
+        total += min(run, block)
+    return total
+
+
 def write_chunk(model, items: list[dict], layers: tuple[int, ...], batch: int, path: pathlib.Path,
-                greedy: bool = True) -> dict:
+                greedy: bool = True, generate: int = 0, gen_batch: int = 16) -> dict:
     from safetensors.torch import save_file
 
-    seqs = [j["ids"] for j in items]
-    res = features(model, seqs, layers, batch, greedy)
+    prompts = [j["ids"] for j in items]
+    if generate:
+        gen = generated_features(model, prompts, layers, generate, set(model.spec.eos_token_ids), gen_batch, greedy)
+        seqs, res, starts = [g[0] for g in gen], [g[1:4] for g in gen], [g[4] for g in gen]
+    else:
+        seqs = prompts
+        res = features(model, seqs, layers, batch, greedy)
+        starts = [len(s) for s in seqs]
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
@@ -189,17 +272,19 @@ def write_chunk(model, items: list[dict], layers: tuple[int, ...], batch: int, p
         "final": torch.cat([r[1] for r in res]).contiguous(),
         "argmax": torch.cat([r[2] for r in res]).contiguous(),
         "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
-        "gen_start": torch.tensor([len(s) for s in seqs], dtype=torch.int64),
+        "gen_start": torch.tensor(starts, dtype=torch.int64),
         "style": torch.tensor([dflash_data.STYLES[j["kind"]] for j in items], dtype=torch.int64),
     }
     agree = (tensors["argmax"][:-1].long() == tensors["tokens"][1:].long())
     ends = torch.zeros_like(agree)
     ends[torch.tensor(offsets[1:-1], dtype=torch.long) - 1] = True  # the last row of a sequence has no next token
+    slots = supervised_slots(agree & ~ends)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, path)
     return {"sequences": len(seqs), "tokens": offsets[-1], "bytes": path.stat().st_size,
+            "generated": offsets[-1] - sum(starts), "supervised_slots": slots,
             "greedy_agreement": round(float(agree[~ends].float().mean()), 4) if agree.numel() else 0.0}
 
 
@@ -266,6 +351,9 @@ def main(argv=None) -> int:
         spec = json.loads(jobs_file.read_text())
         if tuple(spec["layers"]) != layers:
             raise SystemExit(f"{jobs_file} was planned for layers {spec['layers']}, not {list(layers)}; use another --out")
+        if spec.get("max_new", 0) != args.generate:
+            raise SystemExit(f"{jobs_file} was planned with --generate {spec.get('max_new', 0)}, not {args.generate}; "
+                             "use another --out")
         print(f"resuming {out}: {len(spec['jobs'])} sequences planned", flush=True)
     else:
         spec = plan(args, ptok, layers)
@@ -275,7 +363,8 @@ def main(argv=None) -> int:
                                            **{k: v for k, v in spec["description"].items() if k != "engine"}})
     chunks = dflash_data.chunk_jobs(spec["jobs"])
     t0, cpu0, load0 = time.monotonic(), time.process_time(), os.getloadavg()
-    done = {"chunks": 0, "sequences": 0, "tokens": 0, "bytes": 0, "forward_seconds": 0.0}
+    done = {"chunks": 0, "sequences": 0, "tokens": 0, "generated": 0, "supervised_slots": 0, "bytes": 0,
+            "forward_seconds": 0.0}
     agree = []
     written = []  # which chunks this run wrote (so progress.json says which head made each)
     stopped = ""
@@ -287,18 +376,21 @@ def main(argv=None) -> int:
             stopped = f"--minutes {args.minutes} spent before chunk {c}"
             break
         tc = time.monotonic()
-        info = write_chunk(model, items, layers, args.batch, p, args.head == "greedy")
+        info = write_chunk(model, items, layers, args.batch, p, args.head == "greedy", args.generate, args.gen_batch)
         dt = time.monotonic() - tc
         written.append(c)
         done["chunks"] += 1
         done["sequences"] += info["sequences"]
         done["tokens"] += info["tokens"]
+        done["generated"] += info["generated"]
+        done["supervised_slots"] += info["supervised_slots"]
         done["bytes"] += info["bytes"]
         done["forward_seconds"] += dt
         agree.append((info["greedy_agreement"], info["tokens"]))
         print(f"chunk {c}/{len(chunks)}: {info['sequences']} seqs {info['tokens']} tokens {dt:.1f}s "
               f"({info['tokens'] / dt:.0f} tok/s) {info['bytes'] / info['tokens']:.0f} B/token "
-              f"agreement {info['greedy_agreement']}", flush=True)
+              f"agreement {info['greedy_agreement']} generated {info['generated']} "
+              f"supervised slots {info['supervised_slots']} ({info['supervised_slots'] / dt:.0f}/s)", flush=True)
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     n_chunks, tok_all, bytes_all = disk_totals(out)
     rate = done["tokens"] / wall if wall > 0 and done["tokens"] else 0.0
@@ -326,7 +418,10 @@ def main(argv=None) -> int:
             "model": str(path), "weights": args.weights, "capture_layers": list(layers), "hidden": H,
             "step": model.describe_step(),
             "run": run, "greedy_agreement_of_text": round(agr, 4),
-            "tokens_per_s": round(rate, 1), "forward_tokens_per_s": round(done["tokens"] / done["forward_seconds"], 1)
+            "tokens_per_s": round(rate, 1),
+            "supervised_slots_per_s": round(done["supervised_slots"] / wall, 1) if wall > 0 else 0.0,
+            "supervised_slots_per_token": round(done["supervised_slots"] / done["tokens"], 3) if done["tokens"] else 0.0,
+            "forward_tokens_per_s": round(done["tokens"] / done["forward_seconds"], 1)
             if done["forward_seconds"] else 0.0,
             "tokens_per_cpu_second": run["tokens_per_cpu_second"],
             "contention": "the 2-core box is shared: load_average_start_end and process_cpu_seconds / (wall_seconds * threads) "

@@ -82,7 +82,7 @@ def test_chunks_have_the_trainers_format_and_the_engines_features(built):
         for s in (0, len(seqs) - 1):  # the first and last sequence of each chunk against a direct engine forward
             ids = seqs[s]
             cache = make_cache(KVStrategy("full"), model.geometry(), max_step=len(ids), max_context=model.spec.max_context)
-            inp = StepInput(torch.tensor(ids), range(len(ids)), cache, "all", capture=LAYERS)
+            inp = StepInput(torch.tensor(ids), range(len(ids)), cache, "all", capture=LAYERS, greedy=True)
             logits, hidden = forward_batch(model, [inp])[0]
             cache.abort()
             a, b = offs[s], offs[s + 1]
@@ -128,3 +128,66 @@ def test_a_rerun_resumes(built, tmp_path):
     assert {p.name: sha(p) for p in sorted(out.glob("part-*.safetensors"))} == before  # rebuilt bit for bit, the rest kept
     prog = json.loads((out / "progress.json").read_text())
     assert len(prog["runs"]) == 2 and prog["runs"][1]["chunks"] == 1 and prog["tokens_present"] == 2500
+
+
+def test_generate_continues_each_prompt_as_the_engine_decodes(tmp_path):
+    """--generate: each sequence is its planned prompt, then the engine's own greedy continuation (what
+    Engine.generate emits for that prompt), every row's features those of a direct forward over the whole sequence
+    (up to the float rounding that separates decode rows from a prefill), argmax at each generated position the next
+    token; and a teacher-forcing plan is not resumed as a generating one."""
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine.events import TokenGenerated
+    from inference_engine.engine.generate import Engine
+    from inference_engine.engine.requests import GenerateParams
+    from inference_engine.engine.steps import StepInput, forward_batch
+    from inference_engine.kv.factory import make_cache
+    from inference_engine.kv.strategy import KVStrategy
+
+    out = tmp_path / "gen"
+    r = run(out, "--generate", "12", "--gen-batch", "5", "--max-tokens", "1200")
+    spec = json.loads((out / "jobs.json").read_text())
+    assert spec["max_new"] == 12 and all(2 <= len(j["ids"]) <= 48 - 12 for j in spec["jobs"])
+    assert "generated" in r.stdout
+    model = TorchCausalLM.load(tiny_dir(), weights="int4")
+    model.use_native_step()
+    engine = Engine(model, KVStrategy("full"), prefill_chunk=256)
+    eos = set(model.spec.eos_token_ids)
+    checked = generated = 0
+    for c, items in enumerate(dflash_data.chunk_jobs(spec["jobs"])):
+        d = load_file(str(dflash_data.chunk_path(out, c)))
+        offs = d["seq_offsets"].tolist()
+        for s, job in enumerate(items):
+            a, b = offs[s], offs[s + 1]
+            ids, start = d["tokens"][a:b].tolist(), int(d["gen_start"][s])
+            assert start == len(job["ids"]) and ids[:start] == job["ids"]
+            cont = ids[start:]
+            assert 1 <= len(cont) <= 12 and (len(cont) == 12 or cont[-1] in eos)
+            assert d["argmax"][a + start - 1 : b - 1].tolist() == cont  # each generated token is the argmax before it
+            generated += len(cont)
+            if s not in (0, len(items) - 1):
+                continue
+            want = [e.token_id for e in engine.generate(engine.new_session_kv(), job["ids"], GenerateParams(max_tokens=12))
+                    if isinstance(e, TokenGenerated)]
+            assert cont == want
+            cache = make_cache(KVStrategy("full"), model.geometry(), max_step=len(ids), max_context=model.spec.max_context)
+            inp = StepInput(torch.tensor(ids), range(len(ids)), cache, "all", capture=LAYERS, greedy=True)
+            logits, hidden = forward_batch(model, [inp])[0]
+            cache.abort()
+            torch.testing.assert_close(d["feats"][a:b].float(), inp.captured.half().float(), rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(d["final"][a:b].float(), hidden.half().float(), rtol=2e-3, atol=2e-3)
+            checked += 1
+    assert checked >= 2 and generated == json.loads((out / "progress.json").read_text())["runs"][0]["generated"]
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_dir()), "--layers", "2,0", "--out", str(out),
+                          "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert bad.returncode != 0 and "--generate 12, not 0" in bad.stderr + bad.stdout
+
+
+def test_supervised_slots_count_agreement_runs_up_to_a_block():
+    from importlib import util
+
+    spec = util.spec_from_file_location("cpu_features", SCRIPT)
+    mod = util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ok = torch.tensor([True, True, True, True, True, False, True, True, False])
+    # runs from each position: 5 4 3 2 1 0 2 1 0 -> capped at 4: 4 4 3 2 1 0 2 1 0
+    assert mod.supervised_slots(ok) == 17 and mod.supervised_slots(ok, block=2) == 2 + 2 + 2 + 2 + 1 + 0 + 2 + 1
