@@ -91,7 +91,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rate-json", default="", help="write the measured rate and disk per token here")
     ap.add_argument("--merge-rates", nargs="+", default=[], metavar="RATE_JSON",
-                    help="only merge these --rate-json runs (one per --step) into --rate-json, with their ratio")
+                    help="only merge these --rate-json runs (one per --step / --generate) into --rate-json, with their "
+                         "ratios")
     return ap.parse_args(argv)
 
 
@@ -308,16 +309,26 @@ def merge_rates(args) -> int:
     for f in args.merge_rates:
         d = json.loads(pathlib.Path(f).read_text())
         step = d["config"].get("step", "auto")
-        runs[step] = {"file": f, "commit": d["commit"], "cpu": d["machine"]["cpu"], "tokens_per_s": d["tokens_per_s"],
+        gen = d["config"].get("generate", 0)
+        key = f"{step}/generate{gen}" if gen else step
+        runs[key] = {"file": f, "commit": d["commit"], "cpu": d["machine"]["cpu"], "tokens_per_s": d["tokens_per_s"],
+                     "generated": d["run"].get("generated", 0),
+                     "supervised_slots_per_s": d.get("supervised_slots_per_s"),
+                     "supervised_slots_per_token": d.get("supervised_slots_per_token"),
                       "tokens_per_cpu_second": d["tokens_per_cpu_second"], "tokens": d["run"]["tokens"],
                       "load_average_start_end": d["run"]["load_average_start_end"], "step": d.get("step"),
                       "projection_4M_tokens_hours": d["projection_4M_tokens"]["hours"],
                       "bytes_per_token_on_disk": d["bytes_per_token_on_disk"]}
     out = run_metadata({"merge_rates": args.merge_rates})
-    out |= {"what": "cpu_features.py data stage rate per --step, runs one after another on the same corpus and box",
+    out |= {"what": "cpu_features.py data stage rate per --step (and --generate), runs one after another on the same box",
             "runs": runs}
     if "pieces" in runs:
         out["ratio_to_pieces"] = {k: round(v["tokens_per_s"] / runs["pieces"]["tokens_per_s"], 3) for k, v in runs.items()}
+    tf = next((v for k, v in runs.items() if "/generate" not in k and v.get("supervised_slots_per_s")), None)
+    if tf is not None:  # issue 33: what the trainer can learn from per second, each kind of data against teacher forcing
+        out["supervised_slots_per_s_vs_teacher_forcing"] = {
+            k: round(v["supervised_slots_per_s"] / tf["supervised_slots_per_s"], 3)
+            for k, v in runs.items() if v.get("supervised_slots_per_s")}
     write_json(pathlib.Path(args.rate_json), out)
     return 0
 

@@ -191,3 +191,23 @@ def test_supervised_slots_count_agreement_runs_up_to_a_block():
     ok = torch.tensor([True, True, True, True, True, False, True, True, False])
     # runs from each position: 5 4 3 2 1 0 2 1 0 -> capped at 4: 4 4 3 2 1 0 2 1 0
     assert mod.supervised_slots(ok) == 17 and mod.supervised_slots(ok, block=2) == 2 + 2 + 2 + 2 + 1 + 0 + 2 + 1
+
+
+def test_merged_rates_weigh_generated_data_against_teacher_forcing(tmp_path):
+    def part(name, gen, tok_s, slots_s):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({
+            "config": {"step": "auto", "generate": gen}, "commit": "abc", "machine": {"cpu": "test cpu"},
+            "tokens_per_s": tok_s, "tokens_per_cpu_second": tok_s / 2, "step": "native",
+            "run": {"tokens": 1000, "generated": 400 if gen else 0, "load_average_start_end": [[0, 0, 0], [0, 0, 0]]},
+            "projection_4M_tokens": {"hours": 1.0}, "bytes_per_token_on_disk": 6920.0,
+            "supervised_slots_per_s": slots_s, "supervised_slots_per_token": slots_s / tok_s}))
+        return str(p)
+
+    out = tmp_path / "merged.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--merge-rates", part("tf", 0, 340.0, 318.0), part("gen", 64, 290.0, 600.0),
+                        "--rate-json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert set(d["runs"]) == {"auto", "auto/generate64"} and d["runs"]["auto/generate64"]["generated"] == 400
+    assert d["supervised_slots_per_s_vs_teacher_forcing"] == {"auto": 1.0, "auto/generate64": round(600 / 318, 3)}
