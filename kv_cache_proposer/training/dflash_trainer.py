@@ -303,6 +303,16 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
 
     spec = json.loads((work / "jobs.json").read_text())
     paths = sorted(work.glob("part-*.safetensors"))
+    extras = []
+    for extra in getattr(args, "extra_data", None) or []:  # more chunk directories (e.g. teacher forced + generated)
+        extra = pathlib.Path(extra).expanduser()
+        other = json.loads((extra / "jobs.json").read_text())
+        if other["layers"] != spec["layers"]:
+            raise SystemExit(f"{extra} holds features of layers {other['layers']}, {work} of {spec['layers']}")
+        more = sorted(extra.glob("part-*.safetensors"))
+        extras.append({"dir": str(extra), "stage": other["description"].get("stage"), "max_new": other["max_new"],
+                       "chunks": [p.name for p in more]})
+        paths += more
     if not paths:
         raise SystemExit(f"no data chunks in {work}; run --stage data first")
     data = dflash_data.load_chunks(paths, mapped=True)  # feats and final read from the files as batches need them
@@ -344,9 +354,11 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
                      "shares": "token embedding + LM head (frozen, passed in at load time, not stored)",
                      "captured_layers": list(cfg.capture_layers)},
         "data": {**spec["description"], "max_new_tokens": spec["max_new"],
-                 "used": {"chunks": [p.name for p in paths], "chunks_planned": len(dflash_data.chunk_jobs(spec["jobs"])),
+                 "used": {"chunks": [p.name for p in paths[: len(paths) - sum(len(e["chunks"]) for e in extras)]],
+                          "chunks_planned": len(dflash_data.chunk_jobs(spec["jobs"])),
                           "per_style": per_style, "tokens": int(data["tokens"].numel())},
                  "cache": {"dir": str(work), "sha256": data["sha256"]},
+                 "extra_data": extras,
                  "heldout_prompts": "the benchmark uses kv_cache_proposer/checkpoints/smollm2-135m-dlm/heldout_prompts.json "
                                     "(same split rule; none of its keys reach a job)",
                  "note": getattr(args, "note", ""),

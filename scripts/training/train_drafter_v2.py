@@ -40,6 +40,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="checkpoint dir (default kv_cache_proposer/checkpoints/<name>)")
     ap.add_argument("--work-dir", default=None, help="data cache + train state (default $KAKEYA_HOME/cache/drafter_teacher/<name>)")
     ap.add_argument("--stage", default="all", choices=["all", "data", "train"])
+    ap.add_argument("--extra-data", nargs="*", default=[], metavar="DIR",
+                    help="train stage: also the chunks in these directories (same capture layers; e.g. "
+                         "cpu_features.py's teacher-forced and --generate directories together)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     # data
     ap.add_argument("--layers", default="1,8,15,22,28", help="verifier layers whose outputs condition the drafter")

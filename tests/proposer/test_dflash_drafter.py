@@ -243,6 +243,37 @@ def test_a_warm_start_begins_from_the_checkpoint_bit_for_bit(tmp_path):
         mod.main([*args, "--stage", "train", "--init-from", str(other)])
 
 
+def test_extra_data_directories_train_together_and_must_share_the_layers(tmp_path):
+    """--extra-data: the train stage takes the chunks of more directories with the work dir's (cpu_features.py's
+    teacher-forced and generated directories together); the manifest names them; other capture layers are refused."""
+    import shutil
+
+    mod = load_script("scripts/training/train_drafter_v2.py")
+    verifier = tiny_verifier_dir()
+    assert mod.main(_train_args(tmp_path, verifier, steps=2)) == 0
+    one = json.loads((tmp_path / "ck" / "manifest.json").read_text())["data"]["used"]
+    data = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        for f in (tmp_path / "work").glob("*"):
+            if f.name != "train_state_v2.pt":
+                shutil.copy(f, d / f.name)
+        data.append(d)
+    args = _train_args(tmp_path, verifier, steps=2)
+    args[args.index("--out") + 1], args[args.index("--work-dir") + 1] = str(tmp_path / "ck2"), str(data[0])
+    assert mod.main([*args, "--stage", "train", "--extra-data", str(data[1])]) == 0
+    man = json.loads((tmp_path / "ck2" / "manifest.json").read_text())["data"]
+    assert man["used"]["tokens"] == 2 * one["tokens"] and man["used"]["chunks"] == one["chunks"]
+    assert man["extra_data"] == [{"dir": str(data[1]), "stage": man.get("stage"), "max_new": man["max_new_tokens"],
+                                  "chunks": one["chunks"]}]
+    spec = json.loads((data[1] / "jobs.json").read_text())
+    spec["layers"] = list(reversed(spec["layers"]))
+    (data[1] / "jobs.json").write_text(json.dumps(spec))
+    with pytest.raises(SystemExit, match="holds features of layers"):
+        mod.main([*args, "--stage", "train", "--extra-data", str(data[1])])
+
+
 @pytest.mark.slow
 def test_training_runs_under_torchrun_with_two_processes(tmp_path):
     import pathlib
