@@ -315,10 +315,10 @@ def merge_rates(args) -> int:
                      "generated": d["run"].get("generated", 0),
                      "supervised_slots_per_s": d.get("supervised_slots_per_s"),
                      "supervised_slots_per_token": d.get("supervised_slots_per_token"),
-                      "tokens_per_cpu_second": d["tokens_per_cpu_second"], "tokens": d["run"]["tokens"],
-                      "load_average_start_end": d["run"]["load_average_start_end"], "step": d.get("step"),
-                      "projection_4M_tokens_hours": d["projection_4M_tokens"]["hours"],
-                      "bytes_per_token_on_disk": d["bytes_per_token_on_disk"]}
+                     "tokens_per_cpu_second": d["tokens_per_cpu_second"], "tokens": d["run"]["tokens"],
+                     "load_average_start_end": d["run"]["load_average_start_end"], "step": d.get("step"),
+                     "projection_4M_tokens_hours": d["projection_4M_tokens"]["hours"],
+                     "bytes_per_token_on_disk": d["bytes_per_token_on_disk"]}
     out = run_metadata({"merge_rates": args.merge_rates})
     out |= {"what": "cpu_features.py data stage rate per --step (and --generate), runs one after another on the same box",
             "runs": runs}
