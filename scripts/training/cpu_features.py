@@ -174,7 +174,7 @@ def features(model, seqs: list[list[int]], layers: tuple[int, ...], batch: int =
     """Per sequence (feats (T, L*H) f16, final (T, H) f16, argmax (T,) i32), each sequence teacher-forced from
     position 0 in a fresh `full` cache through the engine's forward_batch (`batch` sequences per forward). greedy:
     the argmax through the head's greedy path (StepInput.greedy: what the engine's greedy decoding emits), else
-    through the full logits (the head's sampled path; the same argmax but in rare near-ties, and ~1.3x the time)."""
+    through the full logits (the head's sampled path: the same argmax but in rare near-ties, at more cost)."""
     from inference_engine.engine.steps import StepInput, forward_batch
     from inference_engine.kv.factory import make_cache
     from inference_engine.kv.strategy import KVStrategy
