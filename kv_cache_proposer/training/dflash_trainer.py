@@ -302,7 +302,8 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
     from kv_cache_proposer.drafter import resolve_checkpoint, save_drafter
 
     spec = json.loads((work / "jobs.json").read_text())
-    paths = sorted(work.glob("part-*.safetensors"))
+    own = sorted(work.glob("part-*.safetensors"))
+    paths = list(own)
     extras = []
     for extra in getattr(args, "extra_data", None) or []:  # more chunk directories (e.g. teacher forced + generated)
         extra = pathlib.Path(extra).expanduser()
@@ -354,8 +355,7 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
                      "shares": "token embedding + LM head (frozen, passed in at load time, not stored)",
                      "captured_layers": list(cfg.capture_layers)},
         "data": {**spec["description"], "max_new_tokens": spec["max_new"],
-                 "used": {"chunks": [p.name for p in paths[: len(paths) - sum(len(e["chunks"]) for e in extras)]],
-                          "chunks_planned": len(dflash_data.chunk_jobs(spec["jobs"])),
+                 "used": {"chunks": [p.name for p in own], "chunks_planned": len(dflash_data.chunk_jobs(spec["jobs"])),
                           "per_style": per_style, "tokens": int(data["tokens"].numel())},
                  "cache": {"dir": str(work), "sha256": data["sha256"]},
                  "extra_data": extras,
