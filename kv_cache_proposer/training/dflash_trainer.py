@@ -184,7 +184,8 @@ def validation_split(style: torch.Tensor, n: int, seed: int = 12345) -> torch.Te
 
 
 def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pathlib.Path, *, draft_vocab: torch.Tensor,
-          rank: int = 0, world: int = 1, device="cpu", log=print, init_state: dict | None = None) -> tuple[DFlashModel, dict]:
+          rank: int = 0, world: int = 1, device="cpu", log=print, init_state: dict | None = None,
+          run_key: dict | None = None) -> tuple[DFlashModel, dict]:
     torch.manual_seed(tc.seed)
     model = DFlashModel(cfg, embed.to(device), head.to(device)).to(device)
     model.set_draft_vocab(draft_vocab)
@@ -203,6 +204,11 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
     step, history, elapsed0 = 0, [], 0.0
     if state_path.exists():
         st = torch.load(state_path, map_location=device, weights_only=False)
+        if st.get("run_key") != run_key:  # a state of another run (other data, flags, warm start) is never resumed
+            was = st.get("run_key") or {}
+            diff = sorted(k for k in set(was) | set(run_key or {}) if was.get(k) != (run_key or {}).get(k))
+            raise SystemExit(f"{state_path} is the train state of another run (differs in: {', '.join(diff)}); "
+                             "move it away to train from the start, or rerun with that run's data and flags to resume it")
         model.load_state_dict(st["model"], strict=False)
         opt.load_state_dict(st["opt"])
         step, history, elapsed0 = st["step"], st["history"], st["elapsed"]
@@ -259,7 +265,7 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
                 log(f"step {step} " + " ".join(f"{k}={v}" for k, v in row.items() if k != "step"))
         if step % tc.save_every == 0 and rank == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                        "elapsed": elapsed0 + time.time() - t0}, state_path)
+                        "elapsed": elapsed0 + time.time() - t0, "run_key": run_key}, state_path)
     elapsed = elapsed0 + time.time() - t0
     best_info = None
     if best is not None:  # export the best validated weights, not the last (the small data set is memorised)
@@ -267,7 +273,7 @@ def train(tc: TrainConfig, cfg: DFlashConfig, data: dict, embed, head, work: pat
         model.load_state_dict(best[2])
     if rank == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                    "elapsed": elapsed}, state_path)
+                    "elapsed": elapsed, "run_key": run_key}, state_path)
     return model, {"steps_done": step, "elapsed_s": round(elapsed, 1), "stopped_by_time_budget": stopped, "history": history,
                    "best_validated": best_info}
 
@@ -334,8 +340,12 @@ def run_training(args, embed, head, always_ids, work: pathlib.Path, out: pathlib
                      save_every=args.save_every, seed=args.seed, time_budget_s=args.time_budget_min * 60,
                      feat_dropout=args.feat_dropout, val_every_seq=args.val_every_seq, weight_decay=args.weight_decay)
     device = f"cuda:{rank % max(1, torch.cuda.device_count())}" if torch.cuda.is_available() else "cpu"
+    # what makes a run resumable: its data, its warm start, its drafter and the flags that shape its steps (not
+    # --steps / --time-budget-min: a cut-off run is resumed with more of either)
+    run_key = {"chunks": [str(p) for p in paths], "init_from": str(init_from), "config": dataclasses.asdict(cfg),
+               "train": {k: v for k, v in dataclasses.asdict(tc).items() if k not in ("steps", "time_budget_s", "save_every", "log_every")}}
     model, info = train(tc, cfg, data, embed, head, work, draft_vocab=draft_vocab, rank=rank, world=world, device=device,
-                        log=lambda s: print(s, flush=True), init_state=init_state)
+                        log=lambda s: print(s, flush=True), init_state=init_state, run_key=run_key)
     if rank != 0:
         return
     styles = {v: k for k, v in dflash_data.STYLES.items()}

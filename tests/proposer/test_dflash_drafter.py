@@ -274,6 +274,30 @@ def test_extra_data_directories_train_together_and_must_share_the_layers(tmp_pat
         mod.main([*args, "--stage", "train", "--extra-data", str(data[1])])
 
 
+def test_a_train_state_is_resumed_only_by_the_run_that_wrote_it(tmp_path):
+    """The work dir's train_state_v2.pt resumes a cut-off run (same data and flags, more steps); a run on other data
+    (here --extra-data) or with other flags is refused by name instead of silently continuing another run's steps,
+    optimizer and spent time budget."""
+    import shutil
+
+    mod = load_script("scripts/training/train_drafter_v2.py")
+    verifier = tiny_verifier_dir()
+    assert mod.main(_train_args(tmp_path, verifier, steps=2)) == 0
+    more = tmp_path / "more"
+    more.mkdir()
+    for f in (tmp_path / "work").glob("*"):
+        if f.name != "train_state_v2.pt":
+            shutil.copy(f, more / f.name)
+    with pytest.raises(SystemExit, match=r"train state of another run \(differs in: chunks\)"):
+        mod.main([*_train_args(tmp_path, verifier, steps=4), "--stage", "train", "--extra-data", str(more)])
+    args = _train_args(tmp_path, verifier, steps=4)
+    args[args.index("--lr") + 1] = "1e-3"
+    with pytest.raises(SystemExit, match=r"differs in: train\)"):
+        mod.main([*args, "--stage", "train"])
+    assert mod.main([*_train_args(tmp_path, verifier, steps=4), "--stage", "train"]) == 0  # the same run: resumed
+    assert json.loads((tmp_path / "ck" / "manifest.json").read_text())["training"]["steps_done"] == 4
+
+
 @pytest.mark.slow
 def test_training_runs_under_torchrun_with_two_processes(tmp_path):
     import pathlib
