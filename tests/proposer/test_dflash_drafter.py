@@ -196,6 +196,18 @@ def _train_args(tmp_path, verifier, steps=40):
             "--anchors-per-seq", "8", "--lr", "3e-3"]
 
 
+def _copy_data(tmp_path, name):
+    """A copy of the tiny run's data chunks (its work dir without the train state, which would be resumed instead)."""
+    import shutil
+
+    d = tmp_path / name
+    d.mkdir()
+    for f in (tmp_path / "work").glob("*"):
+        if f.name != "train_state_v2.pt":
+            shutil.copy(f, d / f.name)
+    return d
+
+
 def test_training_script_learns_the_tiny_verifier_and_exports_a_loadable_checkpoint(tmp_path):
     mod = load_script("scripts/training/train_drafter_v2.py")
     verifier = tiny_verifier_dir()
@@ -221,11 +233,7 @@ def test_a_warm_start_begins_from_the_checkpoint_bit_for_bit(tmp_path):
     mod = load_script("scripts/training/train_drafter_v2.py")
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=8)) == 0
-    warm = tmp_path / "warm"
-    warm.mkdir()
-    for f in (tmp_path / "work").glob("*"):
-        if f.name != "train_state_v2.pt":  # the data only: a train state in the work dir would be resumed instead
-            shutil.copy(f, warm / f.name)
+    warm = _copy_data(tmp_path, "warm")
     args = _train_args(tmp_path, verifier, steps=0)
     args[args.index("--out") + 1], args[args.index("--work-dir") + 1] = str(tmp_path / "ck2"), str(warm)
     args[args.index("--hidden") + 1] = "16"  # shape flags are ignored: the checkpoint's config wins
@@ -246,20 +254,12 @@ def test_a_warm_start_begins_from_the_checkpoint_bit_for_bit(tmp_path):
 def test_extra_data_directories_train_together_and_must_share_the_layers(tmp_path):
     """--extra-data: the train stage takes the chunks of more directories with the work dir's (cpu_features.py's
     teacher-forced and generated directories together); the manifest names them; other capture layers are refused."""
-    import shutil
 
     mod = load_script("scripts/training/train_drafter_v2.py")
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=2)) == 0
     one = json.loads((tmp_path / "ck" / "manifest.json").read_text())["data"]["used"]
-    data = []
-    for name in ("a", "b"):
-        d = tmp_path / name
-        d.mkdir()
-        for f in (tmp_path / "work").glob("*"):
-            if f.name != "train_state_v2.pt":
-                shutil.copy(f, d / f.name)
-        data.append(d)
+    data = [_copy_data(tmp_path, name) for name in ("a", "b")]
     args = _train_args(tmp_path, verifier, steps=2)
     args[args.index("--out") + 1], args[args.index("--work-dir") + 1] = str(tmp_path / "ck2"), str(data[0])
     assert mod.main([*args, "--stage", "train", "--extra-data", str(data[1])]) == 0
@@ -278,16 +278,11 @@ def test_a_train_state_is_resumed_only_by_the_run_that_wrote_it(tmp_path):
     """The work dir's train_state_v2.pt resumes a cut-off run (same data and flags, more steps); a run on other data
     (here --extra-data) or with other flags is refused by name instead of silently continuing another run's steps,
     optimizer and spent time budget."""
-    import shutil
 
     mod = load_script("scripts/training/train_drafter_v2.py")
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=2)) == 0
-    more = tmp_path / "more"
-    more.mkdir()
-    for f in (tmp_path / "work").glob("*"):
-        if f.name != "train_state_v2.pt":
-            shutil.copy(f, more / f.name)
+    more = _copy_data(tmp_path, "more")
     with pytest.raises(SystemExit, match=r"train state of another run \(differs in: chunks\)"):
         mod.main([*_train_args(tmp_path, verifier, steps=4), "--stage", "train", "--extra-data", str(more)])
     args = _train_args(tmp_path, verifier, steps=4)
