@@ -254,7 +254,6 @@ def test_a_warm_start_begins_from_the_checkpoint_bit_for_bit(tmp_path):
 def test_extra_data_directories_train_together_and_must_share_the_layers(tmp_path):
     """--extra-data: the train stage takes the chunks of more directories with the work dir's (cpu_features.py's
     teacher-forced and generated directories together); the manifest names them; other capture layers are refused."""
-
     mod = load_script("scripts/training/train_drafter_v2.py")
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=2)) == 0
@@ -274,11 +273,10 @@ def test_extra_data_directories_train_together_and_must_share_the_layers(tmp_pat
         mod.main([*args, "--stage", "train", "--extra-data", str(data[1])])
 
 
-def test_a_train_state_is_resumed_only_by_the_run_that_wrote_it(tmp_path):
+def test_a_train_state_is_resumed_only_by_the_run_that_wrote_it(tmp_path, capsys):
     """The work dir's train_state_v2.pt resumes a cut-off run (same data and flags, more steps); a run on other data
     (here --extra-data) or with other flags is refused by name instead of silently continuing another run's steps,
     optimizer and spent time budget."""
-
     mod = load_script("scripts/training/train_drafter_v2.py")
     verifier = tiny_verifier_dir()
     assert mod.main(_train_args(tmp_path, verifier, steps=2)) == 0
@@ -289,7 +287,9 @@ def test_a_train_state_is_resumed_only_by_the_run_that_wrote_it(tmp_path):
     args[args.index("--lr") + 1] = "1e-3"
     with pytest.raises(SystemExit, match=r"differs in: train\)"):
         mod.main([*args, "--stage", "train"])
+    capsys.readouterr()
     assert mod.main([*_train_args(tmp_path, verifier, steps=4), "--stage", "train"]) == 0  # the same run: resumed
+    assert "resumed at step 2" in capsys.readouterr().out
     assert json.loads((tmp_path / "ck" / "manifest.json").read_text())["training"]["steps_done"] == 4
 
 
