@@ -100,7 +100,8 @@ def main() -> int:
     ap.add_argument("--draft-gates", default="cost",
                     help="comma list; cost: the daemon's gate, acceptance weighed against verify blocks' cost measured "
                          "here (Engine.measure_verify_cost); misses: only empty blocks pause drafting (before "
-                         "2026-11-27). With two, each drafter runs under both, the second's arms named drafter[gate]")
+                         "2026-11-27); none: every step drafts k (the drafter's acceptance apart from the timing the cost "
+                         "gate depends on). With several, each drafter runs under each, arms after the first named drafter[gate]")
     args = ap.parse_args()
     load_at_start = os.getloadavg()
 
@@ -134,8 +135,8 @@ def main() -> int:
     strategy = KVStrategy(args.kv_strategy)
     ar = Engine(model, strategy)
     gates = args.draft_gates.split(",")
-    if not gates or any(g not in ("cost", "misses") for g in gates):
-        raise SystemExit(f"--draft-gates: cost and/or misses, got {args.draft_gates!r}")
+    if not gates or any(g not in ("cost", "misses", "none") for g in gates):
+        raise SystemExit(f"--draft-gates: cost, misses and/or none, got {args.draft_gates!r}")
     label = {(d, g): d if g == gates[0] else f"{d}[{g}]" for d in drafters for g in gates}
     arms = [(label[d, g], k) for d in drafters for g in gates for k in ks]
     specs = {(label[d, g], k): Engine(model, strategy, drafter=drafters[d], spec_k=k) for d in drafters for g in gates
@@ -147,6 +148,8 @@ def main() -> int:
                 eng = specs[label[d, "cost"], k]
                 eng.verify_cost = verify_cost.get(k) or eng.measure_verify_cost()
                 verify_cost[k] = eng.verify_cost
+            if "none" in gates:
+                specs[label[d, "none"], k].gate_drafts = False
     drafter_of = {label[d, g]: d for d in drafters for g in gates}
 
     log = AcceptanceLog()

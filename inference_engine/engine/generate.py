@@ -60,6 +60,9 @@ class Engine:
         # [1.0, c1, .., ck]: a verify block of n drafts over a decode step, measured (measure_verify_cost; the daemon
         # does at startup); the draft gate weighs acceptance against it. None: the gate counts empty blocks only.
         self.verify_cost: list[float] | None = None
+        # False: every step drafts spec_k (room permitting), for measuring a drafter's acceptance apart from the gate's
+        # timing-dependent choice of which steps draft (scripts/bench_speculative.py --draft-gates none)
+        self.gate_drafts = True
         self.drafter_name = drafter_name if self.drafter is not None else ""
         self.strategy_resources = strategy_resources
         # One forward at a time; concurrent sessions' steps share it when batching is on.
@@ -244,7 +247,7 @@ class Engine:
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
-            drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None and kv.draft_gate.open() else []
+            drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open()) else []
             step = yield from self._advance(kv, token, drafts, params, gen, budget)
             if drafts:
                 kv.draft_gate.record(step.accepted, len(drafts), self.verify_cost)

@@ -257,3 +257,22 @@ def test_a_drafter_that_always_misses_drafts_rarely_and_changes_nothing():
     got, done = tokens(Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=HashDrafter(256), spec_k=4), history, 60)
     assert got == want
     assert 0 < done.drafted_tokens < 4 * 30  # drafting paused after the misses (60 steps would draft 240)
+
+
+def test_an_ungated_engine_drafts_every_step_and_the_gate_pauses_the_same_drafter():
+    """Engine.gate_drafts = False (bench_speculative.py --draft-gates none): a drafter that always misses still drafts
+    k every step, so its acceptance is measured on every position; the gated engine pauses it; outputs equal AR's."""
+    model = load_model(str(tiny_model_dir("llama")))
+    strategy = KVStrategy("full")
+    history = prompt(20, seed=5)
+    want, _ = tokens(Engine(model, strategy, prefill_chunk=32), history, 30)
+    gated = Engine(model, strategy, prefill_chunk=32, drafter=HashDrafter(256), spec_k=3)
+    ungated = Engine(model, strategy, prefill_chunk=32, drafter=HashDrafter(256), spec_k=3)
+    ungated.gate_drafts = False
+    got_gated, done_gated = tokens(gated, history, 30)
+    got_ungated, done_ungated = tokens(ungated, history, 30)
+    assert got_gated == want and got_ungated == want
+    assert done_ungated.accepted_tokens == 0  # a hash of the context never matches this model
+    # so each of the 29 steps after the first token emits one token and drafts k, or the room left (max_tokens 30)
+    assert done_ungated.drafted_tokens == sum(min(3, 30 - n - 1) for n in range(1, 30))
+    assert done_gated.drafted_tokens < done_ungated.drafted_tokens
