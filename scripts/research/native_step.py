@@ -8,6 +8,9 @@ Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.
   native-q4-one-plane  the same with one int8 plane in the layers too (int8 activations, as llama.cpp's Q8)
   native-q4-outliersC  (--outliers C,..) one plane, and each linear's C outlier input channels (native.outlier_channels:
                  the largest |activations| over seeded random token ids) taken out of it and added exactly
+  llama.cpp      (--llama-cpp, quality only) llama-cpp-python on the model directory's source.gguf (the file the
+                 llama.cpp benches run; its AVX2 path quantizes activations to Q8 blocks), every position a one-token
+                 decode, as the peer's own quality on the same positions
   planes-ABCD    (--plane-arms, quality only) activation planes per matrix kind: wqkv A, wo B, w_gate_up C,
                  w_down D (e.g. 1112: two planes in w_down only), to see whether some matrices can take one
 Measured:
@@ -56,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", default="", help="prefetch distances in bytes to compare, e.g. 0,1024,2048,3072")
     ap.add_argument("--outliers", default="", help="arms with one plane and C outlier channels each, e.g. 16,32")
     ap.add_argument("--plane-arms", default="", help="extra quality arms, planes per matrix kind, e.g. 1112,1122")
+    ap.add_argument("--llama-cpp", action="store_true", help="a quality arm: llama.cpp on the same GGUF, same positions")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "native_step.json"))
     args = ap.parse_args(argv)
 
@@ -120,6 +124,9 @@ def main(argv=None) -> int:
             quality[arm] = {"top1_agreement_with_fp32": round(agree / total, 5), "positions": total,
                             "passes_99_gate": agree / total >= 0.99}
             print(arm, quality[arm], flush=True)
+        if args.llama_cpp:
+            quality["llama.cpp"] = llama_cpp_agreement(path / "source.gguf", seqs, threads[0])
+            print("llama.cpp", quality["llama.cpp"], flush=True)
         use("python")
         agree = total = 0
         for p, cont, want in seqs:
@@ -222,6 +229,29 @@ def main(argv=None) -> int:
         out["prefetch_streamed_ms"] = streamed
     write_json(pathlib.Path(args.out), out)
     return 0
+
+
+
+def llama_cpp_agreement(gguf: pathlib.Path, seqs, threads: int) -> dict:
+    """llama.cpp's top-1 agreement with fp32 on the same teacher-forced positions: each prompt but its last token as one
+    batch, then every position a one-token eval (llama.cpp's decode path), its logits' argmax against fp32's."""
+    import llama_cpp
+    import numpy as np
+
+    if not gguf.is_file():
+        raise SystemExit(f"--llama-cpp: {gguf} is missing (the model directory keeps the GGUF it was pulled from)")
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                          verbose=False)
+    agree = total = 0
+    for p, cont, want in seqs:
+        llm.reset()
+        llm.eval(p[:-1])
+        for i, t in enumerate([p[-1], *cont[:-1]]):
+            llm.eval([t])
+            agree += int(np.argmax(llm.scores[llm.n_tokens - 1])) == want[i]
+            total += 1
+    return {"top1_agreement_with_fp32": round(agree / total, 5), "positions": total, "passes_99_gate": agree / total >= 0.99,
+            "gguf": gguf.name, "llama_cpp_version": llama_cpp.__version__}
 
 
 if __name__ == "__main__":
