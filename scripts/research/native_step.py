@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", default="", help="prefetch distances in bytes to compare, e.g. 0,1024,2048,3072")
     ap.add_argument("--outliers", default="", help="arms with one plane and C outlier channels each, e.g. 16,32")
     ap.add_argument("--plane-arms", default="", help="extra quality arms, planes per matrix kind, e.g. 1112,1122")
+    ap.add_argument("--quality-arms", default="", help="only these arms' quality (comma list; default all)")
     ap.add_argument("--llama-cpp", action="store_true", help="a quality arm: llama.cpp on the same GGUF, same positions")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "native_step.json"))
     args = ap.parse_args(argv)
@@ -111,7 +112,12 @@ def main(argv=None) -> int:
         seqs = fp32_references(path, args.prompts, args.tokens)
         engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
         quality = {}
+        only = set(a for a in args.quality_arms.split(",") if a)
+        if only - set(arms) - set(plane_arms):
+            raise SystemExit(f"--quality-arms: no such arm {sorted(only - set(arms) - set(plane_arms))}")
         for arm in (*arms, *plane_arms):
+            if only and arm not in only:
+                continue
             use(arm)
             agree = total = 0
             for p, cont, want in seqs:
@@ -240,15 +246,19 @@ def llama_cpp_agreement(gguf: pathlib.Path, seqs, threads: int) -> dict:
 
     if not gguf.is_file():
         raise SystemExit(f"--llama-cpp: {gguf} is missing (the model directory keeps the GGUF it was pulled from)")
+    # logits_all: llama-cpp-python 0.3.x keeps no logits after eval() without it (sampling moved into its sampler)
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                          verbose=False)
+                          logits_all=True, verbose=False)
     agree = total = 0
     for p, cont, want in seqs:
         llm.reset()
         llm.eval(p[:-1])
         for i, t in enumerate([p[-1], *cont[:-1]]):
             llm.eval([t])
-            agree += int(np.argmax(llm.scores[llm.n_tokens - 1])) == want[i]
+            row = llm.scores[llm.n_tokens - 1]
+            if not row.any():
+                raise SystemExit("llama.cpp returned no logits for a position")
+            agree += int(np.argmax(row)) == want[i]
             total += 1
     return {"top1_agreement_with_fp32": round(agree / total, 5), "positions": total, "passes_99_gate": agree / total >= 0.99,
             "gguf": gguf.name, "llama_cpp_version": llama_cpp.__version__}
