@@ -686,7 +686,7 @@ def test_per_matrix_activation_planes():
         m.use_native_step(planes=(1, 2))
 
 
-def test_one_activation_plane_in_the_layers_is_a_research_arm_that_still_runs_exact_verify_blocks():
+def test_one_activation_plane_without_outliers_still_runs_exact_verify_blocks():
     _module()
     m = TorchCausalLM.load(tiny_model_dir("llama"), weights="int4")
     assert m.use_native_step(planes=1, outliers=0) is True
