@@ -247,7 +247,8 @@ class Engine:
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
-            drafts = self._draft(kv, context, min(self.spec_k, room)) if self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open()) else []
+            drafting = self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open())
+            drafts = self._draft(kv, context, min(self.spec_k, room)) if drafting else []
             step = yield from self._advance(kv, token, drafts, params, gen, budget)
             if drafts:
                 kv.draft_gate.record(step.accepted, len(drafts), self.verify_cost)
