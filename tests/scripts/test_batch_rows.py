@@ -3,6 +3,7 @@ rounds, each cell's figures and the ratios written with the provenance. Nothing 
 import json
 
 from factories import require_native, run_script, tiny_model_dir
+from inference_engine.backends.torch import native
 
 SCRIPT = "scripts/research/batch_rows.py"
 
@@ -16,10 +17,11 @@ def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/batch_rows.py ") and doc["commit"]
     assert set(doc["by_arm"]) == {"before", "trim", "apart", "silu", "head"}
+    default = {"planes": native.PLANES, "outliers": native.OUTLIERS}  # the daemon's step: one plane, 16 channels
     assert doc["arms"]["before"] == {"trim_columns": 0, "rows_apart": 0, "silu_vectors": 0, "refined_head": 0,
-                                     "q4_row_registers": 0, "planes": 2, "outliers": 0}
+                                     "q4_row_registers": 0} | default
     assert doc["arms"]["head"] == {"trim_columns": 1, "rows_apart": 1, "silu_vectors": 1, "refined_head": 1,
-                                   "q4_row_registers": 1, "planes": 2, "outliers": 0}
+                                   "q4_row_registers": 1} | default
     for arm in doc["by_arm"].values():
         assert set(arm) == {"1", "3"}
         assert arm["1"]["speedup_vs_1"] == 1.0 and arm["3"]["forward_ms_median"] > 0 and arm["3"]["speedup_vs_before"] > 0
