@@ -4,10 +4,11 @@ Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.
   python         the layer pieces driven from Python (--compile off)
   native-torchk  the native row step with torch's int4 kernel (_weight_int4pack_mm_for_cpu, bf16 activations) inside
   native-q4      the native row step with its own int4 kernel (csrc/q4_matmul.h: activations as two int8 planes)
-                 for the layers and the head's greedy scoring (one plane there) (--compile auto, the default)
+                 for the layers and the head's greedy scoring (one plane there) (--compile auto's default until 2026-11-29)
   native-q4-one-plane  the same with one int8 plane in the layers too (int8 activations, as llama.cpp's Q8)
   native-q4-outliersC  (--outliers C,..) one plane, and each linear's C outlier input channels (native.outlier_channels:
-                 the largest |activations| over seeded random token ids) taken out of it and added exactly
+                 the largest |activations| over seeded random token ids) taken out of it and added exactly (C = 16:
+                 --compile auto's default since 2026-11-29, native.PLANES / native.OUTLIERS)
   llama.cpp      (--llama-cpp, quality only) llama-cpp-python on the model directory's source.gguf (the file the
                  llama.cpp benches run; its AVX2 path quantizes activations to Q8 blocks), every position a one-token
                  decode, as the peer's own quality on the same positions
@@ -235,7 +236,6 @@ def main(argv=None) -> int:
         out["prefetch_streamed_ms"] = streamed
     write_json(pathlib.Path(args.out), out)
     return 0
-
 
 
 def llama_cpp_agreement(gguf: pathlib.Path, seqs, threads: int) -> dict:
