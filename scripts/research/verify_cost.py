@@ -38,10 +38,12 @@ def merge(args) -> int:
     runs, by_commit = [], {}
     for f in args.merge:
         d = json.loads(pathlib.Path(f).read_text())
-        auto = d["by_compile"].get("auto", {}).get("by_context", {})
-        cells = {c: {k: v[k] for k in ("decode_ms_median", "verify_ms_median", "verify_vs_decode")} for c, v in auto.items()}
+        keys = ("decode_ms_median", "verify_ms_median", "verify_vs_decode")
+        arms = {mode: {c: {k: v[k] for k in keys} for c, v in m.get("by_context", {}).items()}
+                for mode, m in d["by_compile"].items()}
+        cells = arms.get("auto", {})
         runs.append({"file": f, "commit": d["commit"], "dirty_worktree": d["dirty_worktree"], "date_utc": d["date_utc"],
-                     "cpu": d["machine"]["cpu"], "auto": cells})
+                     "cpu": d["machine"]["cpu"], "rounds": d["config"].get("rounds"), "auto": cells, "by_compile": arms})
         for c, v in cells.items():
             for k, x in v.items():
                 by_commit.setdefault(d["commit"][:7], {}).setdefault(c, {}).setdefault(k, []).append(x)
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "verify_cost.json"))
     p.add_argument("--merge", nargs="+", default=[], metavar="PART_JSON",
                    help="only merge these runs (e.g. of two commits, for a regression check) into --out: per run its "
-                        "commit and the native (--compile auto) medians, and per commit the range over its runs")
+                        "commit, every --compile arm's medians (side by side within the run), and per commit the range "
+                        "of the native (--compile auto) medians over its runs")
     args = p.parse_args(argv)
     if args.merge:
         return merge(args)
