@@ -50,7 +50,13 @@ def _load_model(cfg: ServeConfig):
     weights = cfg.weights if cfg.weights != "auto" else ("int4" if cfg.device == "cpu" else "fp32")
     try:
         model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device, weights=weights)
-        model.use_step_graphs(cfg.compile)
+        from inference_engine.backends.torch import native
+
+        model.use_step_graphs(cfg.compile, planes=native.ACTIVATIONS[cfg.activations])
+        if cfg.activations != "int16" and (model.native_step is None or not model.native_step.q4):
+            raise ConfigError(f"--activations {cfg.activations} sets the native CPU step's int4 kernel (--weights int4 "
+                              f"on a CPU with AVX2, --compile auto), which this daemon does not run ({model.describe_step()})"
+                              "; leave --activations at int16")
         if model.graphs is not None:
             t = model.graphs.prepare((1,))  # the batch-1 decode step now; other row counts on first use
             log.info("--compile %s: the step's dense work runs as CUDA graphs (buckets of %s rows, captured on first "

@@ -46,6 +46,9 @@ class ServeConfig:
     backend: str = "torch"  # torch | mlx (backends/mlx; needs the mlx extra)
     threads: int | str | None = None  # None = torch's choice, "auto" = fastest measured (engine/tuning.py)
     weights: str = "auto"  # fp32 | int8 | int4 | auto (int4 on cpu, fp32 elsewhere: scripts/bench_weights.py)
+    # the CPU int4 kernel's activations: int16 (two int8 planes, >= 99 % top-1 agreement with fp32) | int8 (one plane
+    # with 16 outlier channels exact, as llama.cpp's Q8 activations: 98.83 %, each extra row ~22 % cheaper)
+    activations: str = "int16"
     prefill_chunk: int = 256
     prefill_chunk_shared: int = 8  # a forward's tokens while other sessions generate: rows, then prefill (batching on; 0 = whole chunks)
     max_workers: int = 16
@@ -79,7 +82,8 @@ class ServeConfig:
         split_bind(self.bind)
         choices = {"--backend": (self.backend, ("torch", "mlx")), "--persist": (self.persist, ("off", "turn")),
                    "--compile": (self.compile, ("off", "auto", "on")),
-                   "--weights": (self.weights, ("auto", "fp32", "fp16", "int8", "int4"))}
+                   "--weights": (self.weights, ("auto", "fp32", "fp16", "int8", "int4")),
+                   "--activations": (self.activations, ("int16", "int8"))}
         for flag, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{flag} must be {' or '.join(map(repr, allowed))}, got {value!r}")
@@ -164,6 +168,9 @@ def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
     if cfg.drafter and cfg.drafter != "ngram" and cfg.spec_k:
         raise ConfigError(f"--drafter {cfg.drafter} (a dLM drafter) runs on --backend torch only; with --backend mlx use "
                           "--drafter ngram")
+    if cfg.activations != "int16":
+        raise ConfigError(f"--activations {cfg.activations} sets the torch backend's CPU int4 kernel; with --backend mlx "
+                          "leave it at int16")
 
 
 def check_exposure(cfg: ServeConfig) -> None:

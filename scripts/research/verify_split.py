@@ -6,9 +6,9 @@ One int4 model with the daemon's native CPU row step (csrc/row_step.cpp); per ro
                of the fed token and R - 1 drafts otherwise) at --context tokens, then aborted (steps.forward_batch)
   layers       the step's 4 x layers int4 matmuls (q4_matmul, the step's own packed blocks, in layer order so the
                weights stream from memory as in a step) for R rows of seeded random activations (the kernel's time does
-               not depend on their values), three ways: `default` as the step runs them (native.PLANES activation planes
-               with native.OUTLIERS outlier channels exact), `one_plane` (one int8 plane, no outlier channels) and
-               `two_planes`
+               not depend on their values), three ways: `default` as the daemon's step runs them (its activation
+               planes, native.PLANES, with outlier channels exact where it takes one plane: `--activations int8`, the
+               default until 2026-11-29), `one_plane` (one int8 plane, no outlier channels) and `two_planes`
   head         the greedy head's scoring (linear.RefinedHead.greedy_kernel: the 4-bit pass and its exact top 64) of R rows
   rest         forward - layers default - head: attention, norms, RoPE, SiLU, quantizing activations and the glue
 All interleaved in --rounds, so a drift in the box's speed lands on every cell alike. Records the median ms of each
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                                                 row_exact=True, greedy=True)])
         kv.cache.abort()
 
-    planes = native.PLANES
+    planes = step.planes
     run = {"forward": forward,
            "layers_default": lambda r: layers(r, planes, bool(step.outliers)),
            "layers_one_plane": lambda r: layers(r, 1, False),

@@ -101,6 +101,8 @@ def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
     (dict(kv_strategy="paged", page_size=0), "page_size must be an int >= 1"),
     (dict(kv_strategy="paged", page_ram_mb=-1), "--page-ram-mb takes a number of MB >= 0"),
     (dict(bind="nowhere"), "--bind must be HOST:PORT"),
+    (dict(activations="fp8"), "--activations must be 'int16' or 'int8'"),
+    (dict(backend="mlx", activations="int8"), "--activations int8 sets the torch backend's CPU int4 kernel"),
 ])
 def test_serve_config_validate_names_the_option(kw, message):
     """ServeConfig.validate: every model-free rule in one place, the engine's and the strategy's included."""
@@ -142,3 +144,25 @@ def test_sigusr1_dumps_every_threads_stack_and_sigterm_still_stops_it(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_activations_set_the_native_int4_kernels_planes_and_fail_loudly_where_it_does_not_run():
+    """--activations int16 (the default: two int8 planes, the >= 99 % agreement gate) or int8 (one plane with outlier
+    channels) reaches the native row step's int4 kernel; asked of a daemon that does not run that kernel, it is a
+    ConfigError naming the option, not a silent no-op."""
+    from factories import require_native
+
+    from inference_engine.backends.torch import native
+    from inference_engine.server.app import _load_model
+
+    mod = require_native()
+    if mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here: the native step keeps torch's int4 kernel")
+    tiny = str(tiny_model_dir("llama"))
+    default = _load_model(ServeConfig(model=tiny, weights="int4"))
+    assert native.PLANES == 2 and default.native_step.planes == 2 and default.describe_step()["row_step"].endswith(
+        "(activation planes 2)")
+    int8 = _load_model(ServeConfig(model=tiny, weights="int4", activations="int8"))
+    assert int8.native_step.planes == 1 and int8.native_step.outliers > 0
+    with pytest.raises(ConfigError, match="--activations int8 sets the native CPU step's int4 kernel"):
+        _load_model(ServeConfig(model=tiny, weights="fp32", activations="int8"))

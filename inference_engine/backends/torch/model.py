@@ -112,13 +112,14 @@ class TorchCausalLM:
         self.row_graphs: RowGraphs | None = None  # whole row steps as graphs over a K/V arena (use_row_graphs)
         self.native_step: NativeRowStep | None = None  # CPU row steps in C++ (use_native_step)
 
-    def use_step_graphs(self, mode: str) -> bool:
+    def use_step_graphs(self, mode: str, *, planes: int | None = None) -> bool:
         """--compile: the step's dense work (everything but attention) as graphs.py segments.
         off: every piece launched eagerly. on: CUDA captures the segments as CUDA graphs; the CPU runs
         them compiled by inductor (C++), cached under $KAKEYA_HOME/inductor. auto: on where it measures
         faster, which is CUDA (scripts/gpu_check.py); on the CPU inductor's segments measured no faster
-        than eager ones (results/research/compile_cpu.json), so auto is eager there. Returns whether
-        segments are used."""
+        than eager ones (results/research/compile_cpu.json), so auto is eager there, with the native row step
+        (its int4 kernel's activations as `planes` int8 planes: use_native_step). Returns whether segments are
+        used."""
         if mode not in ("off", "auto", "on"):
             raise ValueError(f"--compile must be off, auto or on, got {mode!r}")
         from inference_engine.backends.torch.graphs import StepGraphs
@@ -126,7 +127,7 @@ class TorchCausalLM:
         on_cuda = self.device.type == "cuda"
         self.use_native_step(False)
         if mode == "auto" and not on_cuda:
-            self.use_native_step()
+            self.use_native_step(planes=planes)
         if mode == "off" or (mode == "auto" and not on_cuda):
             self.graphs = None
         elif on_cuda:
