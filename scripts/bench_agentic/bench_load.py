@@ -12,6 +12,8 @@ Arms, one after another on the same machine and thread count:
                        latency others see while an append lands, at some prefill cost)
   kakeya-batching-on-sharedN  batching on with --prefill-chunk-shared N (a forward's token budget while other
                        sessions decode: their rows, then prefill; the default 8); combines with -chunkN before it
+  kakeya-...-int8      (last suffix) the daemon with --activations int8 (the CPU int4 kernel's activations as one
+                       int8 plane with outlier channels; the default int16 is two planes), e.g. batching-on-auto-int8
   llama.cpp-batched    llama.cpp on the same GGUF with n sequences in one context (n_seq_max = n), each
                        forward carrying one token per decoding sequence plus up to --llama-chunk prefill
                        tokens: llama-server's continuous batching, driven in-process through
@@ -65,8 +67,24 @@ def engine_make_up(before: dict, after: dict, wall_s: float) -> dict:
             "prefill_tokens_per_forward": round(d["engine_prefill_tokens_run"] / n, 2) if n else None}
 
 
+def parse_arm(arm: str) -> tuple[str, int | None, int | None, str, str | None]:
+    """A kakeya arm's name -> (--batching, --prefill-chunk or None, --prefill-chunk-shared or None, --compile,
+    --activations or None): batching-on|off[-chunkN][-sharedN][-compile|-auto][-int8]."""
+    rest, activations = arm, None
+    if rest.endswith("-int8"):
+        rest, activations = rest[: -len("-int8")], "int8"
+    compile_mode = "off"
+    for suffix, m in (("-compile", "on"), ("-auto", "auto")):
+        if rest.endswith(suffix):
+            rest, compile_mode = rest[: -len(suffix)], m
+    rest, _, shared = rest.partition("-shared")
+    mode, _, chunk = rest.removeprefix("batching-").partition("-chunk")
+    return mode, int(chunk) if chunk else None, int(shared) if shared else None, compile_mode, activations
+
+
 class Daemon:
-    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off", shared=None):
+    def __init__(self, model, weights, batching, threads, state_dir, prefill_chunk=None, compile="off", shared=None,
+                 activations=None):
         # Product defaults otherwise (capacity 16, --persist turn): at 16+ sessions eviction spills to disk.
         from inference_engine.server.cluster import free_port
 
@@ -78,6 +96,8 @@ class Daemon:
             cmd += ["--prefill-chunk", str(prefill_chunk)]
         if shared is not None:
             cmd += ["--prefill-chunk-shared", str(shared)]
+        if activations is not None:
+            cmd += ["--activations", activations]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("READY"):
@@ -426,8 +446,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="batching-on,batching-off,batching-on-chunk32,llama.cpp-batched,llama.cpp",
-                    help="batching-on|batching-off[-chunkN][-sharedN][-compile|-auto] (kakeya serve, --prefill-chunk N, "
-                         "--prefill-chunk-shared N, --compile on "
+                    help="batching-on|batching-off[-chunkN][-sharedN][-compile|-auto][-int8] (kakeya serve, --prefill-chunk "
+                         "N, --prefill-chunk-shared N, --activations int8, --compile on "
                          "or auto (on the CPU: the native row step); otherwise --compile off), llama.cpp-batched (n "
                          "sequences in one context, batched decode) and llama.cpp (one Llama object per session, one "
                          "call at a time)")
@@ -452,18 +472,14 @@ def main() -> int:
         if arm.startswith("batching-"):
             import tempfile
 
-            rest, compile_mode = arm, "off"
-            for suffix, m in (("-compile", "on"), ("-auto", "auto")):
-                if arm.endswith(suffix):
-                    rest, compile_mode = arm[: -len(suffix)], m
-            rest, _, shared = rest.partition("-shared")
-            mode, _, chunk = rest.removeprefix("batching-").partition("-chunk")
+            mode, chunk, shared, compile_mode, activations = parse_arm(arm)
             res["compile"] = compile_mode
-            if shared:
-                res["prefill_chunk_shared"] = int(shared)
+            if shared is not None:
+                res["prefill_chunk_shared"] = shared
+            if activations is not None:
+                res["activations"] = activations
             d = Daemon(args.model, args.weights, mode, args.threads, tempfile.mkdtemp(prefix="kakeya-load-"),
-                       prefill_chunk=int(chunk) if chunk else None, compile=res["compile"],
-                       shared=int(shared) if shared else None)
+                       prefill_chunk=chunk, compile=res["compile"], shared=shared, activations=activations)
             try:
                 for n in levels:
                     res[n] = d.measured(lambda: run_level_kakeya(d.target, n, args, d.rss))
