@@ -24,8 +24,8 @@
 // planes' integer dot products per row; it measured 98.83 % top-1 agreement with fp32 on SmolLM2 (one plane alone
 // 98.40 %, two 99.34 %, llama.cpp's own Q8 activations on the same GGUF 97.70 %): under the 99 % gate, so the daemon
 // takes it only with --activations int8 (native.PLANES = 2 is the default; scripts/research/native_step.py --outliers 16
-// --llama-cpp -> results/research/native_step_llama_cpp_quality_avx2.json). Per extra row the channels cost about a
-// quarter of the layers' one-plane matmul time (results/research/verify_split_avx2.json).
+// --llama-cpp -> results/research/native_step_llama_cpp_quality_avx2.json). Per extra row the channels add about a
+// third to the layers' one-plane matmul time (results/research/verify_split_avx2.json: 1.56 vs 1.19 ms).
 //
 // Exactness: integer dot products are exact, and every output element goes through the same float operations in
 // the same order whatever the number of rows, the row's place in the call, the thread or the ISA (AVX-512 and
