@@ -498,7 +498,9 @@ def main() -> int:
             try:
                 import llama_cpp  # noqa: F401
             except ImportError:
-                print("llama.cpp arm skipped: install the bench extra (make bench-deps)")
+                why = "llama_cpp is not installed: install the bench extra (make bench-deps)"
+                print(f"{arm} arm skipped: {why}")
+                out.setdefault("skipped_arms", {})[arm] = why  # asked for, not run: the JSON says so
                 continue
             from inference_engine.model_store import resolve_model
 
