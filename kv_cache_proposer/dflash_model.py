@@ -103,6 +103,24 @@ class ContextBlock(nn.Module):
         return x + self.down(F.silu(g) * u)
 
 
+class Int8Linear(nn.Module):
+    """y = x @ w^T with w as per-row int8 (scale = max |row| / 127) through torch's weight-only int8 kernel, bf16
+    activations; `weight` keeps the fp32 rows (the drafter reads its device and dtype there)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127
+        self.weight = weight
+        self.q = torch.round(w / scale[:, None]).to(torch.int8).contiguous()
+        self.scale = scale.to(torch.bfloat16)
+
+    def forward(self, x):
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self.q, self.scale)
+        return y.to(x.dtype).reshape(*shape[:-1], -1)
+
+
 class DFlashModel(DraftHeadModule):
     def __init__(self, cfg: DFlashConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor):
         super().__init__()
@@ -169,8 +187,20 @@ class DFlashModel(DraftHeadModule):
     def project(self, h):
         return self.out_proj(h)
 
+    def int8_weights(self) -> None:
+        """Inference only, CPU: every linear and the draft vocabulary head as per-row int8 weights through torch's
+        weight-only int8 kernel (bf16 activations), a quarter of the fp32 bytes a draft streams
+        (scripts/bench_speculative.py's `NAME+int8` drafters measure what it costs in acceptance)."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, Int8Linear(child.weight))
+        self.head_int8 = Int8Linear(self.draft_head)
+
     def logits(self, h):
         """(…, d) -> (…, N) logits over the draft vocabulary (column c is token draft_vocab[c])."""
+        if getattr(self, "head_int8", None) is not None and not torch.is_grad_enabled():
+            return self.head_int8(self.project(h))
         p, w = self.project(h), self.draft_head.to(h.dtype)
         if self.stream_head and p.dim() == 2 and p.shape[0] <= 16 and not torch.is_grad_enabled():
             # a draft's few rows against the (N, d) head as head @ rows^T: the BLAS streams the head once, where the
