@@ -152,10 +152,15 @@ def save_drafter(model: DrafterModel, out_dir: str | pathlib.Path, manifest_extr
 
 
 def load_drafter(name_or_path: str, *, verifier_embed: torch.Tensor, verifier_lm_head: torch.Tensor,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, weights: str = "fp32"):
     """Load a drafter by shipped name (kv_cache_proposer/checkpoints/<name>/) or directory, sharing the
     verifier's frozen token embedding (V, H) and LM head weight (V, H). The manifest's format picks the
-    kind: kakeya-drafter/1 -> Drafter (v1, cache-free), kakeya-drafter/2 -> DFlashDrafter (v2)."""
+    kind: kakeya-drafter/1 -> Drafter (v1, cache-free), kakeya-drafter/2 -> DFlashDrafter (v2).
+    weights: "fp32" (as trained), "int8" (a v2 drafter's linears and head as per-row int8 for inference:
+    DFlashModel.int8_weights) or "auto" (int8 for a v2 drafter on the CPU, where it measured faster at the same
+    acceptance: docs/drafters.md; fp32 otherwise): what the daemon runs."""
+    if weights not in ("fp32", "int8", "auto"):
+        raise ValueError(f"drafter weights must be fp32, int8 or auto, got {weights!r}")
     from safetensors.torch import load_file
 
     path = resolve_checkpoint(name_or_path)
@@ -179,4 +184,8 @@ def load_drafter(name_or_path: str, *, verifier_embed: torch.Tensor, verifier_lm
     model.to(device)
     for p in model.parameters():
         p.requires_grad_(False)
+    if weights == "int8" or (weights == "auto" and fmt == FORMAT_V2 and torch.device(device).type == "cpu"):
+        if fmt != FORMAT_V2:
+            raise ValueError(f"drafter {path}: int8 weights are for v2 (kakeya-drafter/2) drafters; this one is {fmt}")
+        model.int8_weights()
     return wrap(model)

@@ -123,14 +123,12 @@ def main() -> int:
             from inference_engine.engine.prompt_lookup import PromptLookupDrafter
 
             drafters[name] = TimedDrafter(PromptLookupDrafter())
-        else:  # NAME+int8: the v2 drafter with int8 weights (DFlashModel.int8_weights)
+        else:  # NAME as the daemon loads it (weights "auto": a v2 drafter int8 on the CPU); NAME+fp32 / NAME+int8
             base, _, variant = name.partition("+")
-            inner = load_drafter(base, verifier_embed=model.embed, verifier_lm_head=model.lm_head)
-            if variant == "int8":
-                inner.model.int8_weights()
-            elif variant:
-                raise SystemExit(f"bench_speculative: unknown drafter variant +{variant} (only +int8)")
-            drafters[name] = TimedDrafter(inner)
+            if variant not in ("", "fp32", "int8"):
+                raise SystemExit(f"bench_speculative: unknown drafter variant +{variant} (+fp32 or +int8)")
+            drafters[name] = TimedDrafter(load_drafter(base, verifier_embed=model.embed, verifier_lm_head=model.lm_head,
+                                                       weights=variant or "auto"))
     heldout = json.loads((resolve_checkpoint(args.heldout_from) / "heldout_prompts.json").read_text())
     styles = args.styles.split(",")
     per_style = {style: order_prompts(style_prompts(style, heldout, path), args.prompt_order)[: args.prompts_per_style]

@@ -127,7 +127,8 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
     elif cfg.drafter:
         from kv_cache_proposer import load_drafter
 
-        drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device)
+        drafter = load_drafter(cfg.drafter, verifier_embed=model.embed, verifier_lm_head=model.lm_head, device=cfg.device,
+                               weights="auto")
     resources = None
     if plugin.build_resources is not None:
         try:

@@ -306,3 +306,35 @@ def test_training_runs_under_torchrun_with_two_processes(tmp_path):
     subprocess.run(cmd, check=True, cwd=root, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     assert manifest["training"]["world_size"] == 2 and manifest["training"]["backend"] == "gloo"
+
+
+def test_int8_weights_keep_a_drafts_logits_close_and_its_speculation_exact():
+    """DFlashModel.int8_weights: every linear and the draft head as per-row int8 (torch's weight-only kernel, bf16
+    activations): a draft's logits stay close to fp32's, the drafter still reads its device and dtype off the fp32
+    rows, and speculation with it is still token-identical to plain greedy decoding (the verifier decides)."""
+    model = load_model(str(tiny_verifier_dir()))
+    fp32, q8 = tiny_dflash(model), tiny_dflash(model)
+    q8.model.int8_weights()
+    assert q8.model.fc.weight.dtype == torch.float32 and q8.model.head_int8 is not None
+    feats = torch.randn(20, fp32.config.feature_size, generator=torch.Generator().manual_seed(1))
+    a = fp32.draft([5], 4, context_hidden=feats, position=20)
+    b = q8.draft([5], 4, context_hidden=feats, position=20)
+    rel = (a.hidden - b.hidden).norm() / a.hidden.norm()
+    assert 0 < rel < 0.05, rel  # quantized (not the same numbers), close
+    engine = Engine(model, KVStrategy("full"), prefill_chunk=8)
+    spec = Engine(model, KVStrategy("full"), prefill_chunk=8, drafter=q8, spec_k=4)
+    history = prompt(24, seed=3)
+    assert generate(spec, history, 16)[0] == generate(engine, history, 16)[0]
+
+
+def test_load_drafter_weights_auto_is_int8_for_a_v2_drafter_on_the_cpu(tmp_path):
+    """What the daemon loads (weights="auto"): a v2 drafter on the CPU with int8 weights; "fp32" as trained; anything
+    else, or int8 asked of a v1 drafter, a ValueError naming the problem."""
+    model = load_model(str(tiny_verifier_dir()))
+    save_drafter(tiny_dflash(model).model, tmp_path / "ck", {"name": "tiny-dflash"})
+    kw = dict(verifier_embed=model.embed, verifier_lm_head=model.lm_head)
+    auto = load_drafter(str(tmp_path / "ck"), weights="auto", **kw)
+    assert getattr(auto.model, "head_int8", None) is not None and type(auto.model.fc).__name__ == "Int8Linear"
+    assert getattr(load_drafter(str(tmp_path / "ck"), **kw).model, "head_int8", None) is None  # fp32 by default
+    with pytest.raises(ValueError, match="must be fp32, int8 or auto"):
+        load_drafter(str(tmp_path / "ck"), weights="int4", **kw)
