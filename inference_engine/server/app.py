@@ -55,7 +55,8 @@ def _load_model(cfg: ServeConfig):
         model.use_step_graphs(cfg.compile, planes=native.ACTIVATIONS[cfg.activations])
         if cfg.activations != "int16" and (model.native_step is None or not model.native_step.q4):
             raise ConfigError(f"--activations {cfg.activations} sets the native CPU step's int4 kernel (--weights int4 "
-                              f"on a CPU with AVX2, --compile auto), which this daemon does not run ({model.describe_step()})"
+                              f"on a CPU with AVX2, --compile auto), which this daemon does not run (its step: "
+                              f"{', '.join(f'{k} {v}' for k, v in model.describe_step().items())})"
                               "; leave --activations at int16")
         if model.graphs is not None:
             t = model.graphs.prepare((1,))  # the batch-1 decode step now; other row counts on first use
