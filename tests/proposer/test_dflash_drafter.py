@@ -338,3 +338,18 @@ def test_load_drafter_weights_auto_is_int8_for_a_v2_drafter_on_the_cpu(tmp_path)
     assert getattr(load_drafter(str(tmp_path / "ck"), **kw).model, "head_int8", None) is None  # fp32 by default
     with pytest.raises(ValueError, match="must be fp32, int8 or auto"):
         load_drafter(str(tmp_path / "ck"), weights="int4", **kw)
+
+
+def test_the_streamed_vocabulary_projection_gives_the_packed_ones_logits():
+    """DFlashModel.logits of a draft's few rows as head @ rows^T (stream_head, the default at inference) against rows @
+    head^T (the form before, and training's): the same logits up to float summation order, the same argmax."""
+    model = load_model(str(tiny_verifier_dir()))
+    m = tiny_dflash(model).model
+    h = torch.randn(4, m.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        m.stream_head = True
+        a = m.logits(h)
+        m.stream_head = False
+        b = m.logits(h)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -1,6 +1,7 @@
 """scripts/research/drafter_cost.py, run in this process on int4 SmolLM2 and the shipped v2 drafter: both arms timed in
 the same rounds, and the two forms of the drafter's vocabulary projection give the same logits up to float summation
-order. Nothing here reads a timing's value."""
+order. Nothing here reads a timing's value. Slow (it loads SmolLM2: the suite sits at its 10-minute bound); the
+projections' agreement is in the default suite (tests/proposer/test_dflash_drafter.py)."""
 import json
 import sys
 from importlib import util
@@ -14,6 +15,7 @@ SCRIPT = "scripts/research/drafter_cost.py"
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_drafter_cost_times_both_projections_and_they_agree(tmp_path, monkeypatch):
     path = require_smollm2()
     spec = util.spec_from_file_location("drafter_cost", ROOT / SCRIPT)
