@@ -105,13 +105,14 @@ class ContextBlock(nn.Module):
 
 class Int8Linear(nn.Module):
     """y = x @ w^T with w as per-row int8 (scale = max |row| / 127) through torch's weight-only int8 kernel, bf16
-    activations; `weight` keeps the fp32 rows (the drafter reads its device and dtype there)."""
+    activations; `weight` is an empty tensor of the fp32 rows' dtype and device (the drafter reads them there), so the
+    fp32 rows are not kept."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         w = weight.detach().float()
         scale = w.abs().amax(1).clamp_min(1e-12) / 127
-        self.weight = weight
+        self.register_buffer("weight", weight.detach().new_empty(0), persistent=False)
         self.q = torch.round(w / scale[:, None]).to(torch.int8).contiguous()
         self.scale = scale.to(torch.bfloat16)
 
@@ -204,7 +205,7 @@ class DFlashModel(DraftHeadModule):
         p, w = self.project(h), self.draft_head.to(h.dtype)
         if self.stream_head and p.dim() == 2 and p.shape[0] <= 16 and not torch.is_grad_enabled():
             # a draft's few rows against the (N, d) head as head @ rows^T: the BLAS streams the head once, where the
-            # rows @ head^T form repacks all of it (19 MB in fp32) every call: 2.1 vs 6-8 ms on an AVX2 EPYC for 4 rows
-            # (the same logits up to float summation order)
+            # rows @ head^T form repacks all of it (19 MB in fp32) every call: a draft 10.4 vs 16.6 ms on an AVX2 EPYC
+            # (results/research/drafter_cost_avx2.json; the same logits up to float summation order)
             return torch.mm(w, p.T).T
         return p @ w.T

@@ -1,15 +1,17 @@
 """What one draft of the v2 block drafter costs on this CPU, its vocabulary projection two ways, side by side (issue 33:
 the drafter took 25-44 % of speculative decoding's time on the AVX2 EPYC, results/speculative_dflash_4m2_avx2.json).
 
-The shipped drafter (--drafter) on the verifier's own embedding and LM head (--model, int4 weights as the daemon
-loads them); features are seeded random vectors (a draft's cost does not depend on their values). Per round and arm:
---drafts draft() calls of --k drafts at consecutive positions (one new context position each, as in decoding), each
-after one verifier decode step on a session of --context tokens (what sits between two drafts in use: the verifier's
-weights stream through the caches; --verifier-steps 0 skips them). Only draft() is timed. Arms:
+The shipped drafter (--drafter) with its trained fp32 weights (load_drafter's default; the daemon runs v2 drafters
+with int8 weights on the CPU, where the head's form no longer applies: bench_speculative.py measures that), on the
+verifier's own embedding and LM head (--model, int4 as the daemon loads it); features are seeded random vectors (a
+draft's cost does not depend on their values). Per round and arm: --drafts draft() calls of --k drafts at consecutive
+positions (one new context position each, as in decoding), each after --verifier-steps greedy decode steps of the
+verifier on a session that starts at --context tokens and grows by one token a step (what sits between two drafts in
+use: the verifier's weights stream through the caches). Only draft() is timed. Arms:
   streamed  DFlashModel.logits as head @ rows^T (stream_head True, the default since 2026-11-29)
   packed    rows @ head^T (stream_head False, the form before)
-Records the median ms per draft per arm, their ratio, and how far the two arms' logits and drafts differ on the same
-inputs (float summation order only).
+Records the median ms per draft per arm, their ratio, and how far the two forms' logits (and their argmax) differ on
+the same seeded rows (float summation order only).
 
     python scripts/research/drafter_cost.py --threads 2 --out results/research/drafter_cost_avx2.json
 """
@@ -72,7 +74,6 @@ def main(argv=None) -> int:
     def verifier_steps():
         for _ in range(args.verifier_steps):
             steps.decode_step(m, kv, int(kv.last_logits.argmax()), greedy=True)
-            kv.cache.abort()
 
     def draft(arm):
         drafter.model.stream_head = ARMS[arm]
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
                 draft(a)
                 times[a].append(time.perf_counter() - t)
         print(f"round {r + 1}/{args.rounds}", flush=True)
-    # the two forms on the same inputs: one fresh state each, the same positions
+    # the two forms of the projection on the same seeded rows
     h = torch.randn(args.k, drafter.config.hidden_size, generator=gen)
     with torch.inference_mode():
         drafter.model.stream_head = True
