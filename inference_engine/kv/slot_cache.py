@@ -34,7 +34,7 @@ import torch
 
 from inference_engine.errors import CacheInvariantError
 from inference_engine.kv.layout import AttentionLayout, CacheGeometry, ExtraKeySource, SinkShift
-from inference_engine.kv.stores import INT8_RESIDENT, make_store
+from inference_engine.kv.stores import FP16_RESIDENT, INT8_RESIDENT, make_store
 from inference_engine.kv.strategy import KVStrategy
 
 STATE_FORMAT = 1
@@ -124,7 +124,7 @@ class SlotKVCache:
         # The backend's own store, if it brings one (CacheGeometry): torch's stores (stores.py) and MLX's share
         # write / fetch / read / nbytes by duck typing, hence Any.
         store = cast(Callable[..., Any], g.make_store or make_store)
-        name = INT8_RESIDENT if strategy.kv_dtype == "int8" else strategy.compressor
+        name = {"int8": INT8_RESIDENT, "fp16": FP16_RESIDENT}.get(strategy.kv_dtype, strategy.compressor)
         self.store = store(name, strategy.q_range, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                            head_dim=g.head_dim, capacity=capacity, dtype=g.dtype, device=g.device)
         self.next_position = 0  # committed tokens == next position to write

@@ -30,6 +30,7 @@ from inference_engine.kv.compressor_names import COMPRESSOR_NAMES
 from inference_engine.kv.compressors import CompressorInputError, make_codec
 
 INT8_RESIDENT = "int8_resident"  # the store name make_store takes for KVStrategy(kv_dtype="int8")
+FP16_RESIDENT = "fp16_resident"  # ... and for KVStrategy(kv_dtype="fp16")
 
 _deferred = threading.local()
 
@@ -227,6 +228,31 @@ class SlabStore(SlotStore):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+class HalfSlabStore(SlabStore):
+    """SlabStore's slabs in fp16 (half the bytes a step's attention reads, as llama.cpp's default f16 K/V cache): rows
+    are rounded to fp16 when written (round to nearest even) and attention computes in the model's dtype on the stored
+    values (every fp16 value is exactly a float). The native CPU step reads the fp16 slabs itself
+    (`backends/torch/native.plain_slab`); `fetch` / `read` give the other paths the rows in the model's dtype (a
+    copy). CPU only (the CUDA paths take the model's dtype)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: str | torch.device, *, allocate: bool = True):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"an fp16 K/V store is for the CPU; on {device} use kv dtype fp32 (the model's dtype)")
+        super().__init__(num_layers, num_kv_heads, head_dim, capacity, torch.float16, device, allocate=allocate)
+        self.dtype = dtype  # what attention computes in
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(1, slots, k.to(torch.float16))
+        self.v[layer].index_copy_(1, slots, v.to(torch.float16))
+
+    def fetch(self, layer: int, n: int, slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][:, :n].to(self.dtype), self.v[layer][:, :n].to(self.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][:, slots].to(self.dtype), self.v[layer][:, slots].to(self.dtype)
 
 
 class CompressedStore(SlotStore):
@@ -444,6 +470,8 @@ def make_store(compressor: str, q_range: int, *, num_layers: int, num_kv_heads: 
     allocate = _allocating()
     if compressor == "identity":
         return SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device, allocate=allocate)
+    if compressor == FP16_RESIDENT:
+        return HalfSlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device, allocate=allocate)
     if compressor == INT8_RESIDENT:
         return Int8SlabStore(num_layers, num_kv_heads, head_dim, capacity, dtype, device, allocate=allocate)
     if compressor not in COMPRESSOR_NAMES:

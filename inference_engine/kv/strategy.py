@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from inference_engine.kv.compressor_names import COMPRESSOR_NAMES, MAX_Q_RANGE
 
-KV_DTYPES = ("fp32", "int8")  # resident K/V rows (KVStrategy.kv_dtype)
+KV_DTYPES = ("fp32", "fp16", "int8")  # resident K/V rows (KVStrategy.kv_dtype)
 PAGE_COMPRESSORS = ("identity", "int8", "kakeya_d4", "kakeya_e8")  # paged: how stored (evicted) pages are kept
 PAGE_KEY_BITS = (4, 8)  # paged: bits per element of the compact keys pages are scored by
 
@@ -27,7 +27,9 @@ class KVStrategy:
     window: int = 1020
     compressor: str = "identity"
     q_range: int = 38
-    kv_dtype: str = "fp32"  # resident rows: fp32 (model dtype) or int8 (+ a scale per position, read without decoding)
+    # resident rows: fp32 (the model's dtype), fp16 (half the bytes; attention computes in fp32 on the stored values) or
+    # int8 (+ a scale per position, read without decoding)
+    kv_dtype: str = "fp32"
     page_size: int = 64
     recall_pages: int = 8
     page_compressor: str = "identity"
@@ -55,9 +57,9 @@ class KVStrategy:
             raise ValueError(f"unknown kv compressor {self.compressor!r}; choose one of {', '.join(COMPRESSOR_NAMES)}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown kv dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
-        if self.kv_dtype == "int8" and (self.name not in ("full", "sink_window") or self.compressor != "identity"):
-            raise ValueError(f"kv dtype int8 is a resident store for the full and sink_window strategies without a "
-                             f"compressor; got strategy {self.name!r} with compressor {self.compressor!r}")
+        if self.kv_dtype != "fp32" and (self.name not in ("full", "sink_window") or self.compressor != "identity"):
+            raise ValueError(f"kv dtype {self.kv_dtype} is a resident store for the full and sink_window strategies without "
+                             f"a compressor; got strategy {self.name!r} with compressor {self.compressor!r}")
         if not isinstance(self.q_range, int) or not 1 <= self.q_range <= MAX_Q_RANGE:
             raise ValueError(f"kv q_range must be an int in [1, {MAX_Q_RANGE}], got {self.q_range!r} (38 is the default)")
         if not isinstance(self.page_size, int) or self.page_size < 1:

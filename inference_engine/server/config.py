@@ -25,7 +25,7 @@ class ServeConfig:
     sink: int = 4
     window: int = 1020
     kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
-    kv_dtype: str = "fp32"  # fp32 | int8: resident K/V rows of full / sink_window
+    kv_dtype: str = "fp32"  # fp32 | fp16 | int8: resident K/V rows of full / sink_window
     batching: str = "auto"  # auto | on | off: concurrent sessions' steps share forwards (auto = where exact: int8/int4)
     kv_q_range: int = 38  # lattice q_range of the kakeya compressors
     page_size: int = 64  # paged: tokens per page of evicted K/V

@@ -12,6 +12,8 @@ Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.
   llama.cpp      (--llama-cpp, quality only) llama-cpp-python on the model directory's source.gguf (the file the
                  llama.cpp benches run; its AVX2 path quantizes activations to Q8 blocks), every position a one-token
                  decode, as the peer's own quality on the same positions
+  native-q4+kv_fp16  (--kv-fp16) native-q4 over fp16 resident K/V (--kv-dtype fp16: the slabs half the bytes,
+                 attention in fp32 on the stored values); every other arm reads fp32 K/V
   planes-ABCD    (--plane-arms, quality only) activation planes per matrix kind: wqkv A, wo B, w_gate_up C,
                  w_down D (e.g. 1112: two planes in w_down only), to see whether some matrices can take one
 Measured:
@@ -61,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--outliers", default="", help="arms with one plane and C outlier channels each, e.g. 16,32")
     ap.add_argument("--plane-arms", default="", help="extra quality arms, planes per matrix kind, e.g. 1112,1122")
     ap.add_argument("--quality-arms", default="", help="only these arms' quality (comma list; default all)")
+    ap.add_argument("--decode-arms", default="", help="only these arms' decode (comma list; default all)")
+    ap.add_argument("--kv-fp16", action="store_true", help="an arm: native-q4 over fp16 resident K/V (--kv-dtype fp16)")
     ap.add_argument("--llama-cpp", action="store_true", help="a quality arm: llama.cpp on the same GGUF, same positions")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "native_step.json"))
     args = ap.parse_args(argv)
@@ -95,7 +99,10 @@ def main(argv=None) -> int:
         setups[outlier_arms[-1]] = (m.native_step, m.head.greedy_kernel)
     m.use_native_step(q4=True, planes=2)
     setups["native-q4"] = (m.native_step, m.head.greedy_kernel)
-    arms = (*ARMS, *outlier_arms)
+    kv_arms = ["native-q4+kv_fp16"] if args.kv_fp16 else []
+    for arm in kv_arms:
+        setups[arm] = setups["native-q4"]
+    arms = (*ARMS, *outlier_arms, *kv_arms)
 
     plane_arms = [f"planes-{a}" for a in args.plane_arms.split(",") if a]
     for arm in plane_arms:
@@ -106,12 +113,16 @@ def main(argv=None) -> int:
     def use(arm):
         m.native_step, m.head.greedy_kernel = setups[arm]
 
+    engines = {dt: Engine(m, KVStrategy("full", kv_dtype=dt), prefill_chunk=256) for dt in ("fp32", "fp16")}
+
+    def engine_for(arm):  # the arm's resident K/V: fp16 for the +kv_fp16 arm, fp32 for every other
+        return engines["fp16" if arm.endswith("+kv_fp16") else "fp32"]
+
     out = meta | {"q4_isa": {0: "none", 1: "AVX2", 2: "AVX-512 VNNI"}[mod.q4_isa()], "build_dir": str(native.build_dir())}
 
     # 1. quality
     if not args.skip_quality:
         seqs = fp32_references(path, args.prompts, args.tokens)
-        engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
         quality = {}
         only = set(a for a in args.quality_arms.split(",") if a)
         if only - set(arms) - set(plane_arms):
@@ -120,6 +131,7 @@ def main(argv=None) -> int:
             if only and arm not in only:
                 continue
             use(arm)
+            engine = engine_for(arm)
             agree = total = 0
             for p, cont, want in seqs:
                 kv = engine.new_session_kv()
@@ -146,13 +158,16 @@ def main(argv=None) -> int:
     # 2. decode
     if not args.skip_decode:
         contexts = [int(c) for c in args.contexts.split(",")]
-        engine = Engine(m, KVStrategy("full"), prefill_chunk=256)
+        decode_arms = [a for a in arms if a in set(args.decode_arms.split(","))] if args.decode_arms else list(arms)
+        if args.decode_arms and set(args.decode_arms.split(",")) - set(decode_arms):
+            raise SystemExit(f"--decode-arms: no such arm {sorted(set(args.decode_arms.split(',')) - set(decode_arms))}")
         decode = {}
         for nt in threads:
             torch.set_num_threads(nt)
             sessions = {}
-            for arm in arms:
+            for arm in decode_arms:
                 use(arm)
+                engine = engine_for(arm)
                 for c in contexts:
                     kv = engine.new_session_kv()
                     engine.prefill(kv, [(7 * i + 3) % 1000 + 100 for i in range(c)])
@@ -168,11 +183,14 @@ def main(argv=None) -> int:
                         times[arm, c].append(time.perf_counter() - t)
             row = {}
             for c in contexts:
-                ms = {arm: round(statistics.median(times[arm, c]) * 1e3, 3) for arm in arms}
-                row[str(c)] = {"step_ms_median": ms, "native_q4_speedup_vs_python": round(ms["python"] / ms["native-q4"], 3),
-                               "native_q4_one_plane_speedup_vs_python": round(ms["python"] / ms["native-q4-one-plane"], 3),
-                               "native_torchk_speedup_vs_python": round(ms["python"] / ms["native-torchk"], 3)}
-                row[str(c)] |= {f"{arm}_speedup_vs_native_q4": round(ms["native-q4"] / ms[arm], 3) for arm in outlier_arms}
+                ms = {arm: round(statistics.median(times[arm, c]) * 1e3, 3) for arm in decode_arms}
+                row[str(c)] = {"step_ms_median": ms}
+                if "python" in ms:
+                    row[str(c)] |= {f"{arm.replace('-', '_')}_speedup_vs_python": round(ms["python"] / ms[arm], 3)
+                                    for arm in ("native-q4", "native-q4-one-plane", "native-torchk") if arm in ms}
+                if "native-q4" in ms:
+                    row[str(c)] |= {f"{arm}_speedup_vs_native_q4": round(ms["native-q4"] / ms[arm], 3)
+                                    for arm in (*outlier_arms, *kv_arms) if arm in ms}
                 print(f"threads {nt} ctx {c}", row[str(c)], flush=True)
             decode[str(nt)] = row
         out["decode"] = decode

@@ -350,12 +350,13 @@ def _row_masks(layout, rows) -> tuple[torch.Tensor, int]:
 
 
 def plain_slab(layout, store) -> bool:
-    """A session's step the whole-step call takes: K/V in a plain fp32 slab store, keys read as its first N slots."""
-    from inference_engine.kv.stores import SlabStore
+    """A session's step the whole-step call takes: K/V in a plain fp32 (or fp16: HalfSlabStore) slab store, keys read
+    as its first N slots."""
+    from inference_engine.kv.stores import HalfSlabStore, SlabStore
 
-    return not (type(store) is not SlabStore or layout.key_slots is not None or layout.whole_rows
+    return not (type(store) not in (SlabStore, HalfSlabStore) or layout.key_slots is not None or layout.whole_rows
                 or layout.host_masks is None or None not in layout.host_masks or layout.host_slots is None
-                or not store.k or store.k[0].dtype != torch.float32)
+                or not store.k or store.k[0].dtype not in (torch.float32, torch.float16))
 
 
 def q4_pack(module, lin) -> torch.Tensor:

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "q4_matmul.h"
@@ -388,6 +389,21 @@ inline void merge_chunks(const float* parts, int64_t chunks, int64_t stride, int
   for (int64_t d = 0; d < D; ++d) out[d] *= rs;
 }
 
+// fp16 K/V slabs (`--kv-dtype fp16`: half the bytes a step reads): n halves -> floats, exactly (every fp16 value is
+// a float), so a chunk's attention runs the float kernels above on the same values whoever converts it; and floats ->
+// halves when a row's k and v are written (round to nearest even, as torch's .half()).
+inline void halves_to_floats(const c10::Half* __restrict src, int64_t n, float* __restrict dst) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void floats_to_halves(const float* __restrict src, int64_t n, c10::Half* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
 // Scores of keys [c0, c1) of one (b, m): qs holds the G query rows as the codes lay out their dimensions (4-bit: the
 // even dimensions, then the odd ones, per row; 8-bit: as they are). G and the code width are compile-time, so the G
 // accumulators stay in registers (AVX2: 8 floats each; elsewhere plain loops). With AVX2, NK keys at a time: each
@@ -739,21 +755,26 @@ class RowStep {
       TORCH_CHECK(sess_p[r] >= 0 && sess_p[r] < static_cast<int64_t>(k_slabs.size()), "row step: bad session index");
       TORCH_CHECK(nk_p[r] >= 0 && nk_p[r] <= N, "row step: row_keys out of range");
     }
+    const auto slab_type = k_slabs.empty() || k_slabs[0].empty() ? at::kFloat : k_slabs[0][0].scalar_type();
+    TORCH_CHECK(slab_type == at::kFloat || slab_type == at::kHalf, "row step: slabs must be fp32 or fp16");
     for (size_t s = 0; s < k_slabs.size(); ++s) {
       TORCH_CHECK(static_cast<int64_t>(k_slabs[s].size()) == layers_ && static_cast<int64_t>(v_slabs[s].size()) == layers_,
                   "row step: one slab per layer");
       for (int64_t l = 0; l < layers_; ++l)
         for (const at::Tensor* t : {&k_slabs[s][l], &v_slabs[s][l]})
-          TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == at::kFloat &&
+          TORCH_CHECK(t->dim() == 3 && t->size(0) == Hkv && t->size(2) == D && t->scalar_type() == slab_type &&
                           t->is_contiguous() && t->size(1) == k_slabs[s][l].size(1),
-                      "row step: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
+                      "row step: slabs must be (Hkv, capacity, D) contiguous, fp32 or fp16 (every session's alike), "
+                      "K and V alike");
     }
+    const bool half = slab_type == at::kHalf;
+    TORCH_CHECK(!half || paged_sessions.empty(), "row step: paged sessions keep fp32 slabs");
     const auto opts = x.options();
     float* xp = x.data_ptr<float>();
     std::vector<float> inv(R), q(R * H * D), att(R * H * D), parts;
     const float* cp = cs.data_ptr<float>();
     const float* sp = sn.data_ptr<float>();
-    const int64_t half = D / 2, nq = H * D, nkv = Hkv * D;
+    const int64_t half_d = D / 2, nq = H * D, nkv = Hkv * D;
 
     // paged sessions (paged_rows.h): their rows attend through their PagedView; attend_into gives them no columns
     TORCH_CHECK(paged_sessions.size() == paged_views.size(), "row step: one PagedView per paged session");
@@ -800,28 +821,42 @@ class RowStep {
         const float* c = cp + r * D;
         const float* s = sp + r * D;
         const float* row = qkv_p + r * (nq + 2 * nkv);
-        for (int64_t h = 0; h < H; ++h) rope(row + h * D, c, s, &q[(r * H + h) * D], half);
+        for (int64_t h = 0; h < H; ++h) rope(row + h * D, c, s, &q[(r * H + h) * D], half_d);
         const auto& ks = k_slabs[sess_p[r]][l];
         const auto& vs = v_slabs[sess_p[r]][l];
         const int64_t cap = ks.size(1);
-        float* kd = ks.data_ptr<float>();
-        float* vd = vs.data_ptr<float>();
         for (int64_t h = 0; h < Hkv; ++h) {
-          rope(row + nq + h * D, c, s, kd + (h * cap + slot_p[r]) * D, half);
           const float* v = row + nq + nkv + h * D;
-          float* vdst = vd + (h * cap + slot_p[r]) * D;
-          for (int64_t d = 0; d < D; ++d) vdst[d] = v[d];
+          const int64_t at_slot = (h * cap + slot_p[r]) * D;
+          if (half) {  // k rotated in floats, then both rounded to fp16 into the slab
+            float kr[256];
+            rope(row + nq + h * D, c, s, kr, half_d);
+            floats_to_halves(kr, D, ks.data_ptr<c10::Half>() + at_slot);
+            floats_to_halves(v, D, vs.data_ptr<c10::Half>() + at_slot);
+          } else {
+            rope(row + nq + h * D, c, s, ks.data_ptr<float>() + at_slot, half_d);
+            float* vdst = vs.data_ptr<float>() + at_slot;
+            for (int64_t d = 0; d < D; ++d) vdst[d] = v[d];
+          }
         }
       });
-      std::vector<const float*> kp(R), vp(R);
       std::vector<int64_t> caps(R);
-      for (int64_t r = 0; r < R; ++r) {
-        const auto& ks = k_slabs[sess_p[r]][l];
-        kp[r] = ks.data_ptr<float>();
-        vp[r] = v_slabs[sess_p[r]][l].data_ptr<float>();
-        caps[r] = ks.size(1);
+      for (int64_t r = 0; r < R; ++r) caps[r] = k_slabs[sess_p[r]][l].size(1);
+      if (half) {
+        std::vector<const c10::Half*> kp(R), vp(R);
+        for (int64_t r = 0; r < R; ++r) {
+          kp[r] = k_slabs[sess_p[r]][l].data_ptr<c10::Half>();
+          vp[r] = v_slabs[sess_p[r]][l].data_ptr<c10::Half>();
+        }
+        attend_into(q.data(), R, kp, vp, caps, mask_p, N, nk_rest.data(), att.data(), parts);
+      } else {
+        std::vector<const float*> kp(R), vp(R);
+        for (int64_t r = 0; r < R; ++r) {
+          kp[r] = k_slabs[sess_p[r]][l].data_ptr<float>();
+          vp[r] = v_slabs[sess_p[r]][l].data_ptr<float>();
+        }
+        attend_into(q.data(), R, kp, vp, caps, mask_p, N, nk_rest.data(), att.data(), parts);
       }
-      attend_into(q.data(), R, kp, vp, caps, mask_p, N, nk_rest.data(), att.data(), parts);
       for (size_t i = 0; i < paged_sessions.size(); ++i) {
         const int64_t s = paged_sessions[i], r0 = paged_first[i];
         paged_attend(l, &q[r0 * H * D], paged_rows_n[i], paged_views[i], {}, k_slabs[s][l], v_slabs[s][l], &att[r0 * H * D]);
@@ -1098,9 +1133,13 @@ class RowStep {
   // columns mask[r] (N wide) marks among its first nk[r] -> att (R, H, D). Each (row, kv head, chunk of columns) alone,
   // then each row's chunks merged in column order; rows in blocks of kRowBlock, so a long prefill chunk's partial
   // results stay small (a row's result does not depend on its block, nor on columns it does not see).
-  void attend_into(const float* q, int64_t R, const std::vector<const float*>& kp, const std::vector<const float*>& vp,
+  // T: the slabs' element type, float or c10::Half (fp16 slabs: a task's chunk of keys and values converted to floats
+  // first, kept while the thread's next task reads the same chunk, as the (KV head, chunk, row) order makes it).
+  template <class T>
+  void attend_into(const float* q, int64_t R, const std::vector<const T*>& kp, const std::vector<const T*>& vp,
                    const std::vector<int64_t>& caps, const bool* mask_p, int64_t N, const int64_t* nk_p, float* att,
                    std::vector<float>& parts) const {
+    constexpr bool kHalfSlab = std::is_same_v<T, c10::Half>;
     const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
     for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
       const int64_t rb = std::min(R - r0, kRowBlock);
@@ -1135,6 +1174,10 @@ class RowStep {
       const int64_t grain = cols * H * D < attend_threshold() ? std::max<int64_t>(tasks, 1) : 1;
       at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
         std::vector<float> scores(G * kChunk);
+        std::vector<float> kf, vf;  // fp16 slabs: the chunk's keys and values as floats
+        const T* held = nullptr;    // ... of the chunk starting at this key (and its column count)
+        int64_t held_n = 0;
+        if constexpr (kHalfSlab) kf.resize(kChunk * D), vf.resize(kChunk * D);
         for (int64_t o = lo; o < hi; ++o) {
           const int64_t t = order[o];
           const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
@@ -1143,8 +1186,19 @@ class RowStep {
           const int64_t h = idx / nch, c = idx % nch;
           const int64_t cap = caps[r];
           const int64_t j0 = c * kChunk, j1 = std::min(nk_p[r], j0 + kChunk);
-          attend_chunk_any(D, G, q + (r * H + h * G) * D, kp[r] + h * cap * D, vp[r] + h * cap * D, mask_p + r * N, j0,
-                           j1, scale_, scores.data(), &parts[t * G * stride]);
+          if constexpr (kHalfSlab) {
+            const T* k0 = kp[r] + (h * cap + j0) * D;
+            if (k0 != held || j1 - j0 > held_n) {
+              halves_to_floats(k0, (j1 - j0) * D, kf.data());
+              halves_to_floats(vp[r] + (h * cap + j0) * D, (j1 - j0) * D, vf.data());
+              held = k0, held_n = j1 - j0;
+            }
+            attend_chunk_any(D, G, q + (r * H + h * G) * D, kf.data(), vf.data(), mask_p + r * N + j0, 0, j1 - j0,
+                             scale_, scores.data(), &parts[t * G * stride]);
+          } else {
+            attend_chunk_any(D, G, q + (r * H + h * G) * D, kp[r] + h * cap * D, vp[r] + h * cap * D, mask_p + r * N,
+                             j0, j1, scale_, scores.data(), &parts[t * G * stride]);
+          }
         }
       });
       for (int64_t i = 0; i < rb; ++i) {
