@@ -48,9 +48,6 @@ def _load_model(cfg: ServeConfig):
     from inference_engine.backends.torch.model import TorchCausalLM
 
     weights = cfg.weights if cfg.weights != "auto" else ("int4" if cfg.device == "cpu" else "fp32")
-    if cfg.kv_dtype != "fp32" and cfg.device != "cpu":
-        raise ConfigError(f"--kv-dtype {cfg.kv_dtype} is a CPU K/V store; on --device {cfg.device} leave --kv-dtype at "
-                          "fp32 (the model's dtype)")
     try:
         model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device, weights=weights)
         from inference_engine.backends.torch import native

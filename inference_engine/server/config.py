@@ -88,6 +88,9 @@ class ServeConfig:
             if value not in allowed:
                 raise ConfigError(f"{flag} must be {' or '.join(map(repr, allowed))}, got {value!r}")
         check_backend_flags(self, self.backend)
+        if self.kv_dtype != "fp32" and self.device != "cpu":
+            raise ConfigError(f"--kv-dtype {self.kv_dtype} is a CPU K/V store; on --device {self.device} leave --kv-dtype "
+                              "at fp32 (the model's dtype)")
         for flag, n in (("--max-append-tokens", self.max_append_tokens), ("--max-pending-tokens", self.max_pending_tokens)):
             if n < 0:
                 raise ConfigError(f"{flag} takes a token count >= 0 (0 = no limit), got {n}")

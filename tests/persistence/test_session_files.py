@@ -138,10 +138,11 @@ def test_rows_copied_by_runs_or_by_index_resume_identical(name, runs_max, tmp_pa
     assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp16"])
 @pytest.mark.parametrize("name", ["full", "sink_window"])
-def test_int8_resident_store_resumes_identical(name, tmp_path):
-    """--kv-dtype int8 (a store persistence saves whole in the tail) resumes bit for bit too."""
-    st = dataclasses.replace(STRATEGIES[name], kv_dtype="int8")
+def test_resident_kv_dtypes_resume_identical(name, kv_dtype, tmp_path):
+    """--kv-dtype int8 (a store persistence saves whole in the tail) and fp16 (rows, as fp32's) resume bit for bit too."""
+    st = dataclasses.replace(STRATEGIES[name], kv_dtype=kv_dtype)
     kept = runtime(tmp_path, st)
     s = kept.create_session(ids(40))
     turn(kept, s.id, 5)

@@ -147,6 +147,21 @@ constexpr int64_t kChunk = 256;
 // chunk keeps at once (64 rows x Hkv x N / 256 chunks x G heads x (D + 2) floats: 5 MB for SmolLM2 at 8k).
 constexpr int64_t kRowBlock = 64;
 
+// fp16 K/V slabs (`--kv-dtype fp16`: half the bytes a step reads): n halves -> floats, exactly (every fp16 value is
+// a float), so a chunk's attention runs the float kernels above on the same values whoever converts it; and floats ->
+// halves when a row's k and v are written (round to nearest even, as torch's .half()).
+inline void halves_to_floats(const c10::Half* __restrict src, int64_t n, float* __restrict dst) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+inline void floats_to_halves(const float* __restrict src, int64_t n, c10::Half* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
 // The G query heads that share a KV head (GQA), one query row, over columns [j0, j1) of its session's slab, visible
 // ones only (each key and value read once for all G heads): per head, scores in column order, their max, exp, then
 // the sum and the weighted V in column order. part: per head [max, sum, acc (D)].
@@ -204,7 +219,7 @@ inline void attend_chunk(const float* __restrict q, const float* __restrict kb, 
 // registers. A row's arithmetic still depends on nothing but its own columns, so rows stay exact; the bits differ
 // from the 16-lane code's (different sum orders), which no result compares across machines. Built on every x86 CPU
 // (the functions carry their own target), so the tests check both kernels wherever AVX2 runs (`row_attention`).
-#define KAKEYA_AVX2_FN __attribute__((target("avx2,fma")))
+#define KAKEYA_AVX2_FN __attribute__((target("avx2,fma,f16c")))
 KAKEYA_AVX2_FN inline __m256 exp8(__m256 x) {  // exp_f's steps, lane by lane
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -242,17 +257,23 @@ KAKEYA_AVX2_FN inline float hsum8(__m256 v) {  // a fixed tree
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-template <int D>
-KAKEYA_AVX2_FN inline float dot8(const float* __restrict a, const float* __restrict b) {
+// 8 K/V elements as floats: fp32 slabs as they are, fp16 ones converted in the register (exactly)
+template <class T>
+KAKEYA_AVX2_FN inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int D, class T>
+KAKEYA_AVX2_FN inline float dot8(const float* __restrict a, const T* __restrict b) {
   if constexpr (D == 16) {
-    return hsum8(_mm256_fmadd_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8),
-                                 _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b))));
+    return hsum8(_mm256_fmadd_ps(_mm256_loadu_ps(a + 8), load8(b + 8), _mm256_mul_ps(_mm256_loadu_ps(a), load8(b))));
   } else {
-    __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-    __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8));
+    __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(a), load8(b));
+    __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), load8(b + 8));
     for (int i = 16; i < D; i += 16) {
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), s1);
     }
     return hsum8(_mm256_add_ps(s0, s1));
   }
@@ -265,8 +286,8 @@ constexpr int pv_block(int D, int G) {
   return b;
 }
 
-template <int D, int G>
-KAKEYA_AVX2_FN void attend_chunk_avx2(const float* __restrict q, const float* __restrict kb, const float* __restrict vb,
+template <int D, int G, class T = float>
+KAKEYA_AVX2_FN void attend_chunk_avx2(const float* __restrict q, const T* __restrict kb, const T* __restrict vb,
                               const bool* __restrict m, int64_t j0, int64_t j1, float scale, float* __restrict scores,
                               float* __restrict part) {
   const int64_t n = j1 - j0, n8 = (n + 7) / 8 * 8;  // scores: G rows of stride kChunk (>= n8)
@@ -277,7 +298,7 @@ KAKEYA_AVX2_FN void attend_chunk_avx2(const float* __restrict q, const float* __
       for (int g = 0; g < G; ++g) scores[g * kChunk + j] = -INFINITY;
       continue;
     }
-    const float* k = kb + (j0 + j) * D;
+    const T* k = kb + (j0 + j) * D;
     for (int g = 0; g < G; ++g) {
       const float sc = dot8<D>(q + g * D, k) * scale;
       scores[g * kChunk + j] = sc;
@@ -302,9 +323,9 @@ KAKEYA_AVX2_FN void attend_chunk_avx2(const float* __restrict q, const float* __
       for (int b = 0; b < B; ++b) acc[g][b] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       if (!m[j0 + j]) continue;
-      const float* v = vb + (j0 + j) * D + d0;
+      const T* v = vb + (j0 + j) * D + d0;
       __m256 vv[B];
-      for (int b = 0; b < B; ++b) vv[b] = _mm256_loadu_ps(v + 8 * b);
+      for (int b = 0; b < B; ++b) vv[b] = load8(v + 8 * b);
       for (int g = 0; g < G; ++g) {
         const __m256 p = _mm256_broadcast_ss(scores + g * kChunk + j);
         for (int b = 0; b < B; ++b) acc[g][b] = _mm256_fmadd_ps(p, vv[b], acc[g][b]);
@@ -333,40 +354,52 @@ inline int64_t& attention_kernel() {
   return kernel;
 }
 
-template <int D, int G>
-inline void attend_chunk_pick(const float* q, const float* kb, const float* vb, const bool* m, int64_t j0, int64_t j1,
+// T: the slab's element type. fp16 slabs: the AVX2 code converts each key and value in its registers; the 16-lane
+// code gets the chunk's rows converted to floats first (the same float values either way: exact conversions).
+template <int D, int G, class T>
+inline void attend_chunk_pick(const float* q, const T* kb, const T* vb, const bool* m, int64_t j0, int64_t j1,
                               float scale, float* scores, float* part) {
 #if KAKEYA_X86
-  if (attention_kernel() == 1) return attend_chunk_avx2<D, G>(q, kb, vb, m, j0, j1, scale, scores, part);
+  if (attention_kernel() == 1) return attend_chunk_avx2<D, G, T>(q, kb, vb, m, j0, j1, scale, scores, part);
 #endif
-  attend_chunk<D, G>(q, kb, vb, m, j0, j1, scale, scores, part);
-}
-
-// the chunk for G query heads; G past 8 head by head (G = 1 each)
-template <int D>
-inline void attend_chunk_d(int64_t G, const float* q, const float* kb, const float* vb, const bool* m, int64_t j0,
-                           int64_t j1, float scale, float* scores, float* part) {
-  switch (G) {
-    case 1: return attend_chunk_pick<D, 1>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 2: return attend_chunk_pick<D, 2>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 3: return attend_chunk_pick<D, 3>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 4: return attend_chunk_pick<D, 4>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 5: return attend_chunk_pick<D, 5>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 6: return attend_chunk_pick<D, 6>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 7: return attend_chunk_pick<D, 7>(q, kb, vb, m, j0, j1, scale, scores, part);
-    case 8: return attend_chunk_pick<D, 8>(q, kb, vb, m, j0, j1, scale, scores, part);
-    default:
-      for (int64_t g = 0; g < G; ++g) attend_chunk_pick<D, 1>(q + g * D, kb, vb, m, j0, j1, scale, scores, part + g * (D + 2));
+  if constexpr (std::is_same_v<T, float>) {
+    attend_chunk<D, G>(q, kb, vb, m, j0, j1, scale, scores, part);
+  } else {
+    thread_local std::vector<float> kf, vf;
+    const int64_t n = (j1 - j0) * D;
+    kf.resize(n), vf.resize(n);
+    halves_to_floats(kb + j0 * D, n, kf.data());
+    halves_to_floats(vb + j0 * D, n, vf.data());
+    attend_chunk<D, G>(q, kf.data(), vf.data(), m + j0, 0, j1 - j0, scale, scores, part);
   }
 }
 
-inline void attend_chunk_any(int64_t D, int64_t G, const float* q, const float* kb, const float* vb, const bool* m,
+// the chunk for G query heads; G past 8 head by head (G = 1 each)
+template <int D, class T>
+inline void attend_chunk_d(int64_t G, const float* q, const T* kb, const T* vb, const bool* m, int64_t j0,
+                           int64_t j1, float scale, float* scores, float* part) {
+  switch (G) {
+    case 1: return attend_chunk_pick<D, 1, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 2: return attend_chunk_pick<D, 2, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 3: return attend_chunk_pick<D, 3, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 4: return attend_chunk_pick<D, 4, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 5: return attend_chunk_pick<D, 5, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 6: return attend_chunk_pick<D, 6, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 7: return attend_chunk_pick<D, 7, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+    case 8: return attend_chunk_pick<D, 8, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+    default:
+      for (int64_t g = 0; g < G; ++g) attend_chunk_pick<D, 1, T>(q + g * D, kb, vb, m, j0, j1, scale, scores, part + g * (D + 2));
+  }
+}
+
+template <class T = float>
+inline void attend_chunk_any(int64_t D, int64_t G, const float* q, const T* kb, const T* vb, const bool* m,
                              int64_t j0, int64_t j1, float scale, float* scores, float* part) {
   switch (D) {
-    case 16: return attend_chunk_d<16>(G, q, kb, vb, m, j0, j1, scale, scores, part);
-    case 32: return attend_chunk_d<32>(G, q, kb, vb, m, j0, j1, scale, scores, part);
-    case 64: return attend_chunk_d<64>(G, q, kb, vb, m, j0, j1, scale, scores, part);
-    default: return attend_chunk_d<128>(G, q, kb, vb, m, j0, j1, scale, scores, part);
+    case 16: return attend_chunk_d<16, T>(G, q, kb, vb, m, j0, j1, scale, scores, part);
+    case 32: return attend_chunk_d<32, T>(G, q, kb, vb, m, j0, j1, scale, scores, part);
+    case 64: return attend_chunk_d<64, T>(G, q, kb, vb, m, j0, j1, scale, scores, part);
+    default: return attend_chunk_d<128, T>(G, q, kb, vb, m, j0, j1, scale, scores, part);
   }
 }
 
@@ -387,21 +420,6 @@ inline void merge_chunks(const float* parts, int64_t chunks, int64_t stride, int
   }
   const float rs = 1.f / total;
   for (int64_t d = 0; d < D; ++d) out[d] *= rs;
-}
-
-// fp16 K/V slabs (`--kv-dtype fp16`: half the bytes a step reads): n halves -> floats, exactly (every fp16 value is
-// a float), so a chunk's attention runs the float kernels above on the same values whoever converts it; and floats ->
-// halves when a row's k and v are written (round to nearest even, as torch's .half()).
-inline void halves_to_floats(const c10::Half* __restrict src, int64_t n, float* __restrict dst) {
-  int64_t i = 0;
-#if defined(__F16C__) && defined(__AVX__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-inline void floats_to_halves(const float* __restrict src, int64_t n, c10::Half* __restrict dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
 }
 
 // Scores of keys [c0, c1) of one (b, m): qs holds the G query rows as the codes lay out their dimensions (4-bit: the
@@ -1133,13 +1151,11 @@ class RowStep {
   // columns mask[r] (N wide) marks among its first nk[r] -> att (R, H, D). Each (row, kv head, chunk of columns) alone,
   // then each row's chunks merged in column order; rows in blocks of kRowBlock, so a long prefill chunk's partial
   // results stay small (a row's result does not depend on its block, nor on columns it does not see).
-  // T: the slabs' element type, float or c10::Half (fp16 slabs: a task's chunk of keys and values converted to floats
-  // first, kept while the thread's next task reads the same chunk, as the (KV head, chunk, row) order makes it).
+  // T: the slabs' element type, float or c10::Half (fp16 slabs: attend_chunk_pick).
   template <class T>
   void attend_into(const float* q, int64_t R, const std::vector<const T*>& kp, const std::vector<const T*>& vp,
                    const std::vector<int64_t>& caps, const bool* mask_p, int64_t N, const int64_t* nk_p, float* att,
                    std::vector<float>& parts) const {
-    constexpr bool kHalfSlab = std::is_same_v<T, c10::Half>;
     const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
     for (int64_t r0 = 0; r0 < R; r0 += kRowBlock) {
       const int64_t rb = std::min(R - r0, kRowBlock);
@@ -1174,10 +1190,6 @@ class RowStep {
       const int64_t grain = cols * H * D < attend_threshold() ? std::max<int64_t>(tasks, 1) : 1;
       at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
         std::vector<float> scores(G * kChunk);
-        std::vector<float> kf, vf;  // fp16 slabs: the chunk's keys and values as floats
-        const T* held = nullptr;    // ... of the chunk starting at this key (and its column count)
-        int64_t held_n = 0;
-        if constexpr (kHalfSlab) kf.resize(kChunk * D), vf.resize(kChunk * D);
         for (int64_t o = lo; o < hi; ++o) {
           const int64_t t = order[o];
           const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
@@ -1186,19 +1198,8 @@ class RowStep {
           const int64_t h = idx / nch, c = idx % nch;
           const int64_t cap = caps[r];
           const int64_t j0 = c * kChunk, j1 = std::min(nk_p[r], j0 + kChunk);
-          if constexpr (kHalfSlab) {
-            const T* k0 = kp[r] + (h * cap + j0) * D;
-            if (k0 != held || j1 - j0 > held_n) {
-              halves_to_floats(k0, (j1 - j0) * D, kf.data());
-              halves_to_floats(vp[r] + (h * cap + j0) * D, (j1 - j0) * D, vf.data());
-              held = k0, held_n = j1 - j0;
-            }
-            attend_chunk_any(D, G, q + (r * H + h * G) * D, kf.data(), vf.data(), mask_p + r * N + j0, 0, j1 - j0,
-                             scale_, scores.data(), &parts[t * G * stride]);
-          } else {
-            attend_chunk_any(D, G, q + (r * H + h * G) * D, kp[r] + h * cap * D, vp[r] + h * cap * D, mask_p + r * N,
-                             j0, j1, scale_, scores.data(), &parts[t * G * stride]);
-          }
+          attend_chunk_any<T>(D, G, q + (r * H + h * G) * D, kp[r] + h * cap * D, vp[r] + h * cap * D, mask_p + r * N,
+                              j0, j1, scale_, scores.data(), &parts[t * G * stride]);
         }
       });
       for (int64_t i = 0; i < rb; ++i) {
