@@ -20,6 +20,8 @@ in --rounds, so a drift in the box's speed lands on every cell alike. Arms are s
           (q4_row_registers 0: the kernel before f45bac2; the same bits)
   planes2 head, with the int4 kernel's activations as two int8 planes everywhere (native.PLANES, built explicitly)
   outliers  head, with one plane and each linear's native.OUTLIERS outlier channels exact
+  kvfp16  head, over sessions whose resident K/V is fp16 (--kv-dtype fp16: the slabs half the bytes; the other arms'
+          sessions hold fp32 K/V); with --context 1024 each row reads what a steady-state sink_window session reads
 The other arms run the daemon's default step (use_step_graphs("auto"): activations as native.PLANES planes).
 Records the median ms per forward, tokens per second (n / median) and the speedup at n over n = 1 per arm, and
 each arm's speedup over `before` per n. Writes results/research/batch_rows.json.
@@ -41,7 +43,9 @@ from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 # trim_columns, rows_apart, silu_vectors, the greedy head's refinement in C++ (csrc/row_step.cpp refined_head)
 # (and q4_row_registers: a one-row tile's sums in registers)
 ARMS = {"before": (0, 0, 0, 0, 0), "trim": (1, 0, 0, 0, 0), "apart": (1, 1, 0, 0, 0), "silu": (1, 1, 1, 0, 0),
-        "rowmem": (1, 1, 1, 1, 0), "head": (1, 1, 1, 1, 1), "planes2": (1, 1, 1, 1, 1), "outliers": (1, 1, 1, 1, 1)}
+        "rowmem": (1, 1, 1, 1, 0), "head": (1, 1, 1, 1, 1), "planes2": (1, 1, 1, 1, 1), "outliers": (1, 1, 1, 1, 1),
+        "kvfp16": (1, 1, 1, 1, 1)}
+KV_DTYPE = {"kvfp16": "fp16"}  # the arms whose sessions hold other K/V than fp32
 
 
 def main(argv=None) -> int:
@@ -90,15 +94,18 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     cfg = ServeConfig()
     strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)
-    engine = Engine(m, strategy, prefill_chunk=256)
     span = min(1000, m.spec.vocab_size - 100)
-    kvs = []
-    for s in range(max(batches)):
-        kv = engine.new_session_kv()
-        ids = [(7 * i + 13 * s) % span + 100 for i in range(args.context)]
-        for i in range(0, len(ids), 256):
-            steps.prefill_chunk(m, kv, ids[i:i + 256])
-        kvs.append(kv)
+    sessions = {}  # kv dtype -> the sessions (the same token ids in each)
+    for dt in sorted({KV_DTYPE.get(a, "fp32") for a in arms}):
+        engine = Engine(m, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window, kv_dtype=dt), prefill_chunk=256)
+        sessions[dt] = []
+        for s in range(max(batches)):
+            kv = engine.new_session_kv()
+            ids = [(7 * i + 13 * s) % span + 100 for i in range(args.context)]
+            for i in range(0, len(ids), 256):
+                steps.prefill_chunk(m, kv, ids[i:i + 256])
+            sessions[dt].append(kv)
+    kvs = sessions[min(sessions)]
 
     def forward(n: int) -> float:
         inputs = []
@@ -127,6 +134,8 @@ def main(argv=None) -> int:
             return y.scatter(-1, idx, torch.einsum("mh,mrh->mr", x.float(), head.w[idx]))
 
     def use(arm: str) -> None:
+        nonlocal kvs
+        kvs = sessions[KV_DTYPE.get(arm, "fp32")]
         trim, apart, silu, in_cpp, registers = ARMS[arm]
         mod.q4_row_registers(registers)
         m.native_step = activations.get(arm, default_step)
@@ -157,7 +166,8 @@ def main(argv=None) -> int:
             for n, v in by_arm[a].items():
                 v["speedup_vs_before"] = round(by_arm["before"][n]["forward_ms_median"] / v["forward_ms_median"], 3)
     settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors", "refined_head", "q4_row_registers"), ARMS[a]))
-                | {"planes": activations.get(a, default_step).planes, "outliers": activations.get(a, default_step).outliers}
+                | {"planes": activations.get(a, default_step).planes, "outliers": activations.get(a, default_step).outliers,
+                   "kv_dtype": KV_DTYPE.get(a, "fp32")}
                 for a in arms}
     doc = meta | {"strategy": strategy.describe(), "step": m.describe_step(), "arms": settings, "by_arm": by_arm,
                   "what": "one forward of n sessions' decode rows (engine forward_batch, in-process), median of --rounds "

@@ -18,7 +18,7 @@ def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path):
     assert doc["command"].startswith("scripts/research/batch_rows.py ") and doc["commit"]
     assert set(doc["by_arm"]) == {"before", "trim", "apart", "silu", "head"}
     # the daemon's default step: native.PLANES planes, outlier channels only where a matrix takes one plane
-    default = {"planes": native.PLANES, "outliers": native.OUTLIERS if native.PLANES == 1 else 0}
+    default = {"planes": native.PLANES, "outliers": native.OUTLIERS if native.PLANES == 1 else 0, "kv_dtype": "fp32"}
     assert doc["arms"]["before"] == {"trim_columns": 0, "rows_apart": 0, "silu_vectors": 0, "refined_head": 0,
                                      "q4_row_registers": 0} | default
     assert doc["arms"]["head"] == {"trim_columns": 1, "rows_apart": 1, "silu_vectors": 1, "refined_head": 1,
@@ -30,15 +30,16 @@ def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path):
 
 
 def test_batch_rows_times_the_activation_arms_with_their_own_steps(tmp_path):
-    """planes2 / outliers build their own native steps (two planes; one plane with native.OUTLIERS channels) and
-    rowmem turns the one-row tile in registers off; each arm records what it ran."""
+    """planes2 / outliers build their own native steps (two planes; one plane with native.OUTLIERS channels),
+    rowmem turns the one-row tile in registers off, kvfp16 times sessions of fp16 K/V; each arm records what it ran."""
     require_native()
     out = tmp_path / "batch_rows.json"
     r = run_script(SCRIPT, "--model", tiny_model_dir("llama"), "--threads", "1", "--context", "20", "--batches", "1,2",
-                   "--arms", "rowmem,head,planes2,outliers", "--rounds", "2", "--out", out)
+                   "--arms", "rowmem,head,planes2,outliers,kvfp16", "--rounds", "2", "--out", out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert set(doc["by_arm"]) == {"rowmem", "head", "planes2", "outliers"}
+    assert set(doc["by_arm"]) == {"rowmem", "head", "planes2", "outliers", "kvfp16"}
+    assert doc["arms"]["kvfp16"]["kv_dtype"] == "fp16" and doc["arms"]["head"]["kv_dtype"] == "fp32"
     assert doc["arms"]["rowmem"]["q4_row_registers"] == 0 and doc["arms"]["head"]["q4_row_registers"] == 1
     assert (doc["arms"]["planes2"]["planes"], doc["arms"]["planes2"]["outliers"]) == (2, 0)
     assert doc["arms"]["outliers"]["planes"] == 1 and doc["arms"]["outliers"]["outliers"] > 0
