@@ -4,7 +4,7 @@ Arms (same machine, same thread count, greedy unless --temperature samples every
 same way: temperature, top-p, no top-k, no min-p; eos ignored):
   kakeya-<fmt>   `kakeya serve --kv-strategy full --weights <fmt> --persist off --compile off` in its own
                  process, driven only through the Python SDK over gRPC (one arm per entry of --formats;
-                 `int4+kv_int8` adds `--kv-dtype int8`)
+                 `int4+kv_int8` adds `--kv-dtype int8`, `int4+kv_fp16` `--kv-dtype fp16`)
   kakeya-<fmt>-auto  the same with `--compile auto` (the default): on the CPU the native row step
                  (backends/torch/native.py: decode rows and verify blocks through every layer in one C++
                  call); like -compile its daemon starts twice, first with an empty build cache
@@ -43,7 +43,7 @@ from bench_common import run_metadata, write_json  # noqa: E402
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--formats", default="fp32,int8,int4,int4+kv_int8", help="weight formats; +kv_int8 = with --kv-dtype int8")
+    ap.add_argument("--formats", default="fp32,int8,int4,int4+kv_int8", help="weight formats; +kv_int8 / +kv_fp16 = with --kv-dtype int8 / fp16")
     ap.add_argument("--contexts", default="128,1024,4096")
     ap.add_argument("--decode", type=int, default=32, help="tokens generated per decode measurement")
     ap.add_argument("--prefill", type=int, default=2048)
