@@ -43,7 +43,8 @@ from bench_common import run_metadata, write_json  # noqa: E402
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--formats", default="fp32,int8,int4,int4+kv_int8", help="weight formats; +kv_int8 / +kv_fp16 = with --kv-dtype int8 / fp16")
+    ap.add_argument("--formats", default="fp32,int8,int4,int4+kv_int8",
+                    help="weight formats; +kv_int8 / +kv_fp16 = with --kv-dtype int8 / fp16")
     ap.add_argument("--contexts", default="128,1024,4096")
     ap.add_argument("--decode", type=int, default=32, help="tokens generated per decode measurement")
     ap.add_argument("--prefill", type=int, default=2048)
