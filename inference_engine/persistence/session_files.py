@@ -25,6 +25,7 @@ rebuilt store; only the small tail is cloned (it outlives the load).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -298,7 +299,7 @@ class SessionFiles:
             saved_strategy = strategy_from_dict(body["strategy"])
         except (TypeError, ValueError, KeyError) as e:
             self._unusable(session_id, f"its manifest names no valid kv strategy ({e})")
-        if saved_strategy != self.engine.strategy:
+        if not same_strategy(saved_strategy, self.engine.strategy):
             # The files are fine; this daemon was started with other settings. Kept in place.
             raise SessionStateUnusable(
                 f"session {session_id!r} was saved under kv strategy {_strategy_text(saved_strategy)}; this daemon "
@@ -364,7 +365,9 @@ class SessionFiles:
                 else:
                     dst.index_fill_(axes[n], torch.from_numpy(empty), 0)
         tensors = tail | {SLOT_MAP: torch.from_numpy(pos)} | {f"store.{n}": x for n, x in payload.items()}
-        kv = SessionKV.from_state(CacheState(tensors, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
+        # saved under the other of fp32 / fp16 resident K/V (same_strategy): the cache is this daemon's kind
+        meta = dict(body["cache_meta"], strategy=dict(body["cache_meta"]["strategy"], kv_dtype=e.strategy.kv_dtype))
+        kv = SessionKV.from_state(CacheState(tensors, meta), e.model.geometry(), max_step=e.prefill_chunk,
                                   max_context=e.max_context, resources=e.strategy_resources, hidden_keep=hidden_keep)
         if kv.next_position > len(history):
             raise StateFileError(f"the cache holds {kv.next_position} positions but the history only {len(history)} tokens")
@@ -395,14 +398,15 @@ class SessionFiles:
             runs = np.split(np.arange(slot_ids.size), cuts) if cuts.size <= RUNS_MAX else None
             for n, dst in payload.items():
                 src = seg[ROW_PREFIX + n]
-                if src.dtype != dst.dtype:
+                if src.dtype != dst.dtype and {src.dtype, dst.dtype} != {torch.float32, torch.float16}:
+                    # fp32 and fp16 resident K/V load into each other (same_strategy), converted as they are copied
                     raise StateFileError(f"rows segment {g['file']} holds {n} as {src.dtype}, this cache stores {dst.dtype}")
                 if runs is not None:
                     for r in runs:
                         dst.narrow(axes[n], int(slot_ids[r[0]]), r.size).copy_(src.narrow(axes[n], int(src_ids[r[0]]), r.size))
                 else:
                     rows = src if src_ids.size == positions.size else src.index_select(axes[n], torch.from_numpy(src_ids))
-                    dst.index_copy_(axes[n], torch.from_numpy(slot_ids), rows)
+                    dst.index_copy_(axes[n], torch.from_numpy(slot_ids), rows.to(dst.dtype))
             filled[slot_ids] = True
         return res_slots, filled
 
@@ -451,6 +455,15 @@ class SessionFiles:
         dest = self.set_aside(session_id, problem)
         where = f"its files were moved to {dest} (not deleted)" if dest else "it has no files"
         raise SessionStateUnusable(f"session {session_id!r} cannot be resumed: {problem}; {where}; create a new session")
+
+
+def same_strategy(saved: KVStrategy, serving: KVStrategy) -> bool:
+    """Whether a session saved under `saved` loads into a daemon serving `serving`: the same strategy, except that fp32
+    and fp16 resident K/V load into each other (rows converted as they load: exactly from fp16, rounded to fp16 the
+    other way, so a session moved between the two continues, though not bit for bit as it would have)."""
+    if {saved.kv_dtype, serving.kv_dtype} <= {"fp32", "fp16"}:
+        return dataclasses.replace(saved, kv_dtype=serving.kv_dtype) == serving
+    return saved == serving
 
 
 def _strategy_text(s: KVStrategy) -> str:

@@ -25,7 +25,9 @@ class ServeConfig:
     sink: int = 4
     window: int = 1020
     kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
-    kv_dtype: str = "fp32"  # fp32 | fp16 | int8: resident K/V rows of full / sink_window
+    # auto | fp32 | fp16 | int8: resident K/V rows of full / sink_window; auto = fp16 where the native CPU step reads
+    # fp16 slabs with its AVX2 attention (measured faster there at every context, the same agreement), else fp32
+    kv_dtype: str = "auto"
     batching: str = "auto"  # auto | on | off: concurrent sessions' steps share forwards (auto = where exact: int8/int4)
     kv_q_range: int = 38  # lattice q_range of the kakeya compressors
     page_size: int = 64  # paged: tokens per page of evicted K/V
@@ -88,7 +90,7 @@ class ServeConfig:
             if value not in allowed:
                 raise ConfigError(f"{flag} must be {' or '.join(map(repr, allowed))}, got {value!r}")
         check_backend_flags(self, self.backend)
-        if self.kv_dtype != "fp32" and self.device != "cpu":
+        if self.kv_dtype not in ("fp32", "auto") and self.device != "cpu":
             raise ConfigError(f"--kv-dtype {self.kv_dtype} is a CPU K/V store; on --device {self.device} leave --kv-dtype "
                               "at fp32 (the model's dtype)")
         for flag, n in (("--max-append-tokens", self.max_append_tokens), ("--max-pending-tokens", self.max_pending_tokens)):
@@ -114,9 +116,11 @@ class ServeConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from e
 
-    def strategy(self):
+    def strategy(self, kv_dtype: str | None = None):
         """The KV strategy these options name (its parameters checked: ValueError naming the one at fault), and
-        its plugin's options (kv/plugins.py: defaults overridden by `research`), which its resources are built from."""
+        its plugin's options (kv/plugins.py: defaults overridden by `research`), which its resources are built from.
+        kv_dtype: what --kv-dtype auto resolved to for the loaded model (app.resolve_kv_dtype); without it auto
+        stands for fp32 (every strategy takes that)."""
         import dataclasses
 
         from inference_engine.kv import registry
@@ -125,7 +129,8 @@ class ServeConfig:
         fields = {f.name for f in dataclasses.fields(registry.plugin(self.kv_strategy).params)}
         # a research option named after a field of the strategy's parameters sets it; the others go to its resources
         strategy = registry.make_strategy(self.kv_strategy, self.sink, self.window, compressor=self.kv_compressor,
-                                          kv_dtype=self.kv_dtype, q_range=self.kv_q_range, page_size=self.page_size,
+                                          kv_dtype=kv_dtype or (self.kv_dtype if self.kv_dtype != "auto" else "fp32"),
+                                          q_range=self.kv_q_range, page_size=self.page_size,
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,
                                           shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
                                           page_ram_mb=self.page_ram_mb, far_from=self.page_far_from,
@@ -163,7 +168,7 @@ def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
         raise ConfigError(f"--kv-compressor {cfg.kv_compressor} runs on --backend torch only; with --backend mlx use identity")
     if cfg.kv_strategy == "paged" and cfg.page_compressor != "identity":
         raise ConfigError(f"--page-compressor {cfg.page_compressor} runs on --backend torch only; with --backend mlx use identity")
-    if cfg.kv_dtype != "fp32":
+    if cfg.kv_dtype not in ("fp32", "auto"):
         raise ConfigError(f"--kv-dtype {cfg.kv_dtype} runs on --backend torch only; with --backend mlx use fp32")
     if cfg.kv_strategy == "paged" and cfg.page_far_from:
         raise ConfigError(f"--page-far-from {cfg.page_far_from} runs on --backend torch only (InfLLM's layout moves recalled "

@@ -363,6 +363,40 @@ def test_other_strategy_is_refused_and_the_files_kept(tmp_path):
     assert runtime(tmp_path, KVStrategy("full")).history(sid)
 
 
+@pytest.mark.parametrize("name", ["full", "sink_window"])
+def test_a_session_moves_between_fp32_and_fp16_resident_kv(name, tmp_path):
+    """--kv-dtype auto picks fp16 on some daemons and fp32 on others: a session saved under one loads under the other
+    (its rows converted as they load), continues there, and comes back; int8 stays refused (its store is another
+    format)."""
+    fp32 = STRATEGIES[name]
+    fp16 = dataclasses.replace(fp32, kv_dtype="fp16")
+    first = runtime(tmp_path, fp32)
+    s = first.create_session(ids(40))
+    turn(first, s.id, 5)
+    first.append(s.id, ids(20, seed=1))
+    turn(first, s.id, 3)  # fp32 rows segments from both turns
+    moved_root = tmp_path.parent / f"{tmp_path.name}-moved"
+    shutil.copytree(tmp_path, moved_root, symlinks=True)
+    moved = runtime(moved_root, fp16)
+    kv = moved.store.get(s.id).kv
+    assert kv.cache.store.k[0].dtype == torch.float16 and moved.history(s.id) == first.history(s.id)
+    moved.append(s.id, ids(9, seed=2))
+    assert len(turn(moved, s.id, 4)) == 4  # saved as fp16 rows on top of the fp32 ones
+    back = restarted(moved_root, fp32)
+    assert back.history(s.id) == moved.history(s.id)
+    got, had = back.store.get(s.id).kv.cache.store, moved.store.get(s.id).kv.cache.store
+    assert got.k[0].dtype == torch.float32 and np.array_equal(got.pos, had.pos)
+    # the rows saved as fp16 load exactly; the older ones, still in their fp32 segments, load as saved (the fp16 daemon
+    # held them rounded): so every row within fp16 rounding of the moved session's
+    held = torch.from_numpy(np.flatnonzero(had.pos >= 0))  # the occupied slots (an evicted one keeps stale rows)
+    for a, b in zip(got.k + got.v, had.k + had.v):
+        a, b = a.index_select(1, held), b.index_select(1, held).float()
+        assert torch.allclose(a, b, rtol=2 ** -10, atol=2 ** -24), float((a - b).abs().max())
+    assert len(turn(back, s.id, 5)) == 5
+    with pytest.raises(SessionStateUnusable, match="saved under kv strategy"):
+        restarted(moved_root, dataclasses.replace(fp32, kv_dtype="int8")).history(s.id)
+
+
 def test_a_save_that_dies_before_its_manifest_leaves_the_previous_turn(tmp_path, monkeypatch):
     st = KVStrategy("full")
     rt = runtime(tmp_path, st)
