@@ -4,7 +4,8 @@ Arms (same machine, same thread count, greedy unless --temperature samples every
 same way: temperature, top-p, no top-k, no min-p; eos ignored):
   kakeya-<fmt>   `kakeya serve --kv-strategy full --weights <fmt> --persist off --compile off` in its own
                  process, driven only through the Python SDK over gRPC (one arm per entry of --formats;
-                 `int4+kv_int8` adds `--kv-dtype int8`, `int4+kv_fp16` `--kv-dtype fp16`)
+                 `int4+kv_int8` adds `--kv-dtype int8`, `int4+kv_fp16` `--kv-dtype fp16`, `int4+kv_fp32`
+                 `--kv-dtype fp32`; without one the daemon's default, `--kv-dtype auto`)
   kakeya-<fmt>-auto  the same with `--compile auto` (the default): on the CPU the native row step
                  (backends/torch/native.py: decode rows and verify blocks through every layer in one C++
                  call); like -compile its daemon starts twice, first with an empty build cache
@@ -72,7 +73,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 # -- this daemon ------------------------------------------------------------------------------
 class Daemon:
-    def __init__(self, model: str, weights: str, threads: int, kv_dtype: str = "fp32", compile: str = "off",
+    def __init__(self, model: str, weights: str, threads: int, kv_dtype: str = "auto", compile: str = "off",
                  compile_cache: str | None = None):
         cmd = [str(ROOT / ".venv" / "bin" / "kakeya"), "serve", "--bind", "127.0.0.1:0", "--model", model,
                "--kv-strategy", "full", "--weights", weights, "--kv-dtype", kv_dtype, "--threads", str(threads),
@@ -204,10 +205,10 @@ def main(argv=None) -> int:
                 import tempfile
 
                 cache = tempfile.mkdtemp(prefix=f"kakeya-bench-{mode}-")
-                cold = Daemon(args.model, weights, args.threads, kv_dtype or "fp32", mode, cache)
+                cold = Daemon(args.model, weights, args.threads, kv_dtype or "auto", mode, cache)
                 start["ready_cold_s"] = round(cold.ready_s, 2)
                 cold.close()
-            d = Daemon(args.model, weights, args.threads, kv_dtype or "fp32", mode, cache)
+            d = Daemon(args.model, weights, args.threads, kv_dtype or "auto", mode, cache)
             start["ready_s" if mode == "off" else "ready_warm_s"] = round(d.ready_s, 2)
             try:
                 arms[name] = {"compile": mode, **start, **kakeya_arm(d, args)}

@@ -90,6 +90,9 @@ ARMS = {
     # the int8 resident K/V store (--kv-dtype int8); its gate: the same hits as fp32 K/V at every rung
     "full+kv_int8": dict(kv_strategy="full", kv_dtype="int8"),
     "sink_window_4+1020+kv_int8": dict(kv_strategy="sink_window", sink=4, window=1020, kv_dtype="int8"),
+    # fp16 resident K/V (--kv-dtype fp16, what --kv-dtype auto picks on AVX2 CPUs)
+    "full+kv_fp16": dict(kv_strategy="full", kv_dtype="fp16"),
+    "sink_window_4+1020+kv_fp16": dict(kv_strategy="sink_window", sink=4, window=1020, kv_dtype="fp16"),
     # paged (issue 15): window 508 keeps resident + selection under sink_window 4+1020's bytes up to 7.5k (docs/paged.md)
     "paged_4+508_p64_m8": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8),
     "paged_4+508_p64_m8_s32": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=32,
@@ -308,7 +311,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     base = ServeConfig(bind="127.0.0.1:0", model=args.model, threads=args.threads, capacity=2, prefill_chunk=args.prefill_chunk,
                        persist="off",  # research sessions: nothing to keep, and the user's state directory stays free
-                       device=args.device)
+                       device=args.device,
+                       kv_dtype="fp32")  # an arm's K/V as recorded before --kv-dtype auto; +kv_* arms set their own
     arm_seconds = {a: float(s) for a, s in (x.split("=") for x in args.arm_seconds.split(",") if x)}
     skip = set(x for x in args.skip.split(",") if x)
     model = load_model(base)

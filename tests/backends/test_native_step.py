@@ -45,7 +45,8 @@ def _prompt(n, seed=0):
     return torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-# fp32 slabs, and fp16 ones (--kv-dtype fp16: the step converts a chunk of them to floats for its attention)
+# fp32 slabs, and fp16 ones (--kv-dtype fp16: the AVX2 attention converts each key and value in its registers, the
+# 16-lane code a chunk of them to floats first)
 STRATEGIES = [KVStrategy("full"), KVStrategy("sink_window", 4, 12), KVStrategy("full", kv_dtype="fp16"),
               KVStrategy("sink_window", 4, 12, kv_dtype="fp16")]
 
