@@ -59,6 +59,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "batch_rows.json"))
     args = p.parse_args(argv)
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:  # before anything loads
+        raise SystemExit(f"batch_rows: unknown arms {unknown}; choose from {sorted(ARMS)}")
 
     import torch
 
@@ -87,10 +91,6 @@ def main(argv=None) -> int:
         m.use_native_step(planes=1, outliers=native.OUTLIERS)
         activations["outliers"] = m.native_step
     m.native_step = default_step
-    arms = args.arms.split(",")
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise SystemExit(f"batch_rows: unknown arms {unknown}; choose from {sorted(ARMS)}")
     batches = [int(b) for b in args.batches.split(",")]
     cfg = ServeConfig()
     strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)

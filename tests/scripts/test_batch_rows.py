@@ -1,18 +1,44 @@
-"""scripts/research/batch_rows.py on a tiny random-weight int4 model: every arm and batch size timed in the same
-rounds, each cell's figures and the ratios written with the provenance. Nothing here reads a timing's value."""
+"""scripts/research/batch_rows.py on a tiny random-weight int4 model, run in this process (no second interpreter to
+start): every arm and batch size timed in the same rounds, each cell's figures and the ratios written with the
+provenance. Nothing here reads a timing's value."""
 import json
+import sys
+from importlib import util
 
-from factories import require_native, run_script, tiny_model_dir
+import torch
+
+from factories import ROOT, require_native, tiny_model_dir
 from inference_engine.backends.torch import native
 
 SCRIPT = "scripts/research/batch_rows.py"
 
 
-def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path):
+class _Run:
+    def __init__(self, returncode, stderr=""):
+        self.returncode, self.stdout, self.stderr = returncode, "", stderr
+
+
+def run_script(script, *args, monkeypatch):
+    """The script's main() with these arguments in this process; its exit as a returncode and message."""
+    spec = util.spec_from_file_location("batch_rows", ROOT / script)
+    mod = util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = [str(a) for a in args]
+    monkeypatch.setattr(sys, "argv", [script, *argv])  # the command the JSON records
+    threads = torch.get_num_threads()
+    try:
+        return _Run(mod.main(argv))
+    except SystemExit as e:
+        return _Run(1 if not isinstance(e.code, int) else e.code, str(e.code))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path, monkeypatch):
     require_native()
     out = tmp_path / "batch_rows.json"
     r = run_script(SCRIPT, "--model", tiny_model_dir("llama"), "--threads", "1", "--context", "20", "--batches", "1,3",
-                   "--rounds", "2", "--out", out)
+                   "--rounds", "2", "--out", out, monkeypatch=monkeypatch)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/batch_rows.py ") and doc["commit"]
@@ -29,13 +55,14 @@ def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path):
     assert doc["by_arm"]["before"]["3"]["speedup_vs_before"] == 1.0
 
 
-def test_batch_rows_times_the_activation_arms_with_their_own_steps(tmp_path):
+def test_batch_rows_times_the_activation_arms_with_their_own_steps(tmp_path, monkeypatch):
     """planes2 / outliers build their own native steps (two planes; one plane with native.OUTLIERS channels),
     rowmem turns the one-row tile in registers off, kvfp16 times sessions of fp16 K/V; each arm records what it ran."""
     require_native()
     out = tmp_path / "batch_rows.json"
     r = run_script(SCRIPT, "--model", tiny_model_dir("llama"), "--threads", "1", "--context", "20", "--batches", "1,2",
-                   "--arms", "rowmem,head,planes2,outliers,kvfp16", "--rounds", "2", "--out", out)
+                   "--arms", "rowmem,head,planes2,outliers,kvfp16", "--rounds", "2", "--out", out,
+                   monkeypatch=monkeypatch)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert set(doc["by_arm"]) == {"rowmem", "head", "planes2", "outliers", "kvfp16"}
@@ -45,8 +72,8 @@ def test_batch_rows_times_the_activation_arms_with_their_own_steps(tmp_path):
     assert doc["arms"]["outliers"]["planes"] == 1 and doc["arms"]["outliers"]["outliers"] > 0
 
 
-def test_batch_rows_refuses_an_unknown_arm(tmp_path):
+def test_batch_rows_refuses_an_unknown_arm(tmp_path, monkeypatch):
     require_native()
     r = run_script(SCRIPT, "--model", tiny_model_dir("llama"), "--arms", "trim,fast", "--batches", "1", "--rounds", "1",
-                   "--out", tmp_path / "x.json")
+                   "--out", tmp_path / "x.json", monkeypatch=monkeypatch)
     assert r.returncode != 0 and "unknown arms ['fast']" in r.stderr

@@ -148,8 +148,8 @@ constexpr int64_t kChunk = 256;
 constexpr int64_t kRowBlock = 64;
 
 // fp16 K/V slabs (`--kv-dtype fp16`: half the bytes a step reads): n halves -> floats, exactly (every fp16 value is
-// a float), so a chunk's attention runs the float kernels above on the same values whoever converts it; and floats ->
-// halves when a row's k and v are written (round to nearest even, as torch's .half()).
+// a float), so the attention below computes on the same float values whichever code converts them (attend_chunk_pick);
+// and floats -> halves when a row's k and v are written (round to nearest even, as torch's .half()).
 inline void halves_to_floats(const c10::Half* __restrict src, int64_t n, float* __restrict dst) {
   int64_t i = 0;
 #if defined(__F16C__) && defined(__AVX__)
@@ -787,6 +787,7 @@ class RowStep {
     }
     const bool half = slab_type == at::kHalf;
     TORCH_CHECK(!half || paged_sessions.empty(), "row step: paged sessions keep fp32 slabs");
+    TORCH_CHECK(!half || D <= 256, "row step: fp16 slabs need head_dim <= 256");
     const auto opts = x.options();
     float* xp = x.data_ptr<float>();
     std::vector<float> inv(R), q(R * H * D), att(R * H * D), parts;
