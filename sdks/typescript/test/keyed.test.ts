@@ -44,7 +44,10 @@ describe("API key", () => {
   it("the right key works", async () => {
     const info = await client.serverInfo();
     expect(info.kvStrategy).toBe("full");
-    expect(info.kvParams).toEqual({ compressor: "identity" });
+    // --kv-dtype auto (the daemon's default): fp16 where the native CPU step's AVX2 attention runs, else fp32 (not listed)
+    const { kv_dtype: kvDtype, ...params } = info.kvParams;
+    expect(params).toEqual({ compressor: "identity" });
+    expect([undefined, "fp16"]).toContain(kvDtype);
     expect([info.sink, info.window]).toEqual([0, 0]);
     expect(info.persistence).toEqual({ mode: "off", stateDir: "", shared: false, daemonId: "", leaseTtlSeconds: 0 }); // this daemon runs --persist off
     const session = await client.createSession({ initialTokens: [1, 2, 3] });
