@@ -173,3 +173,20 @@ def load_script(relpath: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def main_in_process(relpath: str, args, monkeypatch):
+    """A script's main(argv) run in this process (no second interpreter to start): sys.argv set to the command its
+    JSON records, torch's thread count put back after (scripts set their own)."""
+    import sys
+
+    import torch
+
+    mod = load_script(relpath)
+    argv = [str(a) for a in args]
+    monkeypatch.setattr(sys, "argv", [relpath, *argv])
+    threads = torch.get_num_threads()
+    try:
+        return mod.main(argv)
+    finally:
+        torch.set_num_threads(threads)

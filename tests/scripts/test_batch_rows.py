@@ -2,12 +2,8 @@
 start): every arm and batch size timed in the same rounds, each cell's figures and the ratios written with the
 provenance. Nothing here reads a timing's value."""
 import json
-import sys
-from importlib import util
 
-import torch
-
-from factories import ROOT, require_native, tiny_model_dir
+from factories import main_in_process, require_native, tiny_model_dir
 from inference_engine.backends.torch import native
 
 SCRIPT = "scripts/research/batch_rows.py"
@@ -20,18 +16,10 @@ class _Run:
 
 def run_script(script, *args, monkeypatch):
     """The script's main() with these arguments in this process; its exit as a returncode and message."""
-    spec = util.spec_from_file_location("batch_rows", ROOT / script)
-    mod = util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    argv = [str(a) for a in args]
-    monkeypatch.setattr(sys, "argv", [script, *argv])  # the command the JSON records
-    threads = torch.get_num_threads()
     try:
-        return _Run(mod.main(argv))
+        return _Run(main_in_process(script, args, monkeypatch))
     except SystemExit as e:
         return _Run(1 if not isinstance(e.code, int) else e.code, str(e.code))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path, monkeypatch):

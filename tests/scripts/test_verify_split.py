@@ -2,29 +2,17 @@
 start): every cell at every row count timed in the same rounds, the per-extra-row figures and ratios derived from
 the medians, written with the provenance. Nothing here reads a timing's value."""
 import json
-import sys
-from importlib import util
 
 import pytest
-import torch
 
-from factories import ROOT, require_native, tiny_model_dir
+from factories import main_in_process, require_native, tiny_model_dir
 from inference_engine.backends.torch import native
 
 SCRIPT = "scripts/research/verify_split.py"
 
 
 def _main(monkeypatch, *args):
-    spec = util.spec_from_file_location("verify_split", ROOT / SCRIPT)
-    mod = util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    argv = [str(a) for a in args]
-    monkeypatch.setattr(sys, "argv", [SCRIPT, *argv])  # the command the JSON records
-    threads = torch.get_num_threads()
-    try:
-        return mod.main(argv)
-    finally:
-        torch.set_num_threads(threads)
+    return main_in_process(SCRIPT, args, monkeypatch)
 
 
 def test_verify_split_times_every_cell_at_every_row_count(tmp_path, monkeypatch):
