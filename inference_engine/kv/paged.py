@@ -75,7 +75,9 @@ class PagedCache(SinkWindowCache):
         self.groups = None  # query heads per KV head, known at the first recall
         dims: dict[str, Any] = dict(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                                     page=self.page_size, device=g.device)
-        page_codec = make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=g.dtype, q_range=strategy.q_range,
+        # the page store keeps the rows as the resident store held them: fp16 ones (kv_dtype fp16) exactly in fp16
+        page_dtype = torch.float16 if strategy.kv_dtype == "fp16" else g.dtype
+        page_codec = make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=page_dtype, q_range=strategy.q_range,
                                     device=g.device)
         # int4 / int8 names make a RowQuant, whose group_max_scores scores the candidates
         key_codec = cast(RowQuant, make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype))
@@ -367,8 +369,8 @@ class PagedCache(SinkWindowCache):
         for a one-row step there (compact keys at true positions, or far_keys past the trained context; the bounds'
         shortlist past `shortlist_from` of the row's own pages), the chosen pages read from either tier, and the
         attention `_attend_rows` gives it, in one call per layer. Taken for every step of a session it can take (the
-        page store exact fp32, a global layer) or for none, so verify blocks and prefill chunks give the one-token
-        steps' bits (a prompt's K/V is what decoding it writes). None: not a session for it (the Python path)."""
+        page store exact fp32 or fp16 rows, a global layer) or for none, so verify blocks and prefill chunks give the
+        one-token steps' bits (a prompt's K/V is what decoding it writes). None: not a session for it (the Python path)."""
         view = self._native_plan(plan, layout)
         if view is None or self._native_rows is None:
             return None
@@ -378,19 +380,20 @@ class PagedCache(SinkWindowCache):
             codes, sc = self._fresh_codes(layer, k_all, cols, self.keys)
             far_codes, far_sc = (self._fresh_codes(layer, k_all, cols, self.far_keys) if view["far_rows"]
                                  else (codes[:, :0], sc[:, :0]))
-            fresh = [codes, sc, far_codes, far_sc, torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)])]
+            kv = torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)])
+            fresh = [codes, sc, far_codes, far_sc, kv.to(self.pages.codec.dtype)]  # as the page store will hold them
         return self._native_rows(layer, q, view, fresh, self.store, layout)
 
     def _native_plan(self, plan: Plan, layout: AttentionLayout) -> dict | None:
         """The step's tables, their bookkeeping and its rows' candidates as a backend's fused recall reads them (made
-        once a step, after far choice started if it does), or None when this session's pages are not exact fp32 rows
-        or its compact keys not a RowQuant. Views, not copies: valid until the step commits."""
+        once a step, after far choice started if it does), or None when this session's pages are not exact fp32 / fp16
+        rows or its compact keys not a RowQuant. Views, not copies: valid until the step commits."""
         if "native" not in plan:
             plan["native"] = self._native_view(layout)
         return plan["native"]
 
     def _native_view(self, layout: AttentionLayout) -> dict | None:
-        if (not isinstance(self.pages.codec, IdentityRows) or self.pages.codec.dtype != torch.float32
+        if (not isinstance(self.pages.codec, IdentityRows) or self.pages.codec.dtype not in (torch.float32, torch.float16)
                 or not isinstance(self.keys.codec, RowQuant) or self.page_size > 256 or self.sink > 256
                 or torch.device(self.geometry.device).type != "cpu"):
             return None

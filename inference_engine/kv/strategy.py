@@ -27,8 +27,8 @@ class KVStrategy:
     window: int = 1020
     compressor: str = "identity"
     q_range: int = 38
-    # resident rows: fp32 (the model's dtype), fp16 (half the bytes; attention computes in fp32 on the stored values) or
-    # int8 (+ a scale per position, read without decoding)
+    # resident rows: fp32 (the model's dtype), fp16 (half the bytes; attention computes in fp32 on the stored values;
+    # paged: its page store holds the same fp16 rows) or int8 (+ a scale per position, read without decoding)
     kv_dtype: str = "fp32"
     page_size: int = 64
     recall_pages: int = 8
@@ -57,9 +57,12 @@ class KVStrategy:
             raise ValueError(f"unknown kv compressor {self.compressor!r}; choose one of {', '.join(COMPRESSOR_NAMES)}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown kv dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
-        if self.kv_dtype != "fp32" and (self.name not in ("full", "sink_window") or self.compressor != "identity"):
-            raise ValueError(f"kv dtype {self.kv_dtype} is a resident store for the full and sink_window strategies without "
-                             f"a compressor; got strategy {self.name!r} with compressor {self.compressor!r}")
+        if self.kv_dtype != "fp32" and (self.name not in ("full", "sink_window", "paged") or self.compressor != "identity"):
+            raise ValueError(f"kv dtype {self.kv_dtype} is a resident store for the full, sink_window and paged strategies "
+                             f"without a compressor; got strategy {self.name!r} with compressor {self.compressor!r}")
+        if self.name == "paged" and self.kv_dtype != "fp32" and (self.kv_dtype != "fp16" or self.page_compressor != "identity"):
+            raise ValueError(f"kv dtype {self.kv_dtype} on paged: paged takes fp16 with page compressor identity only (its "
+                             f"pages then hold the fp16 rows exactly); got page compressor {self.page_compressor!r}")
         if not isinstance(self.q_range, int) or not 1 <= self.q_range <= MAX_Q_RANGE:
             raise ValueError(f"kv q_range must be an int in [1, {MAX_Q_RANGE}], got {self.q_range!r} (38 is the default)")
         if not isinstance(self.page_size, int) or self.page_size < 1:

@@ -27,7 +27,8 @@ runs), `native-python-recall` (the segments, page choice and attention in kv/pag
 csrc/paged_rows.h), `native-keys1` (the default step with the compact keys' dots summed one or two keys at a time,
 as before key_dots8: the same bits). --full-reference N also times
 `full` at N tokens of the same random history through the native whole-step call (issue 29: paged at 32k >= 0.9x
-full at 1k).
+full at 1k). --kv-dtypes fp32,fp16 times every cell (and `full`) with each resident K/V dtype (`--kv-dtype`: fp16
+keeps the slab and the page store in fp16), interleaved as well; keys then end in `+kv_fp16` / `+kv_fp32`.
 
     .venv/bin/python scripts/research/paged_scaling.py --lengths 1024,8192,32768,102400 --shortlists 32,64
     .venv/bin/python scripts/research/paged_scaling.py --model smollm2-135m-instruct --weights int4 \
@@ -65,6 +66,7 @@ def main() -> int:
     ap.add_argument("--step-arms", default="native",
                     help="comma list of pieces, native, native-segments, native-python-recall, native-keys1 (with --model)")
     ap.add_argument("--full-reference", type=int, default=0, help="also time full at this many tokens (with --model)")
+    ap.add_argument("--kv-dtypes", default="fp32", help="comma list of fp32, fp16: the resident K/V (and page store) dtype")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
 
@@ -78,6 +80,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     shortlists = [int(s) for s in args.shortlists.split(",")]
     lengths = sorted(int(n) for n in args.lengths.split(","))
+    kv_dtypes = args.kv_dtypes.split(",")
+    if not kv_dtypes or any(dt not in ("fp32", "fp16") for dt in kv_dtypes):
+        raise SystemExit(f"--kv-dtypes takes fp32 and/or fp16, got {args.kv_dtypes!r}")
+    tag = {dt: (f"+kv_{dt}" if len(kv_dtypes) > 1 else "") for dt in kv_dtypes}  # step keys' suffix
     model = None
     if args.model:
         from inference_engine.backends.torch.model import TorchCausalLM
@@ -104,14 +110,20 @@ def main() -> int:
         geometry = CacheGeometry(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                                  layer_windows=(None,) * args.layers, dtype=torch.float32, device="cpu")
         context = lengths[-1] + args.chunk  # past the longest history: every choice below it, at true positions
-    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0], shortlist_from=0)
+    strategies = {dt: KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0],
+                                 shortlist_from=0, kv_dtype=dt) for dt in kv_dtypes}
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
     caches: dict = {}
     t_fill = time.perf_counter()
-    for n in lengths:  # a cache per length (filled in turn), so the decode steps below can interleave the lengths
-        cache = caches[n] = make_cache(strategy, geometry, max_step=args.chunk, max_context=context)
-        fill_with_random_kv(cache, n, args.chunk, gen)
+    for n in lengths:  # a cache per length and dtype (filled in turn), so the decode steps below can interleave them
+        for dt in kv_dtypes[1:] if model is not None else ():
+            caches[n, dt] = make_cache(strategies[dt], geometry, max_step=args.chunk, max_context=context)
+            fill_with_random_kv(caches[n, dt], n, args.chunk, torch.Generator().manual_seed(n))
+        # the first dtype's cache also times the page choice alone (its cost does not depend on the K/V's dtype)
+        cache = caches[n, kv_dtypes[0]] = make_cache(strategies[kv_dtypes[0]], geometry, max_step=args.chunk,
+                                                     max_context=context)
+        fill_with_random_kv(cache, n, args.chunk, torch.Generator().manual_seed(n))
         q = torch.randn(args.heads, 1, args.head_dim, generator=gen)
         # "<S>-<path>": the shortlist's choice with few-query scoring forced to each other path ("int": torch._int_mm,
         # "float", "native": the native step's kernel), against the path paged_store.scoring_path() measured fastest
@@ -142,6 +154,8 @@ def main() -> int:
             "tiers_with_shortlist": {"hot": cache.resident_nbytes + cache.bounds.nbytes,
                                      "stored": cache.pages.nbytes + cache.keys.nbytes},
             "tiers_exact": {"hot": cache.resident_nbytes + cache.keys.nbytes, "stored": cache.pages.nbytes},
+            "bytes_by_kv_dtype": {dt: {"resident": caches[n, dt].resident_nbytes, "page_store": caches[n, dt].pages.nbytes}
+                                  for dt in kv_dtypes if (n, dt) in caches},
             "choice_s_per_decode_step": {k: statistics.median(v) for k, v in times.items()},
         }
         print(n, out[str(n)], flush=True)
@@ -150,12 +164,14 @@ def main() -> int:
         # --full-reference tokens, so a drift in the box's speed lands on every cell alike (the ratios below are
         # taken side by side)
         variants = ["exact"] + [str(s) for s in shortlists]
-        steps = {n: {f"{name}/{a}": [] for name in variants for a in arms} for n in lengths}
-        full = ref = None
+        steps = {n: {f"{name}/{a}{tag[dt]}": [] for name in variants for a in arms for dt in kv_dtypes} for n in lengths}
+        full: dict = {}
+        ref = None
         if args.full_reference:
-            full = make_cache(KVStrategy("full"), geometry, max_step=args.chunk, max_context=context)
-            fill_with_random_kv(full, args.full_reference, args.chunk, gen)
-            ref = {a: [] for a in arms}
+            for dt in kv_dtypes:
+                full[dt] = make_cache(KVStrategy("full", kv_dtype=dt), geometry, max_step=args.chunk, max_context=context)
+                fill_with_random_kv(full[dt], args.full_reference, args.chunk, torch.Generator().manual_seed(1))
+            ref = {f"{a}{tag[dt]}": [] for a in arms for dt in kv_dtypes}
         token = model.tensor([17])
 
         def timed(cache) -> float:
@@ -169,13 +185,16 @@ def main() -> int:
             for n in lengths:
                 for key in steps[n]:
                     name, a = key.split("/")
+                    a, _, dt = a.partition("+kv_")
                     arm(a)
-                    caches[n].shortlist = caches[n].shortlist_from = 0 if name == "exact" else int(name)
-                    steps[n][key].append(timed(caches[n]))
-            if full is not None:
-                for a in arms:
+                    c = caches[n, dt or kv_dtypes[0]]
+                    c.shortlist = c.shortlist_from = 0 if name == "exact" else int(name)
+                    steps[n][key].append(timed(c))
+            if ref is not None:
+                for key in ref:
+                    a, _, dt = key.partition("+kv_")
                     arm(a)
-                    ref[a].append(timed(full))
+                    ref[key].append(timed(full[dt or kv_dtypes[0]]))
         for n in lengths:
             out[str(n)]["decode_step_s"] = {k: statistics.median(v) for k, v in steps[n].items()}
             out[str(n)]["decode_step_s_mean"] = {k: statistics.mean(v) for k, v in steps[n].items()}

@@ -3,6 +3,8 @@ C++ call compute what the Python pieces compute (to float rounding), keep the en
 themselves (a verify block's rows = one-token steps; a session batched = the session alone), and decline what
 they do not cover, which then runs in Python."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -768,10 +770,13 @@ def test_a_paged_session_runs_its_dense_work_in_native_segments(weights):
 # applies, of the compact keys spilled to disk): every branch of the native recall (csrc/paged_rows.h)
 SHORTLISTED = KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, shortlist_pages=3, shortlist_from=4,
                          page_ram_mb=1e-6)
+# the same with fp16 K/V (--kv-dtype fp16): the slab and the page store hold fp16 rows, read by the native recall as the
+# AVX2 attention reads fp16 slabs
+SHORTLISTED_FP16 = dataclasses.replace(SHORTLISTED, kv_dtype="fp16")
 
 
-@pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=8, recall_pages=2), SHORTLISTED],
-                         ids=["exact", "shortlisted-spilled"])
+@pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=8, recall_pages=2), SHORTLISTED,
+                                      SHORTLISTED_FP16], ids=["exact", "shortlisted-spilled", "shortlisted-spilled-fp16"])
 def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_the_context(strategy):
     """Row-exactness holds through the segments (row-independent kernels, the native recall's rows each on their
     own): verify blocks of 5 give one-token steps' logits bit for bit, below the trained context (64 here) and past it
@@ -802,8 +807,10 @@ def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_
     assert torch.equal(runs["chunks"], runs["steps"])
 
 
-@pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED],
-                         ids=["exact", "shortlisted-spilled"])
+@pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED,
+                                      KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, kv_dtype="fp16"),
+                                      SHORTLISTED_FP16],
+                         ids=["exact", "shortlisted-spilled", "exact-fp16", "shortlisted-spilled-fp16"])
 def test_native_recall_chooses_and_attends_as_the_python_path(strategy, monkeypatch):
     """Each layer's native recall of row-exact rows (page choice, reads from either tier, attention) against the kv
     layer's Python path on the same queries and tables: decode steps and verify blocks (whose later rows' candidates
@@ -847,8 +854,11 @@ def test_native_recall_chooses_and_attends_as_the_python_path(strategy, monkeypa
         cache.commit()
         at += len(part)
     assert seen["rows"] > 0 and seen["far"] > 0 and seen["fresh"] > 0
-    if strategy is SHORTLISTED:
+    if strategy.shortlist_from == SHORTLISTED.shortlist_from:
         assert seen["spilled"] > 0 and seen["shortlist"] > 0
+    # fp16 K/V: the slab and the page store (both tiers) hold fp16 rows
+    want = torch.float16 if strategy.kv_dtype == "fp16" else torch.float32
+    assert cache.store.k[0].dtype == cache.pages.codec.dtype == want
 
 
 def test_paged_recalling_every_page_in_segments_gives_what_full_gives_in_one_call():

@@ -1,7 +1,10 @@
 """The resident K/V dtypes besides fp32 (--kv-dtype): int8 (kv/stores.py::Int8SlabStore: rows quantized per position
 and head, attention over the codes without decoding) and fp16 (HalfSlabStore: rows rounded to fp16, attention in the
 model's dtype on the stored values). Each is close to fp32 K/V, row-exact (speculation stays exact on it), saved and
-restored bit for bit, and refused where it does not apply."""
+restored bit for bit, and refused where it does not apply. `paged` takes fp16: its page store then holds the fp16
+rows exactly."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,6 +20,9 @@ from inference_engine.kv.stores import HalfSlabStore, Int8Rows, Int8SlabStore
 from inference_engine.kv.strategy import KVStrategy
 
 STRATEGIES = [KVStrategy(name, 4, 24, kv_dtype=dt) for dt in ("int8", "fp16") for name in ("full", "sink_window")]
+# paged with fp16 K/V: the resident slab and the page store hold fp16 rows (pages of 8, 2 recalled: the histories
+# below archive and recall pages)
+STRATEGIES.append(KVStrategy("paged", 4, 24, kv_dtype="fp16", page_size=8, recall_pages=2))
 
 
 def sid(s):
@@ -44,7 +50,7 @@ def test_quantization_is_per_position_and_bounded():
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=sid)
 def test_attention_over_the_rows_is_close_to_fp32(strategy):
     model = load_model(str(tiny_model_dir("llama")))
-    fp32 = KVStrategy(strategy.name, strategy.sink, strategy.window)
+    fp32 = dataclasses.replace(strategy, kv_dtype="fp32")
     history = ids(60, 1)
     got, want = [], []
     for strat, out in ((strategy, got), (fp32, want)):
@@ -64,12 +70,23 @@ def test_attention_over_the_rows_is_close_to_fp32(strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=sid)
 def test_the_store_holds_a_quarter_or_half_of_fp32(strategy):
     model = load_model(str(tiny_model_dir("llama")))
-    caches = [Engine(model, s, prefill_chunk=32).new_session_kv().cache for s in (strategy, KVStrategy(strategy.name, 4, 24))]
+    caches = [Engine(model, s, prefill_chunk=32).new_session_kv().cache
+              for s in (strategy, dataclasses.replace(strategy, kv_dtype="fp32"))]
     small, fp32 = caches
     if strategy.kv_dtype == "int8":
         assert small.nbytes < fp32.nbytes * 0.32  # codes + bf16 scales (head_dim 16 here: scales weigh 1/8 of codes)
-    else:
+    elif strategy.name != "paged":
         assert isinstance(small.store, HalfSlabStore) and small.nbytes * 2 == fp32.nbytes
+    else:  # the resident slab and the page store (after 60 tokens: pages archived) in half the bytes
+        history = ids(60, 1)
+        for cache in caches:
+            for i in range(0, len(history), 30):
+                forward(model, model.tensor(history[i:i + 30]), range(i, i + 30), cache)
+                cache.commit()
+        assert isinstance(small.store, HalfSlabStore) and small.pages.rows == fp32.pages.rows > 0
+        assert small.resident_nbytes * 2 == fp32.resident_nbytes and small.pages.nbytes * 2 == fp32.pages.nbytes
+        assert small.pages.data["rows"].dtype == torch.float16  # the compact keys (selection) are as they were
+        assert small.keys.nbytes == fp32.keys.nbytes and small.selection_nbytes == fp32.selection_nbytes
 
 
 def test_fp16_rows_are_the_written_rows_rounded_and_read_back_in_the_models_dtype():
@@ -113,9 +130,14 @@ def test_the_state_round_trip_continues_identically(strategy):
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp16"])
-@pytest.mark.parametrize("kwargs", [dict(name="dlm_restore"), dict(name="paged"), dict(name="full", compressor="kakeya_d4")])
+@pytest.mark.parametrize("kwargs", [dict(name="dlm_restore"), dict(name="full", compressor="kakeya_d4"),
+                                    dict(name="paged", page_compressor="int8")])
 def test_it_is_refused_where_it_does_not_apply(kwargs, kv_dtype):
     with pytest.raises(ValueError, match=f"kv dtype {kv_dtype}"):
         make_strategy(kv_dtype=kv_dtype, **kwargs)
+    if kwargs["name"] == "paged":  # paged takes fp16 (its pages exact fp16 rows), not int8
+        with pytest.raises(ValueError, match="kv dtype int8 on paged"):
+            make_strategy(name="paged", kv_dtype="int8")
+        assert make_strategy(name="paged", kv_dtype="fp16").kv_dtype == "fp16"
     with pytest.raises(ValueError, match="unknown kv dtype"):
         KVStrategy(kv_dtype="int4")

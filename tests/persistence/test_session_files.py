@@ -363,11 +363,11 @@ def test_other_strategy_is_refused_and_the_files_kept(tmp_path):
     assert runtime(tmp_path, KVStrategy("full")).history(sid)
 
 
-@pytest.mark.parametrize("name", ["full", "sink_window"])
+@pytest.mark.parametrize("name", ["full", "sink_window", "paged", "paged_spilled"])
 def test_a_session_moves_between_fp32_and_fp16_resident_kv(name, tmp_path):
     """--kv-dtype auto picks fp16 on some daemons and fp32 on others: a session saved under one loads under the other
-    (its rows converted as they load), continues there, and comes back; int8 stays refused (its store is another
-    format)."""
+    (its rows converted as they load; paged: its page store's too, in RAM or spilled), continues there, and comes
+    back; int8 stays refused (its store is another format)."""
     fp32 = STRATEGIES[name]
     fp16 = dataclasses.replace(fp32, kv_dtype="fp16")
     first = runtime(tmp_path, fp32)
@@ -392,7 +392,16 @@ def test_a_session_moves_between_fp32_and_fp16_resident_kv(name, tmp_path):
     for a, b in zip(got.k + got.v, had.k + had.v):
         a, b = a.index_select(1, held), b.index_select(1, held).float()
         assert torch.allclose(a, b, rtol=2 ** -10, atol=2 ** -24), float((a - b).abs().max())
+    if name.startswith("paged"):  # the page store: fp16 rows on the fp16 daemon, back to fp32 rows within its rounding
+        pages, moved_pages = back.store.get(s.id).kv.cache.pages, moved.store.get(s.id).kv.cache.pages
+        assert moved_pages.codec.dtype == torch.float16 and pages.codec.dtype == torch.float32
+        assert pages.rows == moved_pages.rows > 0 and (pages.cold_pages > 0) == name.endswith("spilled")
+        for layer in range(len(got.k)):
+            a, b = pages.read(layer), moved_pages.read(layer).float()
+            assert torch.allclose(a, b, rtol=2 ** -10, atol=2 ** -24), float((a - b).abs().max())
     assert len(turn(back, s.id, 5)) == 5
+    if name.startswith("paged"):  # no int8 paged daemon to move to (tests/kv/test_resident_kv_dtypes.py)
+        return
     with pytest.raises(SessionStateUnusable, match="saved under kv strategy"):
         restarted(moved_root, dataclasses.replace(fp32, kv_dtype="int8")).history(s.id)
 

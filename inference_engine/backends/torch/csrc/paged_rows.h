@@ -185,7 +185,7 @@ struct PagedConfig {
 // and per row its position, candidate count and slab keys (rows (T, 3) int64), visible slab columns (mask (T, N)
 // bool), the sink's slab columns, and the rotary's frequencies (D/2 fp32).
 //   tables: compact keys at true positions (ring codes, ring scales, file codes, file scales), the same of far_keys,
-//     the page store (ring, file; fp32 K/V, stack 2), the page bounds (L, 2, Hkv, pages, D) fp16;
+//     the page store (ring, file; K/V in the slab's dtype, fp32 or fp16, stack 2), the page bounds (L, 2, Hkv, pages, D) fp16;
 //   meta: per table (rows, cold pages, ring size once wrapped else 0) for keys, far_keys, pages; then sink, window,
 //     page size, recall pages, shortlist pages, shortlist_from, far_distance, far_from (rows at or past it: InfLLM's
 //     layout), bounds rows, bounds of far_keys (0 / 1).
@@ -211,8 +211,9 @@ struct PagedView {
     TORCH_CHECK(four || tables[0].scalar_type() == at::kChar, "paged view: compact keys must be 4-bit (uint8) or int8 codes");
     TORCH_CHECK(tables[4].scalar_type() == tables[0].scalar_type(), "paged view: far_keys must be coded as the keys");
     TORCH_CHECK(tables[1].scalar_type() == at::kHalf && tables[5].scalar_type() == at::kHalf, "paged view: scales must be fp16");
-    TORCH_CHECK(tables[8].scalar_type() == at::kFloat && tables[8].dim() == 5 && tables[8].size(1) == 2,
-                "paged view: the page store must hold fp32 K/V rows");
+    TORCH_CHECK((tables[8].scalar_type() == at::kFloat || tables[8].scalar_type() == at::kHalf) && tables[8].dim() == 5 &&
+                    tables[8].size(1) == 2,
+                "paged view: the page store must hold fp32 or fp16 K/V rows (as the session's slab)");
     const at::Tensor& b = tables[10];
     TORCH_CHECK(b.scalar_type() == at::kHalf && b.is_contiguous() && b.dim() == 5 && b.size(1) == 2 && b.size(3) >= cf.bounds_rows,
                 "paged view: bounds must be (L, 2, Hkv, pages, D) fp16, contiguous");
@@ -395,9 +396,11 @@ inline int64_t part_count(const PagedTask& t) { return static_cast<int64_t>(t.pa
 // Phase 4: part ci of a task's attention, alone: one chosen page (its visible rows; past the context the query
 // counter-rotated by the page's move to the i-th of n page slots ending right before the window), the moved sink, or
 // a chunk of kChunk slab columns (those the row sees, without the sink past the context) as the whole-step call reads
-// them. A row that recalls nothing has only slab chunks: the whole-step call's own parts.
+// them. A row that recalls nothing has only slab chunks: the whole-step call's own parts. T: the slab's and the page
+// store's element type (float, or c10::Half with `--kv-dtype fp16`: converted to floats as attend_chunk_pick reads them).
+template <class T>
 inline void attend_part(const PagedConfig& cf, int64_t l, const PagedTask& t, int64_t ci, int64_t G, int64_t D, float scale,
-                        const PagedRows& kv, const float* k_slab, const float* v_slab, int64_t cap, const bool* mask_w,
+                        const PagedRows& kv, const T* k_slab, const T* v_slab, int64_t cap, const bool* mask_w,
                         const std::vector<int64_t>& sink_cols, const float* inv_freq, std::vector<float>& scores,
                         float* part) {
   static bool all_rows[kChunk];
@@ -411,8 +414,8 @@ inline void attend_part(const PagedConfig& cf, int64_t l, const PagedTask& t, in
   if (ci < n) {
     const int64_t r0 = t.pages[ci] * P, rn = std::min(P, t.c - r0);
     std::vector<uint8_t> kbuf, vbuf;
-    const auto* kb = reinterpret_cast<const float*>(kv.run(l, 0, h, r0, rn, kbuf));
-    const auto* vb = reinterpret_cast<const float*>(kv.run(l, 1, h, r0, rn, vbuf));
+    const auto* kb = reinterpret_cast<const T*>(kv.run(l, 0, h, r0, rn, kbuf));
+    const auto* vb = reinterpret_cast<const T*>(kv.run(l, 1, h, r0, rn, vbuf));
     const float* qq = t.q;
     if (t.far) {
       const int64_t slot_start = t.pos - cf.window - (n - ci) * P + 1;
@@ -425,10 +428,10 @@ inline void attend_part(const PagedConfig& cf, int64_t l, const PagedTask& t, in
   }
   if (t.sink && ci == n) {  // the sink, moved right before the pages
     const int64_t ns = static_cast<int64_t>(sink_cols.size());
-    std::vector<float> ks(ns * D), vs(ns * D);
+    std::vector<T> ks(ns * D), vs(ns * D);
     for (int64_t s = 0; s < ns; ++s) {
-      std::memcpy(&ks[s * D], k_slab + (h * cap + sink_cols[s]) * D, D * sizeof(float));
-      std::memcpy(&vs[s * D], v_slab + (h * cap + sink_cols[s]) * D, D * sizeof(float));
+      std::memcpy(&ks[s * D], k_slab + (h * cap + sink_cols[s]) * D, D * sizeof(T));
+      std::memcpy(&vs[s * D], v_slab + (h * cap + sink_cols[s]) * D, D * sizeof(T));
     }
     moved.resize(G * D);
     rotate_by(t.q, G, D, inv_freq, -(t.pos - cf.window - n * P - cf.sink + 1), moved.data());

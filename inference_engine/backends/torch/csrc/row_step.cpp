@@ -786,7 +786,6 @@ class RowStep {
                       "K and V alike");
     }
     const bool half = slab_type == at::kHalf;
-    TORCH_CHECK(!half || paged_sessions.empty(), "row step: paged sessions keep fp32 slabs");
     TORCH_CHECK(!half || D <= 256, "row step: fp16 slabs need head_dim <= 256");
     const auto opts = x.options();
     float* xp = x.data_ptr<float>();
@@ -952,7 +951,7 @@ class RowStep {
     return final_norm(xc.data_ptr<float>(), x.size(0), inv.data(), xc.options());
   }
 
-  // The fused step's attention for R rows of one session, q (H, R, D), over its slab (Hkv, capacity, D) fp32 under
+  // The fused step's attention for R rows of one session, q (H, R, D), over its slab (Hkv, capacity, D) fp32 or fp16 under
   // mask (R, N) among its first row_keys[r] columns -> (H, R, D): what the whole-step call computes for those rows
   // (kv/paged.py's rows that recall nothing, so a paged verify row equals the one-token step, which takes that call).
   at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_slab, const at::Tensor& v_slab, const at::Tensor& mask,
@@ -971,11 +970,18 @@ class RowStep {
                   "row step: row_keys out of range");
     auto qr = q.transpose(0, 1).contiguous();  // (R, H, D)
     auto att = at::empty({R, H, D}, qr.options());
-    std::vector<const float*> kp(R, k_slab.data_ptr<float>()), vp(R, v_slab.data_ptr<float>());
     std::vector<int64_t> caps(R, k_slab.size(1));
     std::vector<float> parts;
-    attend_into(qr.data_ptr<float>(), R, kp, vp, caps, msk.data_ptr<bool>(), N, nk.data_ptr<int64_t>(),
-                att.data_ptr<float>(), parts);
+    auto attend = [&](auto* kslab, auto* vslab) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(kslab)>>;
+      std::vector<const T*> kp(R, kslab), vp(R, vslab);
+      attend_into(qr.data_ptr<float>(), R, kp, vp, caps, msk.data_ptr<bool>(), N, nk.data_ptr<int64_t>(),
+                  att.data_ptr<float>(), parts);
+    };
+    if (k_slab.scalar_type() == at::kHalf)
+      attend(k_slab.data_ptr<c10::Half>(), v_slab.data_ptr<c10::Half>());
+    else
+      attend(k_slab.data_ptr<float>(), v_slab.data_ptr<float>());
     return att.transpose(0, 1);
   }
 
@@ -1011,6 +1017,10 @@ class RowStep {
           attend_chunk_any(D, G, qp + h * G * D, krc.data_ptr<float>() + h * E * D, vrc.data_ptr<float>() + h * E * D,
                            mr.data_ptr<bool>() + h * E, c * kChunk, std::min(E, (c + 1) * kChunk), scale_, scores.data(),
                            part);
+        else if (k_slab.scalar_type() == at::kHalf)
+          attend_chunk_any(D, G, qp + h * G * D, k_slab.data_ptr<c10::Half>() + h * cap * D,
+                           v_slab.data_ptr<c10::Half>() + h * cap * D, mw.data_ptr<bool>(), (c - nr) * kChunk,
+                           std::min(n_keys, (c - nr + 1) * kChunk), scale_, scores.data(), part);
         else
           attend_chunk_any(D, G, qp + h * G * D, k_slab.data_ptr<float>() + h * cap * D,
                            v_slab.data_ptr<float>() + h * cap * D, mw.data_ptr<bool>(), (c - nr) * kChunk,
@@ -1045,6 +1055,18 @@ class RowStep {
   // callers check the view against the model and the slab once (run: once a step; paged_rows: once a call).
   void paged_attend(int64_t l, const float* qp, int64_t T, const PagedView& view, const std::vector<at::Tensor>& fresh,
                     const at::Tensor& k_slab, const at::Tensor& v_slab, float* op) const {
+    TORCH_CHECK(view.tables[8].scalar_type() == k_slab.scalar_type(),
+                "paged rows: the page store must hold K/V in the slab's dtype (fp32 or fp16 alike)");
+    if (k_slab.scalar_type() == at::kHalf)
+      paged_attend_as<c10::Half>(l, qp, T, view, fresh, k_slab, v_slab, op);
+    else
+      paged_attend_as<float>(l, qp, T, view, fresh, k_slab, v_slab, op);
+  }
+
+  // paged_attend with the slab's and the page store's element type E (float or c10::Half)
+  template <class E>
+  void paged_attend_as(int64_t l, const float* qp, int64_t T, const PagedView& view, const std::vector<at::Tensor>& fresh,
+                       const at::Tensor& k_slab, const at::Tensor& v_slab, float* op) const {
     const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
     TORCH_CHECK(fresh.empty() || fresh.size() == 5, "paged rows: fresh is codes, scales, far codes, far scales, K/V");
     const PagedConfig& cf = view.cf;
@@ -1070,8 +1092,8 @@ class RowStep {
     PagedRows kv{PagedTier(view.tables[8], view.tables[9], cf.P, view.meta[6], view.meta[7], view.meta[8]), nullptr, 0};
     if (!fc.empty()) {
       TORCH_CHECK(fc[4].dim() == 4 && fc[4].size(0) == 2 && fc[4].size(1) == Hkv && fc[4].size(3) == D &&
-                      fc[4].scalar_type() == at::kFloat,
-                  "paged rows: the step's resident K/V must be (2, Hkv, n, D) fp32");
+                      fc[4].scalar_type() == k_slab.scalar_type(),
+                  "paged rows: the step's resident K/V must be (2, Hkv, n, D) in the slab's dtype");
       kv.fresh = static_cast<const uint8_t*>(fc[4].data_ptr());
       kv.fresh_n = fc[4].size(2);
     }
@@ -1079,7 +1101,7 @@ class RowStep {
     const int64_t* rp = view.rows.data_ptr<int64_t>();
     const bool* mp = view.mask.data_ptr<bool>();
     const float* freq = view.inv_freq.data_ptr<float>();
-    const float *ks = k_slab.data_ptr<float>(), *vs = v_slab.data_ptr<float>();
+    const E *ks = k_slab.data_ptr<E>(), *vs = v_slab.data_ptr<E>();
     const c10::Half* bp = view.tables[10].data_ptr<c10::Half>();
     const int64_t bcap = view.tables[10].size(3), stride = D + 2;
     std::vector<PagedTask> tasks(T * Hkv);
@@ -1142,10 +1164,12 @@ class RowStep {
   }
 
   void check_slabs(const at::Tensor& k_slab, const at::Tensor& v_slab) const {
+    const auto dt = k_slab.scalar_type();
     for (const at::Tensor* t : {&k_slab, &v_slab})
-      TORCH_CHECK(t->dim() == 3 && t->size(0) == kv_heads_ && t->size(2) == head_dim_ && t->scalar_type() == at::kFloat &&
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == kv_heads_ && t->size(2) == head_dim_ &&
+                      (dt == at::kFloat || (dt == at::kHalf && head_dim_ <= 256)) && t->scalar_type() == dt &&
                       t->is_contiguous() && t->size(1) == k_slab.size(1),
-                  "row step: slabs must be (Hkv, capacity, D) fp32 contiguous, K and V alike");
+                  "row step: slabs must be (Hkv, capacity, D) contiguous, fp32 or fp16 (head_dim <= 256), K and V alike");
   }
 
   // Attention of R rows: q (R, H, D) row-major, row r over its K/V slab (kp[r], vp[r]: (Hkv, caps[r], D)), the
