@@ -104,7 +104,9 @@ def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
     (dict(activations="fp8"), "--activations must be 'int16' or 'int8'"),
     (dict(backend="mlx", activations="int8"), "--activations int8 sets the torch backend's CPU int4 kernel"),
     (dict(kv_dtype="fp16", device="cuda"), "--kv-dtype fp16 is a CPU K/V store"),
-    (dict(kv_dtype="fp16", kv_strategy="paged"), "kv dtype fp16 is a resident store for the full and sink_window"),
+    (dict(kv_dtype="fp16", kv_strategy="dlm_restore"), "kv dtype fp16 is a resident store for the full, sink_window and"),
+    (dict(kv_dtype="fp16", kv_strategy="paged", page_compressor="int8"), "kv dtype fp16 on paged: paged takes fp16 with"),
+    (dict(kv_dtype="int8", kv_strategy="paged"), "kv dtype int8 on paged"),
     (dict(kv_dtype="fp16", backend="mlx"), "--kv-dtype fp16 runs on --backend torch only"),
 ])
 def test_serve_config_validate_names_the_option(kw, message):
