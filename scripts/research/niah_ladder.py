@@ -95,6 +95,9 @@ ARMS = {
     "sink_window_4+1020+kv_fp16": dict(kv_strategy="sink_window", sink=4, window=1020, kv_dtype="fp16"),
     # paged (issue 15): window 508 keeps resident + selection under sink_window 4+1020's bytes up to 7.5k (docs/paged.md)
     "paged_4+508_p64_m8": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8),
+    # the same with fp16 K/V (--kv-dtype fp16: the slab and the page store in fp16)
+    "paged_4+508_p64_m8+kv_fp16": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
+                                       kv_dtype="fp16"),
     "paged_4+508_p64_m8_s32": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=32,
                                    page_shortlist_from=0),
     "paged_4+508_p64_m8_s64": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=64,
