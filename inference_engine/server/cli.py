@@ -25,9 +25,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=("auto", "fp32", "fp16", "int8"),
-                   help="resident K/V rows of full / sink_window: fp32; fp16 (CPU: half the bytes, attention in fp32 on "
-                        "the stored values); int8 with a scale per position, read by attention without decoding; auto "
-                        "(default) = fp16 where the native CPU step's AVX2 attention reads it, else fp32")
+                   help="resident K/V rows of full / sink_window / paged: fp32; fp16 (CPU: half the bytes, attention in "
+                        "fp32 on the stored values; paged: its page store in fp16 too); int8 (full / sink_window) with a "
+                        "scale per position, read by attention without decoding; auto (default) = fp16 for full / "
+                        "sink_window where the native CPU step's AVX2 attention reads it, else fp32")
     p.add_argument("--batching", default=d.batching, choices=("auto", "on", "off"),
                    help="continuous batching: concurrent sessions' decode/verify/prefill steps share forwards; auto = on where "
                         "each session's output stays bit-identical to running alone (int8/int4 weights), off otherwise")
