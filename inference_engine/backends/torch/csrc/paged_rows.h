@@ -185,7 +185,8 @@ struct PagedConfig {
 // and per row its position, candidate count and slab keys (rows (T, 3) int64), visible slab columns (mask (T, N)
 // bool), the sink's slab columns, and the rotary's frequencies (D/2 fp32).
 //   tables: compact keys at true positions (ring codes, ring scales, file codes, file scales), the same of far_keys,
-//     the page store (ring, file; K/V in the slab's dtype, fp32 or fp16, stack 2), the page bounds (L, 2, Hkv, pages, D) fp16;
+//     the page store (ring, file; K/V in the slab's dtype, fp32 or fp16, stack 2), the page bounds
+//     (L, 2, Hkv, pages, D) fp16;
 //   meta: per table (rows, cold pages, ring size once wrapped else 0) for keys, far_keys, pages; then sink, window,
 //     page size, recall pages, shortlist pages, shortlist_from, far_distance, far_from (rows at or past it: InfLLM's
 //     layout), bounds rows, bounds of far_keys (0 / 1).

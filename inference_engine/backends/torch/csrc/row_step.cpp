@@ -951,9 +951,10 @@ class RowStep {
     return final_norm(xc.data_ptr<float>(), x.size(0), inv.data(), xc.options());
   }
 
-  // The fused step's attention for R rows of one session, q (H, R, D), over its slab (Hkv, capacity, D) fp32 or fp16 under
-  // mask (R, N) among its first row_keys[r] columns -> (H, R, D): what the whole-step call computes for those rows
-  // (kv/paged.py's rows that recall nothing, so a paged verify row equals the one-token step, which takes that call).
+  // The fused step's attention for R rows of one session, q (H, R, D), over its slab (Hkv, capacity, D) fp32 or fp16
+  // under mask (R, N) among its first row_keys[r] columns -> (H, R, D): what the whole-step call computes for those
+  // rows (kv/paged.py's rows that recall nothing, so a paged verify row equals the one-token step, which takes that
+  // call).
   at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_slab, const at::Tensor& v_slab, const at::Tensor& mask,
                          const at::Tensor& row_keys) const {
     at::NoGradGuard no_grad;
