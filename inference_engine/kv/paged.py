@@ -56,7 +56,7 @@ from inference_engine.kv.layout import AttentionLayout, CacheGeometry, SinkShift
 from inference_engine.kv.paged_store import IdentityRows, RowQuant, RowTable, SpillingRowTable, make_row_codec, ram_rows_for
 from inference_engine.kv.sink_window import SinkWindowCache
 from inference_engine.kv.slot_cache import AppendOnly, CacheDelta, SaveMark
-from inference_engine.kv.stores import SlabStore
+from inference_engine.kv.stores import HalfSlabStore, SlabStore
 from inference_engine.kv.strategy import KVStrategy
 
 # The backend's RoPE rotation of positioned keys: (layer, k (Hkv, E, D), deltas (Hkv, E)) -> rotated k; layer None:
@@ -921,12 +921,13 @@ class PagedCache(SinkWindowCache):
         return super()._evict_dead()
 
     def _read_all_layers(self, slots: np.ndarray) -> torch.Tensor:
-        """(L, 2, Hkv, n, D): every layer's K and V at resident `slots`. A plain slab store whose slots
-        form one run (a decode step archives one position) is read in one copy."""
+        """(L, 2, Hkv, n, D) in the model's dtype: every layer's K and V at resident `slots`. A plain slab store
+        (fp32, or fp16 rows, which convert exactly) whose slots form one run (a decode step archives one position) is
+        read in one copy, not 30 layers' reads."""
         layers = range(self.geometry.num_layers)
         store = self.store
-        if type(store) is SlabStore and slots.size and bool((np.diff(slots) == 1).all()):  # torch slabs, one run
-            return store.read_run(int(slots[0]), int(slots[-1]) + 1)
+        if type(store) in (SlabStore, HalfSlabStore) and slots.size and bool((np.diff(slots) == 1).all()):  # one run
+            return store.read_run(int(slots[0]), int(slots[-1]) + 1).to(self.geometry.dtype)
         t = store.slots_tensor(slots)
         return torch.stack([torch.stack(store.read(i, t)) for i in layers])
 
