@@ -76,9 +76,9 @@ class PagedCache(SinkWindowCache):
         dims: dict[str, Any] = dict(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                                     page=self.page_size, device=g.device)
         # the page store keeps the rows as the resident store held them: fp16 ones (kv_dtype fp16) exactly in fp16
-        page_dtype = torch.float16 if strategy.kv_dtype == "fp16" else g.dtype
-        page_codec = make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=page_dtype, q_range=strategy.q_range,
-                                    device=g.device)
+        self.page_dtype = torch.float16 if strategy.kv_dtype == "fp16" else g.dtype
+        page_codec = make_row_codec(strategy.page_compressor, head_dim=g.head_dim, dtype=self.page_dtype,
+                                    q_range=strategy.q_range, device=g.device)
         # int4 / int8 names make a RowQuant, whose group_max_scores scores the candidates
         key_codec = cast(RowQuant, make_row_codec(f"int{strategy.page_key_bits}", head_dim=g.head_dim, dtype=g.dtype))
         # page_ram_mb of host RAM (0: no limit) holds the newest rows of the page store and, once the shortlist applies
@@ -381,7 +381,7 @@ class PagedCache(SinkWindowCache):
             far_codes, far_sc = (self._fresh_codes(layer, k_all, cols, self.far_keys) if view["far_rows"]
                                  else (codes[:, :0], sc[:, :0]))
             kv = torch.stack([k_all.index_select(1, cols), v_all.index_select(1, cols)])
-            fresh = [codes, sc, far_codes, far_sc, kv.to(self.pages.codec.dtype)]  # as the page store will hold them
+            fresh = [codes, sc, far_codes, far_sc, kv.to(self.page_dtype)]  # as the page store will hold them
         return self._native_rows(layer, q, view, fresh, self.store, layout)
 
     def _native_plan(self, plan: Plan, layout: AttentionLayout) -> dict | None:
