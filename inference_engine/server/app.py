@@ -104,7 +104,7 @@ def resolve_kv_dtype(cfg: ServeConfig, model) -> str:
     attention (`full` / `sink_window` without a compressor: the same top-1 agreement with fp32 as fp32 K/V, a decode
     step 1.03x / 1.10x / 1.16x faster at 128 / 1k / 4k tokens and half the K/V bytes on the AVX2 EPYC it was measured
     on: results/research/kv_fp16_avx2.json), fp32 everywhere else: paged (fp16 halves its page store and decodes
-    1.09-1.11x faster, but flipped one needle of 20: results/research/parts/paged_kv_fp16_avx2/read_run.json,
+    1.09-1.11x faster, but lost one needle of 40: results/research/parts/paged_kv_fp16_avx2/read_run.json,
     niah_paged_kv_fp16_passkey.json; docs/paged.md), CUDA, MLX, the Python pieces, the 16-lane attention of AVX-512
     builds (not measured there)."""
     if cfg.kv_dtype != "auto":
