@@ -92,16 +92,20 @@ class RowQuant:
         two int8 halves, the low nibbles (even dimensions) and the high ones (odd dimensions), each
         multiplied with q's matching dimensions (no interleaving copy).
 
+        With `query_int8()` (the default) the query is first quantized to int8 per (b, m) over its group
+        (`quantize_query`: scale s = max |q| / 127): every dot is then an exact integer, so every path
+        below gives the same bits, and the score is float(max_g a[b, g, m] . code) * s * scale. Its
+        rounding (2^-8 of the group's largest element) is far below the 4-bit codes' own, and it lets the
+        native kernels score with integer multiply-adds (~2x the fp32 kernel's keys a second on an AVX2
+        EPYC). query_int8(False): the fp32 query, as before (the paths then differ by float rounding).
+
         Steps of few queries (decode, speculative verify: up to `_INT_QUERIES` queries) take the path
-        that measures fastest on this CPU (`scoring_path`): "int", q as three int8 limbs per (b, m)
-        (`query_limbs`), exact int8 x int8 -> int32 matmuls (torch._int_mm), the limbs combined in float32:
-        it reads the int8 codes as they are, a quarter of the bytes of a float copy of every code, which
-        is what a decode step paid on a loaded AVX-512 VNNI box; without VNNI torch's _int_mm is ~4x
-        slower than the float matmul (an AVX2-only EPYC: 490 us a call). "native": the backend's one-pass
-        kernel (`set_score_kernel`: the native CPU step's group_max_scores, each key decoded once and
-        dotted with the query rows). "float": the batched float matmuls longer steps (prefill chunks)
-        always take. The three differ by float rounding only: the limbs hold q to 2^-23 of the group's
-        largest |q| element. path: force one (tests, research); None: the measured choice."""
+        that measures fastest on this CPU (`scoring_path`): "int", exact int8 x int8 -> int32 matmuls
+        (torch._int_mm) of the int8 query (with an fp32 query: three int8 limbs per (b, m), `query_limbs`,
+        combined in float32); "native": the backend's one-pass kernel (`set_score_kernel`: the native CPU
+        step's group_max_scores, each key decoded once and dotted with the query rows); "float": the
+        batched float matmuls longer steps (prefill chunks) always take. path: force one (tests,
+        research); None: the measured choice."""
         b, g, m, d = q.shape
         if path is None:
             path = scoring_path() if m <= _INT_QUERIES and q.device.type == "cpu" else "float"
@@ -115,22 +119,35 @@ class RowQuant:
             halves = [((codes & 15).view(torch.int8).sub_(8), slice(0, None, 2)),
                       ((codes >> 4).view(torch.int8).sub_(8), slice(1, None, 2))]  # (B, C, D / 2) each
         c = codes.shape[1]
+        s: torch.Tensor | None = None
+        if _query_int8:
+            q, s = quantize_query(q.float())  # integers in float32; (B, M, 1)
         if path != "int":  # torch._int_mm off the CPU wants > 16 rows, multiples of 8
             qq = q.reshape(b, g * m, d)
             (ints, dims), *rest = halves
             raw = torch.bmm(qq[..., dims], ints.float().transpose(1, 2))
             for ints, dims in rest:  # accumulated inside the matmul: no pass over the (B, G * M, C) scores
                 raw.baddbmm_(qq[..., dims], ints.float().transpose(1, 2))
-            return raw.view(b, g, m, c).amax(1).mul_(scale.transpose(1, 2))  # float * float16 scales: float
-        limbs, s = query_limbs(q)  # (B, 3 * G * M, D) int8, (B, M, 1) float
+            raw = raw.view(b, g, m, c).amax(1)
+            if s is not None:
+                raw.mul_(s)
+            return raw.mul_(scale.transpose(1, 2))  # float * float16 scales: float
+        if s is not None:  # one int8 limb: the query is its integers
+            limbs, n_limbs = q.reshape(b, g * m, d).to(torch.int8), 1
+        else:
+            limbs, s = query_limbs(q)  # (B, 3 * G * M, D) int8, (B, M, 1) float
+            n_limbs = 3
         parts = [limbs[..., dims].contiguous() for _, dims in halves]
-        ii = torch.empty(b, 3 * g * m, c, dtype=torch.int32, device=q.device)
+        ii = torch.empty(b, n_limbs * g * m, c, dtype=torch.int32, device=q.device)
         for h in range(b):
             torch._int_mm(parts[0][h], halves[0][0][h].t(), out=ii[h])
             if len(halves) == 2:
                 ii[h].add_(torch._int_mm(parts[1][h], halves[1][0][h].t()))
-        ii = ii.view(b, 3, g, m, c).float()
-        raw = ii[:, 0].add_(ii[:, 1], alpha=1 / 254).add_(ii[:, 2], alpha=1 / 254 ** 2).amax(1)  # (B, M, C)
+        if n_limbs == 1:
+            raw = ii.view(b, g, m, c).amax(1).float()  # the integer max, then float (exact below 2^24)
+        else:
+            iif = ii.view(b, 3, g, m, c).float()
+            raw = iif[:, 0].add_(iif[:, 1], alpha=1 / 254).add_(iif[:, 2], alpha=1 / 254 ** 2).amax(1)  # (B, M, C)
         return raw.mul_(s).mul_(scale.transpose(1, 2))
 
     def decode(self, payload: dict) -> torch.Tensor:
@@ -145,13 +162,40 @@ class RowQuant:
 _INT_QUERIES = 16  # RowQuant.group_max_scores: steps of up to this many queries may score in integers
 _scoring: str | None = None
 _score_kernel: Callable | None = None
+_query_int8 = os.environ.get("KAKEYA_PAGE_QUERY", "int8") != "fp32"
+_query_toggle: Callable[[int], object] | None = None
 
 
-def set_score_kernel(kernel: Callable | None) -> None:
+def set_score_kernel(kernel: Callable | None, query_toggle: Callable[[int], object] | None = None) -> None:
     """A backend's one-pass scoring kernel (q, codes, fp16 scale) -> (B, M, C), as group_max_scores computes
-    (backends/torch/native.py: the native CPU step's group_max_scores); the scoring path is measured again."""
-    global _score_kernel, _scoring
-    _score_kernel, _scoring = kernel, None
+    (backends/torch/native.py: the native CPU step's group_max_scores), and the switch (1 / 0) by which its
+    kernels follow `query_int8`; the scoring path is measured again."""
+    global _score_kernel, _scoring, _query_toggle
+    _score_kernel, _scoring, _query_toggle = kernel, None, query_toggle
+    if query_toggle is not None:
+        query_toggle(int(_query_int8))
+
+
+def query_int8(on: bool | None = None) -> bool:
+    """Whether compact keys are scored against the query quantized to int8 (the default; RowQuant.group_max_scores),
+    on every path of this process, the backend's native kernels included; `on` sets it (research scripts compare the
+    two; KAKEYA_PAGE_QUERY=fp32 starts with the fp32 query). Returns the value before."""
+    global _query_int8
+    was = _query_int8
+    if on is not None:
+        _query_int8 = bool(on)
+        if _query_toggle is not None:
+            _query_toggle(int(_query_int8))
+    return was
+
+
+def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, G, M, D) float32 -> (a, s): a (B, G, M, D) float32 holding integers in [-127, 127], round-half-even
+    of q / s, and s (B, M, 1) float32 = max |q| over the group's G rows and D / 127 (at least 1e-30), as the
+    native kernels quantize it (csrc/row_step.cpp quantize_query): the same bits."""
+    b, g, m, d = q.shape
+    s = q.abs().amax((1, 3), keepdim=True).div_(127).clamp_(min=1e-30)  # (B, 1, M, 1)
+    return torch.round(q / s).clamp_(-127, 127), s.view(b, m, 1)
 
 
 def scoring_path() -> str:

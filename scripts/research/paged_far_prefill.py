@@ -10,7 +10,9 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
                         by the data they read: csrc/row_step.cpp order_by_data, the same bits);
   python-recall         `paged` with the recall in kv/paged.py (each chunk's rows batched: two attention calls per
                         layer, `_attend_far_chunk` past the context), the dense work in the native step's segments:
-                        the path before csrc/paged_rows.h.
+                        the path before csrc/paged_rows.h;
+  <arm>+fp32q           that arm with the compact keys scored against the fp32 query (kv/paged_store.query_int8(False):
+                        the choice before the int8 query became the default).
 Per arm: each chunk's seconds, the cumulative seconds at 4,096 and 7,680 tokens, and the rate per segment (up to 2k,
 2k to 4k, 4k to the trained context, past it, and the last 4,096 tokens). The logits of the chunk ending at 7,680
 tokens of each paged arm against `full`'s (max abs difference; argmax equal).
@@ -63,10 +65,13 @@ def main(argv=None) -> int:
     paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8)
     ids = torch.randint(3, model.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     arms, last = {}, {}
+    from inference_engine.kv import paged_store
+
     for arm in args.arms.split(","):
-        base = arm.split("/")[0]
+        base = arm.split("/")[0].split("+")[0]
+        paged_store.query_int8("+fp32q" not in arm)
         native.paged_recall = "python" if arm == "python-recall" else "whole"
-        native.module.order_by_data(0 if arm.endswith("/row") else 1)
+        native.module.order_by_data(0 if "/row" in arm else 1)
         n = min(args.tokens, caps.get(arm, args.tokens), ctx if base == "full" else args.tokens)
         cache = make_cache(KVStrategy("full") if base == "full" else paged, model.geometry(), max_step=args.chunk,
                            max_context=ctx)
@@ -101,7 +106,14 @@ def main(argv=None) -> int:
             arms[arm]["whole_over_to_2k"] = round(arms[arm]["whole_tok_s"] / segments["to_2k"]["tok_s"], 3)
     native.paged_recall = "whole"
     native.module.order_by_data(1)
+    paged_store.query_int8(True)
     ratios = {}
+    for arm in arms:  # the int8 query's rate over the fp32 one's, per segment
+        other = arms.get(arm + "+fp32q")
+        if other is not None:
+            for seg, v in arms[arm]["segments"].items():
+                if v and other["segments"].get(seg):
+                    ratios[f"{arm} / {arm}+fp32q, tok/s {seg}"] = round(v["tok_s"] / other["segments"][seg]["tok_s"], 3)
     for arm in arms:
         if arm == "full" or "full" not in arms:
             continue

@@ -29,6 +29,8 @@ as before key_dots8: the same bits). --full-reference N also times
 `full` at N tokens of the same random history through the native whole-step call (issue 29: paged at 32k >= 0.9x
 full at 1k). --kv-dtypes fp32,fp16 times every cell (and `full`) with each resident K/V dtype (`--kv-dtype`: fp16
 keeps the slab and the page store in fp16), interleaved as well; keys then end in `+kv_fp16` / `+kv_fp32`.
+--queries int8,fp32 times every cell (and `full`) with the compact keys scored against the int8 query (the default,
+kv/paged_store.query_int8) and against the fp32 one (before), interleaved; keys then end in `+q_int8` / `+q_fp32`.
 
     .venv/bin/python scripts/research/paged_scaling.py --lengths 1024,8192,32768,102400 --shortlists 32,64
     .venv/bin/python scripts/research/paged_scaling.py --model smollm2-135m-instruct --weights int4 \
@@ -67,6 +69,8 @@ def main() -> int:
                     help="comma list of pieces, native, native-segments, native-python-recall, native-keys1 (with --model)")
     ap.add_argument("--full-reference", type=int, default=0, help="also time full at this many tokens (with --model)")
     ap.add_argument("--kv-dtypes", default="fp32", help="comma list of fp32, fp16: the resident K/V (and page store) dtype")
+    ap.add_argument("--queries", default="int8",
+                    help="comma list of int8, fp32: the query the compact keys are scored against (paged_store.query_int8)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
 
@@ -84,6 +88,10 @@ def main() -> int:
     if not kv_dtypes or any(dt not in ("fp32", "fp16") for dt in kv_dtypes):
         raise SystemExit(f"--kv-dtypes takes fp32 and/or fp16, got {args.kv_dtypes!r}")
     tag = {dt: (f"+kv_{dt}" if len(kv_dtypes) > 1 else "") for dt in kv_dtypes}  # step keys' suffix
+    queries = args.queries.split(",")
+    if not queries or any(qq not in ("int8", "fp32") for qq in queries):
+        raise SystemExit(f"--queries takes int8 and/or fp32, got {args.queries!r}")
+    qtag = {qq: (f"+q_{qq}" if len(queries) > 1 else "") for qq in queries}
     model = None
     if args.model:
         from inference_engine.backends.torch.model import TorchCausalLM
@@ -164,14 +172,17 @@ def main() -> int:
         # --full-reference tokens, so a drift in the box's speed lands on every cell alike (the ratios below are
         # taken side by side)
         variants = ["exact"] + [str(s) for s in shortlists]
-        steps = {n: {f"{name}/{a}{tag[dt]}": [] for name in variants for a in arms for dt in kv_dtypes} for n in lengths}
+        cells = {f"{name}/{a}{tag[dt]}{qtag[qq]}": (name, a, dt, qq)
+                 for name in variants for a in arms for dt in kv_dtypes for qq in queries}
+        steps = {n: {key: [] for key in cells} for n in lengths}
         full: dict = {}
         ref = None
         if args.full_reference:
             for dt in kv_dtypes:
                 full[dt] = make_cache(KVStrategy("full", kv_dtype=dt), geometry, max_step=args.chunk, max_context=context)
                 fill_with_random_kv(full[dt], args.full_reference, args.chunk, torch.Generator().manual_seed(1))
-            ref = {f"{a}{tag[dt]}": [] for a in arms for dt in kv_dtypes}
+            ref_cells = {f"{a}{tag[dt]}{qtag[qq]}": (a, dt, qq) for a in arms for dt in kv_dtypes for qq in queries}
+            ref = {key: [] for key in ref_cells}
         token = model.tensor([17])
 
         def timed(cache) -> float:
@@ -184,17 +195,19 @@ def main() -> int:
         for _ in range(args.decode_steps):
             for n in lengths:
                 for key in steps[n]:
-                    name, a = key.split("/")
-                    a, _, dt = a.partition("+kv_")
+                    name, a, dt, qq = cells[key]
                     arm(a)
-                    c = caches[n, dt or kv_dtypes[0]]
+                    paged_store.query_int8(qq == "int8")
+                    c = caches[n, dt]
                     c.shortlist = c.shortlist_from = 0 if name == "exact" else int(name)
                     steps[n][key].append(timed(c))
             if ref is not None:
                 for key in ref:
-                    a, _, dt = key.partition("+kv_")
+                    a, dt, qq = ref_cells[key]
                     arm(a)
-                    ref[key].append(timed(full[dt or kv_dtypes[0]]))
+                    paged_store.query_int8(qq == "int8")
+                    ref[key].append(timed(full[dt]))
+        paged_store.query_int8(True)
         for n in lengths:
             out[str(n)]["decode_step_s"] = {k: statistics.median(v) for k, v in steps[n].items()}
             out[str(n)]["decode_step_s_mean"] = {k: statistics.mean(v) for k, v in steps[n].items()}

@@ -652,14 +652,28 @@ def test_the_kernels_prefetch_distance_never_changes_a_bit():
         mod.q4_prefetch(default)
 
 
+@pytest.mark.parametrize("query", ["int8", "fp32"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 5])
-def test_every_key_scores_the_same_bits_in_a_batch_as_alone(bits, groups):
-    """The compact keys' scoring sums eight keys' dots at once (csrc key_dots8) and the rest one or two at a time:
-    each key's score must not depend on which of those it fell in, nor on its place in the call."""
-    from inference_engine.kv.paged_store import RowQuant
+def test_every_key_scores_the_same_bits_in_a_batch_as_alone(bits, groups, query):
+    """The compact keys' scoring sums eight keys' dots at once (csrc key_dots8 / score_keys_q8) and, with the fp32
+    query, the rest one or two at a time: each key's score must not depend on which of those it fell in, nor on its
+    place in the call. With the int8 query (the default) the kernel gives the float path's bits."""
+    from inference_engine.kv.paged_store import RowQuant, query_int8
 
     mod = _module()
+    if query == "fp32":
+        mod.score_q8(0)
+        try:
+            _scores_alone_and_batched(mod, RowQuant, bits, groups, query)
+        finally:
+            mod.score_q8(1)
+        return
+    assert query_int8() and mod.score_q8() == 1
+    _scores_alone_and_batched(mod, RowQuant, bits, groups, query)
+
+
+def _scores_alone_and_batched(mod, RowQuant, bits, groups, query):
     g = torch.Generator().manual_seed(bits * 10 + groups)
     rq = RowQuant(bits, 64)
     n = 8 * 5 + 3  # whole blocks of eight, then a pair and one
@@ -680,6 +694,9 @@ def test_every_key_scores_the_same_bits_in_a_batch_as_alone(bits, groups):
         assert torch.equal(mod.group_max_scores(q, codes, scale), batch)
     finally:
         mod.score_eight(1)
+    if query == "int8":
+        assert torch.equal(batch, rq.group_max_scores(q, codes, scale, path="float"))
+        return
     want = (q @ rq.decode(pay).reshape(2, 1, n, 64).transpose(-1, -2)).amax(1)  # the decoded keys' scores
     torch.testing.assert_close(batch, want, rtol=1e-4, atol=1e-3)
 

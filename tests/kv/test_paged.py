@@ -150,27 +150,92 @@ def test_row_codecs_round_trip_per_row(codec):
     torch.testing.assert_close(one, y[:1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("queries", [1, 4, 40])  # few queries may score in integers (query limbs), many in float
-@pytest.mark.parametrize("path", [None, "int", "float", "native"])
-def test_scores_over_codes_equal_scores_over_decoded_keys(bits, queries, path):
-    """Every scoring path (whichever this CPU measured fastest, and each forced) gives the decoded keys' scores."""
+def _with_native_kernel():
     from inference_engine.kv import paged_store
 
-    if path == "native" and paged_store._score_kernel is None:
+    if paged_store._score_kernel is None:
         from inference_engine.backends.torch import native
 
         mod = native.load()
         if mod is None:
             pytest.skip("no native extension here")
-        paged_store.set_score_kernel(mod.group_max_scores)
+        paged_store.set_score_kernel(mod.group_max_scores, mod.score_q8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("queries", [1, 4, 40])  # few queries may score in integers, many in float
+@pytest.mark.parametrize("path", [None, "int", "float", "native"])
+def test_scores_over_codes_are_the_int8_querys_exact_dots_on_every_path(bits, queries, path):
+    """With the int8 query (the default), every scoring path (whichever this CPU measured fastest, and each forced)
+    gives the same bits: float(max_g a . codes) * s * scale, a and s as quantize_query makes them, the integer dots
+    taken here in float64 (exact)."""
+    from inference_engine.kv import paged_store
+
+    if path == "native":
+        _with_native_kernel()
+    assert paged_store.query_int8()
     rq = RowQuant(bits, 64)
-    keys = torch.randn(3 * 50, 64)
+    keys = torch.randn(3 * 50, 64) * torch.rand(3 * 50, 1) * 4
     pay = rq.encode(keys)
-    q = torch.randn(3, 2, queries, 64)  # (Hkv, G, T, D)
+    q = torch.randn(3, 3, queries, 64) * 2  # (Hkv, G, T, D)
     got = rq.group_max_scores(q, pay["codes"].reshape(3, 50, -1), pay["scale"].reshape(3, 50, 1), path=path)
-    want = (q @ rq.decode(pay).reshape(3, 1, 50, 64).transpose(-1, -2)).amax(1)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    a, s = paged_store.quantize_query(q)
+    assert a.abs().max() == 127 and torch.equal(a, a.round())
+    ints = (rq.decode(pay) / pay["scale"].float()).round().reshape(3, 1, 50, 64)  # the codes' integers
+    raw = (a.double() @ ints.double().transpose(-1, -2)).amax(1).float()  # (Hkv, T, 50), exact
+    want = raw * s * pay["scale"].reshape(3, 1, 50).float()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("queries", [1, 40])
+def test_the_int8_query_scores_keys_about_as_the_fp32_query_does(bits, queries):
+    """The int8 query's rounding is small against the codes' own: its scores stay within a few % of the scores' spread
+    of the fp32 query's (every path of which gives the decoded keys' scores), and move them by under a quarter of what
+    the 4-bit codes do."""
+    from inference_engine.kv import paged_store
+
+    rq = RowQuant(bits, 64)
+    keys = torch.randn(3 * 200, 64)
+    pay = rq.encode(keys)
+    codes, scale = pay["codes"].reshape(3, 200, -1), pay["scale"].reshape(3, 200, 1)
+    q = torch.randn(3, 3, queries, 64)
+    q8 = rq.group_max_scores(q, codes, scale, path="float")
+    was = paged_store.query_int8(False)
+    try:
+        for path in ("int", "float"):
+            fp = rq.group_max_scores(q, codes, scale, path=path)
+            want = (q @ rq.decode(pay).reshape(3, 1, 200, 64).transpose(-1, -2)).amax(1)
+            torch.testing.assert_close(fp, want, rtol=1e-4, atol=1e-3)
+    finally:
+        paged_store.query_int8(was)
+    spread = fp.std()
+    # measured: max 0.24, mean 0.043 on scores of spread ~6, where the 4-bit codes move them by 0.66 on average
+    assert (q8 - fp).abs().max() < 0.06 * spread and (q8 - fp).abs().mean() < 0.012 * spread
+    exact = (q @ keys.reshape(3, 1, 200, 64).transpose(-1, -2)).amax(1)
+    if bits == 4:  # the codes' own error dwarfs the query's rounding
+        assert (q8 - fp).abs().mean() * 4 < (fp - exact).abs().mean()
+
+
+def test_the_native_kernel_follows_the_query_switch():
+    """query_int8(False) turns the native kernels to the fp32 query too (KAKEYA_PAGE_QUERY=fp32 at start): the
+    native path then scores as the float path within float rounding, and as before bit for bit when switched back."""
+    from inference_engine.kv import paged_store
+
+    _with_native_kernel()
+    rq = RowQuant(4, 64)
+    pay = rq.encode(torch.randn(3 * 64, 64))
+    codes, scale = pay["codes"].reshape(3, 64, -1), pay["scale"].reshape(3, 64, 1)
+    q = torch.randn(3, 3, 1, 64)
+    q8 = rq.group_max_scores(q, codes, scale, path="native")
+    was = paged_store.query_int8(False)
+    try:
+        fp = rq.group_max_scores(q, codes, scale, path="native")
+        torch.testing.assert_close(fp, rq.group_max_scores(q, codes, scale, path="float"), rtol=1e-5, atol=1e-5)
+        assert not torch.equal(fp, q8)
+    finally:
+        paged_store.query_int8(was)
+    assert torch.equal(rq.group_max_scores(q, codes, scale, path="native"), q8)
 
 
 def test_the_scoring_path_is_measured_once_or_set_by_the_environment(monkeypatch):

@@ -1,5 +1,6 @@
 """scripts/research/paged_far_prefill.py on a tiny random-weight int4 model (trained context 2048): `full` to its
-context, `paged` past it with the native step's attention chunk by chunk and row by row; per arm its chunks' times."""
+context, `paged` past it with the native step's attention chunk by chunk and row by row, and with the fp32 query;
+per arm its chunks' times."""
 import json
 import pathlib
 import subprocess
@@ -15,13 +16,14 @@ def test_paged_far_prefill_runs_full_and_both_attention_orders_past_the_context(
     require_native()
     out = tmp_path / "prefill.json"
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama", max_position_embeddings=2048)),
-                        "--tokens", "2560", "--chunk", "256", "--threads", "1", "--arms", "full,native,native/row",
+                        "--tokens", "2560", "--chunk", "256", "--threads", "1", "--arms", "full,native,native/row,native+fp32q",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/paged_far_prefill.py ")
     arms = doc["arms"]
     assert arms["full"]["tokens"] == 2048  # full stops at the trained context
-    for arm in ("native", "native/row"):
+    for arm in ("native", "native/row", "native+fp32q"):
         assert arms[arm]["tokens"] == 2560 and len(arms[arm]["chunk_seconds"]) == 10
         assert arms[arm]["segments"]["past_context"]["tokens"] == 512
+    assert doc["ratios"]["native / native+fp32q, tok/s past_context"] > 0  # the int8 query against the fp32 one

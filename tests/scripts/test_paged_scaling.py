@@ -1,5 +1,5 @@
 """scripts/research/paged_scaling.py on a tiny random-weight int4 model: every length keeps its own cache, the decode
-steps of each (length, variant, arm, K/V dtype) and of the `full` reference are timed in the same rounds, and the JSON
+steps of each (length, variant, arm, K/V dtype, query) and of the `full` reference are timed in the same rounds, and the JSON
 carries the provenance, the per-length figures and the side-by-side ratios. Nothing here reads a timing's value."""
 import json
 import pathlib
@@ -19,7 +19,7 @@ def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path)
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--weights", "int4",
                         "--lengths", "700,1400", "--shortlists", "2", "--repeats", "1", "--decode-steps", str(steps),
                         "--step-arms", "native,native-python-recall", "--full-reference", "600", "--threads", "1",
-                        "--kv-dtypes", "fp32,fp16",
+                        "--kv-dtypes", "fp32,fp16", "--queries", "int8,fp32",
                         "--chunk", "256", "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -27,7 +27,8 @@ def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path)
     assert doc["command"].startswith("scripts/research/paged_scaling.py ") and doc["commit"]
     assert doc["config"]["decode_steps_interleaved"].startswith("each round")
     lengths = doc["lengths"]
-    arms = {f"{a}+kv_{dt}" for a in ("native", "native-python-recall") for dt in ("fp32", "fp16")}
+    arms = {f"{a}+kv_{dt}+q_{q}" for a in ("native", "native-python-recall") for dt in ("fp32", "fp16")
+            for q in ("int8", "fp32")}
     keys = {f"{v}/{a}" for v in ("exact", "2") for a in arms}
     for n in ("700", "1400"):
         assert set(lengths[n]["decode_step_s"]) == keys and lengths[n]["archived_positions"] > 0
@@ -38,5 +39,5 @@ def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path)
     assert set(lengths["full_reference"]["decode_step_s"]) == arms
     ratios = lengths["ratios"]
     assert len(ratios) == 2 * len(keys) and all(v > 0 for v in ratios.values())
-    # every length, dtype and arm took its steps: the whole-step calls counted for both lengths and the reference
-    assert lengths["native_steps"]["whole"] >= steps * 2 * (2 * 2 + 1)
+    # every length, dtype, query and arm took its steps: the whole-step calls counted for both lengths and the reference
+    assert lengths["native_steps"]["whole"] >= steps * 2 * (2 * 2 * 2 + 2)

@@ -261,6 +261,9 @@ struct PagedTask {
   bool far = false;
   const float* q = nullptr;          // its G query rows (G, D) at its position
   std::vector<float> qs;             // those rows as the scoring reads them (rotated to far_distance past the context)
+  std::vector<int8_t> qa;            // qs quantized to int8 (quantize_query; score_q8), its rows' sums and scale
+  std::vector<int32_t> qsum;
+  float qscale = 0.f;
   std::vector<int64_t> cand;         // the pages whose keys are scored
   std::vector<float> cand_best;      // each one's best key score
   std::vector<int64_t> pages;        // the chosen pages, position order
@@ -295,6 +298,11 @@ inline void plan_begin(const PagedConfig& cf, PagedTask& t, PagedRank& rk, int64
   else std::memcpy(rk.qf.data(), t.q, G * D * sizeof(float));
   t.qs.resize(G * D);
   score_layout(rk.qf.data(), G, D, four, t.qs.data());
+  if (score_q8()) {
+    t.qa.resize(G * D);
+    t.qsum.resize(G);
+    t.qscale = quantize_query(t.qs.data(), G, D, t.qa.data(), t.qsum.data());
+  }
   if (cf.S > 0 && n_pages > cf.shortlist_from) {
     rk.shortlist = true;
     rk.ranked.resize(t.c / P);
@@ -366,8 +374,14 @@ inline void score_candidates(const PagedConfig& cf, int64_t l, PagedTask& t, int
     const int64_t j = t.cand[k], n = std::min(P, t.c - j * P);
     const uint8_t* cp = codes.run(l, 0, t.h, j * P, n, cbuf);
     const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, t.h, j * P, n, sbuf));
-    if (four) score_keys_any<true>(t.qs.data(), G, D, cp, sp, 0, n, scores.data());
-    else score_keys_any<false>(t.qs.data(), G, D, cp, sp, 0, n, scores.data());
+    if (!t.qa.empty()) {
+      if (four) score_keys_q8_any<true>(t.qa.data(), t.qsum.data(), t.qscale, G, D, cp, sp, 0, n, scores.data());
+      else score_keys_q8_any<false>(t.qa.data(), t.qsum.data(), t.qscale, G, D, cp, sp, 0, n, scores.data());
+    } else if (four) {
+      score_keys_any<true>(t.qs.data(), G, D, cp, sp, 0, n, scores.data());
+    } else {
+      score_keys_any<false>(t.qs.data(), G, D, cp, sp, 0, n, scores.data());
+    }
     float best = -INFINITY;
     for (int64_t i = 0; i < n; ++i) best = scores[i] > best ? scores[i] : best;
     t.cand_best[k] = best;

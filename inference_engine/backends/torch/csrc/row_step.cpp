@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -623,11 +624,176 @@ inline void score_keys_any(const float* qs, int64_t G, int64_t D, const uint8_t*
   }
 }
 
+// Compact keys scored against the query quantized to int8 (kv/paged_store.RowQuant.group_max_scores, `query_int8`):
+// per (row, KV head) one scale over its G query rows, s = max |q| / 127 (at least 1e-30), a = round-half-even(q / s)
+// in [-127, 127]; a key's score is (max over g of the integer dot a[g] . code) * s * its scale. Integer sums are exact
+// in any order, so every path (this one, torch's float or int8 matmuls, any thread count or vector width) gives the
+// same bits; the query's rounding (2^-8 of its largest element) is far below the 4-bit codes' own (1/7 of a key's).
+// qs: the G rows in the codes' layout (score_layout); a, sums: G x D int8 and the G sums of a[g]; returns s.
+inline float quantize_query(const float* qs, int64_t G, int64_t D, int8_t* a, int32_t* sums) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < G * D; ++i) amax = std::max(amax, std::fabs(qs[i]));
+  float s = amax / 127.f;
+  s = s < 1e-30f ? 1e-30f : s;
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t sum = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      float v = std::nearbyint(qs[g * D + d] / s);
+      v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+      a[g * D + d] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    sums[g] = sum;
+  }
+  return s;
+}
+
+// Scores of keys [c0, c1) against one (row, KV head)'s quantized query (a, sums, s: quantize_query). 4-bit codes are
+// read as unsigned nibbles u = code + 8 (so dot = u . a - 8 sum(a)). With AVX2: 4-bit codes 32 bytes (64 dimensions)
+// per u8 x s8 multiply-add (vpmaddubsw: pairs of products <= 2 * 15 * 127, no saturation), int8 codes 16 dimensions
+// per int16 multiply-add; eight keys' sums reduced at once.
+template <int G, bool FOUR>
+inline void score_keys_q8(const int8_t* a, const int32_t* sums, float s, int64_t D, const uint8_t* codes,
+                          const c10::Half* sc, int64_t c0, int64_t c1, float* out) {
+  const int64_t row_bytes = FOUR ? D / 2 : D;
+  int64_t c = c0;
+#if defined(__AVX2__)
+  if (FOUR ? (D / 2) % 32 == 0 : D % 16 == 0) {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    // the query rows in registers when they fit (4-bit codes of 64 dimensions: two vectors a row)
+    const bool held = FOUR && D == 64;
+    __m256i qe[G], qo[G];
+    if (held)
+      for (int g = 0; g < G; ++g) {
+        qe[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + g * D));
+        qo[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + g * D + 32));
+      }
+    alignas(32) __m256i acc[G][8];
+    for (; c < c1; c += 8) {
+      const int nk = static_cast<int>(std::min<int64_t>(8, c1 - c));
+      for (int k = 0; k < 8; ++k) {
+        __m256i r[G];
+        for (int g = 0; g < G; ++g) r[g] = _mm256_setzero_si256();
+        if (k < nk) {
+          const uint8_t* row = codes + (c + k) * row_bytes;
+          if (held) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+            const __m256i lo = _mm256_and_si256(x, low), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+            for (int g = 0; g < G; ++g)
+              r[g] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, qe[g]), _mm256_maddubs_epi16(hi, qo[g])), ones);
+          } else if (FOUR) {
+            for (int64_t i = 0; i < D / 2; i += 32) {
+              const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
+              const __m256i lo = _mm256_and_si256(x, low), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+              for (int g = 0; g < G; ++g) {
+                const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + g * D + i));
+                const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + g * D + D / 2 + i));
+                r[g] = _mm256_add_epi32(
+                    r[g], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, e), _mm256_maddubs_epi16(hi, o)), ones));
+              }
+            }
+          } else {
+            for (int64_t i = 0; i < D; i += 16) {
+              const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
+              for (int g = 0; g < G; ++g) {
+                const __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + g * D + i)));
+                r[g] = _mm256_add_epi32(r[g], _mm256_madd_epi16(x, q));
+              }
+            }
+          }
+        }
+        for (int g = 0; g < G; ++g) acc[g][k] = r[g];
+      }
+      __m256i best = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
+      for (int g = 0; g < G; ++g) {  // lanes k: key c + k's dot with row g (key_dots8's shuffles, integer adds)
+        constexpr int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+        __m256i t4[4];
+        for (int q = 0; q < 4; ++q) {
+          const __m256i x = acc[g][order[2 * q]], y = acc[g][order[2 * q + 1]];
+          t4[q] = _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20), _mm256_permute2x128_si256(x, y, 0x31));
+        }
+        __m256i t2[2];
+        for (int q = 0; q < 2; ++q)
+          t2[q] = _mm256_add_epi32(_mm256_unpacklo_epi64(t4[2 * q], t4[2 * q + 1]), _mm256_unpackhi_epi64(t4[2 * q], t4[2 * q + 1]));
+        const __m256 f0 = _mm256_castsi256_ps(t2[0]), f1 = _mm256_castsi256_ps(t2[1]);
+        __m256i dots = _mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(f0, f1, 0x88)),
+                                        _mm256_castps_si256(_mm256_shuffle_ps(f0, f1, 0xDD)));
+        if (FOUR) dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(8 * sums[g]));
+        best = _mm256_max_epi32(best, dots);
+      }
+      // (float(best) * s) * scale, as the scalar loop below rounds it (the scales widened exactly, F16C or not)
+      __m256 sv;
+#if defined(__F16C__)
+      if (nk == 8) {
+        sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + c)));
+      } else
+#endif
+      {
+        alignas(32) float w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int k = 0; k < nk; ++k) w[k] = static_cast<float>(sc[c + k]);
+        sv = _mm256_load_ps(w);
+      }
+      const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(best), _mm256_set1_ps(s)), sv);
+      if (nk == 8) {
+        _mm256_storeu_ps(out + c, v);
+      } else {
+        alignas(32) float w[8];
+        _mm256_store_ps(w, v);
+        for (int k = 0; k < nk; ++k) out[c + k] = w[k];
+      }
+    }
+    return;
+  }
+#endif
+  for (; c < c1; ++c) {
+    const uint8_t* row = codes + c * row_bytes;
+    int32_t best = std::numeric_limits<int32_t>::min();
+    for (int g = 0; g < G; ++g) {
+      int32_t dot = 0;
+      if (FOUR)
+        for (int64_t i = 0; i < D / 2; ++i)
+          dot += (static_cast<int32_t>(row[i] & 15) - 8) * a[g * D + i] + (static_cast<int32_t>(row[i] >> 4) - 8) * a[g * D + D / 2 + i];
+      else
+        for (int64_t i = 0; i < D; ++i) dot += static_cast<int32_t>(reinterpret_cast<const int8_t*>(row)[i]) * a[g * D + i];
+      best = dot > best ? dot : best;
+    }
+    out[c] = static_cast<float>(best) * s * static_cast<float>(sc[c]);
+  }
+}
+
+// Any G: groups of up to 4 query rows, the integer max carried across them (the same as one group's: exact).
+template <bool FOUR>
+inline void score_keys_q8_any(const int8_t* a, const int32_t* sums, float s, int64_t G, int64_t D, const uint8_t* codes,
+                              const c10::Half* sc, int64_t c0, int64_t c1, float* out) {
+  switch (G) {
+    case 1: return score_keys_q8<1, FOUR>(a, sums, s, D, codes, sc, c0, c1, out);
+    case 2: return score_keys_q8<2, FOUR>(a, sums, s, D, codes, sc, c0, c1, out);
+    case 3: return score_keys_q8<3, FOUR>(a, sums, s, D, codes, sc, c0, c1, out);
+    case 4: return score_keys_q8<4, FOUR>(a, sums, s, D, codes, sc, c0, c1, out);
+    default: {  // float(int) * s * scale is monotone in the int for a fixed s * scale > 0: the max of the groups' scores
+      std::vector<float> part(c1);
+      for (int64_t k = c0; k < c1; ++k) out[k] = -INFINITY;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = std::min<int64_t>(4, G - g0);
+        score_keys_q8_any<FOUR>(a + g0 * D, sums + g0, s, gn, D, codes, sc, c0, c1, part.data());
+        for (int64_t k = c0; k < c1; ++k) out[k] = part[k] > out[k] ? part[k] : out[k];
+      }
+    }
+  }
+}
+
+// Whether compact keys are scored against the int8 query (1, the default) or the fp32 one (0: the choice before; kv/
+// paged_store.query_int8 sets it with its own paths, so every path of a process scores alike).
+inline int64_t& score_q8() {
+  static int64_t on = 1;
+  return on;
+}
+
 // kv/paged_store.RowQuant.group_max_scores in one pass: q (B, G, M, D) fp32, compact keys (B, C, D/2) uint8 (two
 // 4-bit codes a byte, low nibble = even dimension, value = code - 8) or (B, C, D) int8, scale (B, C, 1) fp16 ->
-// (B, M, C) fp32: max over g of q[b, g, m] . codes[b, c], times scale[b, c]. Each key's codes are decoded once per
-// query row set, straight from the packed bytes, and dotted with the G query rows in 8-float vectors; nothing else
-// is read or written. The page choice of a decode step scores thousands of keys per layer with it (torch's path:
+// (B, M, C) fp32: max over g of q[b, g, m] . codes[b, c], times scale[b, c], q quantized to int8 per (b, m) first
+// (score_q8, the default: quantize_query, score_keys_q8) or as it is. Each key's codes are read once per query row
+// set, straight from the packed bytes, and dotted with the G query rows in vectors; nothing else is read or written. The page choice of a decode step scores thousands of keys per layer with it (torch's path:
 // unpack, convert, two batched matmuls, a max: ~10 calls and a float copy of every code).
 at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "group_max_scores: q must be (B, G, M, D) fp32");
@@ -656,8 +822,17 @@ at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const 
       const int64_t bm = t / blocks, b = bm / M, c0 = (t % blocks) * block, c1 = std::min(C, c0 + block);
       const float* qrow = qp + bm * G * D;
       const uint8_t* crow = cp + b * C * row_bytes;
-      if (four) score_keys_any<true>(qrow, G, D, crow, sp + b * C, c0, c1, op + bm * C);
-      else score_keys_any<false>(qrow, G, D, crow, sp + b * C, c0, c1, op + bm * C);
+      if (score_q8()) {
+        std::vector<int8_t> a(G * D);
+        std::vector<int32_t> sums(G);
+        const float s = quantize_query(qrow, G, D, a.data(), sums.data());
+        if (four) score_keys_q8_any<true>(a.data(), sums.data(), s, G, D, crow, sp + b * C, c0, c1, op + bm * C);
+        else score_keys_q8_any<false>(a.data(), sums.data(), s, G, D, crow, sp + b * C, c0, c1, op + bm * C);
+      } else if (four) {
+        score_keys_any<true>(qrow, G, D, crow, sp + b * C, c0, c1, op + bm * C);
+      } else {
+        score_keys_any<false>(qrow, G, D, crow, sp + b * C, c0, c1, op + bm * C);
+      }
     }
   });
   return out;
@@ -1347,6 +1522,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("score_eight", &score_eight,
          "whether the compact keys' scoring sums eight keys at once (1, the default) or one or two at a time (0); the "
          "same bits either way");
+  toggle("score_q8", &score_q8,
+         "whether compact keys are scored against the query quantized to int8 (1, the default: exact integer dots, "
+         "the same bits on every path) or the fp32 query (0: before; kv/paged_store.query_int8 sets both sides)");
   toggle("rows_apart", &rows_apart_on,
          "whether a step of several rows shares its per-row loops and its attention's tasks (over short histories too) "
          "out to the threads (1, the default) or runs them on one thread as before (0); the same bits either way");
