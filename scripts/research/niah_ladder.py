@@ -98,6 +98,9 @@ ARMS = {
     # the same with fp16 K/V (--kv-dtype fp16: the slab and the page store in fp16)
     "paged_4+508_p64_m8+kv_fp16": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
                                        kv_dtype="fp16"),
+    # the compact keys scored against the fp32 query (the choice before the int8 query, kv/paged_store.query_int8)
+    "paged_4+508_p64_m8+q_fp32": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
+                                      page_query="fp32"),
     "paged_4+508_p64_m8_s32": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=32,
                                    page_shortlist_from=0),
     "paged_4+508_p64_m8_s64": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=64,
@@ -308,6 +311,7 @@ def main() -> int:
 
     import kakeya
     from inference_engine.model_store import resolve_model
+    from inference_engine.kv import paged_store
     from inference_engine.kv.registry import research_options
     from inference_engine.server.app import ServeConfig, build_runtime, load_model, start
 
@@ -337,7 +341,9 @@ def main() -> int:
         fields = {f.name for f in dataclasses.fields(ServeConfig)}
         research_fields = set(research_options())
         overrides = ARMS[arm]
-        product = {k: v for k, v in overrides.items() if k not in research_fields}
+        # page_query: a process switch, not a ServeConfig field (set for this arm, back to the default after)
+        paged_store.query_int8(overrides.get("page_query", "int8") == "int8")
+        product = {k: v for k, v in overrides.items() if k not in research_fields and k != "page_query"}
         research = {k: v for k, v in overrides.items() if k in research_fields}
         missing = sorted(set(product) - fields)
         if missing:

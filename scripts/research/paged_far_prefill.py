@@ -13,9 +13,10 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
                         the path before csrc/paged_rows.h;
   <arm>+fp32q           that arm with the compact keys scored against the fp32 query (kv/paged_store.query_int8(False):
                         the choice before the int8 query became the default).
-Per arm: each chunk's seconds, the cumulative seconds at 4,096 and 7,680 tokens, and the rate per segment (up to 2k,
-2k to 4k, 4k to the trained context, past it, and the last 4,096 tokens). The logits of the chunk ending at 7,680
-tokens of each paged arm against `full`'s (max abs difference; argmax equal).
+--interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
+every arm alike), else one after another. Per arm: each chunk's seconds, the cumulative seconds at 4,096 and 7,680
+tokens, and the rate per segment (up to 2k, 2k to 4k, 4k to the trained context, past it, and the last 4,096 tokens).
+The logits of the chunk ending at 7,680 tokens of each paged arm against `full`'s (max abs difference; argmax equal).
 
     .venv/bin/python scripts/research/paged_far_prefill.py --tokens 32768 --arm-tokens full=7680,python-recall=9216
 """
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", default="full,native,python-recall")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the arms chunk by chunk in turn (side by side) instead of one after another")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
 
@@ -67,25 +70,43 @@ def main(argv=None) -> int:
     arms, last = {}, {}
     from inference_engine.kv import paged_store
 
-    for arm in args.arms.split(","):
-        base = arm.split("/")[0].split("+")[0]
+    def setup(arm: str) -> None:  # the process switches an arm runs under
         paged_store.query_int8("+fp32q" not in arm)
         native.paged_recall = "python" if arm == "python-recall" else "whole"
         native.module.order_by_data(0 if "/row" in arm else 1)
-        n = min(args.tokens, caps.get(arm, args.tokens), ctx if base == "full" else args.tokens)
-        cache = make_cache(KVStrategy("full") if base == "full" else paged, model.geometry(), max_step=args.chunk,
-                           max_context=ctx)
-        chunks = []
-        with torch.inference_mode():
-            for a in range(0, n, args.chunk):
-                part = ids[a:min(a + args.chunk, n)]
-                t = time.perf_counter()
-                logits, _ = forward(model, model.tensor(part), range(a, a + len(part)), cache, logits="last")
-                cache.commit()
-                chunks.append((a + len(part), time.perf_counter() - t))
-                if a + len(part) == CHECKPOINTS[-1]:
-                    last[arm] = logits.float()
-                print(f"{arm}: {a + len(part)} tokens, chunk {chunks[-1][1]:.2f} s", flush=True)
+
+    names = args.arms.split(",")
+    base = {arm: arm.split("/")[0].split("+")[0] for arm in names}
+    n_of = {arm: min(args.tokens, caps.get(arm, args.tokens), ctx if base[arm] == "full" else args.tokens) for arm in names}
+    caches = {arm: make_cache(KVStrategy("full") if base[arm] == "full" else paged, model.geometry(), max_step=args.chunk,
+                              max_context=ctx) for arm in names}
+    chunks_of: dict = {arm: [] for arm in names}
+
+    def run_chunk(arm: str, a: int) -> None:
+        setup(arm)
+        n = n_of[arm]
+        part = ids[a:min(a + args.chunk, n)]
+        t = time.perf_counter()
+        logits, _ = forward(model, model.tensor(part), range(a, a + len(part)), caches[arm], logits="last")
+        caches[arm].commit()
+        chunks_of[arm].append((a + len(part), time.perf_counter() - t))
+        if a + len(part) == CHECKPOINTS[-1]:
+            last[arm] = logits.float()
+        print(f"{arm}: {a + len(part)} tokens, chunk {chunks_of[arm][-1][1]:.2f} s", flush=True)
+
+    with torch.inference_mode():
+        if args.interleave:  # chunk by chunk, every arm in turn: a drift in the box's speed lands on every arm alike
+            for a in range(0, max(n_of.values()), args.chunk):
+                for arm in names:
+                    if a < n_of[arm]:
+                        run_chunk(arm, a)
+        else:
+            for arm in names:
+                for a in range(0, n_of[arm], args.chunk):
+                    run_chunk(arm, a)
+    for arm in names:
+        n, chunks = n_of[arm], chunks_of[arm]
+        caches[arm] = None  # free it
 
         def span(lo: int, hi: int) -> dict | None:
             s = [(end, dt) for end, dt in chunks if lo < end <= hi]

@@ -18,6 +18,11 @@ also makes the shortlisted choice for each S, from the same queries and the same
                   fraction of the pages scored now; and how often a page's exact score exceeded its bound (the
                   bound must hold for such a stop to be exact)
 
+With --compare-query, every choice (exact and each S) is also made with the compact keys scored against the fp32
+query (kv/paged_store.query_int8(False): the choice before the int8 query became the default), from the same queries
+and keys, and compared with the int8 query's: `query_fp32_vs_int8` per rung, exact and per S (same_set, pages_found,
+best_page_found of the int8 query's choice against the fp32 one's).
+
 The end-to-end recall of a shortlisted arm is niah_ladder.py's (arm paged_4+508_p64_m8_s32).
 
     .venv/bin/python scripts/research/paged_shortlist.py --rungs 4000,7500 --samples 4 --shortlists 16,32,64
@@ -49,6 +54,7 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare-query", action="store_true", help="also choose with the fp32 query and compare")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
 
@@ -57,6 +63,7 @@ def main() -> int:
 
     from inference_engine.engine.generate import Engine
     from inference_engine.engine.requests import GenerateParams
+    from inference_engine.kv import paged_store
     from inference_engine.kv.paged import PagedCache
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
@@ -82,6 +89,12 @@ def main() -> int:
         if decode:
             cell["exact"]["select_s"] += t1 - t0
         exact = torch.zeros(*idx.shape[:2], plan["n_pages"], dtype=torch.bool).scatter_(-1, idx, ok)
+        qcell = cell.setdefault("query", {})
+        if args.compare_query:  # the same choice with the fp32 query
+            paged_store.query_int8(False)
+            fidx, fok = exact_choose(self, layer, q, k_all, plan, w)
+            paged_store.query_int8(True)
+            _agree(qcell.setdefault("exact", {}), exact, torch.zeros_like(exact).scatter_(-1, fidx, fok), fidx, fok)
         self.shortlist = shortlists[0]
         self._update_bounds()  # the bounds a shortlisted cache keeps (built as pages complete), outside the timing
         for s in shortlists:
@@ -92,6 +105,13 @@ def main() -> int:
             else:
                 sidx, sok = exact_choose(self, layer, q, k_all, plan, w)
             t3 = time.perf_counter()
+            if args.compare_query:
+                paged_store.query_int8(False)
+                fidx, fok = (self._choose_shortlisted(layer, q, k_all, plan, w) if plan["n_pages"] > s
+                             else exact_choose(self, layer, q, k_all, plan, w))
+                paged_store.query_int8(True)
+                _agree(qcell.setdefault(s, {}), torch.zeros_like(exact).scatter_(-1, sidx, sok),
+                       torch.zeros_like(exact).scatter_(-1, fidx, fok), fidx, fok)
             self.shortlist = 0
             got = torch.zeros_like(exact).scatter_(-1, sidx, sok)
             c = cell[s]
@@ -153,10 +173,25 @@ def main() -> int:
                     "pages_that_must_be_scored": c["es_needed"] / c["es_rows"],
                     "fraction_that_must_be_scored": c["es_needed"] / max(c["es_scored"], 1),
                     "exact_above_bound": c["es_violations"], "queries": c["es_rows"]}
+        if cell["query"]:
+            row["query_fp32_vs_int8"] = {str(k): {"same_set": c["same"] / c["rows"],
+                                                  "pages_found": c["found"] / max(c["ref_pages"], 1),
+                                                  "best_page_found": c["best_found"] / c["rows"], "choices": c["rows"]}
+                                         for k, c in cell["query"].items()}
         out[rung] = row
     write_json(pathlib.Path(args.out), meta | {"rungs": out})
     print(out)
     return 0
+
+
+def _agree(c: dict, got, ref, ridx, rok) -> None:
+    """Adds to cell c how the choice `got` (int8 query) agrees with `ref` (fp32 query): (Hkv, T, pages) bool each;
+    ridx / rok: ref's pages in topk order (its best first)."""
+    c["same"] = c.get("same", 0) + int((got == ref).all(-1).sum())
+    c["found"] = c.get("found", 0) + int((got & ref).sum())
+    c["best_found"] = c.get("best_found", 0) + int((got.gather(-1, ridx[..., :1]) | ~rok[..., :1]).sum())
+    c["rows"] = c.get("rows", 0) + ref.shape[0] * ref.shape[1]
+    c["ref_pages"] = c.get("ref_pages", 0) + int(ref.sum())
 
 
 def _early_stop(c: dict, sc: dict, m: int) -> None:

@@ -16,7 +16,8 @@ def test_paged_far_prefill_runs_full_and_both_attention_orders_past_the_context(
     require_native()
     out = tmp_path / "prefill.json"
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama", max_position_embeddings=2048)),
-                        "--tokens", "2560", "--chunk", "256", "--threads", "1", "--arms", "full,native,native/row,native+fp32q",
+                        "--tokens", "2560", "--chunk", "256", "--threads", "1", "--interleave",
+                        "--arms", "full,native,native/row,native+fp32q",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
