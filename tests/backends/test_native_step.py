@@ -970,3 +970,25 @@ def test_the_recalled_rows_attention_is_torchs_two_part_attention_to_float_round
     bias_w = torch.where(mask_w, 0.0, ninf)
     want = attend_row_two_part(qj, kr, vr, bias_r, ks[:, :n], vs[:, :n], bias_w, s.attn_scale or d ** -0.5)
     torch.testing.assert_close(got, want.reshape(-1, d), rtol=1e-4, atol=1e-5)
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path):
+    """torch's extension build waits while a `lock` file sits in the build directory; a daemon killed mid-build left
+    one, and every later start waited on it forever (a test run hung on it). The build now runs under an flock (the
+    kernel drops it with its holder), and whoever holds it removes such a leftover before torch looks at it; a second
+    builder of the same key waits for the first instead."""
+    import fcntl
+    import inspect
+
+    from torch.utils import cpp_extension
+
+    from inference_engine.backends.torch import native
+
+    assert "'lock'" in inspect.getsource(cpp_extension._jit_compile)  # the file torch waits on (FileBaton)
+    (tmp_path / "lock").touch()  # what a killed build leaves
+    with native._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "build.flock", "a") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another builder waits while this one builds
+    with open(tmp_path / "build.flock", "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after

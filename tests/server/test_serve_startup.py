@@ -175,9 +175,10 @@ def test_activations_set_the_native_int4_kernels_planes_and_fail_loudly_where_it
 
 def test_kv_dtype_auto_is_fp16_where_the_native_steps_avx2_attention_reads_it_and_fp32_elsewhere():
     """--kv-dtype auto (the default) resolves once the model is loaded: fp16 for full / sink_window where the native
-    CPU row step runs with its AVX2 attention (where fp16 slabs were measured faster with the same agreement), fp32
-    for paged, without the native step (fp32 weights, --compile off) or with the 16-lane attention; a value given
-    is kept; the engine's strategy carries what it resolved to."""
+    CPU row step runs with its AVX2 attention (where fp16 slabs were measured faster with the same agreement), and for
+    paged with exact pages (identity: its page store in fp16 too); fp32 for paged with coded pages, without the native
+    step (fp32 weights, --compile off) or with the 16-lane attention; a value given is kept; the engine's strategy
+    carries what it resolved to."""
     from factories import require_native
 
     from inference_engine.server.app import _load_model, build_engine, resolve_kv_dtype
@@ -190,7 +191,11 @@ def test_kv_dtype_auto_is_fp16_where_the_native_steps_avx2_attention_reads_it_an
     assert resolve_kv_dtype(ServeConfig(), int4) == ("fp16" if avx2 else "fp32")
     assert resolve_kv_dtype(ServeConfig(kv_strategy="sink_window"), int4) == ("fp16" if avx2 else "fp32")
     assert build_engine(ServeConfig(model=tiny, weights="int4"), int4).strategy.kv_dtype == ("fp16" if avx2 else "fp32")
-    assert resolve_kv_dtype(ServeConfig(kv_strategy="paged"), int4) == "fp32"
+    assert resolve_kv_dtype(ServeConfig(kv_strategy="paged"), int4) == ("fp16" if avx2 else "fp32")
+    assert build_engine(ServeConfig(model=tiny, weights="int4", kv_strategy="paged"), int4).strategy.kv_dtype == (
+        "fp16" if avx2 else "fp32")
+    assert resolve_kv_dtype(ServeConfig(kv_strategy="paged", page_compressor="int8"), int4) == "fp32"
+    assert resolve_kv_dtype(ServeConfig(kv_compressor="kakeya_e8"), int4) == "fp32"
     assert resolve_kv_dtype(ServeConfig(kv_dtype="fp32"), int4) == "fp32"
     assert resolve_kv_dtype(ServeConfig(kv_dtype="int8"), int4) == "int8"
     if avx2:

@@ -21,6 +21,7 @@ projection and RoPE, then the caller's attention, then the output projection and
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -101,9 +102,10 @@ def load(verbose: bool = False):
             d.mkdir(parents=True, exist_ok=True)
             if not cached:
                 log.info("building the native CPU row step (C++, once per machine and torch version) in %s", d)
-            _module = cpp_extension.load(name="kakeya_row_step", sources=[str(SOURCE)], build_directory=str(d),
-                                         extra_cflags=CFLAGS,
-                                         extra_ldflags=["-fopenmp"], verbose=verbose)
+            with _build_lock(d):
+                _module = cpp_extension.load(name="kakeya_row_step", sources=[str(SOURCE)], build_directory=str(d),
+                                             extra_cflags=CFLAGS,
+                                             extra_ldflags=["-fopenmp"], verbose=verbose)
         except Exception as e:  # no compiler, headers or a failed build: the Python step stays
             _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             log.warning("native CPU row step unavailable (%s); decode steps run in Python", _failed)
@@ -111,6 +113,25 @@ def load(verbose: bool = False):
         build_seconds = time.perf_counter() - t0
         log.info("native CPU row step %s in %.1f s", "loaded" if cached else "built", build_seconds)
         return _module
+
+
+@contextlib.contextmanager
+def _build_lock(d: pathlib.Path):
+    """Held around a build in d: an flock, which the kernel releases when its holder dies. torch's own build lock (a
+    `lock` file in d, waited on while it exists) outlives a process killed mid-build, and every later start then waited
+    on it forever; holding the flock, no other process of ours is building in d, so such a file is stale and goes."""
+    import fcntl
+
+    with open(d / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # another process building the same key: wait for it (then load its build)
+        try:
+            stale = d / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that was killed before it finished", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def unavailable_reason() -> str | None:
