@@ -25,7 +25,8 @@ its page choice, page reads and attention included, csrc/paged_rows.h), `native-
 layer by layer between the C++ segments of the dense work, backends/torch/native.NativeSegments: what a verify block
 runs), `native-python-recall` (the segments, page choice and attention in kv/paged.py: the native step before
 csrc/paged_rows.h), `native-keys1` (the default step with the compact keys' dots summed one or two keys at a time,
-as before key_dots8: the same bits). --full-reference N also times
+as before key_dots8: the same bits; the fp32 query's kernel only, so with `--queries fp32`). --full-reference N also
+times
 `full` at N tokens of the same random history through the native whole-step call (issue 29: paged at 32k >= 0.9x
 full at 1k). --kv-dtypes fp32,fp16 times every cell (and `full`) with each resident K/V dtype (`--kv-dtype`: fp16
 keeps the slab and the page store in fp16), interleaved as well; keys then end in `+kv_fp16` / `+kv_fp32`.
