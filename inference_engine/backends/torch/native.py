@@ -33,6 +33,8 @@ import time
 import numpy as np
 import torch
 
+from inference_engine.backends.torch import hugepages
+
 log = logging.getLogger("kakeya")
 
 LINEAR_KINDS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -184,7 +186,7 @@ class NativeRowStep:
         s = model.spec
         self.model = model
         self.q4 = bool(q4 and module.q4_isa() > 0)
-        kinds, tensors = [], []
+        kinds, tensors, packed = [], [], []  # packed: where tensors holds the int4 kernel's blocks
         per_kind = (planes,) * 4 if isinstance(planes, int) else tuple(planes)
         if len(per_kind) != 4 or any(p not in (1, 2) for p in per_kind):
             raise ValueError(f"planes must be 1, 2 or four of them (wqkv, wo, w_gate_up, w_down), got {planes!r}")
@@ -197,9 +199,11 @@ class NativeRowStep:
                 if isinstance(lin, Int4Linear) and self.q4 and p == 1 and (i, kind) in chosen:
                     channels = chosen[i, kind]
                     kinds.append(5)
+                    packed.append(len(tensors))
                     tensors += [q4_pack(module, lin), channels]
                 elif isinstance(lin, Int4Linear) and self.q4:
                     kinds.append(3 if p == 2 else 4)
+                    packed.append(len(tensors))
                     tensors += [q4_pack(module, lin), torch.empty(0)]
                 elif isinstance(lin, Int4Linear):
                     kinds.append(2)
@@ -208,16 +212,25 @@ class NativeRowStep:
                     kinds.append(1)
                     tensors += [lin.q, lin.scales]
         tensors.append(model.final_norm_weight.float().contiguous())
+        # the int4 kernel's blocks (made here, streamed once a step) in one map with huge pages where the OS gives them
+        self.arena = None
+        if packed:
+            self.arena = hugepages.Arena([tensors[i] for i in packed])
+            for i, v in zip(packed, self.arena.views):
+                tensors[i] = v
         down = model.layers[0].w_down
         inter = down.shape[1] if isinstance(down, Int4Linear) else down.q.shape[1]
         scale = s.attn_scale if s.attn_scale is not None else s.head_dim ** -0.5
         self.step = module.RowStep(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, inter, float(s.rms_eps),
                                    float(scale), kinds, tensors)
         head = model.head
+        self.head_arena = None
         if self.q4 and isinstance(head, RefinedHead) and isinstance(head.greedy_approx, Int4Linear):
             rows, n = head.w, head.w.shape[0]
             # the head's 4-bit copy, then its residual (what the kernel's copy leaves of the fp32 rows) in 4 bits
             both = torch.cat([q4_pack(module, head.greedy_approx), q4_pack_residual(module, head.w, head.greedy_approx)])
+            self.head_arena = hugepages.Arena([both])
+            both = self.head_arena.views[0]
             first = both[: n // 16]
             greedy_refine, refine = min(head.greedy_refine, n), min(head.refine, n)
             # greedy: the copy with one int8 plane (only which 64 candidates the exact rescoring sees depends on it);
@@ -226,6 +239,10 @@ class NativeRowStep:
             # (scripts/research/sampled_head.py)
             head.greedy_kernel = lambda x: module.refined_head(x.float(), first, rows, greedy_refine, 1)
             head.kernel = lambda x: module.refined_head(x.float(), both, rows, refine, 2)
+        arenas = [a for a in (self.arena, self.head_arena) if a is not None]
+        if arenas:
+            log.info("native step: %.1f MB of int4 blocks, %.1f MB of them in huge pages (asked: %s)",
+                     sum(a.nbytes for a in arenas) / 2**20, sum(a.huge_bytes() for a in arenas) / 2**20, arenas[0].huge)
         from inference_engine.kv import paged_store
 
         # the page choice's one-pass scoring of compact keys (kv/paged_store measures whether it is the fastest path)
