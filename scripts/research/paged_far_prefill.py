@@ -12,7 +12,9 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
                         layer, `_attend_far_chunk` past the context), the dense work in the native step's segments:
                         the path before csrc/paged_rows.h;
   <arm>+fp32q           that arm with the compact keys scored against the fp32 query (kv/paged_store.query_int8(False):
-                        the choice before the int8 query became the default).
+                        the choice before the int8 query became the default);
+  <arm>+rowbounds       that arm with every row of a chunk making the bounds of the pages past the bounds table itself
+                        (the module's made_bounds(0): before they were made once a layer; the same bits).
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
 every arm alike), else one after another. Per arm: each chunk's seconds, the cumulative seconds at 4,096 and 7,680
 tokens, and the rate per segment (up to 2k, 2k to 4k, 4k to the trained context, past it, and the last 4,096 tokens).
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
 
     def setup(arm: str) -> None:  # the process switches an arm runs under
         paged_store.query_int8("+fp32q" not in arm)
+        native.module.made_bounds(0 if "+rowbounds" in arm else 1)
         native.paged_recall = "python" if arm == "python-recall" else "whole"
         native.module.order_by_data(0 if "/row" in arm else 1)
 
@@ -127,14 +130,17 @@ def main(argv=None) -> int:
             arms[arm]["whole_over_to_2k"] = round(arms[arm]["whole_tok_s"] / segments["to_2k"]["tok_s"], 3)
     native.paged_recall = "whole"
     native.module.order_by_data(1)
+    native.module.made_bounds(1)
     paged_store.query_int8(True)
     ratios = {}
-    for arm in arms:  # the int8 query's rate over the fp32 one's, per segment
-        other = arms.get(arm + "+fp32q")
-        if other is not None:
+    for arm in arms:  # an arm's rate over its variant's (the int8 query over the fp32 one, bounds made once over per row)
+        for suffix in ("+fp32q", "+rowbounds"):
+            other = arms.get(arm + suffix)
+            if other is None:
+                continue
             for seg, v in arms[arm]["segments"].items():
                 if v and other["segments"].get(seg):
-                    ratios[f"{arm} / {arm}+fp32q, tok/s {seg}"] = round(v["tok_s"] / other["segments"][seg]["tok_s"], 3)
+                    ratios[f"{arm} / {arm}{suffix}, tok/s {seg}"] = round(v["tok_s"] / other["segments"][seg]["tok_s"], 3)
     for arm in arms:
         if arm == "full" or "full" not in arms:
             continue

@@ -824,6 +824,35 @@ def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_
     assert torch.equal(runs["chunks"], runs["steps"])
 
 
+@pytest.mark.parametrize("strategy", [SHORTLISTED, SHORTLISTED_FP16], ids=["shortlisted-spilled", "shortlisted-spilled-fp16"])
+def test_a_prefill_chunk_ranks_its_own_pages_by_bounds_made_once_with_the_same_bits(strategy):
+    """The whole pages past the bounds table (those a prefill chunk completes, ranked by each of its later rows) get
+    their bounds made once a layer (csrc/paged_rows.h MadeBounds) instead of by every row that ranks them: the same
+    bits as each row making its own (made_bounds 0) and as one-token steps."""
+    mod = _module()
+    m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
+    assert m.use_native_step() is True
+    history = _prompt(160, seed=4)
+    runs = {}
+    was = mod.made_bounds(-1)
+    try:
+        for name, chunk, made in (("made", 16, 1), ("per-row", 16, 0), ("steps", 1, 1)):
+            mod.made_bounds(made)
+            cache = _cache(m, strategy, 16)
+            out = []
+            for i in range(0, 160, chunk):
+                part = history[i:i + chunk]
+                logits, _ = steps.forward(m, m.tensor(part), range(i, i + len(part)), cache, row_exact=chunk == 1)
+                cache.commit()
+                out.append(logits)
+            assert cache.shortlisting and cache.far_active  # the shortlist ranks pages, past the context too
+            runs[name] = torch.cat(out)
+    finally:
+        mod.made_bounds(was)
+    assert torch.equal(runs["made"], runs["per-row"])
+    assert torch.equal(runs["made"], runs["steps"])
+
+
 @pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED,
                                       KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, kv_dtype="fp16"),
                                       SHORTLISTED_FP16],

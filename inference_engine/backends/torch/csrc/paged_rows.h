@@ -312,9 +312,26 @@ inline void plan_begin(const PagedConfig& cf, PagedTask& t, PagedRank& rk, int64
   }
 }
 
+// The bounds of whole pages [lo, hi) past the bounds table (the pages a prefill chunk completes: every row of the chunk
+// ranks them), made once a layer for every KV head from the codes of the table's kind (far_keys' once choice past the
+// context began), as rank_pages would make them row by row: page_bound is a function of the page's codes, so the same
+// bits. (Hkv, hi - lo, 2, D) fp16.
+// Whether a step makes those bounds once a layer (1, the default) or each ranking row makes its own (0: before; research
+// scripts time the difference); the same bits either way.
+inline int64_t& made_bounds() {
+  static int64_t on = 1;
+  return on;
+}
+
+struct MadeBounds {
+  int64_t lo = 0, hi = 0;
+  std::vector<c10::Half> b;
+  const c10::Half* at(int64_t h, int64_t j, int64_t D) const { return b.data() + ((h * (hi - lo) + (j - lo)) * 2) * D; }
+};
+
 inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, PagedRank& rk, int64_t j0, int64_t j1,
                        int64_t G, int64_t D, const PagedRows& codes, const PagedRows& scales, const c10::Half* bounds,
-                       int64_t bounds_cap, int64_t Hkv) {
+                       int64_t bounds_cap, int64_t Hkv, const MadeBounds& made_b) {
   const int64_t P = cf.P;
   const bool four = codes.tier.width * 2 == D;
   std::vector<c10::Half> made(2 * D);
@@ -336,9 +353,12 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
 #endif
   for (; j < j1; ++j) {
     const c10::Half *hi, *lo;
-    if (table && j < cf.bounds_rows) {  // else made here from its codes at true positions
+    if (table && j < cf.bounds_rows) {  // else made once a layer (made_b), or here from its codes at true positions
       hi = hi_t + j * D;
       lo = lo_t + j * D;
+    } else if (table && j >= made_b.lo && j < made_b.hi) {
+      hi = made_b.at(t.h, j, D);
+      lo = hi + D;
     } else {
       const uint8_t* cp = codes.run(l, 0, t.h, j * P, P, cbuf);
       const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, t.h, j * P, P, sbuf));

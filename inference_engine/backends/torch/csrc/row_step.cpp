@@ -1296,12 +1296,40 @@ class RowStep {
       plan_begin(cf, t, ranks[i], G, D, t.far ? far_codes : codes, freq);
       for (int64_t j = 0; j < static_cast<int64_t>(ranks[i].ranked.size()); j += kRankPages) items.push_back({i, j});
     }
+    // the whole pages past the bounds table that several rows rank (a prefill chunk's own): their bounds made once
+    MadeBounds made_b;
+    made_b.lo = made_b.hi = cf.bounds_rows;
+    int64_t ranking = 0;  // tasks that rank from the table
+    for (int64_t i = 0; i < T * Hkv; ++i)
+      if (ranks[i].shortlist && cf.bounds_far == tasks[i].far) {
+        made_b.hi = std::max<int64_t>(made_b.hi, ranks[i].ranked.size());
+        ++ranking;
+      }
+    if (made_bounds() && ranking > Hkv && made_b.hi > made_b.lo) {  // else each page is ranked by one task at most: made where it is read
+      const int64_t n = made_b.hi - made_b.lo;
+      const PagedRows &mc = cf.bounds_far ? far_codes : codes, &ms = cf.bounds_far ? far_scales : scales;
+      const bool four = mc.tier.width * 2 == D;
+      made_b.b.resize(Hkv * n * 2 * D);
+      at::parallel_for(0, Hkv * n, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<uint8_t> cbuf, sbuf;
+        for (int64_t it = lo; it < hi; ++it) {
+          const int64_t h = it / n, j = made_b.lo + it % n;
+          const uint8_t* cp = mc.run(l, 0, h, j * cf.P, cf.P, cbuf);
+          const auto* sp = reinterpret_cast<const c10::Half*>(ms.run(l, 0, h, j * cf.P, cf.P, sbuf));
+          c10::Half* out = made_b.b.data() + it * 2 * D;
+          page_bound(cp, sp, cf.P, D, four, out, out + D);
+        }
+      });
+    } else {
+      made_b.hi = made_b.lo;
+    }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t it = lo; it < hi; ++it) {
         const int64_t i = items[it].first, j0 = items[it].second;
         const PagedTask& t = tasks[i];
         const int64_t j1 = std::min<int64_t>(j0 + kRankPages, ranks[i].ranked.size());
-        rank_pages(cf, l, t, ranks[i], j0, j1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, bp, bcap, Hkv);
+        rank_pages(cf, l, t, ranks[i], j0, j1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, bp, bcap, Hkv,
+                   made_b);
       }
     });
     at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
@@ -1522,6 +1550,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("score_eight", &score_eight,
          "whether the compact keys' scoring sums eight keys at once (1, the default) or one or two at a time (0); the "
          "same bits either way");
+  toggle("made_bounds", &made_bounds,
+         "whether a paged step makes the bounds of the whole pages past the bounds table (a prefill chunk's own) once a "
+         "layer for all its rows (1, the default) or each row its own (0: before); the same bits either way");
   toggle("score_q8", &score_q8,
          "whether compact keys are scored against the query quantized to int8 (1, the default: exact integer dots, "
          "the same bits on every path) or the fp32 query (0: before; kv/paged_store.query_int8 sets both sides)");
