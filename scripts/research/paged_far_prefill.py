@@ -15,6 +15,8 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
                         the choice before the int8 query became the default);
   <arm>+rowbounds       that arm with every row of a chunk making the bounds of the pages past the bounds table itself
                         (the module's made_bounds(0): before they were made once a layer; the same bits).
+--start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
+real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
 every arm alike), else one after another. Per arm: each chunk's seconds, the cumulative seconds at 4,096 and 7,680
 tokens, and the rate per segment (up to 2k, 2k to 4k, 4k to the trained context, past it, and the last 4,096 tokens).
@@ -31,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+from bench_common import ROOT, fill_with_random_kv, run_metadata, write_json  # noqa: E402
 
 OUT = ROOT / "results" / "research" / "paged_prefill_native.json"
 CHECKPOINTS = (4096, 7680)
@@ -46,6 +48,10 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--arms", default="full,native,python-recall")
+    ap.add_argument("--start-random", type=int, default=0,
+                    help="fill each paged arm's cache with this many positions of random K/V first (bench_common."
+                         "fill_with_random_kv: archiving, compact keys and bounds made as in serving) and prefill real "
+                         "tokens from there: the cost far into a history without prefilling all of it")
     ap.add_argument("--interleave", action="store_true",
                     help="run the arms chunk by chunk in turn (side by side) instead of one after another")
     ap.add_argument("--out", default=str(OUT))
@@ -84,6 +90,12 @@ def main(argv=None) -> int:
     caches = {arm: make_cache(KVStrategy("full") if base[arm] == "full" else paged, model.geometry(), max_step=args.chunk,
                               max_context=ctx) for arm in names}
     chunks_of: dict = {arm: [] for arm in names}
+    start = args.start_random
+    if start:
+        if any(base[arm] == "full" for arm in names) or start % args.chunk:
+            raise SystemExit("--start-random takes paged arms only, and a multiple of --chunk")
+        for arm in names:
+            fill_with_random_kv(caches[arm], start, args.chunk, torch.Generator().manual_seed(start))
 
     def run_chunk(arm: str, a: int) -> None:
         setup(arm)
@@ -99,13 +111,13 @@ def main(argv=None) -> int:
 
     with torch.inference_mode():
         if args.interleave:  # chunk by chunk, every arm in turn: a drift in the box's speed lands on every arm alike
-            for a in range(0, max(n_of.values()), args.chunk):
+            for a in range(start, max(n_of.values()), args.chunk):
                 for arm in names:
                     if a < n_of[arm]:
                         run_chunk(arm, a)
         else:
             for arm in names:
-                for a in range(0, n_of[arm], args.chunk):
+                for a in range(start, n_of[arm], args.chunk):
                     run_chunk(arm, a)
     for arm in names:
         n, chunks = n_of[arm], chunks_of[arm]
