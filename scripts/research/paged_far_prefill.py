@@ -39,6 +39,22 @@ OUT = ROOT / "results" / "research" / "paged_prefill_native.json"
 CHECKPOINTS = (4096, 7680)
 
 
+def merge(files: list[str], out: str) -> int:
+    """Runs of this script merged into one file: per run its commit, load at start, each arm's segments and the
+    ratios (the run-to-run spread on a shared box is the yardstick for any difference)."""
+    import json
+
+    runs = []
+    for f in files:
+        d = json.loads(pathlib.Path(f).read_text())
+        runs.append({"file": f, "commit": d["commit"], "dirty_worktree": d["dirty_worktree"], "date_utc": d["date_utc"],
+                     "command": d["command"], "cpu": d["machine"]["cpu"],
+                     "load_average_at_start": d["machine"]["load_average_at_start"],
+                     "segments": {arm: v["segments"] for arm, v in d["arms"].items()}, "ratios": d.get("ratios", {})})
+    write_json(pathlib.Path(out), run_metadata({"merge": files}) | {"what": "paged_far_prefill runs merged", "runs": runs})
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -55,7 +71,10 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="run the arms chunk by chunk in turn (side by side) instead of one after another")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON files into --out and stop")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
 
     import torch
 
