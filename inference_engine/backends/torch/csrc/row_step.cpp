@@ -1310,16 +1310,16 @@ class RowStep {
       const PagedRows &mc = cf.bounds_far ? far_codes : codes, &ms = cf.bounds_far ? far_scales : scales;
       const bool four = mc.tier.width * 2 == D;
       made_b.b.resize(Hkv * n * 2 * D);
-      at::parallel_for(0, Hkv * n, 1, [&](int64_t lo, int64_t hi) {
-        std::vector<uint8_t> cbuf, sbuf;
-        for (int64_t it = lo; it < hi; ++it) {
-          const int64_t h = it / n, j = made_b.lo + it % n;
-          const uint8_t* cp = mc.run(l, 0, h, j * cf.P, cf.P, cbuf);
-          const auto* sp = reinterpret_cast<const c10::Half*>(ms.run(l, 0, h, j * cf.P, cf.P, sbuf));
-          c10::Half* out = made_b.b.data() + it * 2 * D;
-          page_bound(cp, sp, cf.P, D, four, out, out + D);
-        }
-      });
+      // on this thread: a few pages (up to a chunk's worth a KV head, ~20 us a layer), where a parallel pass's barrier
+      // measured a loss on an oversubscribed CPU (one more wait a layer on a descheduled thread)
+      std::vector<uint8_t> cbuf, sbuf;
+      for (int64_t it = 0; it < Hkv * n; ++it) {
+        const int64_t h = it / n, j = made_b.lo + it % n;
+        const uint8_t* cp = mc.run(l, 0, h, j * cf.P, cf.P, cbuf);
+        const auto* sp = reinterpret_cast<const c10::Half*>(ms.run(l, 0, h, j * cf.P, cf.P, sbuf));
+        c10::Half* out = made_b.b.data() + it * 2 * D;
+        page_bound(cp, sp, cf.P, D, four, out, out + D);
+      }
     } else {
       made_b.hi = made_b.lo;
     }
