@@ -14,7 +14,9 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
   <arm>+fp32q           that arm with the compact keys scored against the fp32 query (kv/paged_store.query_int8(False):
                         the choice before the int8 query became the default);
   <arm>+rowbounds       that arm with every row of a chunk making the bounds of the pages past the bounds table itself
-                        (the module's made_bounds(0): before they were made once a layer; the same bits).
+                        (the module's made_bounds(0): before they were made once a layer; the same bits);
+  <arm>+tasksalone      that arm with a chunk's per-task planning, choice and merges on the calling thread (the
+                        module's paged_tasks_apart(0): before they ran on the threads; the same bits).
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -100,6 +102,7 @@ def main(argv=None) -> int:
     def setup(arm: str) -> None:  # the process switches an arm runs under
         paged_store.query_int8("+fp32q" not in arm)
         native.module.made_bounds(0 if "+rowbounds" in arm else 1)
+        native.module.paged_tasks_apart(0 if "+tasksalone" in arm else 1)
         native.paged_recall = "python" if arm == "python-recall" else "whole"
         native.module.order_by_data(0 if "/row" in arm else 1)
 
@@ -162,10 +165,11 @@ def main(argv=None) -> int:
     native.paged_recall = "whole"
     native.module.order_by_data(1)
     native.module.made_bounds(1)
+    native.module.paged_tasks_apart(1)
     paged_store.query_int8(True)
     ratios = {}
     for arm in arms:  # an arm's rate over its variant's (the int8 query over the fp32 one, bounds made once over per row)
-        for suffix in ("+fp32q", "+rowbounds"):
+        for suffix in ("+fp32q", "+rowbounds", "+tasksalone"):
             other = arms.get(arm + suffix)
             if other is None:
                 continue

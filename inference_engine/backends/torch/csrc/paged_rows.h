@@ -284,6 +284,13 @@ struct PagedRank {
 };
 
 constexpr int64_t kRankPages = 64;
+// a step with at least this many (row, KV head) tasks runs its per-task planning, choice and merges on the threads
+// (tasks_apart 1, the default) or on the calling thread as before (0: research scripts time it; the same bits)
+constexpr int64_t kTasksApart = 16;
+inline int64_t& tasks_apart() {
+  static int64_t on = 1;
+  return on;
+}
 
 inline void plan_begin(const PagedConfig& cf, PagedTask& t, PagedRank& rk, int64_t G, int64_t D, const PagedRows& codes,
                        const float* inv_freq) {

@@ -1291,11 +1291,20 @@ class RowStep {
     // pages an item, every task's items shared out together; then the shortlist)
     std::vector<PagedRank> ranks(T * Hkv);
     std::vector<std::pair<int64_t, int64_t>> items;  // (task, first page / candidate / part)
-    for (int64_t i = 0; i < T * Hkv; ++i) {
-      PagedTask& t = tasks[i];
-      plan_begin(cf, t, ranks[i], G, D, t.far ? far_codes : codes, freq);
+    // per-task work with no shared state: on the threads when a step has many tasks (a prefill chunk's rows), on this
+    // one for a decode step's few (the same bits either way: each task's arithmetic is its own)
+    const auto each_task = [&](auto&& fn) {
+      if (!tasks_apart() || T * Hkv < kTasksApart) {
+        for (int64_t i = 0; i < T * Hkv; ++i) fn(i);
+        return;
+      }
+      at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) fn(i);
+      });
+    };
+    each_task([&](int64_t i) { plan_begin(cf, tasks[i], ranks[i], G, D, tasks[i].far ? far_codes : codes, freq); });
+    for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t j = 0; j < static_cast<int64_t>(ranks[i].ranked.size()); j += kRankPages) items.push_back({i, j});
-    }
     // the whole pages past the bounds table that several rows rank (a prefill chunk's own): their bounds made once
     MadeBounds made_b;
     made_b.lo = made_b.hi = cf.bounds_rows;
@@ -1349,10 +1358,9 @@ class RowStep {
     });
     // 3: the chosen pages; 4: the attention's parts, every task's shared out together; 5: each row's parts merged
     items.clear();
-    for (int64_t i = 0; i < T * Hkv; ++i) {
-      finish_choice(cf, tasks[i], G, D, view.sinks);
+    each_task([&](int64_t i) { finish_choice(cf, tasks[i], G, D, view.sinks); });
+    for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t c = 0; c < part_count(tasks[i]); ++c) items.push_back({i, c});
-    }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> scores(G * kChunk);
       for (int64_t it = lo; it < hi; ++it) {
@@ -1362,9 +1370,11 @@ class RowStep {
                     &t.parts[c * G * stride]);
       }
     });
-    for (const PagedTask& t : tasks)
+    each_task([&](int64_t i) {
+      const PagedTask& t = tasks[i];
       for (int64_t g = 0; g < G; ++g)
         merge_chunks(&t.parts[g * stride], part_count(t), G * stride, D, op + (t.row * H + t.h * G + g) * D);
+    });
   }
 
   void check_slabs(const at::Tensor& k_slab, const at::Tensor& v_slab) const {
@@ -1550,6 +1560,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("score_eight", &score_eight,
          "whether the compact keys' scoring sums eight keys at once (1, the default) or one or two at a time (0); the "
          "same bits either way");
+  toggle("paged_tasks_apart", &tasks_apart,
+         "whether a paged step of many (row, KV head) tasks (a prefill chunk) plans, chooses and merges them on the "
+         "threads (1, the default) or on the calling thread (0: before); the same bits either way");
   toggle("made_bounds", &made_bounds,
          "whether a paged step makes the bounds of the whole pages past the bounds table (a prefill chunk's own) once a "
          "layer for all its rows (1, the default) or each row its own (0: before); the same bits either way");
