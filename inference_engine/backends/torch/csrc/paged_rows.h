@@ -319,17 +319,17 @@ inline void plan_begin(const PagedConfig& cf, PagedTask& t, PagedRank& rk, int64
   }
 }
 
-// The bounds of whole pages [lo, hi) past the bounds table (the pages a prefill chunk completes: every row of the chunk
-// ranks them), made once a layer for every KV head from the codes of the table's kind (far_keys' once choice past the
-// context began), as rank_pages would make them row by row: page_bound is a function of the page's codes, so the same
-// bits. (Hkv, hi - lo, 2, D) fp16.
-// Whether a step makes those bounds once a layer (1, the default) or each ranking row makes its own (0: before; research
-// scripts time the difference); the same bits either way.
+// Whether a step makes the bounds below once a layer (1, the default) or each ranking row makes its own (0: before;
+// research scripts time the difference); the same bits either way.
 inline int64_t& made_bounds() {
   static int64_t on = 1;
   return on;
 }
 
+// The bounds of whole pages [lo, hi) past the bounds table (the pages a prefill chunk completes: every later row of the
+// chunk ranks them), made once a layer for every KV head from the codes of the table's kind (far_keys' once choice past
+// the context began), as rank_pages would make them row by row: page_bound is a function of the page's codes, so the
+// same bits. (Hkv, hi - lo, 2, D) fp16.
 struct MadeBounds {
   int64_t lo = 0, hi = 0;
   std::vector<c10::Half> b;
