@@ -17,13 +17,6 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
                         (the module's made_bounds(0): before they were made once a layer; the same bits);
   <arm>+tasksalone      that arm with a chunk's per-task planning, choice and merges on the calling thread (the
                         module's paged_tasks_apart(0): before they ran on the threads; the same bits).
-  <arm>+unlean          that arm with a paged step's per-task scratch zero-filled and its shortlist sorted (the
-                        module's lean_plans(0): before; the same bits);
-  <arm>+gc              that arm with Python's collector walking the start-up objects again (gc.unfreeze(): the process
-                        before this script froze them as `kakeya serve` does, server/app.freeze_startup_objects).
-Like the daemon, the script moves the objects its start-up made (the model, the caches) into Python's permanent
-generation before it prefills; runs before 2026-11-30 did not (a full collection then walked them all: ~2.7 % of a
-far prefill's samples on the calling thread, perf, while the other thread waited).
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -36,7 +29,6 @@ The logits of the chunk ending at 7,680 tokens of each paged arm against `full`'
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import pathlib
 import sys
@@ -93,7 +85,6 @@ def main(argv=None) -> int:
     from inference_engine.kv.factory import make_cache
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
-    from inference_engine.server.app import freeze_startup_objects
 
     torch.set_num_threads(args.threads)
     meta = run_metadata(vars(args))
@@ -109,11 +100,6 @@ def main(argv=None) -> int:
     from inference_engine.kv import paged_store
 
     def setup(arm: str) -> None:  # the process switches an arm runs under
-        if "+gc" in arm:
-            gc.unfreeze()
-        elif not gc.get_freeze_count():
-            gc.freeze()
-        native.module.lean_plans(0 if "+unlean" in arm else 1)
         paged_store.query_int8("+fp32q" not in arm)
         native.module.made_bounds(0 if "+rowbounds" in arm else 1)
         native.module.paged_tasks_apart(0 if "+tasksalone" in arm else 1)
@@ -145,7 +131,6 @@ def main(argv=None) -> int:
             last[arm] = logits.float()
         print(f"{arm}: {a + len(part)} tokens, chunk {chunks_of[arm][-1][1]:.2f} s", flush=True)
 
-    freeze_startup_objects()  # as `kakeya serve` does before READY (arms with +gc undo it while they run)
     with torch.inference_mode():
         if args.interleave:  # chunk by chunk, every arm in turn: a drift in the box's speed lands on every arm alike
             for a in range(start, max(n_of.values()), args.chunk):
@@ -181,11 +166,10 @@ def main(argv=None) -> int:
     native.module.order_by_data(1)
     native.module.made_bounds(1)
     native.module.paged_tasks_apart(1)
-    native.module.lean_plans(1)
     paged_store.query_int8(True)
     ratios = {}
     for arm in arms:  # an arm's rate over its variant's (the int8 query over the fp32 one, bounds made once over per row)
-        for suffix in ("+fp32q", "+rowbounds", "+tasksalone", "+unlean", "+gc"):
+        for suffix in ("+fp32q", "+rowbounds", "+tasksalone"):
             other = arms.get(arm + suffix)
             if other is None:
                 continue

@@ -853,37 +853,6 @@ def test_a_prefill_chunk_ranks_its_own_pages_by_bounds_made_once_with_the_same_b
     assert torch.equal(runs["made"], runs["steps"])
 
 
-@pytest.mark.parametrize("strategy", [SHORTLISTED, SHORTLISTED_FP16], ids=["shortlisted-spilled", "shortlisted-spilled-fp16"])
-def test_a_prefill_chunks_unfilled_scratch_and_unsorted_shortlist_give_the_same_bits(strategy):
-    """A paged step's per-task scratch (ranked pages, attention parts) is sized without a zero fill and its bounds'
-    shortlist is left unsorted (lean_plans 1, the default): every element is written before it is read and the
-    candidates' order does not reach the choice, so the same bits as filled and sorted (0: before) and as one-token
-    steps, past the context, shortlisted and spilled."""
-    mod = _module()
-    m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
-    assert m.use_native_step() is True
-    history = _prompt(160, seed=5)
-    runs = {}
-    was = mod.lean_plans(-1)
-    try:
-        for name, chunk, lean in (("lean", 16, 1), ("filled", 16, 0), ("steps", 1, 1), ("steps-filled", 1, 0)):
-            mod.lean_plans(lean)
-            cache = _cache(m, strategy, 16)
-            out = []
-            for i in range(0, 160, chunk):
-                part = history[i:i + chunk]
-                logits, _ = steps.forward(m, m.tensor(part), range(i, i + len(part)), cache, row_exact=chunk == 1)
-                cache.commit()
-                out.append(logits)
-            assert cache.shortlisting and cache.far_active  # the shortlist ranks pages, past the context too
-            runs[name] = torch.cat(out)
-    finally:
-        mod.lean_plans(was)
-    assert torch.equal(runs["lean"], runs["filled"])
-    assert torch.equal(runs["lean"], runs["steps"])
-    assert torch.equal(runs["steps"], runs["steps-filled"])
-
-
 @pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED,
                                       KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, kv_dtype="fp16"),
                                       SHORTLISTED_FP16],

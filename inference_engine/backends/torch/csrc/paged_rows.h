@@ -253,39 +253,6 @@ inline void score_layout(const float* q, int64_t G, int64_t D, bool four, float*
     }
 }
 
-// Whether a paged step's per-task scratch is sized without a zero fill and its shortlist left unsorted (1, the
-// default), or filled and sorted as before (0: research scripts time the difference); the same bits either way.
-inline int64_t& lean_plans() {
-  static int64_t on = 1;
-  return on;
-}
-
-// Scratch that every element of is written before it is read (a task's ranked pages, its attention's parts): sized
-// without being filled. A prefill chunk of 256 rows sized ~15 MB of them a layer, and std::vector's zero fill of it
-// (memset) was ~1 % of a far prefill's time (perf, 32k). T must be trivial (default-initialised = left as it is).
-template <class T>
-struct Scratch {
-  static_assert(std::is_trivial_v<T>, "Scratch holds trivial elements: they are left uninitialised");
-  std::unique_ptr<T[]> p;
-  int64_t n = 0, cap = 0;
-  void resize(int64_t want) {
-    if (want > cap) p.reset(new T[want]), cap = want;  // default-initialised: not filled
-    n = want;
-    if (!lean_plans()) std::fill(p.get(), p.get() + n, T{});  // research toggle: the zero fill as before
-  }
-  int64_t size() const { return n; }
-  T* data() { return p.get(); }
-  T* begin() { return p.get(); }
-  T* end() { return p.get() + n; }
-  T& operator[](int64_t i) { return p[i]; }
-  const T& operator[](int64_t i) const { return p[i]; }
-};
-
-struct RankedPage {  // (bound score, page): trivial, so a Scratch of them is not zero-filled
-  float first;
-  int64_t second;
-};
-
 // One (row, KV head) of a step: its page choice and its attention's parts, in phases that share the threads out
 // evenly (a decode row has only Hkv of them: 3 for SmolLM2 on 2 threads), each piece computed alone and combined in a
 // fixed order, so a row's bits depend on nothing but its own inputs.
@@ -300,7 +267,7 @@ struct PagedTask {
   std::vector<int64_t> cand;         // the pages whose keys are scored
   std::vector<float> cand_best;      // each one's best key score
   std::vector<int64_t> pages;        // the chosen pages, position order
-  Scratch<float> parts;              // the attention's parts: pages, the moved sink (past the context), slab chunks
+  std::vector<float> parts;          // the attention's parts: pages, the moved sink (past the context), slab chunks
   int64_t nw = 0;                    // slab chunks
   bool sink = false;
 };
@@ -312,7 +279,7 @@ struct PagedTask {
 // (per task: the S pages the bounds rank highest plus the page it sees in part).
 struct PagedRank {
   std::vector<float> qf;                        // the task's query rows (G, D), rotated as its choice reads them
-  Scratch<RankedPage> ranked;                    // per whole page
+  std::vector<std::pair<float, int64_t>> ranked;  // (bound score, page) per whole page
   bool shortlist = false;                        // its candidates are the bounds' shortlist (plan_end makes them)
 };
 
@@ -412,12 +379,11 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
 inline void plan_end(const PagedConfig& cf, PagedTask& t, PagedRank& rk) {
   if (!rk.shortlist) return;  // chosen whole, or every page a candidate (plan_begin)
   const int64_t whole = static_cast<int64_t>(rk.ranked.size()), keep = std::min<int64_t>(cf.S, whole);
-  // the top `keep` (score down, ties to the lower page: a strict total order, so the same pages as a partial sort of
-  // the whole list). Their order does not matter: each candidate's score is its own, and finish_choice orders the
-  // scored ones by that same strict order, so they are not sorted (lean_plans 0 sorts them, as before: the same bits)
+  // the top `keep` in order (score down, ties to the lower page: a strict total order, so the same pages in the same
+  // order as a partial sort of the whole list)
   auto before = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
   if (keep < whole) std::nth_element(rk.ranked.begin(), rk.ranked.begin() + keep, rk.ranked.end(), before);
-  if (!lean_plans()) std::sort(rk.ranked.begin(), rk.ranked.begin() + keep, before);
+  std::sort(rk.ranked.begin(), rk.ranked.begin() + keep, before);
   for (int64_t i = 0; i < keep; ++i)
     if (rk.ranked[i].first > -INFINITY) t.cand.push_back(rk.ranked[i].second);
   if (whole < (t.c + cf.P - 1) / cf.P) t.cand.push_back(whole);  // the page it sees in part: always scored

@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -1564,9 +1563,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("paged_tasks_apart", &tasks_apart,
          "whether a paged step of many (row, KV head) tasks (a prefill chunk) plans, chooses and merges them on the "
          "threads (1, the default) or on the calling thread (0: before); the same bits either way");
-  toggle("lean_plans", &lean_plans,
-         "whether a paged step's per-task scratch (ranked pages, attention parts) is sized without a zero fill and its "
-         "shortlist left unsorted (1, the default) or filled and sorted (0: before); the same bits either way");
   toggle("made_bounds", &made_bounds,
          "whether a paged step makes the bounds of the whole pages past the bounds table (a prefill chunk's own) once a "
          "layer for all its rows (1, the default) or each row its own (0: before); the same bits either way");
