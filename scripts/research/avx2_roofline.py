@@ -17,6 +17,9 @@ vector units for each extra row of a verify block or a batch.
 4. `layers`: the layers' int4 matmuls of one row (the step's own blocks in layer order), streamed from memory as in a
    step, against the same work with the weights in cache, the calls alone (a tiny matrix as often) and torch reading
    the blocks: how well the kernel overlaps its memory reads with its arithmetic.
+The kernel's next-block prefetch (csrc/q4_matmul.h prefetch_next: its second pass over a block of 16 columns prefetches
+the next block's weights) is on as the daemon runs it; parts 3 and 4 also time the decode step and the streamed
+matmuls with it off (q4_prefetch_next(0), before), interleaved step by step.
 
 Writes medians and the ratios (achieved over bound). Interleaved where it compares (kernel row counts; the two read
 buffers).
@@ -227,15 +230,26 @@ def main() -> int:
     bufs = {"2MB_pages": huge.views[0], "4KB_pages": plain}
     reads: dict = {k: [] for k in bufs}
     steps_s: list = []
+    steps_off: list = []  # the same step with the kernel's next-block prefetch off (q4_prefetch_next(0): before)
+
+    def step_off() -> float:
+        module.q4_prefetch_next(0)
+        try:
+            return step()
+        finally:
+            module.q4_prefetch_next(1)
+
     for _ in range(5):
         step()
     for _ in range(args.steps):
         steps_s.append(step())
+        steps_off.append(step_off())
         for k, b in bufs.items():
             t0 = time.perf_counter()
             b.sum()
             reads[k].append(time.perf_counter() - t0)
     step_s = statistics.median(steps_s)
+    step_off_s = statistics.median(steps_off)
 
     # the layers' int4 matmuls of one row (the step's own blocks, in layer order, two planes), --threads threads:
     # streamed from memory as in a step; with their weights in cache (layer 0's matrices as often as there are
@@ -258,7 +272,15 @@ def main() -> int:
         arena_words.sum()
         return time.perf_counter() - t0
 
-    cells = {"streamed": lambda: layers(blocks), "in_cache": lambda: layers(hot),
+    def streamed_next_off() -> float:
+        module.q4_prefetch_next(0)
+        try:
+            return layers(blocks)
+        finally:
+            module.q4_prefetch_next(1)
+
+    cells = {"streamed": lambda: layers(blocks), "streamed_next_prefetch_off": streamed_next_off,
+             "in_cache": lambda: layers(hot),
              "calls_only": lambda: layers([tiny_w] * len(blocks)), "torch_read_of_the_blocks": read_blocks}
     lay: dict = {k: [] for k in cells}
     for _ in range(3):
@@ -271,10 +293,13 @@ def main() -> int:
     layers_part = {"blocks": len(blocks), "block_bytes": layer_bytes, "rows": 1, "threads": args.threads, "ms": lay_ms,
                    "streamed_over_max_of_compute_and_read": round(
                        (lay_ms["streamed"] - lay_ms["calls_only"])
-                       / max(lay_ms["in_cache"] - lay_ms["calls_only"], lay_ms["torch_read_of_the_blocks"]), 3)}
+                       / max(lay_ms["in_cache"] - lay_ms["calls_only"], lay_ms["torch_read_of_the_blocks"]), 3),
+                   "streamed_next_prefetch_off_over_on": round(lay_ms["streamed_next_prefetch_off"] / lay_ms["streamed"], 3)}
     read_gbs = {k: round(step_bytes / statistics.median(v) / 1e9, 2) for k, v in reads.items()}
     memory = {"step_bytes": step_bytes, "layer_block_bytes": layer_bytes, "head_4bit_bytes": head_bytes,
               "context": args.context, "threads": args.threads, "decode_step_ms": round(step_s * 1e3, 3),
+              "decode_step_ms_next_prefetch_off": round(step_off_s * 1e3, 3),
+              "decode_next_prefetch_off_over_on": round(step_off_s / step_s, 3),
               "step_gb_s": round(step_bytes / step_s / 1e9, 2), "read_gb_s": read_gbs,
               "huge_page_bytes_of_read_buffer": huge.huge_bytes(),
               "step_time_over_read_time_2MB": round(step_s / (step_bytes / read_gbs["2MB_pages"] / 1e9), 3)}

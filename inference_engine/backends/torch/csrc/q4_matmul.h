@@ -217,6 +217,20 @@ inline void prefetch_block(const uint8_t* blk, int64_t ahead) {
   for (int line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead + line), _MM_HINT_T0);
 }
 
+// Whether block_avx2's second pass over a block of 16 columns (its columns 8..15, over weights the first pass brought
+// into L1) prefetches the next block's weights (1, the default) or nothing (0: before; research scripts time it). The
+// first pass streams a block from memory and the second computes from cache: without it no load was in flight while
+// the second pass ran, and a decode row's matmuls took ~1.5x the longer of their arithmetic and their memory reads
+// (scripts/research/avx2_roofline.py, `layers`). Prefetches never change a result's bits.
+inline int64_t& prefetch_next() {
+  static int64_t on = 1;
+  return on;
+}
+
+inline void prefetch_lines(const uint8_t* at) {
+  for (int line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+}
+
 template <int P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void block_vnni(
     const uint8_t* w, int64_t groups, const int8_t* qx, const float* xs, const float* xsum, int64_t rows, int64_t k,
@@ -286,7 +300,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void tile_avx2(const uint8_t* w,
                                                                  const float* xs, const float* xsum, int64_t k, float* y,
                                                                  int64_t n, int64_t col0, int64_t ahead, const float* xo,
                                                                  const int64_t* ch, const int64_t* gfirst, int64_t nc,
-                                                                 int half, int64_t r0, int64_t nr_runtime) {
+                                                                 int half, int64_t r0, int64_t nr_runtime, int64_t next) {
   const __m256i lo_mask = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t nr = NR ? NR : nr_runtime;
@@ -295,6 +309,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void tile_avx2(const uint8_t* w,
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk = w + g * kBlockBytes;
     if (half == 0 && r0 == 0) prefetch_block(blk, ahead);
+    else if (next && r0 == 0) prefetch_lines(blk + next);  // the second pass: the next block's same group
     __m256i wq[8];
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 64 + half * 32));
@@ -347,12 +362,14 @@ __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w
                                                                   const float* xs, const float* xsum, int64_t rows,
                                                                   int64_t k, float* y, int64_t n, int64_t col0,
                                                                   int64_t ahead, const float* xo, const int64_t* ch,
-                                                                  const int64_t* gfirst, int64_t nc) {
+                                                                  const int64_t* gfirst, int64_t nc, int64_t next) {
   for (int half = 0; half < 2; ++half)  // columns 8 * half .. 8 * half + 7: the 32-byte halves of each vector
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
-      if (nr == 1 && row_registers()) tile_avx2<P, 1>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, 1);
-      else tile_avx2<P, 0>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, nr);
+      if (nr == 1 && row_registers())
+        tile_avx2<P, 1>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, 1, next);
+      else
+        tile_avx2<P, 0>(w, groups, qx, xs, xsum, k, y, n, col0, ahead, xo, ch, gfirst, nc, half, r0, nr, next);
     }
 }
 #endif
@@ -429,10 +446,11 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
       const uint8_t* wb = wp + b * groups * kBlockBytes;
       // the last blocks of the thread's range prefetch no further than the weights' end
       const int64_t pf = (hi - b) * groups * kBlockBytes > ahead + kBlockBytes ? ahead : 0;
+      const int64_t next = b + 1 < hi && prefetch_next() ? groups * kBlockBytes : 0;  // the next block of this thread's
       if (use == kVnni512 && planes == 2) block_vnni<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
       else if (use == kVnni512) block_vnni<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
-      else if (planes == 2) block_avx2<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
-      else block_avx2<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
+      else if (planes == 2) block_avx2<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc, next);
+      else block_avx2<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc, next);
     }
   });
 #endif

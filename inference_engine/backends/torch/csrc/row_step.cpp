@@ -1575,6 +1575,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("silu_vectors", &silu_vectors,
          "whether the MLP's SiLU runs in AVX2 vectors (1, the default where the CPU has AVX2) or in plain floats (0); "
          "the two round differently (each is row-exact)");
+  toggle("q4_prefetch_next", &q4::prefetch_next,
+         "whether the AVX2 int4 kernel's second pass over a block of 16 columns prefetches the next block's weights (1, "
+         "the default) or nothing (0: before); the same bits either way");
   toggle("q4_row_registers", &q4::row_registers,
          "whether the int4 kernel's AVX2 path runs a tile of one row with its sums in registers (1, the default) or "
          "as a tile of up to 8 rows, sums in memory (0); the same bits either way");
