@@ -133,6 +133,23 @@ def tsc_hz(so: ctypes.CDLL) -> float:
     return statistics.median(rates)
 
 
+def merge(files: list[str], out: str) -> int:
+    """Runs of this script (other --context values, repeats) in one file, each whole with its provenance, and the
+    next-block prefetch's ratios side by side."""
+    import json
+
+    runs = [json.loads(pathlib.Path(f).read_text()) | {"file": f} for f in files]
+    summary = [{"file": r["file"], "commit": r["commit"], "context": r["memory"]["context"],
+                "load_average_at_start": r["machine"]["load_average_at_start"],
+                "decode_next_prefetch_off_over_on": r["memory"]["decode_next_prefetch_off_over_on"],
+                "layers_streamed_next_prefetch_off_over_on": r["layers"]["streamed_next_prefetch_off_over_on"],
+                "layers_streamed_over_max_of_compute_and_read": r["layers"]["streamed_over_max_of_compute_and_read"],
+                "decode_step_time_over_read_time_2MB": r["memory"]["step_time_over_read_time_2MB"]} for r in runs]
+    write_json(pathlib.Path(out), run_metadata({"merge": files}) | {"what": "avx2_roofline runs merged",
+                                                                    "summary": summary, "runs": runs})
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -142,7 +159,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cc", default=os.environ.get("CC", "cc"))
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON files into --out and stop")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
 
     import torch
 
