@@ -17,9 +17,11 @@ vector units for each extra row of a verify block or a batch.
 4. `layers`: the layers' int4 matmuls of one row (the step's own blocks in layer order), streamed from memory as in a
    step, against the same work with the weights in cache, the calls alone (a tiny matrix as often) and torch reading
    the blocks: how well the kernel overlaps its memory reads with its arithmetic.
-The kernel's next-block prefetch (csrc/q4_matmul.h prefetch_next: its second pass over a block of 16 columns prefetches
-the next block's weights) is on as the daemon runs it; parts 3 and 4 also time the decode step and the streamed
-matmuls with it off (q4_prefetch_next(0), before), interleaved step by step.
+The kernel runs as the daemon runs it: a one-row call in one pass over each block of 16 columns (csrc/q4_matmul.h
+row_avx2: both halves group by group) and, for calls of several rows, the second pass prefetching the next block
+(prefetch_next). Parts 3 and 4 also time the decode step and the streamed matmuls as before them (two passes, no
+next-block prefetch: q4_one_pass_row(0), q4_prefetch_next(0)) and, for the matmuls, two passes with the prefetch,
+interleaved step by step.
 
 Writes medians and the ratios (achieved over bound). Interleaved where it compares (kernel row counts; the two read
 buffers).
@@ -141,8 +143,9 @@ def merge(files: list[str], out: str) -> int:
     runs = [json.loads(pathlib.Path(f).read_text()) | {"file": f} for f in files]
     summary = [{"file": r["file"], "commit": r["commit"], "context": r["memory"]["context"],
                 "load_average_at_start": r["machine"]["load_average_at_start"],
-                "decode_next_prefetch_off_over_on": r["memory"]["decode_next_prefetch_off_over_on"],
-                "layers_streamed_next_prefetch_off_over_on": r["layers"]["streamed_next_prefetch_off_over_on"],
+                "decode_before_over_now": r["memory"]["decode_before_over_now"],
+                "layers_streamed_before_over_now": r["layers"]["streamed_before_over_now"],
+                "layers_streamed_two_passes_over_now": r["layers"]["streamed_two_passes_over_now"],
                 "layers_streamed_over_max_of_compute_and_read": r["layers"]["streamed_over_max_of_compute_and_read"],
                 "decode_step_time_over_read_time_2MB": r["memory"]["step_time_over_read_time_2MB"]} for r in runs]
     write_json(pathlib.Path(out), run_metadata({"merge": files}) | {"what": "avx2_roofline runs merged",
@@ -250,14 +253,19 @@ def main() -> int:
     bufs = {"2MB_pages": huge.views[0], "4KB_pages": plain}
     reads: dict = {k: [] for k in bufs}
     steps_s: list = []
-    steps_off: list = []  # the same step with the kernel's next-block prefetch off (q4_prefetch_next(0): before)
+    steps_off: list = []  # the same step with the kernel as before (two passes a block, no next-block prefetch)
+
+    def as_before(fn, one_pass: int = 0, nxt: int = 0):
+        module.q4_one_pass_row(one_pass)
+        module.q4_prefetch_next(nxt)
+        try:
+            return fn()
+        finally:
+            module.q4_one_pass_row(1)
+            module.q4_prefetch_next(1)
 
     def step_off() -> float:
-        module.q4_prefetch_next(0)
-        try:
-            return step()
-        finally:
-            module.q4_prefetch_next(1)
+        return as_before(step)
 
     for _ in range(5):
         step()
@@ -292,14 +300,9 @@ def main() -> int:
         arena_words.sum()
         return time.perf_counter() - t0
 
-    def streamed_next_off() -> float:
-        module.q4_prefetch_next(0)
-        try:
-            return layers(blocks)
-        finally:
-            module.q4_prefetch_next(1)
-
-    cells = {"streamed": lambda: layers(blocks), "streamed_next_prefetch_off": streamed_next_off,
+    cells = {"streamed": lambda: layers(blocks),
+             "streamed_two_passes": lambda: as_before(lambda: layers(blocks), 0, 1),
+             "streamed_before": lambda: as_before(lambda: layers(blocks)),
              "in_cache": lambda: layers(hot),
              "calls_only": lambda: layers([tiny_w] * len(blocks)), "torch_read_of_the_blocks": read_blocks}
     lay: dict = {k: [] for k in cells}
@@ -314,12 +317,13 @@ def main() -> int:
                    "streamed_over_max_of_compute_and_read": round(
                        (lay_ms["streamed"] - lay_ms["calls_only"])
                        / max(lay_ms["in_cache"] - lay_ms["calls_only"], lay_ms["torch_read_of_the_blocks"]), 3),
-                   "streamed_next_prefetch_off_over_on": round(lay_ms["streamed_next_prefetch_off"] / lay_ms["streamed"], 3)}
+                   "streamed_before_over_now": round(lay_ms["streamed_before"] / lay_ms["streamed"], 3),
+                   "streamed_two_passes_over_now": round(lay_ms["streamed_two_passes"] / lay_ms["streamed"], 3)}
     read_gbs = {k: round(step_bytes / statistics.median(v) / 1e9, 2) for k, v in reads.items()}
     memory = {"step_bytes": step_bytes, "layer_block_bytes": layer_bytes, "head_4bit_bytes": head_bytes,
               "context": args.context, "threads": args.threads, "decode_step_ms": round(step_s * 1e3, 3),
-              "decode_step_ms_next_prefetch_off": round(step_off_s * 1e3, 3),
-              "decode_next_prefetch_off_over_on": round(step_off_s / step_s, 3),
+              "decode_step_ms_before": round(step_off_s * 1e3, 3),
+              "decode_before_over_now": round(step_off_s / step_s, 3),
               "step_gb_s": round(step_bytes / step_s / 1e9, 2), "read_gb_s": read_gbs,
               "huge_page_bytes_of_read_buffer": huge.huge_bytes(),
               "step_time_over_read_time_2MB": round(step_s / (step_bytes / read_gbs["2MB_pages"] / 1e9), 3)}

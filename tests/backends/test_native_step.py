@@ -652,6 +652,34 @@ def test_the_kernels_prefetch_distance_never_changes_a_bit():
         mod.q4_prefetch(default)
 
 
+def test_a_one_row_call_in_one_pass_and_the_next_blocks_prefetch_keep_every_bit():
+    """The AVX2 kernel's one-row call in one pass over each block (both halves group by group: q4_one_pass_row 1, the
+    default) against two passes (0), and the second pass's prefetch of the next block (q4_prefetch_next 1, the default)
+    against none: the same bits, with two planes, one, and outlier channels, for one row and five."""
+    mod = _module()
+    if mod.q4_isa() == 0:
+        pytest.skip("no AVX2 here: the native step keeps torch's int4 kernel")
+    g = torch.Generator().manual_seed(1)
+    n, k = 512, 1024  # 32 column blocks: a thread's range has a next block to prefetch
+    packed = mod.q4_pack(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                         torch.rand(n, k // 32, generator=g) * 0.01, torch.randn(n, k // 32, generator=g) * 0.01)
+    channels = torch.tensor([5, 33, 70, 700])
+    was = mod.q4_one_pass_row(-1), mod.q4_prefetch_next(-1)
+    try:
+        for rows in (1, 5):
+            x = torch.randn(rows, k, generator=g)
+            for planes, ch in ((2, None), (1, None), (1, channels)):
+                outs = []
+                for one_pass, nxt in ((1, 1), (0, 1), (0, 0), (1, 0)):
+                    mod.q4_one_pass_row(one_pass)
+                    mod.q4_prefetch_next(nxt)
+                    outs.append(mod.q4_matmul(x, packed, 1, planes, ch))
+                assert all(torch.equal(o, outs[0]) for o in outs), (rows, planes, ch)
+    finally:
+        mod.q4_one_pass_row(was[0])
+        mod.q4_prefetch_next(was[1])
+
+
 @pytest.mark.parametrize("query", ["int8", "fp32"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 5])

@@ -357,12 +357,77 @@ __attribute__((target("avx2,fma,f16c"))) inline void tile_avx2(const uint8_t* w,
   for (int r = 0; r < nr; ++r) _mm256_storeu_ps(y + (r0 + r) * n + col0 + half * 8, acc[r]);
 }
 
+// Whether a call of exactly one row (a decode step's matmuls) runs both halves of each group in one pass over the
+// block (1, the default: each weight line is read from memory once and used at once) or half by half (0: two passes,
+// tile_avx2<P, 1>; research scripts time it). Every element gets the same float operations in the same order.
+inline int64_t& one_pass_row() {
+  static int64_t on = 1;
+  return on;
+}
+
+// One row, both halves (16 columns) of a block of 16 columns, group by group: tile_avx2<P, 1>'s arithmetic for each
+// half, interleaved by group, so the block's weights stream from memory once, in order, while they are used.
+template <int P>
+__attribute__((target("avx2,fma,f16c"))) inline void row_avx2(const uint8_t* w, int64_t groups, const int8_t* qx,
+                                                                const float* xs, const float* xsum, int64_t k, float* y,
+                                                                int64_t col0, int64_t ahead, const float* xo,
+                                                                const int64_t* ch, const int64_t* gfirst, int64_t nc) {
+  const __m256i lo_mask = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = w + g * kBlockBytes;
+    prefetch_block(blk, ahead);
+    const int8_t* xr = qx + g * kGroup;
+    const float s = xs[g], t = xsum[g];
+    const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
+    for (int half = 0; half < 2; ++half) {
+      __m256i wq[8];
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 64 + half * 32));
+        wq[2 * p] = _mm256_and_si256(v, lo_mask);
+        wq[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + half * 16)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + 32 + half * 16)));
+      __m256i dot = _mm256_setzero_si256();
+      for (int plane = 0; plane < P; ++plane) {  // as tile_avx2: int16 sums of the 8 chunks, widened once a plane
+        __m256i sv[8];
+        for (int c = 0; c < 8; ++c) {
+          int32_t four;
+          std::memcpy(&four, xr + plane * k + 4 * c, 4);
+          sv[c] = _mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(four));
+        }
+        const __m256i tt = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(sv[0], sv[1]), _mm256_add_epi16(sv[2], sv[3])),
+                                            _mm256_add_epi16(_mm256_add_epi16(sv[4], sv[5]), _mm256_add_epi16(sv[6], sv[7])));
+        const __m256i p32 = _mm256_madd_epi16(tt, ones);
+        dot = plane ? _mm256_add_epi32(_mm256_slli_epi32(dot, 8), p32) : p32;
+      }
+      acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[half]);
+      acc[half] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[half]);
+      for (int64_t ci = c0; ci < c1; ++ci) {  // the group's outlier channels, exactly, in order (as tile_avx2)
+        const int i = static_cast<int>(ch[ci] - g * kGroup);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (i >> 3) * 64 + half * 32));
+        const __m256i q = _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm256_set1_epi32(15));
+        const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+        acc[half] = _mm256_fmadd_ps(_mm256_set1_ps(xo[ci]), wv, acc[half]);
+      }
+    }
+  }
+  _mm256_storeu_ps(y + col0, acc[0]);
+  _mm256_storeu_ps(y + col0 + 8, acc[1]);
+}
+
 template <int P>
 __attribute__((target("avx2,fma,f16c"))) inline void block_avx2(const uint8_t* w, int64_t groups, const int8_t* qx,
                                                                   const float* xs, const float* xsum, int64_t rows,
                                                                   int64_t k, float* y, int64_t n, int64_t col0,
                                                                   int64_t ahead, const float* xo, const int64_t* ch,
                                                                   const int64_t* gfirst, int64_t nc, int64_t next) {
+  if (rows == 1 && one_pass_row() && row_registers()) {
+    row_avx2<P>(w, groups, qx, xs, xsum, k, y, col0, ahead, xo, ch, gfirst, nc);
+    return;
+  }
   for (int half = 0; half < 2; ++half)  // columns 8 * half .. 8 * half + 7: the 32-byte halves of each vector
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;

@@ -1578,6 +1578,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("q4_prefetch_next", &q4::prefetch_next,
          "whether the AVX2 int4 kernel's second pass over a block of 16 columns prefetches the next block's weights (1, "
          "the default) or nothing (0: before); the same bits either way");
+  toggle("q4_one_pass_row", &q4::one_pass_row,
+         "whether the AVX2 int4 kernel runs a one-row call's two halves of each group in one pass over the weights (1, "
+         "the default) or half by half in two passes (0: before); the same bits either way");
   toggle("q4_row_registers", &q4::row_registers,
          "whether the int4 kernel's AVX2 path runs a tile of one row with its sums in registers (1, the default) or "
          "as a tile of up to 8 rows, sums in memory (0); the same bits either way");
