@@ -285,6 +285,40 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
   }
 }
 
+// Half `half` (8 columns) of a group's codes as vpmaddubsw's unsigned operands: wq[2p] the low nibbles of vector P_p
+// (inputs 8p..8p+3), wq[2p + 1] the high ones (inputs 8p+4..8p+7).
+__attribute__((target("avx2"), always_inline)) inline void unpack_half(const uint8_t* blk, int half, __m256i* wq) {
+  const __m256i lo_mask = _mm256_set1_epi8(15);
+  for (int p = 0; p < 4; ++p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 64 + half * 32));
+    wq[2 * p] = _mm256_and_si256(v, lo_mask);
+    wq[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
+  }
+}
+
+// One row's integer dot over a group with 8 columns' codes wq, its P planes at xr (plane p at xr + p * k): u8 x s8 pairs
+// into int16 (vpmaddubsw), the 8 chunks' pairs added in int16 (exact: |sum| <= 8 * 2 * 15 * 127 = 30480 < 2^15), then
+// pairs of those into int32 once (vpmaddwd): the integer sums vpdpbusd makes, with one widening per plane instead of
+// one per chunk (AVX2 CPUs are bound by these vector ops); the first plane's dot * 256 plus the second's.
+template <int P>
+__attribute__((target("avx2"), always_inline)) inline __m256i row_dot(const __m256i* wq, const int8_t* xr, int64_t k) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i dot = _mm256_setzero_si256();
+  for (int plane = 0; plane < P; ++plane) {
+    __m256i sv[8];
+    for (int c = 0; c < 8; ++c) {
+      int32_t four;
+      std::memcpy(&four, xr + plane * k + 4 * c, 4);
+      sv[c] = _mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(four));
+    }
+    const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(sv[0], sv[1]), _mm256_add_epi16(sv[2], sv[3])),
+                                       _mm256_add_epi16(_mm256_add_epi16(sv[4], sv[5]), _mm256_add_epi16(sv[6], sv[7])));
+    const __m256i p32 = _mm256_madd_epi16(t, ones);
+    dot = plane ? _mm256_add_epi32(_mm256_slli_epi32(dot, 8), p32) : p32;
+  }
+  return dot;
+}
+
 // Whether block_avx2 runs a tile of exactly one row as tile_avx2<P, 1> (1, the default) or as the general tile (0):
 // a research toggle (row_step.cpp q4_row_registers); the same bits either way.
 inline int64_t& row_registers() {
@@ -301,8 +335,6 @@ __attribute__((target("avx2,fma,f16c"))) inline void tile_avx2(const uint8_t* w,
                                                                  int64_t n, int64_t col0, int64_t ahead, const float* xo,
                                                                  const int64_t* ch, const int64_t* gfirst, int64_t nc,
                                                                  int half, int64_t r0, int64_t nr_runtime, int64_t next) {
-  const __m256i lo_mask = _mm256_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t nr = NR ? NR : nr_runtime;
   __m256 acc[NR ? NR : kRowTile];
   for (int r = 0; r < (NR ? NR : kRowTile); ++r) acc[r] = _mm256_setzero_ps();
@@ -311,11 +343,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void tile_avx2(const uint8_t* w,
     if (half == 0 && r0 == 0) prefetch_block(blk, ahead);
     else if (next && r0 == 0) prefetch_lines(blk + next);  // the second pass: the next block's same group
     __m256i wq[8];
-    for (int p = 0; p < 4; ++p) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 64 + half * 32));
-      wq[2 * p] = _mm256_and_si256(v, lo_mask);
-      wq[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
-    }
+    unpack_half(blk, half, wq);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + half * 16)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + 32 + half * 16)));
     // this group's outlier channels: their weights q * d + m (one fma, as the AVX-512 path) from the block's codes
@@ -328,23 +356,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void tile_avx2(const uint8_t* w,
       _mm256_store_ps(wf + (ci - c0) * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
     }
     for (int r = 0; r < nr; ++r) {
-      const int8_t* xr = qx + (r0 + r) * P * k + g * kGroup;
-      __m256i dot = _mm256_setzero_si256();
-      for (int plane = 0; plane < P; ++plane) {
-        // u8 x s8 pairs into int16 (vpmaddubsw), the 8 chunks' pairs added in int16 (exact: |sum| <= 8 * 2 * 15 *
-        // 127 = 30480 < 2^15), then pairs of those into int32 once (vpmaddwd): the integer sums vpdpbusd makes,
-        // with one widening per plane instead of one per chunk (AVX2 CPUs are bound by these vector ops)
-        __m256i s[8];
-        for (int c = 0; c < 8; ++c) {
-          int32_t four;
-          std::memcpy(&four, xr + plane * k + 4 * c, 4);
-          s[c] = _mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(four));
-        }
-        const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(s[0], s[1]), _mm256_add_epi16(s[2], s[3])),
-                                           _mm256_add_epi16(_mm256_add_epi16(s[4], s[5]), _mm256_add_epi16(s[6], s[7])));
-        const __m256i p32 = _mm256_madd_epi16(t, ones);
-        dot = plane ? _mm256_add_epi32(_mm256_slli_epi32(dot, 8), p32) : p32;
-      }
+      const __m256i dot = row_dot<P>(wq, qx + (r0 + r) * P * k + g * kGroup, k);
       const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[r]);
@@ -372,8 +384,6 @@ __attribute__((target("avx2,fma,f16c"))) inline void row_avx2(const uint8_t* w, 
                                                                 const float* xs, const float* xsum, int64_t k, float* y,
                                                                 int64_t col0, int64_t ahead, const float* xo,
                                                                 const int64_t* ch, const int64_t* gfirst, int64_t nc) {
-  const __m256i lo_mask = _mm256_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk = w + g * kBlockBytes;
@@ -383,26 +393,10 @@ __attribute__((target("avx2,fma,f16c"))) inline void row_avx2(const uint8_t* w, 
     const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
     for (int half = 0; half < 2; ++half) {
       __m256i wq[8];
-      for (int p = 0; p < 4; ++p) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 64 + half * 32));
-        wq[2 * p] = _mm256_and_si256(v, lo_mask);
-        wq[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo_mask);
-      }
+      unpack_half(blk, half, wq);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + half * 16)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodeBytes + 32 + half * 16)));
-      __m256i dot = _mm256_setzero_si256();
-      for (int plane = 0; plane < P; ++plane) {  // as tile_avx2: int16 sums of the 8 chunks, widened once a plane
-        __m256i sv[8];
-        for (int c = 0; c < 8; ++c) {
-          int32_t four;
-          std::memcpy(&four, xr + plane * k + 4 * c, 4);
-          sv[c] = _mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(four));
-        }
-        const __m256i tt = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(sv[0], sv[1]), _mm256_add_epi16(sv[2], sv[3])),
-                                            _mm256_add_epi16(_mm256_add_epi16(sv[4], sv[5]), _mm256_add_epi16(sv[6], sv[7])));
-        const __m256i p32 = _mm256_madd_epi16(tt, ones);
-        dot = plane ? _mm256_add_epi32(_mm256_slli_epi32(dot, 8), p32) : p32;
-      }
+      const __m256i dot = row_dot<P>(wq, xr, k);
       acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[half]);
       acc[half] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[half]);
       for (int64_t ci = c0; ci < c1; ++ci) {  // the group's outlier channels, exactly, in order (as tile_avx2)
