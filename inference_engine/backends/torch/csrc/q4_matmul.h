@@ -212,23 +212,23 @@ constexpr int kRowTile = 8;
 // i % 8 >= 4 (the layout at the top): shifted down by this within each 32-bit lane
 inline int code_shift(int i) { return (i & 3) * 8 + ((i >> 2) & 1) * 4; }
 
+inline void prefetch_lines(const uint8_t* at) {  // one block's worth of lines from `at`
+  for (int line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+}
+
 inline void prefetch_block(const uint8_t* blk, int64_t ahead) {
-  if (!ahead) return;
-  for (int line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + ahead + line), _MM_HINT_T0);
+  if (ahead) prefetch_lines(blk + ahead);
 }
 
 // Whether block_avx2's second pass over a block of 16 columns (its columns 8..15, over weights the first pass brought
 // into L1) prefetches the next block's weights (1, the default) or nothing (0: before; research scripts time it). The
 // first pass streams a block from memory and the second computes from cache: without it no load was in flight while
-// the second pass ran, and a decode row's matmuls took ~1.5x the longer of their arithmetic and their memory reads
-// (scripts/research/avx2_roofline.py, `layers`). Prefetches never change a result's bits.
+// the second pass ran, and a decode row's matmuls took 1.24-1.28x the longer of their arithmetic and their memory reads
+// (scripts/research/avx2_roofline.py, `layers`; a one-row call now takes row_avx2's single pass). Prefetches never
+// change a result's bits.
 inline int64_t& prefetch_next() {
   static int64_t on = 1;
   return on;
-}
-
-inline void prefetch_lines(const uint8_t* at) {
-  for (int line = 0; line < kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
 }
 
 template <int P>
@@ -319,6 +319,15 @@ __attribute__((target("avx2"), always_inline)) inline __m256i row_dot(const __m2
   return dot;
 }
 
+// Outlier input i (0..31) of a group: its weights q * d + m for the half's 8 columns (one fma, as the AVX-512 path),
+// decoded from the block's own codes.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 outlier_weights(const uint8_t* blk, int i, int half,
+                                                                                 __m256 d, __m256 m) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (i >> 3) * 64 + half * 32));
+  const __m256i q = _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm256_set1_epi32(15));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+}
+
 // Whether block_avx2 runs a tile of exactly one row as tile_avx2<P, 1> (1, the default) or as the general tile (0):
 // a research toggle (row_step.cpp q4_row_registers); the same bits either way.
 inline int64_t& row_registers() {
@@ -349,12 +358,8 @@ __attribute__((target("avx2,fma,f16c"))) inline void tile_avx2(const uint8_t* w,
     // this group's outlier channels: their weights q * d + m (one fma, as the AVX-512 path) from the block's codes
     const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
     alignas(32) float wf[kGroup * 8];
-    for (int64_t ci = c0; ci < c1; ++ci) {
-      const int i = static_cast<int>(ch[ci] - g * kGroup);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (i >> 3) * 64 + half * 32));
-      const __m256i q = _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm256_set1_epi32(15));
-      _mm256_store_ps(wf + (ci - c0) * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
-    }
+    for (int64_t ci = c0; ci < c1; ++ci)
+      _mm256_store_ps(wf + (ci - c0) * 8, outlier_weights(blk, static_cast<int>(ch[ci] - g * kGroup), half, d, m));
     for (int r = 0; r < nr; ++r) {
       const __m256i dot = row_dot<P>(wq, qx + (r0 + r) * P * k + g * kGroup, k);
       const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
@@ -399,13 +404,9 @@ __attribute__((target("avx2,fma,f16c"))) inline void row_avx2(const uint8_t* w, 
       const __m256i dot = row_dot<P>(wq, xr, k);
       acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[half]);
       acc[half] = _mm256_fmadd_ps(m, _mm256_set1_ps(t), acc[half]);
-      for (int64_t ci = c0; ci < c1; ++ci) {  // the group's outlier channels, exactly, in order (as tile_avx2)
-        const int i = static_cast<int>(ch[ci] - g * kGroup);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (i >> 3) * 64 + half * 32));
-        const __m256i q = _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm256_set1_epi32(15));
-        const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
-        acc[half] = _mm256_fmadd_ps(_mm256_set1_ps(xo[ci]), wv, acc[half]);
-      }
+      for (int64_t ci = c0; ci < c1; ++ci)  // the group's outlier channels, exactly, in order (as tile_avx2)
+        acc[half] = _mm256_fmadd_ps(_mm256_set1_ps(xo[ci]),
+                                    outlier_weights(blk, static_cast<int>(ch[ci] - g * kGroup), half, d, m), acc[half]);
     }
   }
   _mm256_storeu_ps(y + col0, acc[0]);
