@@ -264,14 +264,11 @@ def main() -> int:
             module.q4_one_pass_row(1)
             module.q4_prefetch_next(1)
 
-    def step_off() -> float:
-        return as_before(step)
-
     for _ in range(5):
         step()
     for _ in range(args.steps):
         steps_s.append(step())
-        steps_off.append(step_off())
+        steps_off.append(as_before(step))
         for k, b in bufs.items():
             t0 = time.perf_counter()
             b.sum()
@@ -326,7 +323,7 @@ def main() -> int:
               "decode_before_over_now": round(step_off_s / step_s, 3),
               "step_gb_s": round(step_bytes / step_s / 1e9, 2), "read_gb_s": read_gbs,
               "huge_page_bytes_of_read_buffer": huge.huge_bytes(),
-              "step_time_over_read_time_2MB": round(step_s / (step_bytes / read_gbs["2MB_pages"] / 1e9), 3)}
+              "step_time_over_read_time_2MB": round(step_s / statistics.median(reads["2MB_pages"]), 3)}
 
     doc = meta | {"tsc_hz": round(hz), "ops": ops, "kernel": kernel, "memory": memory, "layers": layers_part,
                   "what": "ops: AVX2 instruction throughput (12 independent chains) and the int4 kernel's row mix "
