@@ -79,3 +79,27 @@ def test_the_file_is_read_as_safetensors_reads_it_aligned_and_a_truncated_one_is
     assert not PackedWeights(d, "int4").loaded  # unreadable: logged, packed again
     m = TorchCausalLM.load(d, weights="int4")
     assert torch.isfinite(logits(m)).all() and PackedWeights(d, "int4").loaded  # and written anew
+
+
+def test_the_native_heads_blocks_are_kept_and_read_back_the_same(tmp_path, monkeypatch):
+    """native.head_blocks: the head's 4-bit blocks and their residual are written next to the model on the first
+    native step and read (not made) on the next, the same bytes; another extension build (its key) makes them again."""
+    from factories import require_native
+    from inference_engine.backends.torch import native
+
+    mod = require_native()
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-*"))
+    m = TorchCausalLM.load(d, weights="int4")
+    made = []
+    real = native.q4_pack_residual
+    monkeypatch.setattr(native, "q4_pack_residual", lambda *a: made.append(1) or real(*a))
+    first = native.head_blocks(mod, m, m.head)
+    assert made == [1] and [f.name for f in d.glob(".kakeya-native-head-*")] == [".kakeya-native-head-int4.safetensors"]
+    second = native.head_blocks(mod, m, m.head)
+    assert made == [1] and torch.equal(second, first)  # read, not made
+    fresh = torch.cat([native.q4_pack(mod, m.head.greedy_approx), real(mod, m.head.w, m.head.greedy_approx)])
+    assert torch.equal(second, fresh)
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path / "row_step-another-build")
+    assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1]  # another key: made again
+    assert m.use_native_step() and (m.native_step.head_arena is not None) == (mod.q4_isa() > 0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from factories import tiny_model_dir
+from factories import main_in_process, tiny_model_dir
 from kv_cache_proposer.dflash_model import DFlashConfig
 from kv_cache_proposer.training import dflash_data
 from kv_cache_proposer.training.dflash_trainer import AnchorSampler
@@ -193,7 +193,8 @@ def test_supervised_slots_count_agreement_runs_up_to_a_block():
     assert mod.supervised_slots(ok) == 17 and mod.supervised_slots(ok, block=2) == 2 + 2 + 2 + 2 + 1 + 0 + 2 + 1
 
 
-def test_merged_rates_weigh_generated_data_against_teacher_forcing(tmp_path):
+def test_merged_rates_weigh_generated_data_against_teacher_forcing(tmp_path, monkeypatch):
+    """--merge-rates reads JSON only: run in this process."""
     def part(name, gen, tok_s, slots_s):
         p = tmp_path / f"{name}.json"
         p.write_text(json.dumps({
@@ -205,9 +206,8 @@ def test_merged_rates_weigh_generated_data_against_teacher_forcing(tmp_path):
         return str(p)
 
     out = tmp_path / "merged.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--merge-rates", part("tf", 0, 340.0, 318.0), part("gen", 64, 290.0, 600.0),
-                        "--rate-json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main_in_process(str(SCRIPT.relative_to(ROOT)), ["--merge-rates", part("tf", 0, 340.0, 318.0),
+                                                           part("gen", 64, 290.0, 600.0), "--rate-json", out], monkeypatch) == 0
     d = json.loads(out.read_text())
     assert set(d["runs"]) == {"auto", "auto/generate64"} and d["runs"]["auto/generate64"]["generated"] == 400
     assert d["supervised_slots_per_s_vs_teacher_forcing"] == {"auto": 1.0, "auto/generate64": round(600 / 318, 3)}

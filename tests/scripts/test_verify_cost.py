@@ -1,22 +1,32 @@
 """scripts/research/verify_cost.py on a tiny random-weight int4 model: the native step's attention orders (chunk by
 chunk, the default, and row by row) and the untrimmed step (every mask column scanned) measured side by side, with a
-prefill chunk; the JSON says which is which."""
+prefill chunk; the JSON says which is which. --merge keeps each run's arms apart."""
 import json
 
-from factories import require_native, run_script, tiny_model_dir
+import pytest
+
+from factories import main_in_process, require_native, run_script, tiny_model_dir
+
+THREE = ("auto", "auto/row", "auto/untrimmed")
 
 
-def test_verify_cost_times_both_attention_orders_and_a_prefill_chunk(tmp_path):
+@pytest.fixture(scope="module")
+def three_arms(tmp_path_factory):
+    """One run of the three arms at two contexts with a prefill chunk (the first test's subject, the merge's second part)."""
     require_native()
-    out = tmp_path / "verify_cost.json"
+    out = tmp_path_factory.mktemp("verify_cost") / "verify_cost.json"
     r = run_script("scripts/research/verify_cost.py", "--model", tiny_model_dir("llama"), "--weights", "int4",
                    "--threads", "1", "--contexts", "64,300", "--rounds", "1", "--steps", "2",
-                   "--compile", "auto,auto/row,auto/untrimmed", "--prefill-chunk", "32", "--out", out)
+                   "--compile", ",".join(THREE), "--prefill-chunk", "32", "--out", out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    return out
+
+
+def test_verify_cost_times_both_attention_orders_and_a_prefill_chunk(three_arms):
+    doc = json.loads(three_arms.read_text())
     assert doc["command"].startswith("scripts/research/verify_cost.py ")
-    assert set(doc["by_compile"]) == {"auto", "auto/row", "auto/untrimmed"}
-    for mode in ("auto", "auto/row", "auto/untrimmed"):
+    assert set(doc["by_compile"]) == set(THREE)
+    for mode in THREE:
         assert doc["by_compile"][mode]["step"]["row_step"].startswith("native")
         for c in ("64", "300"):
             cell = doc["by_compile"][mode]["by_context"][c]
@@ -25,21 +35,18 @@ def test_verify_cost_times_both_attention_orders_and_a_prefill_chunk(tmp_path):
     assert row["prefill_chunk_speedup_vs_auto"] > 0 and row["verify_speedup_vs_auto"] > 0
 
 
-def test_merged_runs_keep_every_compile_arm_of_each_run(tmp_path):
-    """--merge: each run keeps its arms side by side (the comparison is inside a run), with its rounds and commit."""
-    require_native()
-    parts = []
-    for i, modes in enumerate(("auto/planes2,auto", "auto")):
-        parts.append(tmp_path / f"run{i}.json")
-        r = run_script("scripts/research/verify_cost.py", "--model", tiny_model_dir("llama"), "--weights", "int4",
-                       "--threads", "1", "--contexts", "64", "--rounds", "1", "--steps", "2", "--compile", modes,
-                       "--out", parts[-1])
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = tmp_path / "merged.json"
-    r = run_script("scripts/research/verify_cost.py", "--merge", *parts, "--out", out)
+def test_merged_runs_keep_every_compile_arm_of_each_run(tmp_path, three_arms, monkeypatch):
+    """--merge: each run keeps its arms side by side (the comparison is inside a run), with its rounds and commit (the
+    merge reads JSON only: run in this process)."""
+    parts = [tmp_path / "run0.json", three_arms]
+    r = run_script("scripts/research/verify_cost.py", "--model", tiny_model_dir("llama"), "--weights", "int4",
+                   "--threads", "1", "--contexts", "64", "--rounds", "1", "--steps", "2", "--compile", "auto/planes2,auto",
+                   "--out", parts[0])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "merged.json"
+    assert main_in_process("scripts/research/verify_cost.py", ["--merge", *parts, "--out", out], monkeypatch) in (0, None)
     doc = json.loads(out.read_text())
-    assert [set(run["by_compile"]) for run in doc["runs"]] == [{"auto/planes2", "auto"}, {"auto"}]
+    assert [set(run["by_compile"]) for run in doc["runs"]] == [{"auto/planes2", "auto"}, set(THREE)]
     for run, part in zip(doc["runs"], parts):
         src = json.loads(part.read_text())
         assert run["rounds"] == 1 and run["commit"] == src["commit"]

@@ -228,7 +228,7 @@ class NativeRowStep:
         if self.q4 and isinstance(head, RefinedHead) and isinstance(head.greedy_approx, Int4Linear):
             rows, n = head.w, head.w.shape[0]
             # the head's 4-bit copy, then its residual (what the kernel's copy leaves of the fp32 rows) in 4 bits
-            both = torch.cat([q4_pack(module, head.greedy_approx), q4_pack_residual(module, head.w, head.greedy_approx)])
+            both = head_blocks(module, model, head)
             self.head_arena = hugepages.Arena([both])
             both = self.head_arena.views[0]
             first = both[: n // 16]
@@ -477,6 +477,26 @@ def cached_outlier_channels(model, count: int) -> dict[tuple[int, str], torch.Te
         packed.save_derived(path, "outliers", model.weights_format,
                             (data or {}) | {str(count): {f"{i}.{kind}": ch.tolist() for (i, kind), ch in chosen.items()}})
     return chosen
+
+
+def head_blocks(module, model, head) -> torch.Tensor:
+    """The head's 4-bit copy's blocks, then its residual's (q4_pack_residual), as one tensor: kept next to a pulled
+    model (`.kakeya-native-head-<weights>.safetensors`, packed.load_derived_tensor) for the model files, this
+    extension build and the Python that makes them, since the residual's quantization took most of the native step's
+    start (1.35 of its 1.73 s on the loaded 2-core box); made and written on a miss."""
+    from inference_engine.backends.torch import packed
+
+    path = getattr(model, "path", None)
+    extra = build_dir().name + ":" + hashlib.sha256(b"".join(
+        pathlib.Path(__file__).with_name(f).read_bytes() for f in ("native.py", "linear.py"))).hexdigest()[:16]
+    if path is not None:
+        cached = packed.load_derived_tensor(path, "native-head", model.weights_format, extra)
+        if cached is not None:
+            return cached
+    both = torch.cat([q4_pack(module, head.greedy_approx), q4_pack_residual(module, head.w, head.greedy_approx)])
+    if path is not None:
+        packed.save_derived_tensor(path, "native-head", model.weights_format, extra, both)
+    return both
 
 
 def q4_pack_residual(module, w: torch.Tensor, lin) -> torch.Tensor:

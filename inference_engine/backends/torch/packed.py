@@ -58,6 +58,39 @@ def save_derived(model_dir: pathlib.Path, name: str, weights: str, data: dict) -
         log.info("%s not saved (%s): the next load makes it again", path, e)
 
 
+def load_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra: str) -> torch.Tensor | None:
+    """A tensor made from the model (`.kakeya-<name>-<weights>.safetensors`, save_derived_tensor) when it was made for
+    this cache_key and `extra` (what else it depends on: the code that made it), else None; an unreadable file is
+    logged and counts as missing."""
+    path = pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.safetensors"
+    if not path.exists():
+        return None
+    try:
+        loaded = _read_if_key(path, cache_key(model_dir, weights) + "|" + extra)
+    except Exception as e:  # noqa: BLE001 - a damaged cache only costs making it again
+        log.warning("%s unreadable (%s): made again", path, e)
+        return None
+    return None if loaded is None else loaded.get("t")
+
+
+def save_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra: str, t: torch.Tensor) -> None:
+    """Write `t` for load_derived_tensor, atomically; a directory that cannot be written is only logged."""
+    from safetensors.torch import save_file
+
+    path = pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.safetensors"
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kakeya-", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        save_file({"t": t.contiguous()}, tmp, metadata={"key": cache_key(model_dir, weights) + "|" + extra})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("%s not saved (%s): the next load makes it again", path, e)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 class PackedWeights:
     def __init__(self, model_dir: pathlib.Path, weights: str):
         self.path = pathlib.Path(model_dir) / f".kakeya-packed-{weights}.safetensors"
