@@ -1,0 +1,111 @@
+"""How long `kakeya serve` takes to say READY, and where the time goes: the daemon started as a user starts it
+(a subprocess, its defaults, the model from the store), --rounds times per arm, the arms interleaved round by round:
+
+  kept  the files a daemon keeps next to the model are there (what every start after the first finds);
+  made  the native step's head blocks (`.kakeya-native-head-<weights>.safetensors`, native.head_blocks) are removed
+        before the start, so the daemon makes them again (and writes them), as every start did before they were kept.
+
+Per start: seconds from the process's launch to its READY line, and the phases its log stamps (the process start to
+the native step's load, the native step's packing, the `--compile auto` measurement, the warm-up forward and the
+start-up objects' freeze, up to serving). Medians per arm and made / kept.
+
+    python scripts/research/daemon_start.py --rounds 5 --threads 2 --out results/research/daemon_start_avx2.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench_common import ROOT, run_metadata, write_json  # noqa: E402
+
+# the daemon's log lines that close each phase (server/app.py, backends/torch/native.py), in order
+PHASES = (("imports_and_weights", "native CPU row step loaded"), ("native_packing", "native step: "),
+          ("compile_auto", "--compile auto"), ("warm_up", "warm-up forward"), ("freeze", "froze "),
+          ("serving", "kakeya serving"))
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> dict:
+    if arm == "made":
+        for f in model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors"):
+            f.unlink()
+    log = work / f"{arm}-{time.time_ns()}.log"
+    cmd = [sys.executable, "-m", "inference_engine.server.cli", "serve", "--model", args.model, "--bind", "127.0.0.1:0",
+           "--threads", str(args.threads), "--weights", args.weights, "--persist", "off"]
+    launched = time.time()
+    t0 = time.perf_counter()
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        line = proc.stdout.readline()
+        ready = time.perf_counter() - t0
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    if not line.startswith("READY"):
+        raise SystemExit(f"{arm}: the daemon did not start ({line!r}); see {log}")
+    stamps, prev = {}, launched
+    for text in log.read_text(errors="replace").splitlines():
+        m = STAMP.match(text)
+        if not m:
+            continue
+        t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for name, marker in PHASES:
+            if name not in stamps and marker in text:
+                stamps[name] = round(t - prev, 3)
+                prev = t
+                break
+    return {"ready_s": round(ready, 3), "phases_s": stamps,
+            "head_blocks_file_after": any(model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors"))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--arms", default="kept,made")
+    ap.add_argument("--out", default=str(ROOT / "results" / "research" / "daemon_start.json"))
+    args = ap.parse_args(argv)
+    from inference_engine.model_store import resolve_model
+
+    model_dir = pathlib.Path(resolve_model(args.model))
+    meta = run_metadata(vars(args))
+    arms = args.arms.split(",")
+    runs: dict[str, list[dict]] = {a: [] for a in arms}
+    with tempfile.TemporaryDirectory(prefix="kakeya-daemon-start-") as work:
+        if "kept" in arms:  # the kept arm's first start must find the file: one start (not timed) makes it
+            start_once(args, model_dir, "warm", pathlib.Path(work))
+        for r in range(args.rounds):
+            for a in arms:
+                runs[a].append(start_once(args, model_dir, a, pathlib.Path(work)))
+                print(f"round {r} {a}: READY after {runs[a][-1]['ready_s']} s {runs[a][-1]['phases_s']}", flush=True)
+    summary = {}
+    for a, rs in runs.items():
+        phases = {name: statistics.median(x["phases_s"][name] for x in rs if name in x["phases_s"])
+                  for name, _ in PHASES if any(name in x["phases_s"] for x in rs)}
+        summary[a] = {"ready_s_median": statistics.median(x["ready_s"] for x in rs), "phases_s_median": phases}
+    doc = meta | {"what": "seconds from launching `kakeya serve` to its READY line, the arms interleaved round by round; "
+                          "phases from the daemon's log stamps",
+                  "arms": runs, "summary": summary}
+    if "kept" in summary and "made" in summary:
+        doc["made_over_kept_ready"] = round(summary["made"]["ready_s_median"] / summary["kept"]["ready_s_median"], 3)
+    write_json(pathlib.Path(args.out), doc)
+    print(summary, doc.get("made_over_kept_ready"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""scripts/research/daemon_start.py on a tiny int4 model: one start of the `made` arm (its head-blocks file removed
+first) reaches READY, its log's phases are read in order, and the start writes the file again for the next. Nothing
+here reads a timing's value."""
+import json
+import shutil
+
+from factories import main_in_process, require_native, tiny_model_dir
+
+
+def test_a_made_start_reads_its_phases_and_keeps_the_head_blocks_for_the_next(tmp_path, monkeypatch):
+    require_native()
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-*"))
+    (d / ".kakeya-native-head-int4.safetensors").write_bytes(b"stale")  # removed by the made arm, then written anew
+    out = tmp_path / "start.json"
+    assert main_in_process("scripts/research/daemon_start.py", ["--model", d, "--arms", "made", "--rounds", "1",
+                                                                "--threads", "1", "--out", out], monkeypatch) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("scripts/research/daemon_start.py ")
+    (run,) = doc["arms"]["made"]
+    assert run["ready_s"] > 0 and run["head_blocks_file_after"]
+    assert list(run["phases_s"]) == ["imports_and_weights", "native_packing", "compile_auto", "warm_up", "freeze", "serving"]
+    assert (d / ".kakeya-native-head-int4.safetensors").stat().st_size > 1000
