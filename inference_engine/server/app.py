@@ -173,11 +173,17 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
     else:
         threads = cfg.threads
     if getattr(model, "native_step", None) is not None:  # --compile auto on the CPU: kept where it measures faster
+        from inference_engine.backends.torch import native
         from inference_engine.engine.tuning import native_step_pays
 
-        pays, med = native_step_pays(model, threads)
-        log.info("--compile auto: the native CPU row step %s (median decode step %.2f ms, the Python pieces %.2f ms)",
-                 "kept" if pays else "off: slower here", 1000 * med["native"], 1000 * med["python"])
+        kept = native.kept_verdict(model, threads)
+        if kept is not None:
+            pays, med, when = True, kept, "measured at an earlier start on this machine"
+        else:
+            pays, med = native_step_pays(model, threads)
+            when = "measured now" + ("; kept for the next start" if native.keep_verdict(model, threads, med) else "")
+        log.info("--compile auto: the native CPU row step %s (median decode step %.2f ms, the Python pieces %.2f ms, %s)",
+                 "kept" if pays else "off: slower here", 1000 * med["native"], 1000 * med["python"], when)
         if not pays:
             model.use_native_step(False)
     try:

@@ -775,6 +775,34 @@ def test_compile_auto_keeps_it_only_where_it_measures_faster():
     assert native_step_pays(m) == (False, {})
 
 
+def test_compile_auto_keeps_a_decisive_measurement_for_the_next_start(tmp_path, monkeypatch, caplog):
+    """native.keep_verdict / kept_verdict: a measurement with the native step at most VERDICT_MARGIN of the Python
+    pieces is kept next to the model for this build, thread count and activations, and the next build_engine takes
+    it without measuring; a close one is never kept (every start measures)."""
+    import logging
+    import shutil
+
+    from inference_engine.engine import tuning
+    from inference_engine.server.app import build_engine
+    from inference_engine.server.config import ServeConfig
+
+    require_native()
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-*"))
+    m = TorchCausalLM.load(d, weights="int4")
+    assert m.use_native_step()
+    assert not native.keep_verdict(m, 1, {"native": 0.6, "python": 1.0}) and native.kept_verdict(m, 1) is None
+    assert native.keep_verdict(m, 1, {"native": 0.2, "python": 1.0})
+    assert native.kept_verdict(m, 1) == {"native": 0.2, "python": 1.0} and native.kept_verdict(m, 2) is None
+    m.native_step.outliers += 1  # other activations: measured again
+    assert native.kept_verdict(m, 1) is None
+    m.native_step.outliers -= 1
+    monkeypatch.setattr(tuning, "native_step_pays", lambda *a, **k: pytest.fail("measured although a verdict was kept"))
+    with caplog.at_level(logging.INFO, logger="kakeya"):
+        build_engine(ServeConfig(model=str(d), threads=1, compile="auto"), m)
+    assert m.native_step is not None and "measured at an earlier start" in caplog.text
+
+
 # -- the steps the whole-step call declines: paged recall (kv/paged.py chooses keys per query and layer) runs the same
 # C++ code in segments (native.NativeSegments), attention left to the kv layer
 

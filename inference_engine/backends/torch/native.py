@@ -51,6 +51,9 @@ ACTIVATIONS = {"int16": 2, "int8": 1}
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "row_step.cpp"
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+# `--compile auto` keeps its measurement for later starts when the native step took at most this share of the Python
+# pieces' step (keep_verdict; 0.30-0.33 on the 2-core AVX2 EPYC: 12.7 vs 41.4 ms)
+VERDICT_MARGIN = 0.5
 _lock = threading.Lock()
 _module = None
 _failed: str | None = None
@@ -477,6 +480,37 @@ def cached_outlier_channels(model, count: int) -> dict[tuple[int, str], torch.Te
         packed.save_derived(path, "outliers", model.weights_format,
                             (data or {}) | {str(count): {f"{i}.{kind}": ch.tolist() for (i, kind), ch in chosen.items()}})
     return chosen
+
+
+def _verdict_key(model, threads: int | None) -> str:
+    step = model.native_step
+    return f"{build_dir().name}|threads={threads}|planes={step.planes}|outliers={step.outliers}"
+
+
+def kept_verdict(model, threads: int | None) -> dict[str, float] | None:
+    """`--compile auto`'s measurement of an earlier start on this machine (keep_verdict), when it found the native step
+    decisively faster for this model file, weight format, extension build (CPU included), thread count and
+    activations; else None (measure now)."""
+    from inference_engine.backends.torch import packed
+
+    path = getattr(model, "path", None)
+    data = packed.load_derived(path, "compile-auto", model.weights_format) if path is not None else None
+    return (data or {}).get(_verdict_key(model, threads))
+
+
+def keep_verdict(model, threads: int | None, med: dict[str, float]) -> bool:
+    """Keep a measurement for the next start when it is decisive (the native step at most half the Python pieces'
+    median step: no later start on this machine would measure the other way), never a close or a losing one (those
+    are measured at every start). Whether it was kept."""
+    from inference_engine.backends.torch import packed
+
+    path = getattr(model, "path", None)
+    if path is None or not med["native"] <= VERDICT_MARGIN * med["python"]:
+        return False
+    data = packed.load_derived(path, "compile-auto", model.weights_format) or {}
+    packed.save_derived(path, "compile-auto", model.weights_format,
+                        data | {_verdict_key(model, threads): {k: float(v) for k, v in med.items()}})
+    return True
 
 
 def head_blocks(module, model, head) -> torch.Tensor:
