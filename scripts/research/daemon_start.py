@@ -1,13 +1,16 @@
 """How long `kakeya serve` takes to say READY, and where the time goes: the daemon started as a user starts it
 (a subprocess, its defaults, the model from the store), --rounds times per arm, the arms interleaved round by round:
 
-  kept  the files a daemon keeps next to the model are there (what every start after the first finds);
-  made  the native step's head blocks (`.kakeya-native-head-<weights>.safetensors`, native.head_blocks) are removed
-        before the start, so the daemon makes them again (and writes them), as every start did before they were kept.
+  kept      the files a daemon keeps next to the model are there (what every start after the first finds);
+  made      the native step's head blocks (`.kakeya-native-head-<weights>.safetensors`, native.head_blocks) are
+            removed before the start, so the daemon makes them again (and writes them);
+  measured  `--compile auto`'s kept measurement (`.kakeya-compile-auto-<weights>.json`, native.keep_verdict) is
+            removed, so the daemon times the native step against the Python pieces again (and keeps the result);
+  before    both removed: every start before they were kept.
 
 Per start: seconds from the process's launch to its READY line, and the phases its log stamps (the process start to
 the native step's load, the native step's packing, the `--compile auto` measurement, the warm-up forward and the
-start-up objects' freeze, up to serving). Medians per arm and made / kept.
+start-up objects' freeze, up to serving). Medians per arm, and each arm's over kept's.
 
     python scripts/research/daemon_start.py --rounds 5 --threads 2 --out results/research/daemon_start_avx2.json
 """
@@ -38,8 +41,9 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> dict:
-    if arm == "made":
-        for f in model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors"):
+    removed = {"made": ["native-head"], "measured": ["compile-auto"], "before": ["native-head", "compile-auto"]}
+    for name in removed.get(arm, []):
+        for f in model_dir.glob(f".kakeya-{name}-{args.weights}.*"):
             f.unlink()
     log = work / f"{arm}-{time.time_ns()}.log"
     cmd = [sys.executable, "-m", "inference_engine.server.cli", "serve", "--model", args.model, "--bind", "127.0.0.1:0",
@@ -67,7 +71,8 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
                 prev = t
                 break
     return {"ready_s": round(ready, 3), "phases_s": stamps,
-            "head_blocks_file_after": any(model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors"))}
+            "head_blocks_file_after": any(model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors")),
+            "compile_auto_file_after": any(model_dir.glob(f".kakeya-compile-auto-{args.weights}.json"))}
 
 
 def main(argv=None) -> int:
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--arms", default="kept,made")
+    ap.add_argument("--arms", default="kept,made,measured,before")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "daemon_start.json"))
     args = ap.parse_args(argv)
     from inference_engine.model_store import resolve_model
@@ -100,10 +105,10 @@ def main(argv=None) -> int:
     doc = meta | {"what": "seconds from launching `kakeya serve` to its READY line, the arms interleaved round by round; "
                           "phases from the daemon's log stamps",
                   "arms": runs, "summary": summary}
-    if "kept" in summary and "made" in summary:
-        doc["made_over_kept_ready"] = round(summary["made"]["ready_s_median"] / summary["kept"]["ready_s_median"], 3)
+    if "kept" in summary:
+        doc["ready_over_kept"] = {a: round(v["ready_s_median"] / summary["kept"]["ready_s_median"], 3) for a, v in summary.items()}
     write_json(pathlib.Path(args.out), doc)
-    print(summary, doc.get("made_over_kept_ready"))
+    print(summary, doc.get("ready_over_kept"))
     return 0
 
 
