@@ -49,7 +49,7 @@ def _load_model(cfg: ServeConfig):
 
     weights = cfg.weights if cfg.weights != "auto" else ("int4" if cfg.device == "cpu" else "fp32")
     try:
-        model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device, weights=weights)
+        model = TorchCausalLM.load(resolve_model(cfg.model), device=cfg.device, weights=weights, loader=cfg.loader)
         from inference_engine.backends.torch import native
 
         model.use_step_graphs(cfg.compile, planes=native.ACTIVATIONS[cfg.activations])

@@ -72,6 +72,11 @@ def _add_serve(sub) -> None:
                         "the dense work; auto = with inductor's fused kernels where triton is present (measured faster: "
                         "scripts/gpu_check.py), eager pieces if a compile fails; on = inductor always; off = eager. "
                         "CPU: auto = off (inductor measured no faster there)")
+    p.add_argument("--loader", default=d.loader, choices=("auto", "transformers"),
+                   help="torch backend: how the weights are read. auto = with safetensors where the config is one it reads "
+                        "completely (Llama, Mistral, Qwen2/3 with the default RoPE; a start ~5 s sooner without "
+                        "transformers' imports), through transformers otherwise; transformers = always through "
+                        "transformers' AutoModelForCausalLM (the same weights either way: tests/backends/test_checkpoint.py)")
     p.add_argument("--backend", default=d.backend, choices=("torch", "mlx"),
                    help="model backend: torch, or mlx (Apple's framework: Metal on Apple Silicon, CPU elsewhere; needs "
                         "pip install 'kakeya-runtime[mlx]'; strategies full, sink_window and paged (identity pages); see docs/mlx.md)")
@@ -201,6 +206,7 @@ def serve_config(args) -> ServeConfig:
         api_key=args.api_key or None,
         device=args.device,
         compile=args.compile,
+        loader=args.loader,
         backend=args.backend,
         threads=args.threads,
         weights=args.weights,

@@ -47,6 +47,9 @@ class ServeConfig:
     compile: str = "auto"  # off | auto | on: the step as captured CUDA graphs, inductor-fused where triton is (auto: CUDA only)
     backend: str = "torch"  # torch | mlx (backends/mlx; needs the mlx extra)
     threads: int | str | None = None  # None = torch's choice, "auto" = fastest measured (engine/tuning.py)
+    # auto: the weights read with safetensors where backends/torch/checkpoint.py reads the config completely (Llama,
+    # Mistral, Qwen2/3 with the default RoPE: ~5 s less of a start, transformers' imports), else through transformers
+    loader: str = "auto"  # auto | transformers (the torch backend's; MLX loads its own way)
     weights: str = "auto"  # fp32 | int8 | int4 | auto (int4 on cpu, fp32 elsewhere: scripts/bench_weights.py)
     # the CPU int4 kernel's activations: int16 (two int8 planes, >= 99 % top-1 agreement with fp32) | int8 (one plane
     # with 16 outlier channels exact, as llama.cpp's Q8 activations: 98.83 %, each extra row ~22 % cheaper)
@@ -83,7 +86,7 @@ class ServeConfig:
 
         split_bind(self.bind)
         choices = {"--backend": (self.backend, ("torch", "mlx")), "--persist": (self.persist, ("off", "turn")),
-                   "--compile": (self.compile, ("off", "auto", "on")),
+                   "--compile": (self.compile, ("off", "auto", "on")), "--loader": (self.loader, ("auto", "transformers")),
                    "--weights": (self.weights, ("auto", "fp32", "fp16", "int8", "int4")),
                    "--activations": (self.activations, ("int16", "int8"))}
         for flag, (value, allowed) in choices.items():
@@ -179,6 +182,9 @@ def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
     if cfg.activations != "int16":
         raise ConfigError(f"--activations {cfg.activations} sets the torch backend's CPU int4 kernel; with --backend mlx "
                           "leave it at int16")
+    if cfg.loader != "auto":
+        raise ConfigError(f"--loader {cfg.loader} sets how the torch backend reads the weights; with --backend mlx leave "
+                          "it at auto")
 
 
 def check_exposure(cfg: ServeConfig) -> None:

@@ -6,11 +6,13 @@
             removed before the start, so the daemon makes them again (and writes them);
   measured  `--compile auto`'s kept measurement (`.kakeya-compile-auto-<weights>.json`, native.keep_verdict) is
             removed, so the daemon times the native step against the Python pieces again (and keeps the result);
-  before    both removed: every start before they were kept.
+  before    both removed: every start before they were kept;
+  transformers  both kept, the weights read through transformers (`--loader transformers`: every start before
+            backends/torch/checkpoint.py; the default `--loader auto` reads them with safetensors where it can).
 
 Per start: seconds from the process's launch to its READY line, and the phases its log stamps (the process start to
-the native step's load, the native step's packing, the `--compile auto` measurement, the warm-up forward and the
-start-up objects' freeze, up to serving). Medians per arm, and each arm's over kept's.
+the weights read (imports, config, weights), the native step's load, the native step's packing, the `--compile
+auto` measurement, the warm-up forward and the start-up objects' freeze, up to serving). Medians per arm, and each arm's over kept's.
 
     python scripts/research/daemon_start.py --rounds 5 --threads 2 --out results/research/daemon_start_avx2.json
 """
@@ -34,7 +36,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
 # the daemon's log lines that close each phase (server/app.py, backends/torch/native.py), in order
-PHASES = (("imports_and_weights", "native CPU row step loaded"), ("native_packing", "native step: "),
+PHASES = (("imports_and_weights", "read through "), ("native_load", "native CPU row step loaded"),
+          ("native_packing", "native step: "),
           ("compile_auto", "--compile auto"), ("warm_up", "warm-up forward"), ("freeze", "froze "),
           ("serving", "kakeya serving"))
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
@@ -48,6 +51,8 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
     log = work / f"{arm}-{time.time_ns()}.log"
     cmd = [sys.executable, "-m", "inference_engine.server.cli", "serve", "--model", args.model, "--bind", "127.0.0.1:0",
            "--threads", str(args.threads), "--weights", args.weights, "--persist", "off"]
+    if arm == "transformers":
+        cmd += ["--loader", "transformers"]
     launched = time.time()
     t0 = time.perf_counter()
     with open(log, "wb") as err:
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
     arms = args.arms.split(",")
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory(prefix="kakeya-daemon-start-") as work:
-        if "kept" in arms:  # the kept arm's first start must find the file: one start (not timed) makes it
+        if {"kept", "transformers"} & set(arms):  # the kept arms' first start must find the files: one start (not timed) makes it
             start_once(args, model_dir, "warm", pathlib.Path(work))
         for r in range(args.rounds):
             for a in arms:

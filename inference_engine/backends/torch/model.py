@@ -1,8 +1,9 @@
 """Decoder-only transformer weights and layer pieces on torch (Llama, Mistral, Qwen2/3, Gemma 3).
 
-transformers loads the weights and is the reference oracle in tests; the hot path is these
-pieces, driven by the engine's layer loop (engine/steps.py): batch 1, fused QKV and gate/up
-projections, SDPA with masks from the cache layout. Stateless: per-session state is in caches.
+safetensors (checkpoint.py, where it reads the config completely) or transformers loads the weights, and
+transformers is the reference oracle in tests; the hot path is these pieces, driven by the engine's layer loop
+(engine/steps.py): batch 1, fused QKV and gate/up projections, SDPA with masks from the cache layout. Stateless:
+per-session state is in caches.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from inference_engine.backends.torch.linear import (
 from inference_engine.kv.layout import CacheGeometry
 
 log = logging.getLogger("kakeya")
+
+LOADERS = ("auto", "transformers")  # --loader (TorchCausalLM.load)
 
 if TYPE_CHECKING:
     from inference_engine.backends.torch.graphs import StepGraphs
@@ -64,9 +67,11 @@ class TorchCausalLM:
 
     backend_name = "torch"
 
-    def __init__(self, hf_model, spec: ModelSpec, model_id: str, *, weights: str = "fp32", blocks: dict | None = None,
-                 packed=None):
-        """weights: fp32 | int8 | int4 (linear.py); blocks: the GGUF's Q4_1 blocks by HF weight name,
+    def __init__(self, tensors: dict, rotary, act, spec: ModelSpec, model_id: str, *, weights: str = "fp32",
+                 blocks: dict | None = None, packed=None):
+        """tensors: the checkpoint's weights by HF name (`lm_head.weight` included, tied or not), all in one dtype on
+        one device; rotary: (probe, position_ids[, rope kind]) -> cos, sin tables; act: the MLP's activation;
+        weights: fp32 | int8 | int4 (linear.py); blocks: the GGUF's Q4_1 blocks by HF weight name,
         used by int4 instead of quantizing the fp32 weights again; packed: a packed.PackedWeights holding the
         quantized linears of an earlier load (used, and filled with what is packed now)."""
         self._packed = packed
@@ -76,37 +81,39 @@ class TorchCausalLM:
         self.spec = spec
         self.model_id = model_id
         self.weights = weights
-        self.device = next(hf_model.parameters()).device
-        self.dtype = next(hf_model.parameters()).dtype
-        inner = hf_model.model
+        self.loader = "transformers"  # or "safetensors" (checkpoint.py): set by load()
+        t = tensors
+        self.device = t["model.embed_tokens.weight"].device
+        self.dtype = t["model.embed_tokens.weight"].dtype
         blocks = blocks or {}
-        self.final_norm_weight = self._norm_weight(inner.norm.weight)
-        self.rotary = inner.rotary_emb
-        self.act = inner.layers[0].mlp.act_fn
-        head_w = hf_model.lm_head.weight.detach()
-        self._embed_w = inner.embed_tokens.weight.detach()
+        self.final_norm_weight = self._norm_weight(t["model.norm.weight"])
+        self.rotary = rotary
+        self.act = act
+        head_w = t["lm_head.weight"].detach()
+        self._embed_w = t["model.embed_tokens.weight"].detach()
         # quantized formats: int8 scoring, exact fp32 for the top candidates (linear.RefinedHead);
         # off the CPU the weight-only kernels are missing: quantized linears run dequantized in bf16
         self.kernels_row_independent = weights != "fp32" and self.device.type == "cpu"
         self.head = RefinedHead(head_w, packed=packed) if self.kernels_row_independent else DenseLinear(head_w)
         self.layers = []
-        for i, hl in enumerate(inner.layers):
-            a, m = hl.self_attn, hl.mlp
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
             L = _Layer()
-            prefix = f"model.layers.{i}."
-            L.wqkv = self._linear(weights, blocks, [prefix + f"self_attn.{n}_proj.weight" for n in "qkv"],
-                                  [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
-                                  torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach() if a.q_proj.bias is not None else None)
-            L.wo = self._linear(weights, blocks, [prefix + "self_attn.o_proj.weight"], [a.o_proj.weight])
-            L.w_gate_up = self._linear(weights, blocks, [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"],
-                                       [m.gate_proj.weight, m.up_proj.weight])
-            L.w_down = self._linear(weights, blocks, [prefix + "mlp.down_proj.weight"], [m.down_proj.weight])
-            L.ln_in = self._norm_weight(hl.input_layernorm.weight)
-            L.ln_post_attn = self._norm_weight(hl.post_attention_layernorm.weight)
-            L.ln_pre_ff = self._norm_weight(hl.pre_feedforward_layernorm.weight) if spec.gemma_norms else None
-            L.ln_post_ff = self._norm_weight(hl.post_feedforward_layernorm.weight) if spec.gemma_norms else None
-            L.q_norm = self._norm_weight(a.q_norm.weight) if spec.qk_norm else None
-            L.k_norm = self._norm_weight(a.k_norm.weight) if spec.qk_norm else None
+            qkv_bias = [t.get(a + f"{n}_proj.bias") for n in "qkv"]
+            L.wqkv = self._linear(weights, blocks, [a + f"{n}_proj.weight" for n in "qkv"],
+                                  [t[a + f"{n}_proj.weight"] for n in "qkv"],
+                                  torch.cat([b for b in qkv_bias if b is not None]).detach() if qkv_bias[0] is not None else None)
+            L.wo = self._linear(weights, blocks, [a + "o_proj.weight"], [t[a + "o_proj.weight"]])
+            L.w_gate_up = self._linear(weights, blocks, [m + "gate_proj.weight", m + "up_proj.weight"],
+                                       [t[m + "gate_proj.weight"], t[m + "up_proj.weight"]])
+            L.w_down = self._linear(weights, blocks, [m + "down_proj.weight"], [t[m + "down_proj.weight"]])
+            L.ln_in = self._norm_weight(t[p + "input_layernorm.weight"])
+            L.ln_post_attn = self._norm_weight(t[p + "post_attention_layernorm.weight"])
+            L.ln_pre_ff = self._norm_weight(t[p + "pre_feedforward_layernorm.weight"]) if spec.gemma_norms else None
+            L.ln_post_ff = self._norm_weight(t[p + "post_feedforward_layernorm.weight"]) if spec.gemma_norms else None
+            L.q_norm = self._norm_weight(t[a + "q_norm.weight"]) if spec.qk_norm else None
+            L.k_norm = self._norm_weight(t[a + "k_norm.weight"]) if spec.qk_norm else None
             self.layers.append(L)
         self.graphs: StepGraphs | None = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
         self.row_graphs: RowGraphs | None = None  # whole row steps as graphs over a K/V arena (use_row_graphs)
@@ -296,16 +303,33 @@ class TorchCausalLM:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-             weights: str = "fp32") -> "TorchCausalLM":
-        from transformers import AutoConfig, AutoModelForCausalLM
-
+             weights: str = "fp32", loader: str = "auto") -> "TorchCausalLM":
+        """loader: auto reads the weights with safetensors where checkpoint.py reads the config completely (the
+        common families with the default RoPE; ~5 s less of a daemon start, transformers' imports), and through
+        transformers otherwise; transformers: always through transformers' AutoModelForCausalLM."""
+        if loader not in LOADERS:
+            raise ValueError(f"--loader must be one of {', '.join(LOADERS)}, got {loader!r}")
         path = pathlib.Path(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json); pass a pulled model name or an HF directory")
-        cfg = AutoConfig.from_pretrained(path)
-        spec = spec_from_config(getattr(cfg, "text_config", cfg))
-        # transformers declares PreTrainedModel.to as @wraps(torch.nn.Module.to), which mypy reads as unbound
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+        read = None
+        if loader == "auto":
+            from inference_engine.backends.torch.checkpoint import read_checkpoint
+
+            read = read_checkpoint(path, device=device, dtype=dtype)
+        if read is not None:
+            cfg, tensors, rotary, act = read
+            spec = spec_from_config(cfg)
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            hf_cfg = AutoConfig.from_pretrained(path)
+            spec = spec_from_config(getattr(hf_cfg, "text_config", hf_cfg))
+            # transformers declares PreTrainedModel.to as @wraps(torch.nn.Module.to), which mypy reads as unbound
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+            inner = hf.model
+            tensors = {"model." + k: v for k, v in inner.named_parameters()} | {"lm_head.weight": hf.lm_head.weight}
+            rotary, act = inner.rotary_emb, inner.layers[0].mlp.act_fn
         meta = path / "kakeya_model.json"
         model_id = json.loads(meta.read_text()).get("name", path.name) if meta.exists() else path.name
         packed = None
@@ -320,7 +344,7 @@ class TorchCausalLM:
                 from inference_engine.model_store.gguf_blocks import q4_1_blocks
 
                 blocks = q4_1_blocks(path / "source.gguf", num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
-            return cls(hf, spec, model_id, weights=weights, blocks=blocks, packed=packed)
+            return cls(tensors, rotary, act, spec, model_id, weights=weights, blocks=blocks, packed=packed)
 
         model = build(packed)
         if packed is not None and packed.loaded and packed.misses:  # a file without every linear: pack them all again
@@ -331,6 +355,8 @@ class TorchCausalLM:
             packed.save()
             model._packed = None  # its tensors are the model's now
         model.path = path
+        model.loader = "safetensors" if read is not None else "transformers"
+        log.info("weights of %s read through %s", model_id, model.loader)
         return model
 
     @property

@@ -45,17 +45,29 @@ def load_derived(model_dir: pathlib.Path, name: str, weights: str) -> dict | Non
     return doc.get("data") if doc.get("key") == cache_key(model_dir, weights) else None
 
 
-def save_derived(model_dir: pathlib.Path, name: str, weights: str, data: dict) -> None:
-    """Write `data` for load_derived, atomically; a directory that cannot be written is only logged."""
-    path = pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.json"
+def write_atomically(path: pathlib.Path, write) -> bool:
+    """write(tmp) fills a temp file next to `path`, which then replaces `path` in one rename, readable like the rest of
+    a shared model cache (mkstemp makes 0600). A directory that cannot be written is only logged (the next load makes
+    the file again); the temp file never stays. Returns whether `path` was written."""
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".kakeya-", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": cache_key(model_dir, weights), "data": data}, f)
+        os.close(fd)
+        write(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
+        return True
     except OSError as e:
         log.info("%s not saved (%s): the next load makes it again", path, e)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        return False
+
+
+def save_derived(model_dir: pathlib.Path, name: str, weights: str, data: dict) -> None:
+    """Write `data` for load_derived, atomically; a directory that cannot be written is only logged."""
+    doc = json.dumps({"key": cache_key(model_dir, weights), "data": data})
+    write_atomically(pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.json", lambda tmp: pathlib.Path(tmp).write_text(doc))
 
 
 def load_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra: str) -> torch.Tensor | None:
@@ -77,18 +89,9 @@ def save_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra:
     """Write `t` for load_derived_tensor, atomically; a directory that cannot be written is only logged."""
     from safetensors.torch import save_file
 
-    path = pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.safetensors"
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".kakeya-", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        save_file({"t": t.contiguous()}, tmp, metadata={"key": cache_key(model_dir, weights) + "|" + extra})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as e:
-        log.info("%s not saved (%s): the next load makes it again", path, e)
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    key = cache_key(model_dir, weights) + "|" + extra
+    write_atomically(pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.safetensors",
+                     lambda tmp: save_file({"t": t.contiguous()}, tmp, metadata={"key": key}))
 
 
 class PackedWeights:
@@ -131,17 +134,8 @@ class PackedWeights:
         from safetensors.torch import save_file
 
         tensors = {k: v.clone() for k, v in self.loaded.items()} | self.made  # loaded ones are views of one buffer
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=".kakeya-packed-", suffix=".tmp", dir=self.path.parent)
-            os.close(fd)
-            save_file(tensors, tmp, metadata={"key": self.key})
-            os.chmod(tmp, 0o644)  # readable like the rest of a shared model cache (mkstemp makes 0600)
-            os.replace(tmp, self.path)
+        if write_atomically(self.path, lambda tmp: save_file(tensors, tmp, metadata={"key": self.key})):
             log.info("packed weights saved to %s (%.0f MB)", self.path, self.path.stat().st_size / 1e6)
-        except OSError as e:
-            log.info("packed weights not saved (%s): the next load packs again", e)
-            if "tmp" in locals() and os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 # safetensors' dtype names (the format's header) for what a packed file holds
