@@ -124,6 +124,14 @@ def test_a_legacy_rope_theta_and_a_missing_file_are_handled(tmp_path):
     assert read_checkpoint(path) is None
 
 
+def test_a_damaged_weights_file_is_named_in_a_clear_error(tmp_path):
+    path = edited(tmp_path, "llama")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="could not read the weights in .*model.safetensors"):
+        TorchCausalLM.load(path)
+
+
 def test_a_tied_head_is_the_embedding():
     path = tiny_model_dir("llama")  # tie_word_embeddings: the file has no lm_head.weight
     _, tensors, _, _ = read_checkpoint(path)

@@ -91,7 +91,8 @@ def needed_names(cfg: SimpleNamespace) -> list[str]:
 
 def read_checkpoint(path: str | pathlib.Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """(config namespace, {HF name: tensor in `dtype` on `device`}, DefaultRotary, SiLU) read with safetensors, or
-    None where transformers must load the model (a config or a file layout this module does not read completely)."""
+    None where transformers must load the model (a config or a file layout this module does not read completely).
+    A weights file safetensors cannot read raises ValueError naming it (the daemon says so at start)."""
     from safetensors import safe_open
 
     path = pathlib.Path(path)
@@ -107,9 +108,13 @@ def read_checkpoint(path: str | pathlib.Path, *, device: str | torch.device = "c
         return None
     raw: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(path / f), framework="pt") as st:
-            for name in st.keys():
-                raw[name] = st.get_tensor(name)
+        try:
+            with safe_open(str(path / f), framework="pt") as st:
+                for name in st.keys():
+                    raw[name] = st.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a damaged or truncated file
+            raise ValueError(f"could not read the weights in {path / f} ({type(e).__name__}: {e}); pull the model again "
+                             f"(`kakeya models pull NAME`) or check the file") from e
     if cfg.tie_word_embeddings and "model.embed_tokens.weight" in raw:  # transformers ties the head to the embedding
         raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
     names = needed_names(cfg)
