@@ -132,6 +132,22 @@ def test_a_damaged_weights_file_is_named_in_a_clear_error(tmp_path):
         TorchCausalLM.load(path)
 
 
+def test_a_load_from_packed_weights_reads_no_linear_from_the_checkpoint(tmp_path, monkeypatch):
+    """LazyTensors reads a weight when asked: the second int8 load takes every linear from the packed file, so only
+    the embedding (the tied head) and the norms are read from model.safetensors."""
+    from inference_engine.backends.torch import checkpoint
+
+    path = edited(tmp_path, "llama")
+    first = TorchCausalLM.load(path, weights="int8")
+    read: list[str] = []
+    get = checkpoint.LazyTensors.__getitem__
+    monkeypatch.setattr(checkpoint.LazyTensors, "__getitem__", lambda self, n: read.append(n) or get(self, n))
+    second = TorchCausalLM.load(path, weights="int8")
+    assert read and not any(n.endswith("_proj.weight") for n in read), read
+    tokens = list(range(3, 30))
+    assert torch.equal(logits_of(first, tokens, 8), logits_of(second, tokens, 8))
+
+
 def test_a_tied_head_is_the_embedding():
     path = tiny_model_dir("llama")  # tie_word_embeddings: the file has no lm_head.weight
     _, tensors, _, _ = read_checkpoint(path)

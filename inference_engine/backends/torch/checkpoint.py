@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 
 import torch
@@ -89,8 +90,44 @@ def needed_names(cfg: SimpleNamespace) -> list[str]:
     return names
 
 
+def unreadable(file: pathlib.Path, e: Exception) -> ValueError:
+    return ValueError(f"could not read the weights in {file} ({type(e).__name__}: {e}); pull the model again "
+                      "(`kakeya models pull NAME`) or check the file")
+
+
+class LazyTensors(Mapping):
+    """The checkpoint's tensors by HF name, each read from its file (in `dtype`, on `device`) when first asked for and
+    kept while this mapping lives: a load whose linears all come from the packed file (packed.py) never reads their
+    fp32 weights (SmolLM2 int4: ~420 MB not read). A tied name is the same tensor as the one it is tied to."""
+
+    def __init__(self, files: dict[str, pathlib.Path], aliases: dict[str, str], dtype: torch.dtype,
+                 device: str | torch.device):
+        self._files, self._aliases, self._dtype, self._device = files, aliases, dtype, device
+        self._read: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        name = self._aliases.get(name, name)
+        if name not in self._read:
+            if name not in self._files:
+                raise KeyError(name)
+            try:
+                with safe_open(str(self._files[name]), framework="pt") as st:
+                    self._read[name] = st.get_tensor(name).to(dtype=self._dtype).to(self._device)
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a damaged or truncated file
+                raise unreadable(self._files[name], e) from e
+        return self._read[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
 def read_checkpoint(path: str | pathlib.Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """(config namespace, {HF name: tensor in `dtype` on `device`}, DefaultRotary, SiLU) read with safetensors, or
+    """(config namespace, LazyTensors {HF name: tensor in `dtype` on `device`}, DefaultRotary, SiLU) with safetensors, or
     None where transformers must load the model (a config or a file layout this module does not read completely).
     A weights file safetensors cannot read raises ValueError naming it (the daemon says so at start)."""
     from safetensors import safe_open
@@ -106,29 +143,22 @@ def read_checkpoint(path: str | pathlib.Path, *, device: str | torch.device = "c
         return None
     if not all((path / f).is_file() for f in files):
         return None
-    raw: dict[str, torch.Tensor] = {}
+    where: dict[str, pathlib.Path] = {}  # each tensor's file, from the headers alone
     for f in files:
         try:
             with safe_open(str(path / f), framework="pt") as st:
-                for name in st.keys():
-                    raw[name] = st.get_tensor(name)
+                where |= dict.fromkeys(st.keys(), path / f)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a damaged or truncated file
-            raise ValueError(f"could not read the weights in {path / f} ({type(e).__name__}: {e}); pull the model again "
-                             f"(`kakeya models pull NAME`) or check the file") from e
-    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in raw:  # transformers ties the head to the embedding
-        raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
+            raise unreadable(path / f, e) from e
+    aliases = {}
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in where:  # transformers ties the head to the embedding
+        aliases["lm_head.weight"] = "model.embed_tokens.weight"
     names = needed_names(cfg)
-    if any(n not in raw for n in names):
+    if any(n not in where and n not in aliases for n in names):
         return None
     biases = [f"model.layers.{i}.self_attn.{n}_proj.bias" for i in range(cfg.num_hidden_layers) for n in "qkv"]
-    names += [b for b in biases if b in raw]
-    if any(b in raw for b in biases) and not all(b in raw for b in biases):
+    if any(b in where for b in biases) and not all(b in where for b in biases):
         return None
-    converted: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor
-    tensors = {}
-    for n in names:
-        t = raw[n]
-        if id(t) not in converted:
-            converted[id(t)] = t.to(dtype=dtype).to(device)
-        tensors[n] = converted[id(t)]
+    names += [b for b in biases if b in where]
+    tensors = LazyTensors({n: where[aliases.get(n, n)] for n in names}, aliases, dtype, device)
     return cfg, tensors, DefaultRotary(cfg.rope_theta, cfg.head_dim, device), torch.nn.SiLU()

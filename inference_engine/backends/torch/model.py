@@ -101,13 +101,11 @@ class TorchCausalLM:
             a, m = p + "self_attn.", p + "mlp."
             L = _Layer()
             qkv_bias = [t.get(a + f"{n}_proj.bias") for n in "qkv"]
-            L.wqkv = self._linear(weights, blocks, [a + f"{n}_proj.weight" for n in "qkv"],
-                                  [t[a + f"{n}_proj.weight"] for n in "qkv"],
+            L.wqkv = self._linear(weights, blocks, [a + f"{n}_proj.weight" for n in "qkv"], t,
                                   torch.cat([b for b in qkv_bias if b is not None]).detach() if qkv_bias[0] is not None else None)
-            L.wo = self._linear(weights, blocks, [a + "o_proj.weight"], [t[a + "o_proj.weight"]])
-            L.w_gate_up = self._linear(weights, blocks, [m + "gate_proj.weight", m + "up_proj.weight"],
-                                       [t[m + "gate_proj.weight"], t[m + "up_proj.weight"]])
-            L.w_down = self._linear(weights, blocks, [m + "down_proj.weight"], [t[m + "down_proj.weight"]])
+            L.wo = self._linear(weights, blocks, [a + "o_proj.weight"], t)
+            L.w_gate_up = self._linear(weights, blocks, [m + "gate_proj.weight", m + "up_proj.weight"], t)
+            L.w_down = self._linear(weights, blocks, [m + "down_proj.weight"], t)
             L.ln_in = self._norm_weight(t[p + "input_layernorm.weight"])
             L.ln_post_attn = self._norm_weight(t[p + "post_attention_layernorm.weight"])
             L.ln_pre_ff = self._norm_weight(t[p + "pre_feedforward_layernorm.weight"]) if spec.gemma_norms else None
@@ -282,9 +280,10 @@ class TorchCausalLM:
             return self.graphs.runner(rows)
         return self.native_step.segments(rows) if self.native_step is not None else None
 
-    def _linear(self, fmt: str, blocks: dict, names: list, weights: list, bias=None) -> Linear:
-        """One (possibly fused) linear layer: rows of `weights` stacked, in format `fmt` (quantized on
-        the CPU; on another device a quantized format runs as its dequantized bf16 matrix)."""
+    def _linear(self, fmt: str, blocks: dict, names: list, tensors, bias=None) -> Linear:
+        """One (possibly fused) linear layer: rows of the weights `names` stacked, in format `fmt` (quantized on
+        the CPU; on another device a quantized format runs as its dequantized bf16 matrix). `tensors` is read only
+        when nothing packed has the layer (a checkpoint.LazyTensors reads a weight from its file then)."""
         lin: Linear
         kind: type[Int4Linear] | type[Int8Linear] | None = {"int4": Int4Linear, "int8": Int8Linear}.get(fmt)
         # (a packed file exists for the CPU only: load() makes one there)
@@ -295,7 +294,7 @@ class TorchCausalLM:
             q, d, m = (torch.cat(parts) for parts in zip(*(blocks[n] for n in names)))
             lin = Int4Linear.from_blocks(q, d, m, None if bias is None else bias.cpu())
         else:
-            w = torch.cat([w.detach() for w in weights]).contiguous()
+            w = torch.cat([tensors[n].detach() for n in names]).contiguous()
             lin = make_linear(fmt, w if fmt == "fp32" else w.cpu(), bias if fmt == "fp32" or bias is None else bias.cpu())
         if self._packed is not None and isinstance(lin, (Int4Linear, Int8Linear)):
             self._packed.store(names[0], lin.state())
