@@ -165,14 +165,14 @@ def test_smollm2_reads_the_same_through_either_loader():
 
 
 def test_a_daemon_start_imports_neither_transformers_nor_dynamo(tmp_path):
-    """The start the fast path is for: build_engine as `kakeya serve` runs it (a tiny model, the native step off so
-    the check holds where no compiler is), then which heavy modules are in the process."""
+    """The start the fast path is for: the model loaded and the engine built as `kakeya serve` does with its defaults
+    (a tiny model; int4 and the native step where it builds), then which heavy modules are in the process."""
     path = tiny_model_dir("llama")
     code = (
         "import sys\n"
         "from inference_engine.server.config import ServeConfig\n"
         "from inference_engine.server.app import _load_model, build_engine\n"
-        f"cfg = ServeConfig(model={str(path)!r}, compile='off', weights='fp32', persist='off')\n"
+        f"cfg = ServeConfig(model={str(path)!r}, persist='off')\n"
         "build_engine(cfg, _load_model(cfg))\n"
         "print(sorted(m for m in ('transformers', 'torch._dynamo', 'torch.distributed.tensor') if m in sys.modules))\n"
     )
