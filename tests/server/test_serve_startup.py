@@ -108,6 +108,8 @@ def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
     (dict(kv_dtype="fp16", kv_strategy="paged", page_compressor="int8"), "kv dtype fp16 on paged: paged takes fp16 with"),
     (dict(kv_dtype="int8", kv_strategy="paged"), "kv dtype int8 on paged"),
     (dict(kv_dtype="fp16", backend="mlx"), "--kv-dtype fp16 runs on --backend torch only"),
+    (dict(loader="hf"), "--loader must be 'auto' or 'transformers'"),
+    (dict(backend="mlx", loader="transformers"), "--loader transformers sets how the torch backend reads the weights"),
 ])
 def test_serve_config_validate_names_the_option(kw, message):
     """ServeConfig.validate: every model-free rule in one place, the engine's and the strategy's included."""
