@@ -58,6 +58,7 @@ def _load_model(cfg: ServeConfig):
                               f"on a CPU with AVX2, --compile auto), which this daemon does not run (its step: "
                               f"{', '.join(f'{k} {v}' for k, v in model.describe_step().items())})"
                               "; leave --activations at int16")
+        model.defer_fallback()  # the native step's own int4 copies serve every step: torch's are read back if ever needed
         if model.graphs is not None:
             t = model.graphs.prepare((1,))  # the batch-1 decode step now; other row counts on first use
             log.info("--compile %s: the step's dense work runs as CUDA graphs (buckets of %s rows, captured on first "

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from factories import require_native, tiny_model_dir
+from factories import feed, require_native, tiny_model_dir
 from inference_engine.backends.torch import native
 from inference_engine.backends.torch.model import TorchCausalLM
 from inference_engine.engine import steps
@@ -1077,3 +1077,50 @@ def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another builder waits while this one builds
     with open(tmp_path / "build.flock", "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after
+
+
+def test_the_torch_copies_dropped_while_the_native_step_runs_are_read_back_the_same(tmp_path):
+    """defer_fallback drops the quantized linears' torch copies (the native step has its own int4 arenas): native
+    steps never read them back; the first Python-pieces step reads them from the packed file, kept open, so even a
+    file removed meanwhile gives the same bits as before they were dropped."""
+    import shutil
+
+    from inference_engine.backends.torch.linear import Int4Linear
+    from inference_engine.backends.torch.model import _Deferred
+
+    _module()
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-*"))
+    m = TorchCausalLM.load(d, weights="int4")
+    assert m.use_native_step() is True
+    nat, ids = m.native_step, _prompt(24)
+
+    def pieces():
+        m.native_step = None
+        try:
+            cache = make_cache(KVStrategy("full"), m.geometry(), max_step=64, max_context=m.spec.max_context)
+            return feed(m, cache, ids, 8)
+        finally:
+            m.native_step = nat
+
+    def native_decode():
+        engine = Engine(m, KVStrategy("full"), prefill_chunk=8)
+        kv = engine.new_session_kv()
+        engine.prefill(kv, ids)
+        out = []
+        for tok in _prompt(6, seed=3):
+            steps.decode_step(m, kv, tok)
+            out.append(kv.last_logits.clone())
+        return torch.stack(out)
+
+    before_pieces, before_native = pieces(), native_decode()
+    assert m.defer_fallback() is True
+    assert all(isinstance(getattr(L, a), _Deferred) for L in m.layers for a in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert m.weight_bytes > 0  # sizes stay known without reading anything back
+    steps_before = nat.steps
+    assert torch.equal(native_decode(), before_native) and nat.steps > steps_before
+    assert m._deferred is not None  # native steps read nothing back
+    (d / ".kakeya-packed-int4.safetensors").unlink()  # the open handle still reads it
+    assert torch.equal(pieces(), before_pieces)
+    assert m._deferred is None and all(isinstance(L.wqkv, Int4Linear) for L in m.layers)
+    assert m.defer_fallback() is False  # no packed file to read back from now

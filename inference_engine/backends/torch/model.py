@@ -12,7 +12,7 @@ import logging
 import os
 import pathlib
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,25 @@ class _Layer:
     ln_post_ff: torch.Tensor | None
     q_norm: torch.Tensor | None  # qk_norm models only
     k_norm: torch.Tensor | None
+
+
+class _Deferred:
+    """A quantized linear TorchCausalLM.defer_fallback dropped: any use reads every dropped one back first."""
+
+    __slots__ = ("_model", "_slot", "nbytes")
+
+    def __init__(self, model: "TorchCausalLM", slot: tuple, nbytes: int):
+        self._model, self._slot, self.nbytes = model, slot, nbytes
+
+    def _real(self):
+        self._model.restore_fallback()
+        return self._model._get_slot(self._slot)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._real()(x)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real(), name)
 
 
 class Rope:
@@ -116,6 +135,9 @@ class TorchCausalLM:
         self.graphs: StepGraphs | None = None  # StepGraphs when the step runs as captured graphs (use_step_graphs)
         self.row_graphs: RowGraphs | None = None  # whole row steps as graphs over a K/V arena (use_row_graphs)
         self.native_step: NativeRowStep | None = None  # CPU row steps in C++ (use_native_step)
+        self._packed_key: str | None = None  # the packed file's key (load), for defer_fallback
+        self._deferred: dict | None = None  # defer_fallback's dropped linears: slot -> (packed name, kind, bias)
+        self._packed_file: Any = None  # the packed file kept open while linears are deferred
 
     def use_step_graphs(self, mode: str, *, planes: int | None = None) -> bool:
         """--compile: the step's dense work (everything but attention) as graphs.py segments.
@@ -192,6 +214,7 @@ class TorchCausalLM:
         exactly where one (None: native.OUTLIERS; 0: none). on=False: off."""
         from inference_engine.backends.torch import native
 
+        self.restore_fallback()
         if isinstance(self.head, RefinedHead):
             self.head.greedy_kernel = self.head.kernel = None
         self.native_step = None
@@ -206,6 +229,65 @@ class TorchCausalLM:
         log.info("native CPU row step on: decode rows and verify blocks run every layer in one C++ call%s",
                  "; int4 matmuls through its own int4 kernel" if self.native_step.q4 else "")
         return True
+
+    def defer_fallback(self) -> bool:
+        """Drop the quantized linears' and the head's torch copies while the native step runs every step with its own
+        copies (its int4 arenas): in the daemon's configurations no step reaches them after start-up, and they are a
+        whole copy of the packed file (SmolLM2 int4: ~190 MB). The first step that does (a configuration the native
+        step declines) reads them back from the packed file, kept open for it, the same bytes (restore_fallback).
+        Only when every layer's linears are in the native step's own int4 arena (int8 layers and torch's int4 path
+        pass torch's tensors to it) and the packed file holds them all. Returns whether they were dropped."""
+        from inference_engine.backends.torch import packed
+
+        ns = self.native_step
+        if (ns is None or not ns.q4 or self._deferred is not None or self.path is None or self._packed_key is None
+                or not isinstance(self.head, RefinedHead) or self.head.greedy_kernel is None):
+            return False
+        slots: dict = {}
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            for attr, name in (("wqkv", "self_attn.q_proj.weight"), ("wo", "self_attn.o_proj.weight"),
+                               ("w_gate_up", "mlp.gate_proj.weight"), ("w_down", "mlp.down_proj.weight")):
+                lin = getattr(L, attr)
+                if not isinstance(lin, Int4Linear):
+                    return False
+                slots[(i, attr)] = (p + name, Int4Linear, lin.b, lin.nbytes)
+        for attr, name, kind in (("approx", "head.int8", Int8Linear), ("greedy_approx", "head.int4", Int4Linear)):
+            lin = getattr(self.head, attr)
+            if lin is not None:
+                slots[("head", attr)] = (name, kind, None, lin.nbytes)
+        f = packed.open_holding(self.path / f".kakeya-packed-{self.weights}.safetensors", self._packed_key,
+                                [v[0] for v in slots.values()])
+        if f is None:
+            return False
+        self._packed_file, self._deferred = f, slots
+        for slot, (_, _, _, nbytes) in slots.items():
+            self._set_slot(slot, _Deferred(self, slot, nbytes))
+        log.info("the torch copies of the quantized linears dropped (%.0f MB): the native step has its own; read back "
+                 "from %s if a step needs them", sum(v[3] for v in slots.values()) / 2**20, f.name)
+        return True
+
+    def restore_fallback(self) -> None:
+        """Read the linears defer_fallback dropped back from the packed file (all at once)."""
+        if self._deferred is None:
+            return
+        from inference_engine.backends.torch import packed
+
+        f, key = self._packed_file, self._packed_key
+        assert f is not None and key is not None  # set together with _deferred
+        loaded = packed.reread(f, key)
+        for slot, (name, kind, bias, _) in self._deferred.items():
+            prefix = name + "/"
+            self._set_slot(slot, kind.from_state({k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}, bias))
+        f.close()
+        self._deferred = self._packed_file = None
+        log.info("the torch copies of the quantized linears read back (a step the native step does not take)")
+
+    def _set_slot(self, slot, lin) -> None:
+        setattr(self.head if slot[0] == "head" else self.layers[slot[0]], slot[1], lin)
+
+    def _get_slot(self, slot):
+        return getattr(self.head if slot[0] == "head" else self.layers[slot[0]], slot[1])
 
     def row_step(self, parts: list, capture: tuple = ()):
         """A row-exact step (parts: per session (ids, layout, store)) through the row graphs or the native CPU
@@ -353,6 +435,7 @@ class TorchCausalLM:
         if packed is not None:
             packed.save()
             model._packed = None  # its tensors are the model's now
+            model._packed_key = packed.key
         model.path = path
         model.loader = "safetensors" if read is not None else "transformers"
         log.info("weights of %s read through %s", model_id, model.loader)

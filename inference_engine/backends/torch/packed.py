@@ -11,11 +11,13 @@ weights are packed in memory as before.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import tempfile
+from typing import Any
 
 import torch
 
@@ -94,6 +96,34 @@ def save_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra:
                      lambda tmp: save_file({"t": t.contiguous()}, tmp, metadata={"key": key}))
 
 
+def open_holding(path: pathlib.Path, key: str, names) -> Any:
+    """The packed file at `path` opened for reading when it was made for `key` and holds every layer in `names`
+    (its header read, not its data), else None. TorchCausalLM.defer_fallback keeps it open: a file replaced or
+    removed later still reads, through this handle, the bytes the load had."""
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return None
+    try:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        held = {k.split("/")[0] for k in header if k != "__metadata__"}
+        if (header.get("__metadata__") or {}).get("key") == key and set(names) <= held:
+            return f
+    except (OSError, ValueError):
+        pass
+    f.close()
+    return None
+
+
+def reread(f, key: str) -> dict[str, torch.Tensor]:
+    """The tensors of a packed file kept open by open_holding, read again."""
+    loaded = _read_if_key(pathlib.Path(f.name), key, f)
+    if loaded is None:
+        raise RuntimeError(f"{f.name} no longer holds the packed weights this daemon loaded")
+    return loaded
+
+
 class PackedWeights:
     def __init__(self, model_dir: pathlib.Path, weights: str):
         self.path = pathlib.Path(model_dir) / f".kakeya-packed-{weights}.safetensors"
@@ -145,14 +175,16 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 _ALIGN = 64  # torch's CPU allocations are 64-byte aligned; its kernels may assume it
 
 
-def _read_if_key(path: pathlib.Path, key: str) -> dict[str, torch.Tensor] | None:
+def _read_if_key(path: pathlib.Path, key: str, f=None) -> dict[str, torch.Tensor] | None:
     """A packed file's tensors when its metadata key is `key` (else None), read with plain reads into one allocation,
     each tensor at a 64-byte aligned offset. The file's own offsets are only 8-byte aligned, and copying each tensor
     out of a memory map (safetensors' get_tensor, then clone) faults the map in a page at a time: for SmolLM2's 197 MB
     on the loaded 2-core box, 4.5 s against 0.3 s for the reads (a one-off timing in a Python shell, not a bench).
     The layout is safetensors' documented one (an 8-byte little-endian header length, a JSON header, the data). A
-    dtype missing from `_DTYPES` makes the file unreadable here: packed again, as for a damaged file."""
-    with open(path, "rb") as f:
+    dtype missing from `_DTYPES` makes the file unreadable here: packed again, as for a damaged file. f: the file
+    already open (read from its start; left open), else `path` is opened."""
+    with (open(path, "rb") if f is None else contextlib.nullcontext(f)) as f:
+        f.seek(0)
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
         if (header.pop("__metadata__", None) or {}).get("key") != key:
