@@ -10,9 +10,10 @@
   transformers  both kept, the weights read through transformers (`--loader transformers`: every start before
             backends/torch/checkpoint.py; the default `--loader auto` reads them with safetensors where it can).
 
-Per start: seconds from the process's launch to its READY line, and the phases its log stamps (the process start to
-the weights read (imports, config, weights), the native step's load, the native step's packing, the `--compile
-auto` measurement, the warm-up forward and the start-up objects' freeze, up to serving). Medians per arm, and each arm's over kept's.
+Per start: seconds from the process's launch to its READY line, its resident memory then (VmRSS), and the phases its
+log stamps (the process start to the weights read (imports, config, weights), the native step's load, the native
+step's packing, the `--compile auto` measurement, the warm-up forward and the start-up objects' freeze, up to
+serving). Medians per arm, and each arm's over kept's.
 
     python scripts/research/daemon_start.py --rounds 5 --threads 2 --out results/research/daemon_start_avx2.json
 """
@@ -43,6 +44,17 @@ PHASES = (("imports_and_weights", "read through "), ("native_load", "native CPU 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
+def resident_mb(pid: int) -> float | None:
+    """The process's resident memory (VmRSS) in MB, where /proc has it."""
+    try:
+        for text in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if text.startswith("VmRSS:"):
+                return round(int(text.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> dict:
     removed = {"made": ["native-head"], "measured": ["compile-auto"], "before": ["native-head", "compile-auto"]}
     for name in removed.get(arm, []):
@@ -60,6 +72,7 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
         line = proc.stdout.readline()
         ready = time.perf_counter() - t0
+        rss = resident_mb(proc.pid)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     if not line.startswith("READY"):
@@ -75,7 +88,7 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
                 stamps[name] = round(t - prev, 3)
                 prev = t
                 break
-    return {"ready_s": round(ready, 3), "phases_s": stamps,
+    return {"ready_s": round(ready, 3), "rss_mb_at_ready": rss, "phases_s": stamps,
             "head_blocks_file_after": any(model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors")),
             "compile_auto_file_after": any(model_dir.glob(f".kakeya-compile-auto-{args.weights}.json"))}
 
@@ -106,7 +119,9 @@ def main(argv=None) -> int:
     for a, rs in runs.items():
         phases = {name: statistics.median(x["phases_s"][name] for x in rs if name in x["phases_s"])
                   for name, _ in PHASES if any(name in x["phases_s"] for x in rs)}
-        summary[a] = {"ready_s_median": statistics.median(x["ready_s"] for x in rs), "phases_s_median": phases}
+        rss = [x["rss_mb_at_ready"] for x in rs if x.get("rss_mb_at_ready") is not None]
+        summary[a] = {"ready_s_median": statistics.median(x["ready_s"] for x in rs), "phases_s_median": phases,
+                      "rss_mb_at_ready_median": statistics.median(rss) if rss else None}
     doc = meta | {"what": "seconds from launching `kakeya serve` to its READY line, the arms interleaved round by round; "
                           "phases from the daemon's log stamps",
                   "arms": runs, "summary": summary}

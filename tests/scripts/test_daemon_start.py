@@ -18,6 +18,6 @@ def test_a_made_start_reads_its_phases_and_keeps_the_head_blocks_for_the_next(tm
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/daemon_start.py ")
     (run,) = doc["arms"]["made"]
-    assert run["ready_s"] > 0 and run["head_blocks_file_after"]
+    assert run["ready_s"] > 0 and run["head_blocks_file_after"] and run["rss_mb_at_ready"] > 50
     assert list(run["phases_s"]) == ["imports_and_weights", "native_load", "native_packing", "compile_auto", "warm_up", "freeze", "serving"]
     assert (d / ".kakeya-native-head-int4.safetensors").stat().st_size > 1000
