@@ -27,6 +27,12 @@ from inference_engine.kv.layout import CacheGeometry
 log = logging.getLogger("kakeya")
 
 LOADERS = ("auto", "transformers")  # --loader (TorchCausalLM.load)
+# a layer's linears: (attribute, the checkpoint weights stacked into it, after "model.layers.{i}."); the first name is
+# its name in the packed file
+LAYER_LINEARS = (("wqkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+                 ("wo", ("self_attn.o_proj.weight",)),
+                 ("w_gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+                 ("w_down", ("mlp.down_proj.weight",)))
 
 if TYPE_CHECKING:
     from inference_engine.backends.torch.graphs import StepGraphs
@@ -117,14 +123,13 @@ class TorchCausalLM:
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
+            a = p + "self_attn."
             L = _Layer()
             qkv_bias = [t.get(a + f"{n}_proj.bias") for n in "qkv"]
-            L.wqkv = self._linear(weights, blocks, [a + f"{n}_proj.weight" for n in "qkv"], t,
-                                  torch.cat([b for b in qkv_bias if b is not None]).detach() if qkv_bias[0] is not None else None)
-            L.wo = self._linear(weights, blocks, [a + "o_proj.weight"], t)
-            L.w_gate_up = self._linear(weights, blocks, [m + "gate_proj.weight", m + "up_proj.weight"], t)
-            L.w_down = self._linear(weights, blocks, [m + "down_proj.weight"], t)
+            for attr, names in LAYER_LINEARS:
+                bias = (torch.cat([b for b in qkv_bias if b is not None]).detach()
+                        if attr == "wqkv" and qkv_bias[0] is not None else None)
+                setattr(L, attr, self._linear(weights, blocks, [p + n for n in names], t, bias))
             L.ln_in = self._norm_weight(t[p + "input_layernorm.weight"])
             L.ln_post_attn = self._norm_weight(t[p + "post_attention_layernorm.weight"])
             L.ln_pre_ff = self._norm_weight(t[p + "pre_feedforward_layernorm.weight"]) if spec.gemma_norms else None
@@ -245,13 +250,11 @@ class TorchCausalLM:
             return False
         slots: dict = {}
         for i, L in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            for attr, name in (("wqkv", "self_attn.q_proj.weight"), ("wo", "self_attn.o_proj.weight"),
-                               ("w_gate_up", "mlp.gate_proj.weight"), ("w_down", "mlp.down_proj.weight")):
+            for attr, names in LAYER_LINEARS:
                 lin = getattr(L, attr)
                 if not isinstance(lin, Int4Linear):
                     return False
-                slots[(i, attr)] = (p + name, Int4Linear, lin.b, lin.nbytes)
+                slots[(i, attr)] = (f"model.layers.{i}.{names[0]}", Int4Linear, lin.b, lin.nbytes)
         for attr, name, kind in (("approx", "head.int8", Int8Linear), ("greedy_approx", "head.int4", Int4Linear)):
             lin = getattr(self.head, attr)
             if lin is not None:
@@ -277,8 +280,7 @@ class TorchCausalLM:
         assert f is not None and key is not None  # set together with _deferred
         loaded = packed.reread(f, key)
         for slot, (name, kind, bias, _) in self._deferred.items():
-            prefix = name + "/"
-            self._set_slot(slot, kind.from_state({k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}, bias))
+            self._set_slot(slot, kind.from_state(packed.state_of(loaded, name), bias))
         f.close()
         self._deferred = self._packed_file = None
         log.info("the torch copies of the quantized linears read back (a step the native step does not take)")

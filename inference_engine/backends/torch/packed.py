@@ -105,8 +105,7 @@ def open_holding(path: pathlib.Path, key: str, names) -> Any:
     except OSError:
         return None
     try:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
+        header = _header(f)
         held = {k.split("/")[0] for k in header if k != "__metadata__"}
         if (header.get("__metadata__") or {}).get("key") == key and set(names) <= held:
             return f
@@ -146,8 +145,7 @@ class PackedWeights:
         self.loaded, self.made, self.hits, self.misses = {}, {}, 0, 0
 
     def lookup(self, name: str) -> dict[str, torch.Tensor] | None:
-        prefix = name + "/"
-        st = {k[len(prefix):]: v for k, v in self.loaded.items() if k.startswith(prefix)}
+        st = state_of(self.loaded, name)
         if st:
             self.hits += 1
             return st
@@ -175,6 +173,19 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 _ALIGN = 64  # torch's CPU allocations are 64-byte aligned; its kernels may assume it
 
 
+def _header(f) -> dict:
+    """A safetensors file's JSON header, read from its start (the file is left just past it)."""
+    f.seek(0)
+    n = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(n))
+
+
+def state_of(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """One packed linear's state (its tensors without the `name/` prefix) out of a packed file's tensors."""
+    prefix = name + "/"
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def _read_if_key(path: pathlib.Path, key: str, f=None) -> dict[str, torch.Tensor] | None:
     """A packed file's tensors when its metadata key is `key` (else None), read with plain reads into one allocation,
     each tensor at a 64-byte aligned offset. The file's own offsets are only 8-byte aligned, and copying each tensor
@@ -184,9 +195,8 @@ def _read_if_key(path: pathlib.Path, key: str, f=None) -> dict[str, torch.Tensor
     dtype missing from `_DTYPES` makes the file unreadable here: packed again, as for a damaged file. f: the file
     already open (read from its start; left open), else `path` is opened."""
     with (open(path, "rb") if f is None else contextlib.nullcontext(f)) as f:
-        f.seek(0)
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
+        header = _header(f)
+        n = f.tell() - 8
         if (header.pop("__metadata__", None) or {}).get("key") != key:
             return None
         entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
