@@ -8,7 +8,9 @@
             removed, so the daemon times the native step against the Python pieces again (and keeps the result);
   before    both removed: every start before they were kept;
   transformers  both kept, the weights read through transformers (`--loader transformers`: every start before
-            backends/torch/checkpoint.py; the default `--loader auto` reads them with safetensors where it can).
+            backends/torch/checkpoint.py; the default `--loader auto` reads them with safetensors where it can);
+  fallback  both kept, the quantized linears' torch copies kept too (TorchCausalLM.defer_fallback patched to a no-op
+            in the daemon's process: every start before it kept them beside the native step's own copies).
 
 Per start: seconds from the process's launch to its READY line, its resident memory then (VmRSS), and the phases its
 log stamps (the process start to the weights read (imports, config, weights), the native step's load, the native
@@ -41,6 +43,13 @@ PHASES = (("imports_and_weights", "read through "), ("native_load", "native CPU 
           ("native_packing", "native step: "),
           ("compile_auto", "--compile auto"), ("warm_up", "warm-up forward"), ("freeze", "froze "),
           ("serving", "kakeya serving"))
+# the fallback arm: `kakeya serve` with TorchCausalLM.defer_fallback made a no-op (the torch copies of the quantized
+# linears kept, as every start before it), patched in the daemon's own process; no flag of the product does this
+KEEP_FALLBACK = ("import sys\n"
+                 "from inference_engine.backends.torch.model import TorchCausalLM\n"
+                 "TorchCausalLM.defer_fallback = lambda self: False\n"
+                 "from inference_engine.server.cli import main\n"
+                 "sys.exit(main(sys.argv[1:]))\n")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -61,7 +70,8 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
         for f in model_dir.glob(f".kakeya-{name}-{args.weights}.*"):
             f.unlink()
     log = work / f"{arm}-{time.time_ns()}.log"
-    cmd = [sys.executable, "-m", "inference_engine.server.cli", "serve", "--model", args.model, "--bind", "127.0.0.1:0",
+    launch = ["-m", "inference_engine.server.cli"] if arm != "fallback" else ["-c", KEEP_FALLBACK]
+    cmd = [sys.executable, *launch, "serve", "--model", args.model, "--bind", "127.0.0.1:0",
            "--threads", str(args.threads), "--weights", args.weights, "--persist", "off"]
     if arm == "transformers":
         cmd += ["--loader", "transformers"]
@@ -78,7 +88,8 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
     if not line.startswith("READY"):
         raise SystemExit(f"{arm}: the daemon did not start ({line!r}); see {log}")
     stamps, prev = {}, launched
-    for text in log.read_text(errors="replace").splitlines():
+    logged = log.read_text(errors="replace")
+    for text in logged.splitlines():
         m = STAMP.match(text)
         if not m:
             continue
@@ -89,6 +100,7 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
                 prev = t
                 break
     return {"ready_s": round(ready, 3), "rss_mb_at_ready": rss, "phases_s": stamps,
+            "torch_copies_dropped": "quantized linears dropped" in logged,
             "head_blocks_file_after": any(model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors")),
             "compile_auto_file_after": any(model_dir.glob(f".kakeya-compile-auto-{args.weights}.json"))}
 
@@ -109,7 +121,7 @@ def main(argv=None) -> int:
     arms = args.arms.split(",")
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory(prefix="kakeya-daemon-start-") as work:
-        if {"kept", "transformers"} & set(arms):  # the kept arms' first start must find the files: one start (not timed) makes it
+        if {"kept", "transformers", "fallback"} & set(arms):  # the kept arms need the files: one start (not timed) makes them
             start_once(args, model_dir, "warm", pathlib.Path(work))
         for r in range(args.rounds):
             for a in arms:

@@ -21,3 +21,16 @@ def test_a_made_start_reads_its_phases_and_keeps_the_head_blocks_for_the_next(tm
     assert run["ready_s"] > 0 and run["head_blocks_file_after"] and run["rss_mb_at_ready"] > 50
     assert list(run["phases_s"]) == ["imports_and_weights", "native_load", "native_packing", "compile_auto", "warm_up", "freeze", "serving"]
     assert (d / ".kakeya-native-head-int4.safetensors").stat().st_size > 1000
+
+
+def test_the_fallback_arm_keeps_the_torch_copies_the_default_drops(tmp_path, monkeypatch):
+    require_native()
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-*"))
+    out = tmp_path / "start.json"
+    assert main_in_process("scripts/research/daemon_start.py", ["--model", d, "--arms", "kept,fallback", "--rounds", "1",
+                                                                "--threads", "1", "--out", out], monkeypatch) == 0
+    doc = json.loads(out.read_text())
+    (kept,), (fallback,) = doc["arms"]["kept"], doc["arms"]["fallback"]
+    assert kept["torch_copies_dropped"] and not fallback["torch_copies_dropped"]
+    assert fallback["rss_mb_at_ready"] > 50
