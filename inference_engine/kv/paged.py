@@ -952,12 +952,12 @@ class PagedCache(SinkWindowCache):
             self._far_unsaved = False
         return delta
 
-    def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
+    def _extra_state(self, appended_from: int, lazy: bool = False) -> tuple[dict, dict]:
         start = min(appended_from, self.pages.rows)
-        tensors = {f"pages.{k}": v for k, v in self.pages.state(start).items()}
-        tensors |= {f"keys.{k}": v for k, v in self.keys.state(start).items()}
+        tensors = {f"pages.{k}": v for k, v in self.pages.state(start, lazy=lazy).items()}
+        tensors |= {f"keys.{k}": v for k, v in self.keys.state(start, lazy=lazy).items()}
         if self._far_current():  # up to date (not before a loaded session's first step, nor on MLX)
-            tensors |= {f"far_keys.{k}": v for k, v in self.far_keys.state(start).items()}
+            tensors |= {f"far_keys.{k}": v for k, v in self.far_keys.state(start, lazy=lazy).items()}
         return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows}
 
     def _load_extra_state(self, tensors: dict, meta: dict) -> None:

@@ -21,7 +21,7 @@ import os
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -370,9 +370,12 @@ class RowTable(Generic[CodecT]):
         return {name: x.flatten(1, 2).index_select(1, flat).view(self.stack, h, e, *x.shape[3:])
                 for name, x in self.slabs[layer].items()}
 
-    def span(self, a: int, b: int) -> dict:
-        """Rows a .. b - 1 of every layer, (L, S, Hkv, b - a, *trailing) per payload name (views here)."""
-        return {name: x[:, :, :, a:b] for name, x in self.data.items()}
+    def span(self, a: int, b: int, layer: int | None = None) -> dict:
+        """Rows a .. b - 1 per payload name: of every layer, (L, S, Hkv, b - a, *trailing), or of `layer` only,
+        (S, Hkv, b - a, *trailing) (views here)."""
+        if layer is None:
+            return {name: x[:, :, :, a:b] for name, x in self.data.items()}
+        return {name: x[layer, :, :, a:b] for name, x in self.data.items()}
 
     def take_pages(self, layer: int, pages: torch.Tensor) -> dict:
         """The stored payload (S, H, M * P, *trailing) per name of whole pages pages[h] (H, M) of KV head h, not
@@ -387,9 +390,12 @@ class RowTable(Generic[CodecT]):
         rows = (pages * p)[:, :, None] + torch.arange(p, device=pages.device) + heads * self.row_stride
         return self.gather_flat(layer, rows.flatten(), h)
 
-    def state(self, start: int = 0) -> dict:
+    def state(self, start: int = 0, *, lazy: bool = False) -> dict:
         """The used rows' payload per name, (L, S, Hkv, rows - start, *trailing) on the CPU: rows
-        `start` .. rows - 1 (a saver that holds the earlier ones asks for the new rows only); copies."""
+        `start` .. rows - 1 (a saver that holds the earlier ones asks for the new rows only); copies, or with
+        `lazy` RowSpans, read a layer at a time by whoever writes them."""
+        if lazy:
+            return {name: RowSpan(self, name, start, self.rows) for name in self.layout}
         return {name: x.clone().cpu() for name, x in self.span(start, self.rows).items()}
 
     def load_state(self, tensors: dict, rows: int) -> None:
@@ -406,6 +412,27 @@ class RowTable(Generic[CodecT]):
     def _zeros(self, capacity: int) -> dict:
         return {name: torch.zeros(self.num_layers, self.stack, self.num_kv_heads, capacity, *shape, dtype=dtype,
                                   device=self.device) for name, (shape, dtype) in self.layout.items()}
+
+
+class RowSpan:
+    """Rows a .. b - 1 of one payload of a RowTable, (L, S, Hkv, b - a, *trailing) as `state` gives them, not read
+    yet: a saver writes it a layer at a time (`layers`), so a save holds one layer's rows in RAM, not the whole span
+    (a copy, then the serialized bytes: 3 GB for the fp32 pages of one 32k-token turn of SmolLM2, where the session
+    keeps 128 MB of pages in RAM). Read it before the table changes: a saver holds the session meanwhile."""
+
+    def __init__(self, table: RowTable, name: str, a: int, b: int):
+        self.table, self.name, self.a, self.b = table, name, a, b
+        trailing, self.dtype = table.layout[name]
+        self.shape = (table.num_layers, table.stack, table.num_kv_heads, b - a, *trailing)
+
+    def layers(self) -> Iterator[torch.Tensor]:
+        """Layer by layer, (S, Hkv, b - a, *trailing) each, contiguous on the CPU: together the span's bytes in order."""
+        for layer in range(self.table.num_layers):
+            yield self.table.span(self.a, self.b, layer)[self.name].contiguous().cpu()
+
+    def tensor(self) -> torch.Tensor:
+        """The whole span as one CPU tensor (a copy), what `state` gives."""
+        return self.table.span(self.a, self.b)[self.name].clone().cpu()
 
 
 _spill_dir: str | None = None  # set_spill_dir: where spill files go (None: the system temp directory)
@@ -685,22 +712,32 @@ class SpillingRowTable(RowTable[CodecT]):
             raise ValueError("a spilled table is read by rows (take, gather), not as whole slabs")
         return super().payload(layer)
 
-    def span(self, a: int, b: int) -> dict:
-        """RowTable's `span` from both tiers: pieces of at most a page, concatenated (a copy once anything spilled)."""
+    def span(self, a: int, b: int, layer: int | None = None) -> dict:
+        """RowTable's `span` from both tiers (a copy once anything spilled): the spilled pages' rows in one strided
+        copy per payload name, the ring's in pieces of at most a page."""
         if not self.spilled:
-            return super().span(a, b)
+            return super().span(a, b, layer)
+        axis = 3 if layer is None else 2  # the rows axis of what is returned
+        ring = {name: x if layer is None else x[layer] for name, x in self.data.items()}
         parts: dict[str, list] = {name: [] for name in self.layout}
+        cold_end = min(b, self.first_ram_row)
+        if a < cold_end:  # pages j0 .. j1 - 1 of the spill file, (n, L, S, Hkv, P, ...): the n axis next to the rows
+            j0, j1 = a // self.page, -(-cold_end // self.page)
+            lo, hi = a - j0 * self.page, cold_end - j0 * self.page
+            for name in self.layout:
+                pages = self.files[name].tensor[j0:j1]
+                pages = pages if layer is None else pages[:, layer]
+                rows = pages.movedim(0, axis).flatten(axis, axis + 1)
+                parts[name].append(rows.narrow(axis, lo, hi - lo).to(self.device))
+            a = cold_end
         while a < b:
             e = min(b, (a // self.page + 1) * self.page)
+            slot = self._slot(a)
             for name in self.layout:
-                if a < self.first_ram_row:
-                    j = a // self.page
-                    parts[name].append(self.files[name].tensor[j][:, :, :, a - j * self.page:e - j * self.page].to(self.device))
-                else:
-                    slot = self._slot(a)
-                    parts[name].append(self.data[name][:, :, :, slot:slot + e - a])
+                parts[name].append(ring[name].narrow(axis, slot, e - a))
             a = e
-        return {name: torch.cat(xs, 3) if xs else self.data[name][:, :, :, :0] for name, xs in parts.items()}
+        return {name: torch.cat(xs, axis) if len(xs) > 1 else xs[0] if xs else ring[name].narrow(axis, 0, 0)
+                for name, xs in parts.items()}
 
     def load_state(self, tensors: dict, rows: int) -> None:
         """The rows stream in a page at a time through `_put`: past `ram_rows` the oldest spill as they arrive, so a

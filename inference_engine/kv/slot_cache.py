@@ -89,7 +89,8 @@ class CacheDelta:
     new_slots  resident slots holding positions at or past since.rows_through: the rows not saved
     read_rows  slots -> their stored rows (codes for a compressed store), stacked over layers (CPU)
     state      everything else (counters, strategy tensors), as `state()` has it; its append-only
-               tensors hold the rows `appended` says only
+               tensors hold the rows `appended` says only, and may be RowSpans (`paged_store`: read a
+               layer at a time as they are written, so a save does not copy a turn's archive whole)
     appended   the append-only tensors' rows in `state`; None: the cache has none
     """
 
@@ -274,18 +275,18 @@ class SlotKVCache:
         axes = dict(axes) if axes is not None else None
         pos = self.store.pos.copy()
         new = np.flatnonzero((pos >= 0) & (pos >= since.rows_through)) if axes is not None else np.zeros(0, np.int64)
-        st = self._state(axes is None, appended_from=since.appended_rows)
+        st = self._state(axes is None, appended_from=since.appended_rows, lazy=True)
         appended = None
         if self.APPEND_ONLY is not None:
             rows_key, prefixes = self.APPEND_ONLY.rows_key, self.APPEND_ONLY.axes
             start, end = since.appended_rows, int(st.meta[rows_key])
             if start > end:  # fewer rows than saved (the tables only grow, so not expected): all of them
-                st, start = self._state(axes is None, appended_from=0), 0
+                st, start = self._state(axes is None, appended_from=0, lazy=True), 0
             names = {k: axis for k in st.tensors for prefix, axis in prefixes.items() if k.startswith(prefix)}
             appended = AppendedRows(names, start, end, rows_key)
         return CacheDelta(pos, axes, new, self.store.read_rows, st, appended)
 
-    def _state(self, with_store: bool, appended_from: int) -> CacheState:
+    def _state(self, with_store: bool, appended_from: int, lazy: bool = False) -> CacheState:
         if self._layout is not None:
             raise CacheInvariantError("inv1", "state() of a cache with an uncommitted step; commit or abort first")
         meta = {
@@ -294,7 +295,7 @@ class SlotKVCache:
             "next_position": self.next_position, "dropped_total": self.dropped_total, "peak_nbytes": self.peak_nbytes,
         }
         tensors = {f"store.{k}": v for k, v in self.store.state().items()} if with_store else {}
-        extra_t, extra_m = self._extra_state(appended_from)
+        extra_t, extra_m = self._extra_state(appended_from, lazy)
         return CacheState(tensors | extra_t, meta | extra_m)
 
     def load_state(self, state: CacheState) -> None:
@@ -346,8 +347,9 @@ class SlotKVCache:
         """Keys the step at first .. first + t - 1 attends to besides the store's (AttentionLayout.extra_keys)."""
         return None
 
-    def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
-        """The strategy's own (tensors, meta); APPEND_ONLY tensors from row `appended_from` on."""
+    def _extra_state(self, appended_from: int, lazy: bool = False) -> tuple[dict, dict]:
+        """The strategy's own (tensors, meta); APPEND_ONLY tensors from row `appended_from` on (with `lazy`, as
+        objects a saver reads a piece at a time where the strategy has them: `paged_store.RowSpan`)."""
         return {}, {}
 
     def _load_extra_state(self, tensors: dict, meta: dict) -> None:

@@ -46,7 +46,7 @@ from inference_engine.persistence.leases import DEFAULT_TTL_S, Lease, Leases
 from inference_engine.persistence.model_identity import identity_mismatch, model_identity
 from inference_engine.persistence.state_dir import (MANIFEST_NAME, RELEASED_NAME, StateDir, StateFileError, check_segment, fsync_dir,
                                                     manifest_bytes, read_manifest, read_segment, segment_checksum,
-                                                    write_atomic)
+                                                    write_atomic, write_atomic_pieces)
 from inference_engine.session.store import PersistedSession
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,31 @@ def segment_tensors(session_dir, seg: dict, checks: list | None = None) -> dict:
         t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
         out[name] = t.view(info["shape"])
     return out
+
+
+def safetensors_pieces(tensors: dict):
+    """A safetensors file of `tensors`, as bytes-like pieces in order, for `write_atomic_pieces`: each value a tensor
+    or a lazily read one (`shape`, `dtype` and `layers()`, the tensor's bytes in order over its first axis, as
+    `kv.paged_store.RowSpan` has them), so the file is written without its payload ever whole in memory. safetensors
+    itself serializes from tensors in memory only (`save` returns the whole file as one bytes object). The layout
+    is its own: 8-byte little-endian header size, the JSON header padded with spaces to a multiple of 8, then the
+    tensors back to back, wider dtypes first so each starts aligned to its element size."""
+    names = {dtype: name for name, dtype in ST_DTYPES.items()}
+    order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
+    header, at = {}, 0
+    for k in order:
+        t = tensors[k]
+        n = int(np.prod(t.shape, dtype=np.int64)) * t.dtype.itemsize
+        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    yield len(text).to_bytes(8, "little") + text
+    for k in order:
+        t = tensors[k]
+        for piece in t.layers() if not isinstance(t, torch.Tensor) else [t]:
+            if piece.numel():
+                yield piece.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 _checker_pool: ThreadPoolExecutor | None = None
@@ -209,11 +234,15 @@ class SessionFiles:
 
         def write(kind: str, tensors: dict, **extra) -> dict:
             nonlocal written
-            data = st_save({k: v.contiguous() for k, v in tensors.items()})
             name = f"{seq:08d}-{kind}.safetensors"
-            write_atomic(d / name, data, sync_dir=False)
-            written += len(data)
-            return {"file": name, "kind": kind, "bytes": len(data), **segment_checksum(data), **extra}
+            if any(not isinstance(v, torch.Tensor) for v in tensors.values()):  # RowSpans: written a piece at a time
+                done = write_atomic_pieces(d / name, safetensors_pieces(tensors), sync_dir=False)
+            else:
+                data = st_save({k: v.contiguous() for k, v in tensors.items()})
+                write_atomic(d / name, data, sync_dir=False)
+                done = {"bytes": len(data), **segment_checksum(data)}
+            written += done["bytes"]
+            return {"file": name, "kind": kind, **done, **extra}
 
         # history: the appended tokens (all of it again once there are too many segments)
         done = prev["history_length"] if prev else 0

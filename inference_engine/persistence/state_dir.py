@@ -82,14 +82,29 @@ def fsync_dir(path: Path) -> None:
 
 def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
     """Write `data` to `path` through a temporary file: fsync, rename, fsync the directory."""
+    write_atomic_pieces(path, [data], sync_dir=sync_dir)
+
+
+def write_atomic_pieces(path: Path, pieces, *, sync_dir: bool = True) -> dict:
+    """`write_atomic` of the bytes-like `pieces` in order (an iterable, consumed as it is written: the file's bytes
+    are never all in memory at once). Returns the file's size and checksum (`segment_checksum`'s keys)."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    size, crc = 0, 0
+    try:
+        with open(tmp, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+                size += memoryview(piece).nbytes
+                crc = zlib.crc32(piece, crc)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     if sync_dir:
         fsync_dir(path.parent)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
 
 
 def manifest_bytes(body: dict) -> bytes:

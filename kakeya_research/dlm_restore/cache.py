@@ -117,7 +117,7 @@ class DLMRestoreCache(SinkWindowCache):
         return RestorePlan(self.token_history(end).to(dev), torch.from_numpy(evicted).to(dev), masks, self.restore_source,
                            held, record)
 
-    def _extra_state(self, appended_from: int) -> tuple[dict, dict]:
+    def _extra_state(self, appended_from: int, lazy: bool = False) -> tuple[dict, dict]:
         tensors, meta = self.policy.state()
         n = self.next_position
         return ({"tokens": torch.from_numpy(self._tokens[:n].copy())} | tensors,

@@ -475,7 +475,7 @@ def test_paged_archived_pages_are_append_segments(tmp_path, monkeypatch):
     assert archived > 0
     read_from = []
     state = RowTable.state  # the page store's, the keys' and far_keys' (SpillingRowTables)
-    monkeypatch.setattr(RowTable, "state", lambda self, start=0: read_from.append(start) or state(self, start))
+    monkeypatch.setattr(RowTable, "state", lambda self, start=0, **kw: read_from.append(start) or state(self, start, **kw))
     for k in range(3):
         kept.append(s.id, ids(10, seed=k))
         read_from.clear()
@@ -492,6 +492,70 @@ def test_paged_archived_pages_are_append_segments(tmp_path, monkeypatch):
     resumed.append(s.id, [9, 8])
     assert turn(resumed, s.id, 6) == turn(kept, s.id, 6)
     assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
+
+
+def test_a_save_reads_the_archive_a_layer_at_a_time(tmp_path, monkeypatch):
+    """A save writes a paged session's new archive rows layer by layer into the segment (`safetensors_pieces`), from
+    both tiers of a spilled table: it never holds the rows of every layer at once (a 32k-token turn's fp32 pages
+    are 1.5 GB, a copy of them and the serialized bytes twice that); the session resumes the same."""
+    from inference_engine.kv.paged_store import RowTable, SpillingRowTable
+
+    st = STRATEGIES["paged_spilled"]
+    kept = runtime(tmp_path, st)
+    s = kept.create_session(ids(60))
+    turn(kept, s.id, 3)
+    assert s.kv.cache.pages.cold_nbytes > 0  # rows in the spill file and in the ring
+    spans = []
+    for cls in (RowTable, SpillingRowTable):
+        def spy(self, a, b, layer=None, span=cls.span):
+            spans.append((layer, self.spilled))
+            return span(self, a, b, layer)
+
+        monkeypatch.setattr(cls, "span", spy)
+    kept.append(s.id, ids(40, seed=1))
+    turn(kept, s.id, 3)
+    layers = s.kv.cache.geometry.num_layers
+    assert spans and None not in [layer for layer, _ in spans]  # one layer at a time, never all of them
+    assert (0, True) in spans and (layers - 1, True) in spans  # from the spilled tables too
+    resumed = restarted(tmp_path, st)
+    kept.append(s.id, [9, 8])
+    resumed.append(s.id, [9, 8])
+    assert turn(resumed, s.id, 6) == turn(kept, s.id, 6)
+
+
+def test_a_segment_written_in_pieces_is_the_safetensors_file_of_its_tensors(tmp_path):
+    """`safetensors_pieces`: tensors of every dtype a state holds, empty ones, and a lazily read one (`layers()`),
+    written through `write_atomic_pieces`: safetensors' own loader and the segment reader read back the same
+    tensors, and the manifest's size and checksum are the file's."""
+    from safetensors.torch import load as st_load
+
+    from inference_engine.persistence.session_files import ST_DTYPES, safetensors_pieces, segment_tensors
+    from inference_engine.persistence.state_dir import segment_checksum, write_atomic_pieces
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t.{name}": (torch.randn(3, 5, generator=g) * 50).to(dtype) for name, dtype in ST_DTYPES.items()}
+    tensors |= {"empty": torch.zeros(2, 0, 4), "scalar": torch.tensor(7, dtype=torch.int64)}
+
+    class Lazy:  # what a RowSpan gives: shape, dtype, the bytes in order over its first axis
+        def __init__(self, t):
+            self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
+
+        def layers(self):
+            yield from self.t.unbind(0)
+
+    big = torch.randn(4, 3, 7, generator=g)
+    pieces = tensors | {"lazy": Lazy(big), "lazy_empty": Lazy(torch.zeros(3, 0, dtype=torch.float16))}
+    path = tmp_path / "seg.safetensors"
+    done = write_atomic_pieces(path, safetensors_pieces(pieces), sync_dir=False)
+    data = path.read_bytes()
+    assert done == {"bytes": len(data), **segment_checksum(data)}
+    assert int.from_bytes(data[:8], "little") % 8 == 0
+    want = tensors | {"lazy": big, "lazy_empty": torch.zeros(3, 0, dtype=torch.float16)}
+    for got in (st_load(data), segment_tensors(tmp_path, {"file": path.name, **done})):
+        assert got.keys() == want.keys()
+        for k, t in want.items():
+            assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    assert not [p for p in tmp_path.iterdir() if p.name != path.name]  # no temporary file left
 
 
 def test_one_daemon_per_state_dir(tmp_path):
@@ -522,8 +586,8 @@ def test_paged_far_keys_are_saved_again_after_a_load_without_them(tmp_path, monk
         real_load(self, tensors, meta)
         loads.append((self.pages.rows, self.far_keys.rows))
 
-    def older_build(self, appended_from):
-        tensors, meta = real_extra(self, appended_from)
+    def older_build(self, appended_from, lazy=False):
+        tensors, meta = real_extra(self, appended_from, lazy)
         return {k: v for k, v in tensors.items() if not k.startswith("far_keys.")}, meta
 
     monkeypatch.setattr(PagedCache, "_load_extra_state", spy_load)
