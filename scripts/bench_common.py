@@ -105,23 +105,30 @@ def fill_with_random_kv(cache, n: int, chunk: int, generator) -> None:
 
 
 class PeakRSS:
-    """Context manager sampling this process's RSS every `interval` s; .peak = max seen inside."""
+    """Context manager sampling this process's RSS every `interval` s; .peak = max seen inside, .peak_anon = max of its
+    anonymous part (rss - shared: less the file-backed pages mapped, such as spill files' or segments' maps)."""
 
     def __init__(self, interval: float = 0.02):
         import psutil
 
         self.proc, self.peak, self.interval, self._stop = psutil.Process(), 0, interval, threading.Event()
+        self.peak_anon = 0
 
     def __enter__(self):
-        self.peak = self.proc.memory_info().rss
+        self._sample()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
         return self
 
+    def _sample(self):
+        m = self.proc.memory_info()
+        self.peak, self.peak_anon = max(self.peak, m.rss), max(self.peak_anon, m.rss - m.shared)
+
     def _run(self):
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._sample()
 
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
+        self._sample()

@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from safetensors.torch import save as st_save
 
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.errors import SessionOwnedElsewhere, SessionStateUnusable
@@ -45,8 +44,7 @@ from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.leases import DEFAULT_TTL_S, Lease, Leases
 from inference_engine.persistence.model_identity import identity_mismatch, model_identity
 from inference_engine.persistence.state_dir import (MANIFEST_NAME, RELEASED_NAME, StateDir, StateFileError, check_segment, fsync_dir,
-                                                    manifest_bytes, read_manifest, read_segment, segment_checksum,
-                                                    write_atomic, write_atomic_pieces)
+                                                    manifest_bytes, read_manifest, read_segment, write_atomic, write_atomic_pieces)
 from inference_engine.session.store import PersistedSession
 
 log = logging.getLogger(__name__)
@@ -92,8 +90,9 @@ def segment_tensors(session_dir, seg: dict, checks: list | None = None) -> dict:
 def safetensors_pieces(tensors: dict):
     """A safetensors file of `tensors`, as bytes-like pieces in order, for `write_atomic_pieces`: each value a tensor
     or a lazily read one (`shape`, `dtype` and `layers()`, the tensor's bytes in order over its first axis, as
-    `kv.paged_store.RowSpan` has them), so the file is written without its payload ever whole in memory. safetensors
-    itself serializes from tensors in memory only (`save` returns the whole file as one bytes object). The layout
+    `kv.paged_store.RowSpan` has them), so the file is written without its payload ever whole in memory: safetensors
+    itself serializes from tensors in memory only, and copies each into a bytes object first (`save` returns the
+    whole file as one; `save_file` too holds a tensor's bytes copy), twice a segment's size at the peak. The layout
     is its own: 8-byte little-endian header size, the JSON header padded with spaces to a multiple of 8, then the
     tensors back to back, wider dtypes first so each starts aligned to its element size."""
     names = {dtype: name for name, dtype in ST_DTYPES.items()}
@@ -235,12 +234,7 @@ class SessionFiles:
         def write(kind: str, tensors: dict, **extra) -> dict:
             nonlocal written
             name = f"{seq:08d}-{kind}.safetensors"
-            if any(not isinstance(v, torch.Tensor) for v in tensors.values()):  # RowSpans: written a piece at a time
-                done = write_atomic_pieces(d / name, safetensors_pieces(tensors), sync_dir=False)
-            else:
-                data = st_save({k: v.contiguous() for k, v in tensors.items()})
-                write_atomic(d / name, data, sync_dir=False)
-                done = {"bytes": len(data), **segment_checksum(data)}
+            done = write_atomic_pieces(d / name, safetensors_pieces(tensors), sync_dir=False)  # no copy of the file whole
             written += done["bytes"]
             return {"file": name, "kind": kind, **done, **extra}
 
