@@ -6,8 +6,8 @@ memory is its own:
 
   streamed  the product path since ebd566d: the cache hands the archive rows as RowSpans and the segment is written
             a layer at a time (`session_files.safetensors_pieces`)
-  whole     how a save wrote them before: the rows copied whole out of both tiers (`delta_state` with lazy=False),
-            then safetensors serializing the whole segment into one bytes object, then written
+  whole     how a save wrote them before (ebd566d / eac2f4c): the rows copied whole out of both tiers (`delta_state`
+            with lazy=False), then safetensors serializing each whole segment into one bytes object, then written
 
 Each process loads the real model, builds the daemon's engine (`build_engine`, the daemon's `paged` defaults and
 `--page-ram-mb`), makes one session through it, fills its cache with random K/V through the cache's own API to
@@ -82,8 +82,13 @@ def run_one(args) -> dict:
     from inference_engine.session.store import Session
 
     if args.arm == "whole":  # the save before ebd566d: the archive rows copied out whole, then serialized whole
+        from safetensors.torch import save as st_save
+
+        from inference_engine.persistence import session_files
+
         state = SlotKVCache._state
         SlotKVCache._state = lambda self, with_store, appended_from, lazy=False: state(self, with_store, appended_from, False)
+        session_files.safetensors_pieces = lambda tensors: [st_save({k: v.contiguous() for k, v in tensors.items()})]
     torch.set_num_threads(args.threads)
     model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
     cfg = ServeConfig(model=args.model, kv_strategy="paged", threads=args.threads, page_ram_mb=args.page_ram_mb)
