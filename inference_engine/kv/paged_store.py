@@ -15,6 +15,7 @@ its call: a key quantized in the page store equals the same key quantized on the
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -370,12 +371,10 @@ class RowTable(Generic[CodecT]):
         return {name: x.flatten(1, 2).index_select(1, flat).view(self.stack, h, e, *x.shape[3:])
                 for name, x in self.slabs[layer].items()}
 
-    def span(self, a: int, b: int, layer: int | None = None) -> dict:
-        """Rows a .. b - 1 per payload name: of every layer, (L, S, Hkv, b - a, *trailing), or of `layer` only,
-        (S, Hkv, b - a, *trailing) (views here)."""
-        if layer is None:
-            return {name: x[:, :, :, a:b] for name, x in self.data.items()}
-        return {name: x[layer, :, :, a:b] for name, x in self.data.items()}
+    def span(self, a: int, b: int, at: tuple[int, ...] = ()) -> dict:
+        """Rows a .. b - 1 per payload name, (L, S, Hkv, b - a, *trailing), or with `at` (indices into the leading
+        (L, S, Hkv) axes: (layer,), (layer, s), (layer, s, kv head)) of those only (views here)."""
+        return {name: x[at].narrow(3 - len(at), a, b - a) for name, x in self.data.items()}
 
     def take_pages(self, layer: int, pages: torch.Tensor) -> dict:
         """The stored payload (S, H, M * P, *trailing) per name of whole pages pages[h] (H, M) of KV head h, not
@@ -416,19 +415,22 @@ class RowTable(Generic[CodecT]):
 
 class RowSpan:
     """Rows a .. b - 1 of one payload of a RowTable, (L, S, Hkv, b - a, *trailing) as `state` gives them, not read
-    yet: a saver writes it a layer at a time (`layers`), so a save holds one layer's rows in RAM, not the whole span
-    (a copy, then the serialized bytes: 3 GB for the fp32 pages of one 32k-token turn of SmolLM2, where the session
-    keeps 128 MB of pages in RAM). Read it before the table changes: a saver holds the session meanwhile."""
+    yet: a saver writes it a piece at a time (`pieces`: one layer, stack entry and KV head's rows), so a save holds
+    one piece in RAM, not the whole span (a copy, then the serialized bytes: 3 GB at the peak for the fp32 pages of
+    one 32k-token turn of SmolLM2, where the session keeps 128 MB of pages in RAM). Read it before the table
+    changes: a saver holds the session meanwhile."""
 
     def __init__(self, table: RowTable, name: str, a: int, b: int):
         self.table, self.name, self.a, self.b = table, name, a, b
         trailing, self.dtype = table.layout[name]
         self.shape = (table.num_layers, table.stack, table.num_kv_heads, b - a, *trailing)
 
-    def layers(self) -> Iterator[torch.Tensor]:
-        """Layer by layer, (S, Hkv, b - a, *trailing) each, contiguous on the CPU: together the span's bytes in order."""
-        for layer in range(self.table.num_layers):
-            yield self.table.span(self.a, self.b, layer)[self.name].contiguous().cpu()
+    def pieces(self) -> Iterator[torch.Tensor]:
+        """(b - a, *trailing) per layer, stack entry and KV head in that order, contiguous on the CPU: together the
+        span's bytes in order."""
+        t = self.table
+        for at in itertools.product(range(t.num_layers), range(t.stack), range(t.num_kv_heads)):
+            yield t.span(self.a, self.b, at)[self.name].contiguous().cpu()
 
     def tensor(self) -> torch.Tensor:
         """The whole span as one CPU tensor (a copy), what `state` gives."""
@@ -712,21 +714,20 @@ class SpillingRowTable(RowTable[CodecT]):
             raise ValueError("a spilled table is read by rows (take, gather), not as whole slabs")
         return super().payload(layer)
 
-    def span(self, a: int, b: int, layer: int | None = None) -> dict:
+    def span(self, a: int, b: int, at: tuple[int, ...] = ()) -> dict:
         """RowTable's `span` from both tiers (a copy once anything spilled): the spilled pages' rows in one strided
         copy per payload name, the ring's in pieces of at most a page."""
         if not self.spilled:
-            return super().span(a, b, layer)
-        axis = 3 if layer is None else 2  # the rows axis of what is returned
-        ring = {name: x if layer is None else x[layer] for name, x in self.data.items()}
+            return super().span(a, b, at)
+        axis = 3 - len(at)  # the rows axis of what is returned
+        ring = {name: x[at] for name, x in self.data.items()}
         parts: dict[str, list] = {name: [] for name in self.layout}
         cold_end = min(b, self.first_ram_row)
         if a < cold_end:  # pages j0 .. j1 - 1 of the spill file, (n, L, S, Hkv, P, ...): the n axis next to the rows
             j0, j1 = a // self.page, -(-cold_end // self.page)
             lo, hi = a - j0 * self.page, cold_end - j0 * self.page
             for name in self.layout:
-                pages = self.files[name].tensor[j0:j1]
-                pages = pages if layer is None else pages[:, layer]
+                pages = self.files[name].tensor[j0:j1][(slice(None),) + at]  # type: ignore[index]
                 rows = pages.movedim(0, axis).flatten(axis, axis + 1)
                 parts[name].append(rows.narrow(axis, lo, hi - lo).to(self.device))
             a = cold_end

@@ -89,7 +89,7 @@ def segment_tensors(session_dir, seg: dict, checks: list | None = None) -> dict:
 
 def safetensors_pieces(tensors: dict):
     """A safetensors file of `tensors`, as bytes-like pieces in order, for `write_atomic_pieces`: each value a tensor
-    or a lazily read one (`shape`, `dtype` and `layers()`, the tensor's bytes in order over its first axis, as
+    or a lazily read one (`shape`, `dtype` and `pieces()`, tensors whose bytes in order are the tensor's, as
     `kv.paged_store.RowSpan` has them), so the file is written without its payload ever whole in memory: safetensors
     itself serializes from tensors in memory only, and copies each into a bytes object first (`save` returns the
     whole file as one; `save_file` too holds a tensor's bytes copy), twice a segment's size at the peak. The layout
@@ -108,7 +108,7 @@ def safetensors_pieces(tensors: dict):
     yield len(text).to_bytes(8, "little") + text
     for k in order:
         t = tensors[k]
-        for piece in t.layers() if not isinstance(t, torch.Tensor) else [t]:
+        for piece in t.pieces() if not isinstance(t, torch.Tensor) else [t]:
             if piece.numel():
                 yield piece.contiguous().reshape(-1).view(torch.uint8).numpy()
 

@@ -5,7 +5,7 @@ them; a compaction, every 64 appends: all of them again). Two arms, each (length
 memory is its own:
 
   streamed  the product path since ebd566d: the cache hands the archive rows as RowSpans and the segment is written
-            a layer at a time (`session_files.safetensors_pieces`)
+            a piece (one layer, K/V and KV head's rows) at a time (`session_files.safetensors_pieces`)
   whole     how a save wrote them before (ebd566d / eac2f4c): the rows copied whole out of both tiers (`delta_state`
             with lazy=False), then safetensors serializing each whole segment into one bytes object, then written
 
@@ -113,7 +113,7 @@ def run_one(args) -> dict:
 
         def rows_equal(table: str, layer: int) -> bool:
             a, b = getattr(live, table), getattr(back, table)
-            return a.rows == b.rows and all(torch.equal(a.span(0, a.rows, layer)[n], b.span(0, a.rows, layer)[n]) for n in a.layout)
+            return a.rows == b.rows and all(torch.equal(a.span(0, a.rows, (layer,))[n], b.span(0, a.rows, (layer,))[n]) for n in a.layout)
 
         same = back.next_position == live.next_position and all(
             rows_equal(t, layer) for t in ("pages", "keys", "far_keys") if getattr(live, t).rows

@@ -55,14 +55,14 @@ def store_rows(cache, slots):
 
 
 def whole(x):
-    """A delta's tensor; a RowSpan (paged's archive, read as a save writes it) read a layer at a time and whole, the
+    """A delta's tensor; a RowSpan (paged's archive, read as a save writes it) read a piece at a time and whole, the
     two the same rows with the shape and dtype it declares."""
     if isinstance(x, torch.Tensor):
         return x
-    layers = torch.stack(list(x.layers()))
-    assert tuple(layers.shape) == x.shape and layers.dtype == x.dtype
-    assert torch.equal(layers, x.tensor())
-    return layers
+    pieces = torch.stack(list(x.pieces())).view(x.shape)  # one per (layer, K/V, KV head), in that order
+    assert pieces.dtype == x.dtype
+    assert torch.equal(pieces, x.tensor())
+    return pieces
 
 
 def same(a: dict, b: dict):

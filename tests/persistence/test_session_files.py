@@ -494,10 +494,10 @@ def test_paged_archived_pages_are_append_segments(tmp_path, monkeypatch):
     assert torch.equal(resumed.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
 
 
-def test_a_save_reads_the_archive_a_layer_at_a_time(tmp_path, monkeypatch):
-    """A save writes a paged session's new archive rows layer by layer into the segment (`safetensors_pieces`), from
-    both tiers of a spilled table: it never holds the rows of every layer at once (a 32k-token turn's fp32 pages
-    are 1.5 GB, a copy of them and the serialized bytes twice that); the session resumes the same."""
+def test_a_save_reads_the_archive_a_piece_at_a_time(tmp_path, monkeypatch):
+    """A save writes a paged session's new archive rows into the segment (`safetensors_pieces`) one (layer, K/V, KV
+    head) piece at a time, from both tiers of a spilled table: it never holds more of them at once (a 32k-token
+    turn's fp32 pages are 1.5 GB, a copy of them and the serialized bytes twice that); the session resumes the same."""
     from inference_engine.kv.paged_store import RowTable, SpillingRowTable
 
     st = STRATEGIES["paged_spilled"]
@@ -507,16 +507,16 @@ def test_a_save_reads_the_archive_a_layer_at_a_time(tmp_path, monkeypatch):
     assert s.kv.cache.pages.cold_nbytes > 0  # rows in the spill file and in the ring
     spans = []
     for cls in (RowTable, SpillingRowTable):
-        def spy(self, a, b, layer=None, span=cls.span):
-            spans.append((layer, self.spilled))
-            return span(self, a, b, layer)
+        def spy(self, a, b, at=(), span=cls.span):
+            spans.append((at, self.spilled))
+            return span(self, a, b, at)
 
         monkeypatch.setattr(cls, "span", spy)
     kept.append(s.id, ids(40, seed=1))
     turn(kept, s.id, 3)
-    layers = s.kv.cache.geometry.num_layers
-    assert spans and None not in [layer for layer, _ in spans]  # one layer at a time, never all of them
-    assert (0, True) in spans and (layers - 1, True) in spans  # from the spilled tables too
+    g = s.kv.cache.geometry
+    assert spans and {len(at) for at, _ in spans} == {3}  # a piece at a time, never more
+    assert ((0, 0, 0), True) in spans and ((g.num_layers - 1, 1, g.num_kv_heads - 1), True) in spans  # spilled ones too
     resumed = restarted(tmp_path, st)
     kept.append(s.id, [9, 8])
     resumed.append(s.id, [9, 8])
@@ -524,7 +524,7 @@ def test_a_save_reads_the_archive_a_layer_at_a_time(tmp_path, monkeypatch):
 
 
 def test_a_segment_written_in_pieces_is_the_safetensors_file_of_its_tensors(tmp_path):
-    """`safetensors_pieces`: tensors of every dtype a state holds, empty ones, and a lazily read one (`layers()`),
+    """`safetensors_pieces`: tensors of every dtype a state holds, empty ones, and a lazily read one (`pieces()`),
     written through `write_atomic_pieces`: safetensors' own loader and the segment reader read back the same
     tensors, and the manifest's size and checksum are the file's."""
     from safetensors.torch import load as st_load
@@ -540,7 +540,7 @@ def test_a_segment_written_in_pieces_is_the_safetensors_file_of_its_tensors(tmp_
         def __init__(self, t):
             self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
 
-        def layers(self):
+        def pieces(self):
             yield from self.t.unbind(0)
 
     big = torch.randn(4, 3, 7, generator=g)
