@@ -413,10 +413,13 @@ class RowTable(Generic[CodecT]):
                                   device=self.device) for name, (shape, dtype) in self.layout.items()}
 
 
+PIECE_ROWS = 1 << 14  # RowSpan.pieces: rows a piece at most (4 MB of one KV head's fp32 K rows for SmolLM2)
+
+
 class RowSpan:
     """Rows a .. b - 1 of one payload of a RowTable, (L, S, Hkv, b - a, *trailing) as `state` gives them, not read
-    yet: a saver writes it a piece at a time (`pieces`: one layer, stack entry and KV head's rows), so a save holds
-    one piece in RAM, not the whole span (a copy, then the serialized bytes: 3 GB at the peak for the fp32 pages of
+    yet: a saver writes it a piece at a time (`pieces`: up to PIECE_ROWS rows of one layer, stack entry and KV head),
+    so a save holds a piece in RAM, not the whole span (a copy, then the serialized bytes: 3 GB at the peak for the fp32 pages of
     one 32k-token turn of SmolLM2, where the session keeps 128 MB of pages in RAM). Read it before the table
     changes: a saver holds the session meanwhile."""
 
@@ -426,11 +429,14 @@ class RowSpan:
         self.shape = (table.num_layers, table.stack, table.num_kv_heads, b - a, *trailing)
 
     def pieces(self) -> Iterator[torch.Tensor]:
-        """(b - a, *trailing) per layer, stack entry and KV head in that order, contiguous on the CPU: together the
-        span's bytes in order."""
+        """Rows (n, *trailing) per layer, stack entry and KV head in that order, at most PIECE_ROWS of them a piece,
+        contiguous on the CPU: together the span's bytes in order."""
         t = self.table
+        cuts = [self.a, *range((self.a // PIECE_ROWS + 1) * PIECE_ROWS, self.b, PIECE_ROWS), self.b]
         for at in itertools.product(range(t.num_layers), range(t.stack), range(t.num_kv_heads)):
-            yield t.span(self.a, self.b, at)[self.name].contiguous().cpu()
+            for a, b in zip(cuts, cuts[1:]):
+                if b > a:
+                    yield t.span(a, b, at)[self.name].contiguous().cpu()
 
     def tensor(self) -> torch.Tensor:
         """The whole span as one CPU tensor (a copy), what `state` gives."""
