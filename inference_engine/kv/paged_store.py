@@ -398,6 +398,8 @@ class RowTable(Generic[CodecT]):
         return {name: x.clone().cpu() for name, x in self.span(start, self.rows).items()}
 
     def load_state(self, tensors: dict, rows: int) -> None:
+        """Adopt `state()`'s rows; a value may be `slot_cache.Pieces` (the rows in pieces, copied in one after
+        another: a state loaded from several append segments is never concatenated whole)."""
         want = {name: (self.num_layers, self.stack, self.num_kv_heads, rows, *shape) for name, (shape, _) in self.layout.items()}
         got = {name: tuple(t.shape) for name, t in tensors.items()}
         if got != want:
@@ -405,12 +407,29 @@ class RowTable(Generic[CodecT]):
         self._set(self._zeros(0))
         self.capacity = 0
         self.reserve(rows)
-        self._put(0, tensors)
+        at = 0
+        for part in _in_pieces(tensors):
+            self.rows = at  # a spilling table appends at its rows
+            self._put(at, part)
+            at += next(iter(part.values())).shape[3]
         self.rows = rows
 
     def _zeros(self, capacity: int) -> dict:
         return {name: torch.zeros(self.num_layers, self.stack, self.num_kv_heads, capacity, *shape, dtype=dtype,
                                   device=self.device) for name, (shape, dtype) in self.layout.items()}
+
+
+def _in_pieces(tensors: dict) -> list[dict]:
+    """`load_state`'s tensors as payload dicts of consecutive rows: one per piece where every name is given in the
+    same pieces (`Pieces` of one set of segments), else one whole."""
+    from inference_engine.kv.slot_cache import Pieces
+
+    if not any(isinstance(t, Pieces) for t in tensors.values()):
+        return [tensors]
+    cuts = {name: [p.shape[3] for p in t] if isinstance(t, Pieces) else None for name, t in tensors.items()}
+    if None in cuts.values() or len({tuple(c) for c in cuts.values() if c is not None}) != 1:
+        return [{name: t.tensor() if isinstance(t, Pieces) else t for name, t in tensors.items()}]
+    return [{name: t[i] for name, t in tensors.items()} for i in range(len(next(iter(tensors.values()))))]
 
 
 PIECE_ROWS = 1 << 14  # RowSpan.pieces: rows a piece at most (4 MB of one KV head's fp32 K rows for SmolLM2)

@@ -79,6 +79,30 @@ class AppendedRows:
     rows_key: str
 
 
+class Pieces(list):
+    """An append-only state tensor given as its pieces along `axis`, in order (a state loaded from several append
+    segments): the table that loads it copies them in one after another, not one concatenated copy of the whole
+    archive first (a 32k-token paged session's fp32 pages: 1.5 GB). `shape` and `dtype` are the whole tensor's."""
+
+    def __init__(self, parts: list, axis: int):
+        super().__init__(parts)
+        self.axis = axis
+
+    @property
+    def shape(self) -> tuple:
+        s = list(self[0].shape)
+        s[self.axis] = sum(p.shape[self.axis] for p in self)
+        return tuple(s)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self[0].dtype
+
+    def tensor(self) -> torch.Tensor:
+        """The whole tensor (a copy)."""
+        return torch.cat(list(self), self.axis)
+
+
 @dataclass
 class CacheDelta:
     """What a saver holding `since` (a SaveMark) writes of a cache now (`SlotKVCache.delta_state`).

@@ -39,7 +39,7 @@ import torch
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.errors import SessionOwnedElsewhere, SessionStateUnusable
 from inference_engine.kv.registry import strategy_from_dict
-from inference_engine.kv.slot_cache import CacheState, SaveMark
+from inference_engine.kv.slot_cache import CacheState, Pieces, SaveMark
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.leases import DEFAULT_TTL_S, Lease, Leases
 from inference_engine.persistence.model_identity import identity_mismatch, model_identity
@@ -85,6 +85,11 @@ def segment_tensors(session_dir, seg: dict, checks: list | None = None) -> dict:
         t = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
         out[name] = t.view(info["shape"])
     return out
+
+
+def _joined(parts: list, axis: int):
+    """Append segments' views of one tensor, in order, as the loading cache takes them (Pieces)."""
+    return Pieces(parts, axis)
 
 
 def safetensors_pieces(tensors: dict):
@@ -452,8 +457,9 @@ class SessionFiles:
                                  f"does not grow ({sorted(axes)})")
         if end != int(body["cache_meta"][rows_key]):
             raise StateFileError(f"append segments hold {end} rows, the cache state says {body['cache_meta'][rows_key]}")
-        # one segment: its views as they are (the cache copies them into its tables)
-        return {k: v[0] if len(v) == 1 else torch.cat(v, dim=axes[k]) for k, v in parts.items()}
+        # one segment: its views as they are; several: their views as Pieces (the cache copies them into its tables,
+        # one after another: never a concatenated copy of the whole archive)
+        return {k: v[0] if len(v) == 1 else _joined(v, axes[k]) for k, v in parts.items()}
 
     def prepare_loads(self) -> None:
         """Build what every load needs first (the session template), e.g. at daemon start."""

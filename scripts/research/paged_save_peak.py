@@ -16,13 +16,17 @@ daemon's `SessionFiles` into a fresh state directory (the first save: every arch
 more positions and saves again (a turn's save). Around each save: RssAnon before, its peak sampled every 2 ms
 (psutil: rss - shared), and VmHWM (reset through /proc/self/clear_refs just before; it counts the spill files'
 mapped pages too). The saved session is then loaded back (`SessionFiles.load` in a fresh instance) and its archive
-compared with the live one's (a layer's rows, every table).
+compared with the live one's (a layer's rows, every table); that load's anonymous peak is measured too (its two
+append segments: read into the tables one after another since 7abe68b's successor, concatenated first before, which
+the whole arm restores, with the resident rows' per-layer copies stacked as before).
 
     .venv/bin/python scripts/research/paged_save_peak.py --lengths 8192,32768 --threads 2
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import pathlib
@@ -50,9 +54,6 @@ def status() -> dict:
 
 def timed_save(files, session) -> dict:
     """One save, with the memory it took: anonymous peak (sampled) and VmHWM over the save, less what was held before."""
-    import ctypes
-    import gc
-
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     before = status()
@@ -72,6 +73,7 @@ def run_one(args) -> dict:
     import torch
 
     from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.kv import stores
     from inference_engine.kv.byte_counts import kv_bytes
     from inference_engine.kv.slot_cache import SlotKVCache
     from inference_engine.model_store import resolve_model
@@ -89,6 +91,8 @@ def run_one(args) -> dict:
         state = SlotKVCache._state
         SlotKVCache._state = lambda self, with_store, appended_from, lazy=False: state(self, with_store, appended_from, False)
         session_files.safetensors_pieces = lambda tensors: [st_save({k: v.contiguous() for k, v in tensors.items()})]
+        session_files._joined = lambda parts, axis: torch.cat(parts, axis)  # a load: the segments concatenated first
+        stores._stacked_rows = lambda slabs, axis, idx: torch.stack([x.index_select(axis, idx) for x in slabs]).cpu()
     torch.set_num_threads(args.threads)
     model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
     cfg = ServeConfig(model=args.model, kv_strategy="paged", threads=args.threads, page_ram_mb=args.page_ram_mb)
@@ -108,7 +112,14 @@ def run_one(args) -> dict:
         session.history += torch.randint(3, vocab, (args.turn,), generator=gen).tolist()
         turn = timed_save(files, session)
         files.release(session)
-        loaded = SessionFiles(StateDir(root), engine).load(sid)
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        before = status()
+        t0 = time.perf_counter()
+        with PeakRSS(0.002) as mem:  # its two append segments: joined (whole) or read in turn (streamed)
+            loaded = SessionFiles(StateDir(root), engine).load(sid)
+        load = {"seconds": time.perf_counter() - t0, "peak_anon_over_before": mem.peak_anon - before["RssAnon"],
+                "rss_anon_after_over_before": status()["RssAnon"] - before["RssAnon"]}
         live, back = kv.cache, loaded.kv.cache
 
         def rows_equal(table: str, layer: int) -> bool:
@@ -121,7 +132,7 @@ def run_one(args) -> dict:
         files.close()
     return {"length": args.length, "arm": args.arm, "turn": args.turn, "archived_rows": live.pages.rows,
             "tiers": {"hot": tiers.resident + tiers.selection, "warm_ram": tiers.stored, "cold_disk": tiers.cold},
-            "first_save": first, "turn_save": turn, "loaded_back_equal": bool(same)}
+            "first_save": first, "turn_save": turn, "load": load, "loaded_back_equal": bool(same)}
 
 
 def main() -> int:
@@ -156,7 +167,7 @@ def main() -> int:
             run = json.loads(out.stdout.strip().splitlines()[-1]) | {"process_s": time.perf_counter() - t0}
             runs.append(run)
             print(arm, length, {k: {m: round(v / MB, 1) if "bytes" in m or "over" in m or "anon" in m else round(v, 3)
-                                    for m, v in run[k].items()} for k in ("first_save", "turn_save")},
+                                    for m, v in run[k].items()} for k in ("first_save", "turn_save", "load")},
                   "loaded back equal:", run["loaded_back_equal"], file=sys.stderr, flush=True)
     by = {(r["length"], r["arm"]): r for r in runs}
     ratios = {}
@@ -165,8 +176,8 @@ def main() -> int:
         if s and w:
             ratios[str(length)] = {
                 f"{k}_peak_anon_whole_over_streamed": w[k]["peak_anon_over_before"] / max(s[k]["peak_anon_over_before"], 1)
-                for k in ("first_save", "turn_save")} | {
-                f"{k}_seconds_streamed_over_whole": s[k]["seconds"] / w[k]["seconds"] for k in ("first_save", "turn_save")}
+                for k in ("first_save", "turn_save", "load")} | {
+                f"{k}_seconds_streamed_over_whole": s[k]["seconds"] / w[k]["seconds"] for k in ("first_save", "turn_save", "load")}
     write_json(pathlib.Path(args.out), meta | {
         "what": "peak anonymous memory of a paged session's save over what the process held before it (MB = 2^20 bytes "
                 "in the printout; bytes here), streamed vs the whole-copy save, each in its own process",

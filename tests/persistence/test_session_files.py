@@ -523,6 +523,33 @@ def test_a_save_reads_the_archive_a_piece_at_a_time(tmp_path, monkeypatch):
     assert turn(resumed, s.id, 6) == turn(kept, s.id, 6)
 
 
+@pytest.mark.parametrize("name", ["paged", "paged_spilled"])
+def test_a_load_reads_the_archive_segments_in_turn(tmp_path, monkeypatch, name):
+    """A paged session saved over several turns (an append segment each) loads its archive segment after segment
+    into its tables (slot_cache.Pieces), never one concatenated copy of the whole archive; it resumes the same."""
+    from inference_engine.kv import paged_store
+    from inference_engine.kv.slot_cache import Pieces
+
+    st = STRATEGIES[name]
+    kept = runtime(tmp_path, st)
+    s = kept.create_session(ids(60))
+    turn(kept, s.id, 3)
+    for k in range(3):
+        kept.append(s.id, ids(20, seed=k))
+        turn(kept, s.id, 3)
+    appends = [g for g in manifest(tmp_path, s.id)["segments"] if g["kind"] == "append"]
+    assert len(appends) == 4
+    monkeypatch.setattr(Pieces, "tensor", lambda self: pytest.fail("a load concatenated the archive's segments"))
+    pieces = []
+    in_pieces = paged_store._in_pieces
+    monkeypatch.setattr(paged_store, "_in_pieces", lambda tensors: pieces.append(len(in_pieces(tensors))) or in_pieces(tensors))
+    resumed = restarted(tmp_path, st)
+    kept.append(s.id, [9, 8])
+    resumed.append(s.id, [9, 8])
+    assert turn(resumed, s.id, 6) == turn(kept, s.id, 6)
+    assert pieces[:2] == [4, 4]  # the page store's and the compact keys' rows, a segment at a time
+
+
 def test_a_segment_written_in_pieces_is_the_safetensors_file_of_its_tensors(tmp_path):
     """`safetensors_pieces`: tensors of every dtype a state holds, empty ones, and a lazily read one (`pieces()`),
     written through `write_atomic_pieces`: safetensors' own loader and the segment reader read back the same
