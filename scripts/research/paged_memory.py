@@ -14,8 +14,9 @@ as in serving; no model forward, so the history reaches 100k tokens in minutes) 
   * the cache's tiers (`kv_bytes`: resident, selection (hot together), stored = warm (RAM), cold (disk));
   * the process's RssAnon / RssFile (/proc/self/status) less what they were before the cache: what the session
     costs in anonymous memory, and how much of its spill files' map the kernel holds resident (page cache,
-    reclaimable; not the session's RAM); and the anonymous peak on the way there (sampled every 5 ms through the
-    fill and the steps, less RssAnon before the cache: the forward's transient buffers included);
+    reclaimable; not the session's RAM); and the anonymous peaks on the way there (sampled every 5 ms, less RssAnon
+    before the cache): through the fill (the cache alone), and through the steps (the forward's transient buffers
+    included: the model's, not the session's);
   * --decode-steps whole decode steps of the real model over that history (forward + commit of one token,
     row-exact as the engine decodes; past the trained context in InfLLM's layout), median, after one untimed step
     (its first step makes far_keys from the whole page store: the fill runs no model step); for `spill` also with its
@@ -138,10 +139,11 @@ def run_variant(args) -> dict:
         return dt
 
     for n in sorted(int(x) for x in args.lengths.split(",")):
-        with PeakRSS(0.005) as mem:  # the fill and the steps to this length: the anonymous peak on the way
+        with PeakRSS(0.005) as fill_mem:  # the fill to this length (the cache's API, no model): the anonymous peak on the way
             t_fill = time.perf_counter()
             fill(cache, n)
             fill_s = time.perf_counter() - t_fill
+        with PeakRSS(0.005) as mem:  # the steps (the model's own transient buffers included)
             first = step()  # untimed: past the context, the first step builds far_keys
             times = [step() for _ in range(args.decode_steps)]
             row: dict = {"history": cache.next_position, "fill_s": fill_s, "first_step_s": first,
@@ -153,7 +155,8 @@ def run_variant(args) -> dict:
                     cold_times.append(step())
                 row["decode_step_s_spill_files_dropped"] = statistics.median(cold_times)
                 row["decode_step_s_spill_files_dropped_all"] = cold_times
-        row["peak_anon_of_cache"] = mem.peak_anon - before["RssAnon"]
+        row["peak_anon_of_cache"] = fill_mem.peak_anon - before["RssAnon"]
+        row["peak_anon_steps"] = mem.peak_anon - before["RssAnon"]
         tiers = kv_bytes(cache)
         gc.collect()
         now = rss()
