@@ -276,19 +276,26 @@ class RowTable(Generic[CodecT]):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.data.values())
 
-    def reserve(self, rows: int) -> None:
-        """Room for `rows` rows: the capacity grows by at least `grow` (a quarter), in whole pages. Growing copies the
-        table (its rows axis is not the outermost), so a page at a time would copy the whole history every page
-        a session decodes (0.8 s per 64 tokens at 32k for SmolLM2's fp32 page store): O(n^2) over a session."""
+    def reserve(self, rows: int, most: int | None = None) -> None:
+        """Room for `rows` rows: the capacity grows by at least `grow` (a quarter), in whole pages, to at most `most`
+        rows (whole pages, >= rows) where given. Growing copies the table (its rows axis is not the outermost), so a
+        page at a time would copy the whole history every page a session decodes (0.8 s per 64 tokens at 32k for
+        SmolLM2's fp32 page store): O(n^2) over a session. A growth holds the old and the new payload of one name at
+        a time (the old rows copied into the new zeros; the per-layer views dropped first so the old is freed)."""
         if rows <= self.capacity:
             return
         want = max(rows, self.capacity + int(self.capacity * self.grow))
         cap = -(-want // self.page) * self.page
-
-        def grown(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([x, x.new_zeros(*x.shape[:3], cap - x.shape[3], *x.shape[4:])], 3)
-
-        self._set({name: grown(x) for name, x in self.data.items()})
+        if most is not None:
+            cap = max(min(cap, most), rows)
+        data, self.slabs = self.data, []
+        for name in list(data):
+            x = data[name]
+            y = x.new_zeros(*x.shape[:3], cap, *x.shape[4:])
+            y[:, :, :, :x.shape[3]] = x
+            data[name] = y
+            del x
+        self._set(data)
         self.capacity = cap
 
     @property
@@ -573,16 +580,14 @@ class SpillingRowTable(RowTable[CodecT]):
         self._put(keep_from, kept)
         self.rows = old
 
-    def reserve(self, rows: int) -> None:
+    def reserve(self, rows: int, most: int | None = None) -> None:
         """Room for `rows` rows: the ring grows as a RowTable does, up to `ram_rows`; past it, `_put` spills."""
         if self.ram_rows is None:
-            return super().reserve(rows)
+            return super().reserve(rows, most)
         if self.capacity >= self.ram_rows or rows <= self.capacity:
             return
-        super().reserve(min(rows, self.ram_rows))
-        if self.capacity > self.ram_rows:  # grown by a quarter past the budget: cut back to it (no rows there yet)
-            self._set({name: x[:, :, :, :self.ram_rows].clone() for name, x in self.data.items()})
-            self.capacity = self.ram_rows
+        limit = self.ram_rows if most is None else min(most, self.ram_rows)
+        super().reserve(min(rows, limit), most=limit)
 
     def _slot(self, r: int) -> int:
         return r % self.ram_rows if self.wrapped else r  # type: ignore[operator]
