@@ -4,9 +4,11 @@
   kept      the files a daemon keeps next to the model are there (what every start after the first finds);
   made      the native step's head blocks (`.kakeya-native-head-<weights>.safetensors`, native.head_blocks) are
             removed before the start, so the daemon makes them again (and writes them);
+  packed    the native step's layer blocks (`.kakeya-native-layers-<weights>.safetensors`, native.layer_blocks)
+            are removed before the start, so the daemon packs the layers' int4 linears again (and writes them);
   measured  `--compile auto`'s kept measurement (`.kakeya-compile-auto-<weights>.json`, native.keep_verdict) is
             removed, so the daemon times the native step against the Python pieces again (and keeps the result);
-  before    both removed: every start before they were kept;
+  before    all three removed: every start before they were kept;
   transformers  both kept, the weights read through transformers (`--loader transformers`: every start before
             backends/torch/checkpoint.py; the default `--loader auto` reads them with safetensors where it can);
   fallback  both kept, the quantized linears' torch copies kept too (TorchCausalLM.defer_fallback patched to a no-op
@@ -65,7 +67,8 @@ def resident_mb(pid: int) -> float | None:
 
 
 def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> dict:
-    removed = {"made": ["native-head"], "measured": ["compile-auto"], "before": ["native-head", "compile-auto"]}
+    removed = {"made": ["native-head"], "packed": ["native-layers"], "measured": ["compile-auto"],
+               "before": ["native-head", "native-layers", "compile-auto"]}
     for name in removed.get(arm, []):
         for f in model_dir.glob(f".kakeya-{name}-{args.weights}.*"):
             f.unlink()
@@ -102,6 +105,7 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
     return {"ready_s": round(ready, 3), "rss_mb_at_ready": rss, "phases_s": stamps,
             "torch_copies_dropped": "quantized linears dropped" in logged,
             "head_blocks_file_after": any(model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors")),
+            "layer_blocks_file_after": any(model_dir.glob(f".kakeya-native-layers-{args.weights}.safetensors")),
             "compile_auto_file_after": any(model_dir.glob(f".kakeya-compile-auto-{args.weights}.json"))}
 
 

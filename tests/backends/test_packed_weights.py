@@ -107,3 +107,50 @@ def test_the_native_heads_blocks_are_kept_and_read_back_the_same(tmp_path, monke
     assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1, 1]
     assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1, 1]
     assert m.use_native_step() and (m.native_step.head_arena is not None) == (mod.q4_isa() > 0)
+
+
+def test_the_native_layer_blocks_are_kept_and_read_back_the_same(tmp_path, monkeypatch):
+    """native.layer_blocks: the layers' int4 linears packed as the kernel's blocks are written next to the model on
+    the first native step and read (not packed) on the next, the same bytes as packing them; another extension build
+    (its key) packs them again; a native step built from the file gives the same logits as one that packed them."""
+    from factories import require_native
+    from inference_engine.backends.torch import native
+    from inference_engine.backends.torch.linear import Int4Linear
+
+    mod = require_native()
+    if not mod.q4_isa():
+        pytest.skip("no int4 kernel on this CPU: the native step keeps torch's")
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-*"))
+    m = TorchCausalLM.load(d, weights="int4")
+    packs = []
+    real = native.q4_pack
+    lins = {(i, kind): lin for i, L in enumerate(m.layers) for kind, lin in zip(native.LINEAR_KINDS, (L.wqkv, L.wo, L.w_gate_up, L.w_down))
+            if isinstance(lin, Int4Linear)}
+    layer_ids = {id(lin) for lin in lins.values()}
+    monkeypatch.setattr(native, "q4_pack", lambda mod_, lin: packs.append(id(lin) in layer_ids) or real(mod_, lin))
+    first = native.layer_blocks(mod, m)
+    assert set(first) == set(lins) and sum(packs) == len(lins) > 0
+    assert [f.name for f in d.glob(".kakeya-native-layers-*")] == [".kakeya-native-layers-int4.safetensors"]
+    second = native.layer_blocks(mod, m)
+    assert sum(packs) == len(lins)  # read, not packed
+    assert all(torch.equal(second[k], real(mod, lin)) for k, lin in lins.items())
+    from_file = logits_of_native(m)
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path / "row_step-another-build")
+    assert sum(packs) == len(lins)  # the native step above read them too
+    assert all(torch.equal(native.layer_blocks(mod, m)[k], first[k]) for k in lins) and sum(packs) == 2 * len(lins)
+    assert torch.equal(from_file, logits_of_native(m))  # packed again under the other key: the same logits
+
+
+def logits_of_native(m) -> torch.Tensor:
+    """A prefill's logits through a native step built now (from the blocks file, or packing where it has another key)."""
+    from inference_engine.engine.steps import forward
+    from inference_engine.kv.factory import make_cache
+    from inference_engine.kv.strategy import KVStrategy
+
+    m.native_step = None
+    assert m.use_native_step()
+    cache = make_cache(KVStrategy("full"), m.geometry(), max_step=16, max_context=m.spec.max_context)
+    logits, _ = forward(m, m.tensor(list(range(3, 15))), range(12), cache, logits="all", row_exact=True)
+    cache.commit()
+    return logits

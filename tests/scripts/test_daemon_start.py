@@ -13,12 +13,14 @@ def test_a_made_start_reads_its_phases_and_keeps_the_head_blocks_for_the_next(tm
     shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-*"))
     (d / ".kakeya-native-head-int4.safetensors").write_bytes(b"stale")  # removed by the made arm, then written anew
     out = tmp_path / "start.json"
-    assert main_in_process("scripts/research/daemon_start.py", ["--model", d, "--arms", "made", "--rounds", "1",
+    (d / ".kakeya-native-layers-int4.safetensors").write_bytes(b"stale")  # removed by the packed arm, then written anew
+    assert main_in_process("scripts/research/daemon_start.py", ["--model", d, "--arms", "made,packed", "--rounds", "1",
                                                                 "--threads", "1", "--out", out], monkeypatch) == 0
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/daemon_start.py ")
-    (run,) = doc["arms"]["made"]
+    (run,), (packed,) = doc["arms"]["made"], doc["arms"]["packed"]
     assert run["ready_s"] > 0 and run["head_blocks_file_after"] and run["rss_mb_at_ready"] > 50
+    assert packed["layer_blocks_file_after"] and (d / ".kakeya-native-layers-int4.safetensors").stat().st_size > 1000
     assert list(run["phases_s"]) == ["imports_and_weights", "native_load", "native_packing", "compile_auto", "warm_up", "freeze", "serving"]
     assert (d / ".kakeya-native-head-int4.safetensors").stat().st_size > 1000
 

@@ -196,6 +196,7 @@ class NativeRowStep:
         self.outliers = outliers if self.q4 and 1 in per_kind else 0  # only where a kind takes one plane
         self.planes = planes
         chosen = cached_outlier_channels(model, self.outliers) if self.outliers else {}
+        blocks = layer_blocks(module, model) if self.q4 else {}
         for i, L in enumerate(model.layers):
             tensors += [L.ln_in.float().contiguous(), L.ln_post_attn.float().contiguous()]
             for kind, lin, p in zip(LINEAR_KINDS, (L.wqkv, L.wo, L.w_gate_up, L.w_down), per_kind):
@@ -203,11 +204,11 @@ class NativeRowStep:
                     channels = chosen[i, kind]
                     kinds.append(5)
                     packed.append(len(tensors))
-                    tensors += [q4_pack(module, lin), channels]
+                    tensors += [blocks[i, kind], channels]
                 elif isinstance(lin, Int4Linear) and self.q4:
                     kinds.append(3 if p == 2 else 4)
                     packed.append(len(tensors))
-                    tensors += [q4_pack(module, lin), torch.empty(0)]
+                    tensors += [blocks[i, kind], torch.empty(0)]
                 elif isinstance(lin, Int4Linear):
                     kinds.append(2)
                     tensors += [lin.packed, lin.scale_zero]
@@ -513,6 +514,35 @@ def keep_verdict(model, threads: int | None, med: dict[str, float]) -> bool:
     return True
 
 
+def _derived_extra() -> str:
+    """What the native step's files next to the model depend on beside the model: this extension build and the Python
+    that makes them."""
+    return build_dir().name + ":" + hashlib.sha256(b"".join(
+        pathlib.Path(__file__).with_name(f).read_bytes() for f in ("native.py", "linear.py"))).hexdigest()[:16]
+
+
+def layer_blocks(module, model) -> dict[tuple[int, str], torch.Tensor]:
+    """The layers' int4 linears as the kernel's blocks (q4_pack), per (layer, kind): kept next to a pulled model
+    (`.kakeya-native-layers-<weights>.safetensors`, packed.load_derived_tensors) as the head's are (head_blocks),
+    since reading the linears' codes and packing them took ~0.3 s of every start on the 2-core box; made and written
+    on a miss (the same bytes either way: q4_pack is a function of the model's weights)."""
+    from inference_engine.backends.torch import packed
+    from inference_engine.backends.torch.linear import Int4Linear
+
+    lins = {(i, kind): lin for i, L in enumerate(model.layers) for kind, lin in zip(LINEAR_KINDS, (L.wqkv, L.wo, L.w_gate_up, L.w_down))
+            if isinstance(lin, Int4Linear)}
+    path, extra = getattr(model, "path", None), _derived_extra()
+    if path is not None and lins:
+        cached = packed.load_derived_tensors(path, "native-layers", model.weights_format, extra)
+        if cached is not None and set(cached) == {f"{i}.{kind}" for i, kind in lins}:
+            return {(i, kind): cached[f"{i}.{kind}"] for i, kind in lins}
+    blocks = {key: q4_pack(module, lin) for key, lin in lins.items()}
+    if path is not None and lins:
+        packed.save_derived_tensors(path, "native-layers", model.weights_format, extra,
+                                    {f"{i}.{kind}": b for (i, kind), b in blocks.items()})
+    return blocks
+
+
 def head_blocks(module, model, head) -> torch.Tensor:
     """The head's 4-bit copy's blocks, then its residual's (q4_pack_residual), as one tensor: kept next to a pulled
     model (`.kakeya-native-head-<weights>.safetensors`, packed.load_derived_tensor) for the model files, this
@@ -521,8 +551,7 @@ def head_blocks(module, model, head) -> torch.Tensor:
     from inference_engine.backends.torch import packed
 
     path = getattr(model, "path", None)
-    extra = build_dir().name + ":" + hashlib.sha256(b"".join(
-        pathlib.Path(__file__).with_name(f).read_bytes() for f in ("native.py", "linear.py"))).hexdigest()[:16]
+    extra = _derived_extra()
     if path is not None:
         cached = packed.load_derived_tensor(path, "native-head", model.weights_format, extra)
         if cached is not None:

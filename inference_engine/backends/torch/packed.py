@@ -72,28 +72,37 @@ def save_derived(model_dir: pathlib.Path, name: str, weights: str, data: dict) -
     write_atomically(pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.json", lambda tmp: pathlib.Path(tmp).write_text(doc))
 
 
-def load_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra: str) -> torch.Tensor | None:
-    """A tensor made from the model (`.kakeya-<name>-<weights>.safetensors`, save_derived_tensor) when it was made for
-    this cache_key and `extra` (what else it depends on: the code that made it), else None; an unreadable file is
-    logged and counts as missing."""
+def load_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra: str) -> dict[str, torch.Tensor] | None:
+    """Tensors made from the model (`.kakeya-<name>-<weights>.safetensors`, save_derived_tensors) when they were made
+    for this cache_key and `extra` (what else they depend on: the code that made them), else None; an unreadable file
+    is logged and counts as missing."""
     path = pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.safetensors"
     if not path.exists():
         return None
     try:
-        loaded = _read_if_key(path, cache_key(model_dir, weights) + "|" + extra)
+        return _read_if_key(path, cache_key(model_dir, weights) + "|" + extra)
     except Exception as e:  # noqa: BLE001 - a damaged cache only costs making it again
         log.warning("%s unreadable (%s): made again", path, e)
         return None
-    return None if loaded is None else loaded.get("t")
 
 
-def save_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra: str, t: torch.Tensor) -> None:
-    """Write `t` for load_derived_tensor, atomically; a directory that cannot be written is only logged."""
+def save_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra: str, tensors: dict) -> None:
+    """Write `tensors` for load_derived_tensors, atomically; a directory that cannot be written is only logged."""
     from safetensors.torch import save_file
 
     key = cache_key(model_dir, weights) + "|" + extra
     write_atomically(pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.safetensors",
-                     lambda tmp: save_file({"t": t.contiguous()}, tmp, metadata={"key": key}))
+                     lambda tmp: save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata={"key": key}))
+
+
+def load_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra: str) -> torch.Tensor | None:
+    """One tensor of load_derived_tensors (save_derived_tensor)."""
+    loaded = load_derived_tensors(model_dir, name, weights, extra)
+    return None if loaded is None else loaded.get("t")
+
+
+def save_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra: str, t: torch.Tensor) -> None:
+    save_derived_tensors(model_dir, name, weights, extra, {"t": t})
 
 
 def open_holding(path: pathlib.Path, key: str, names) -> Any:
