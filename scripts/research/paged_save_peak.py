@@ -135,7 +135,7 @@ def run_one(args) -> dict:
             "first_save": first, "turn_save": turn, "load": load, "loaded_back_equal": bool(same)}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--weights", default="int4")
@@ -149,7 +149,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--arm", default="", help=argparse.SUPPRESS)  # internal: one (length, arm), JSON on stdout
     ap.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.arm:
         print(json.dumps(run_one(args)))
         return 0

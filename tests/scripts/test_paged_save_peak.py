@@ -2,24 +2,16 @@
 trained context twice in their own processes, write segments of the same size (but for their headers), and load it back equal; the JSON
 carries the ratios. Nothing here reads a timing or compares the memory figures (they are the script's to report)."""
 import json
-import pathlib
-import subprocess
-import sys
 
-from factories import tiny_model_dir
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "research" / "paged_save_peak.py"
+from factories import main_in_process, tiny_model_dir
 
 
-def test_both_arms_save_the_same_segments_and_load_them_back(tmp_path):
+def test_both_arms_save_the_same_segments_and_load_them_back(tmp_path, monkeypatch):
     out = tmp_path / "save_peak.json"
     model = tiny_model_dir("llama", max_position_embeddings=2048)
-    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--weights", "fp32", "--lengths", "2300",
-                        "--turn", "300", "--chunk", "128", "--threads", "1", "--page-ram-mb", "0.05",
-                        "--state-dir", str(tmp_path), "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    args = ["--model", model, "--weights", "fp32", "--lengths", "2300", "--turn", "300", "--chunk", "128", "--threads", "1",
+            "--page-ram-mb", "0.05", "--state-dir", tmp_path, "--out", out]
+    assert main_in_process("scripts/research/paged_save_peak.py", args, monkeypatch) == 0
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/paged_save_peak.py ") and doc["commit"]
     runs = {run["arm"]: run for run in doc["runs"]}
