@@ -2,9 +2,9 @@
 (a subprocess, its defaults, the model from the store), --rounds times per arm, the arms interleaved round by round:
 
   kept      the files a daemon keeps next to the model are there (what every start after the first finds);
-  made      the native step's head blocks (`.kakeya-native-head-<weights>.safetensors`, native.head_blocks) are
+  made      the native step's head blocks (`.kakeya-native-head-<weights>-<tag>.safetensors`, native.head_blocks) are
             removed before the start, so the daemon makes them again (and writes them);
-  packed    the native step's layer blocks (`.kakeya-native-layers-<weights>.safetensors`, native.layer_blocks)
+  packed    the native step's layer blocks (`.kakeya-native-layers-<weights>-<tag>.safetensors`, native.layer_blocks)
             are removed before the start, so the daemon packs the layers' int4 linears again (and writes them);
   measured  `--compile auto`'s kept measurement (`.kakeya-compile-auto-<weights>.json`, native.keep_verdict) is
             removed, so the daemon times the native step against the Python pieces again (and keeps the result);
@@ -70,7 +70,7 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
     removed = {"made": ["native-head"], "packed": ["native-layers"], "measured": ["compile-auto"],
                "before": ["native-head", "native-layers", "compile-auto"]}
     for name in removed.get(arm, []):
-        for f in model_dir.glob(f".kakeya-{name}-{args.weights}.*"):
+        for f in [*model_dir.glob(f".kakeya-{name}-{args.weights}.*"), *model_dir.glob(f".kakeya-{name}-{args.weights}-*")]:
             f.unlink()
     log = work / f"{arm}-{time.time_ns()}.log"
     launch = ["-m", "inference_engine.server.cli"] if arm != "fallback" else ["-c", KEEP_FALLBACK]
@@ -104,8 +104,8 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
                 break
     return {"ready_s": round(ready, 3), "rss_mb_at_ready": rss, "phases_s": stamps,
             "torch_copies_dropped": "quantized linears dropped" in logged,
-            "head_blocks_file_after": any(model_dir.glob(f".kakeya-native-head-{args.weights}.safetensors")),
-            "layer_blocks_file_after": any(model_dir.glob(f".kakeya-native-layers-{args.weights}.safetensors")),
+            "head_blocks_file_after": any(model_dir.glob(f".kakeya-native-head-{args.weights}-*.safetensors")),
+            "layer_blocks_file_after": any(model_dir.glob(f".kakeya-native-layers-{args.weights}-*.safetensors")),
             "compile_auto_file_after": any(model_dir.glob(f".kakeya-compile-auto-{args.weights}.json"))}
 
 

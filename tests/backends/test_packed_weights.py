@@ -94,18 +94,29 @@ def test_the_native_heads_blocks_are_kept_and_read_back_the_same(tmp_path, monke
     made = []
     real = native.q4_pack_residual
     monkeypatch.setattr(native, "q4_pack_residual", lambda *a: made.append(1) or real(*a))
+    (d / ".kakeya-native-head-int4.safetensors").write_bytes(b"from before the tags")  # removed by the first write
     first = native.head_blocks(mod, m, m.head)
-    assert made == [1] and [f.name for f in d.glob(".kakeya-native-head-*")] == [".kakeya-native-head-int4.safetensors"]
+    ours = [f.name for f in d.glob(".kakeya-native-head-*")]
+    assert made == [1] and len(ours) == 1 and ours[0].startswith(".kakeya-native-head-int4-")
     second = native.head_blocks(mod, m, m.head)
     assert made == [1] and torch.equal(second, first)  # read, not made
     fresh = torch.cat([native.q4_pack(mod, m.head.greedy_approx), real(mod, m.head.w, m.head.greedy_approx)])
     assert torch.equal(second, fresh)
-    monkeypatch.setattr(native, "build_dir", lambda: tmp_path / "row_step-another-build")
-    assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1]  # another key: made again
-    f = d / ".kakeya-native-head-int4.safetensors"
+    builds = [native.build_dir(), tmp_path / "row_step-another-build", tmp_path / "row_step-a-third-build"]
+    monkeypatch.setattr(native, "build_dir", lambda: builds[1])
+    assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1]  # another key: made again, beside
+    theirs = sorted(set(f.name for f in d.glob(".kakeya-native-head-*")) - set(ours))
+    assert len(theirs) == 1
+    f = d / theirs[0]
     f.write_bytes(f.read_bytes()[:-100])  # cut inside the tensor: unreadable, logged, made again and written anew
     assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1, 1]
     assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1, 1]
+    monkeypatch.setattr(native, "build_dir", lambda: builds[0])  # the first build again (a second checkout): still read
+    assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1, 1]
+    monkeypatch.setattr(native, "build_dir", lambda: builds[2])  # a third: made; the least recently used one removed
+    assert torch.equal(native.head_blocks(mod, m, m.head), first) and made == [1, 1, 1, 1]
+    kept = {f.name for f in d.glob(".kakeya-native-head-*")}
+    assert len(kept) == 2 and ours[0] in kept and theirs[0] not in kept
     assert m.use_native_step() and (m.native_step.head_arena is not None) == (mod.q4_isa() > 0)
 
 
@@ -131,7 +142,7 @@ def test_the_native_layer_blocks_are_kept_and_read_back_the_same(tmp_path, monke
     monkeypatch.setattr(native, "q4_pack", lambda mod_, lin: packs.append(id(lin) in layer_ids) or real(mod_, lin))
     first = native.layer_blocks(mod, m)
     assert set(first) == set(lins) and sum(packs) == len(lins) > 0
-    assert [f.name for f in d.glob(".kakeya-native-layers-*")] == [".kakeya-native-layers-int4.safetensors"]
+    assert [f.name[:len(".kakeya-native-layers-int4-")] for f in d.glob(".kakeya-native-layers-*")] == [".kakeya-native-layers-int4-"]
     second = native.layer_blocks(mod, m)
     assert sum(packs) == len(lins)  # read, not packed
     assert all(torch.equal(second[k], real(mod, lin)) for k, lin in lins.items())

@@ -523,7 +523,7 @@ def _derived_extra() -> str:
 
 def layer_blocks(module, model) -> dict[tuple[int, str], torch.Tensor]:
     """The layers' int4 linears as the kernel's blocks (q4_pack), per (layer, kind): kept next to a pulled model
-    (`.kakeya-native-layers-<weights>.safetensors`, packed.load_derived_tensors) as the head's are (head_blocks),
+    (`.kakeya-native-layers-<weights>-<tag>.safetensors`, packed.load_derived_tensors) as the head's are (head_blocks),
     since reading the linears' codes and packing them took ~0.3 s of every start on the 2-core box; made and written
     on a miss (the same bytes either way: q4_pack is a function of the model's weights)."""
     from inference_engine.backends.torch import packed
@@ -545,7 +545,7 @@ def layer_blocks(module, model) -> dict[tuple[int, str], torch.Tensor]:
 
 def head_blocks(module, model, head) -> torch.Tensor:
     """The head's 4-bit copy's blocks, then its residual's (q4_pack_residual), as one tensor: kept next to a pulled
-    model (`.kakeya-native-head-<weights>.safetensors`, packed.load_derived_tensor) for the model files, this
+    model (`.kakeya-native-head-<weights>-<tag>.safetensors`, packed.load_derived_tensor) for the model files, this
     extension build and the Python that makes them, since the residual's quantization took most of the native step's
     start (1.35 of its 1.73 s on the loaded 2-core box); made and written on a miss."""
     from inference_engine.backends.torch import packed

@@ -12,6 +12,7 @@ weights are packed in memory as before.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -72,27 +73,49 @@ def save_derived(model_dir: pathlib.Path, name: str, weights: str, data: dict) -
     write_atomically(pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.json", lambda tmp: pathlib.Path(tmp).write_text(doc))
 
 
+DERIVED_KEPT = 2  # versions of one derived tensor file kept per (name, weights), the most recently used
+
+
+def _derived_path(model_dir: pathlib.Path, name: str, weights: str, extra: str) -> pathlib.Path:
+    """`.kakeya-<name>-<weights>-<tag>.safetensors`, tagged by `extra` (the code that makes it): two checkouts of
+    different code sharing a model directory each keep their own file instead of replacing each other's at every
+    start."""
+    return pathlib.Path(model_dir) / f".kakeya-{name}-{weights}-{hashlib.sha256(extra.encode()).hexdigest()[:12]}.safetensors"
+
+
 def load_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra: str) -> dict[str, torch.Tensor] | None:
-    """Tensors made from the model (`.kakeya-<name>-<weights>.safetensors`, save_derived_tensors) when they were made
-    for this cache_key and `extra` (what else they depend on: the code that made them), else None; an unreadable file
-    is logged and counts as missing."""
-    path = pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.safetensors"
+    """Tensors made from the model (save_derived_tensors) when they were made for this cache_key and `extra` (what else
+    they depend on: the code that made them), else None; an unreadable file is logged and counts as missing. A file
+    read is marked used (its mtime), so the versions kept are the most recently used."""
+    path = _derived_path(model_dir, name, weights, extra)
     if not path.exists():
         return None
     try:
-        return _read_if_key(path, cache_key(model_dir, weights) + "|" + extra)
+        loaded = _read_if_key(path, cache_key(model_dir, weights) + "|" + extra)
     except Exception as e:  # noqa: BLE001 - a damaged cache only costs making it again
         log.warning("%s unreadable (%s): made again", path, e)
         return None
+    if loaded is not None:
+        with contextlib.suppress(OSError):  # a read-only model directory: nothing to mark
+            os.utime(path)
+    return loaded
 
 
 def save_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra: str, tensors: dict) -> None:
-    """Write `tensors` for load_derived_tensors, atomically; a directory that cannot be written is only logged."""
+    """Write `tensors` for load_derived_tensors, atomically, then remove this (name, weights)'s other versions but the
+    DERIVED_KEPT most recently used (and an untagged file from before the tags); a directory that cannot be written is
+    only logged."""
     from safetensors.torch import save_file
 
     key = cache_key(model_dir, weights) + "|" + extra
-    write_atomically(pathlib.Path(model_dir) / f".kakeya-{name}-{weights}.safetensors",
-                     lambda tmp: save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata={"key": key}))
+    path = _derived_path(model_dir, name, weights, extra)
+    if not write_atomically(path, lambda tmp: save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata={"key": key})):
+        return
+    d = pathlib.Path(model_dir)
+    versions = sorted(d.glob(f".kakeya-{name}-{weights}-*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
+    for old in [f for f in versions if f != path][DERIVED_KEPT - 1:] + list(d.glob(f".kakeya-{name}-{weights}.safetensors")):
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def load_derived_tensor(model_dir: pathlib.Path, name: str, weights: str, extra: str) -> torch.Tensor | None:
