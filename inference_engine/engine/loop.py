@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +104,8 @@ class EngineLoop:
         self._tasks: list[_Task] = []  # live, in arrival order
         self._waiting: deque[_Task] = deque()  # tasks with a posted step, in posting order
         self._scheduled = False  # an iteration job is queued on the model thread
+        # called on the model thread each time the loop runs out of tasks (the daemon: freed heap back to the OS)
+        self.on_idle: Callable[[], object] | None = None
 
     # -- callers ---------------------------------------------------------------------------
     def submit(self, co: Task) -> _Task:
@@ -185,12 +187,18 @@ class EngineLoop:
             for t in list(self._tasks):
                 self._finish(t, failure=e)
         with self._lock:
-            if self._tasks:
+            idle = not self._tasks
+            if not idle:
                 mt = self.model_thread
                 assert mt is not None  # _job is posted to the model thread only
                 mt.post(self._job)
             else:
                 self._scheduled = False
+        if idle and self.on_idle is not None:  # a task submitted meanwhile waits for it: a few ms
+            try:
+                self.on_idle()
+            except Exception:
+                log.exception("the engine loop's idle hook failed")
 
     # -- the loop ----------------------------------------------------------------------------
     def iterate(self) -> None:

@@ -68,6 +68,8 @@ Plan = dict[str | tuple[str, int | None], Any]
 
 
 class PagedCache(SinkWindowCache):
+    ARCHIVE_ROWS = 64  # rows archived in one slice (a prefill chunk's in several): its transient copies and codes
+
     def __init__(self, strategy: KVStrategy, geometry: CacheGeometry, max_step: int, max_context: int):
         super().__init__(strategy, geometry, max_step, max_context)
         g = geometry
@@ -902,18 +904,22 @@ class PagedCache(SinkWindowCache):
             order = live[np.argsort(pos[live])]
             self.pages.reserve(self.pages.rows + n)
             self.keys.reserve(self.keys.rows + n)
-            kv = self._read_all_layers(order)  # (L, 2, Hkv, n, D)
             # far_keys: past the context (page choice reads them) with every step's rows; below it (idle until then)
             # a page at a time, caught up below, and before a save (_far_current): one call, not one a step
             far_in_step = self._rotate is not None and self.far_active and self.far_keys.rows == self.pages.rows
-            self.pages.write_all(self.pages.rows, kv)
-            self.keys.write_all(self.keys.rows, kv[:, :1])
             if far_in_step:
                 self.far_keys.reserve(self.far_keys.rows + n)
-                self.far_keys.write_all(self.far_keys.rows, self._at_zero(self._stored_keys(kv[:, :1]), start))
-                self.far_keys.rows += n
-            self.pages.rows += n
-            self.keys.rows += n
+            for a in range(0, n, self.ARCHIVE_ROWS):  # a prefill chunk's rows in slices: its copies and codes are a slice's
+                part = order[a:a + self.ARCHIVE_ROWS]
+                kv = self._read_all_layers(part)  # (L, 2, Hkv, m, D)
+                self.pages.write_all(self.pages.rows, kv)
+                self.keys.write_all(self.keys.rows, kv[:, :1])
+                if far_in_step:
+                    self.far_keys.write_all(self.far_keys.rows, self._at_zero(self._stored_keys(kv[:, :1]), start + a))
+                    self.far_keys.rows += part.size
+                self.pages.rows += part.size
+                self.keys.rows += part.size
+                del kv
             if self._rotate is not None and not self.far_active and self.pages.rows - self.far_keys.rows >= self.page_size:
                 self._catch_up_far_keys()
             if self.shortlisting:  # made when the shortlist starts to apply (all pages at once), then page by page

@@ -2,9 +2,10 @@
 
 A `RowTable` keeps, per layer, rows appended in position order (row r = position first + r)
 through a row codec, in slabs (S, Hkv, capacity, *trailing) with S = 2 (K and V) or 1 (keys
-only). Capacity grows by at least a quarter at a time, in whole pages; `nbytes` is the bytes held
-(at most about 1.25x the used rows' pages), and a table rebuilt from its `state()` holds its rows'
-pages exactly.
+only). Capacity grows by at least a quarter at a time, in whole pages (a spilling table's ring is sized for its RAM
+budget at once). On the CPU a table's memory is taken as rows are written (`lazy_zeros`), so `nbytes`, the bytes
+held, is the written rows' pages, whatever the capacity; a table rebuilt from its `state()` holds its rows' pages
+exactly.
 
 Row codecs (encode (N, D) float -> named per-row payload, decode -> float32 (N, D)):
   IdentityRows     the rows themselves, in the model dtype (exact)
@@ -253,6 +254,22 @@ def make_row_codec(name: str, *, head_dim: int, dtype: torch.dtype, q_range: int
     return make_codec(name, q_range, head_dim=head_dim, device=device)
 
 
+def lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros of `shape`; on the CPU in a private anonymous map, whose pages the kernel gives (zeroed) as they are
+    first written: a table sized for many rows holds in RAM only the pages of the rows written so far (reads of
+    untouched pages see the shared zero page and take nothing). Transparent huge pages are refused for the map, so
+    what is held follows the rows in 4 KiB pages on any THP setting. Elsewhere torch.zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(m, dtype=dtype).view(shape)  # the tensor keeps the map alive; unmapped with it
+
+
 class RowTable(Generic[CodecT]):
     """Per layer, rows (S, Hkv, n, D) appended in order and read back by row index. Each payload
     name is one tensor (L, S, Hkv, capacity, *trailing) over the layers (`slabs[layer]` are its
@@ -274,14 +291,24 @@ class RowTable(Generic[CodecT]):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.data.values())
+        """Bytes held: on the CPU the written rows' pages (`lazy_zeros`: capacity past them takes no memory; the
+        kernel's 4 KiB pages add at most one page per (layer, stack entry, KV head) row band); elsewhere the
+        capacity's."""
+        per_row = sum(t.numel() * t.element_size() for t in self.data.values()) // max(self.capacity, 1)
+        return per_row * self._held_rows()
+
+    def _held_rows(self) -> int:
+        if self.device.type != "cpu":
+            return self.capacity
+        return min(self.capacity, -(-self.rows // self.page) * self.page)
 
     def reserve(self, rows: int, most: int | None = None) -> None:
         """Room for `rows` rows: the capacity grows by at least `grow` (a quarter), in whole pages, to at most `most`
         rows (whole pages, >= rows) where given. Growing copies the table (its rows axis is not the outermost), so a
         page at a time would copy the whole history every page a session decodes (0.8 s per 64 tokens at 32k for
         SmolLM2's fp32 page store): O(n^2) over a session. A growth holds the old and the new payload of one name at
-        a time (the old rows copied into the new zeros; the per-layer views dropped first so the old is freed)."""
+        a time (the old rows copied into the new zeros, which take memory only for them; the per-layer views
+        dropped first so the old is freed)."""
         if rows <= self.capacity:
             return
         want = max(rows, self.capacity + int(self.capacity * self.grow))
@@ -291,8 +318,9 @@ class RowTable(Generic[CodecT]):
         data, self.slabs = self.data, []
         for name in list(data):
             x = data[name]
-            y = x.new_zeros(*x.shape[:3], cap, *x.shape[4:])
-            y[:, :, :, :x.shape[3]] = x
+            y = lazy_zeros((*x.shape[:3], cap, *x.shape[4:]), x.dtype, x.device)
+            held = min(self.rows, x.shape[3])
+            y[:, :, :, :held] = x[:, :, :, :held]
             data[name] = y
             del x
         self._set(data)
@@ -422,8 +450,8 @@ class RowTable(Generic[CodecT]):
         self.rows = rows
 
     def _zeros(self, capacity: int) -> dict:
-        return {name: torch.zeros(self.num_layers, self.stack, self.num_kv_heads, capacity, *shape, dtype=dtype,
-                                  device=self.device) for name, (shape, dtype) in self.layout.items()}
+        return {name: lazy_zeros((self.num_layers, self.stack, self.num_kv_heads, capacity, *shape), dtype, self.device)
+                for name, (shape, dtype) in self.layout.items()}
 
 
 def _in_pieces(tensors: dict) -> list[dict]:
@@ -552,12 +580,19 @@ class SpillingRowTable(RowTable[CodecT]):
 
     @property
     def spilled(self) -> bool:
-        return bool(self.cold_pages) or self.wrapped
+        """A page has spilled: the ring's rows no longer sit at slot = row (until then rows < ram_rows, so slot
+        r % ram_rows is r even in a ring at its full size)."""
+        return bool(self.cold_pages)
 
     @property
     def wrapped(self) -> bool:
         """Rows sit at slot r % ram_rows (the ring is at its full size); else at slot r."""
         return self.ram_rows is not None and self.capacity == self.ram_rows
+
+    def _held_rows(self) -> int:
+        if self.spilled and self.device.type == "cpu":  # the ring has gone round: every slot written
+            return self.capacity
+        return super()._held_rows()
 
     def limit(self, ram_rows: int) -> None:
         """Hold at most `ram_rows` rows (whole pages, at least one) in RAM from now on: the oldest pages past it
@@ -581,13 +616,15 @@ class SpillingRowTable(RowTable[CodecT]):
         self.rows = old
 
     def reserve(self, rows: int, most: int | None = None) -> None:
-        """Room for `rows` rows: the ring grows as a RowTable does, up to `ram_rows`; past it, `_put` spills."""
+        """Room for `rows` rows: on the CPU the ring at its full size (`ram_rows`) at the first call (its memory is
+        taken as rows are written, so it never grows by copying); elsewhere it grows as a RowTable does, up to
+        `ram_rows`. Past it, `_put` spills."""
         if self.ram_rows is None:
             return super().reserve(rows, most)
         if self.capacity >= self.ram_rows or rows <= self.capacity:
             return
         limit = self.ram_rows if most is None else min(most, self.ram_rows)
-        super().reserve(min(rows, limit), most=limit)
+        super().reserve(limit if self.device.type == "cpu" else min(rows, limit), most=limit)
 
     def _slot(self, r: int) -> int:
         return r % self.ram_rows if self.wrapped else r  # type: ignore[operator]

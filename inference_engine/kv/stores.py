@@ -206,7 +206,8 @@ class SlabStore(SlotStore):
     def _move(self, src: torch.Tensor, dst: torch.Tensor, capacity: int) -> None:
         kv = self._whole()
         moved = kv.new_zeros(*kv.shape[:3], capacity, kv.shape[4])
-        moved.index_copy_(3, dst, kv.index_select(3, src))
+        for layer in range(kv.shape[0]):  # a layer at a time: the rows in flight are a layer's, not the slab's
+            moved[layer].index_copy_(2, dst, kv[layer].index_select(2, src))
         self._set(moved)
 
     row_axes = {"k": 2, "v": 2}

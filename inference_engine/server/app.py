@@ -384,6 +384,10 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
     except BaseException:
         server.stop(None)
         raise
+    if cfg.malloc_trim and runtime.engine.loop.model_thread is not None:
+        from inference_engine.server.host_memory import trim
+
+        runtime.engine.loop.on_idle = trim  # freed heap back to the OS whenever the model thread runs out of work
     if runtime.model_info.backend == "torch" and runtime.engine.loop.model_thread is not None:
         from inference_engine.engine.model_thread import isolate_other_threads
 
@@ -428,6 +432,11 @@ def start(cfg: ServeConfig, runtime: Runtime | None = None) -> RunningServer:
 def serve_forever(cfg: ServeConfig) -> int:
     # `kill -USR1 <pid>` writes every thread's stack to stderr (a daemon that hangs can say where); set before READY
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    from inference_engine.server.host_memory import set_mmap_threshold
+
+    if set_mmap_threshold(cfg.malloc_mmap_threshold_kb):  # the daemon process only, before anything large is allocated
+        log.info("allocations of %d KiB and more get maps of their own (returned to the OS when freed)",
+                 cfg.malloc_mmap_threshold_kb)
     running = start(cfg)
     freeze_startup_objects()  # the daemon process only: an embedding process (the tests) keeps its collector as is
     info = running.runtime.server_info()

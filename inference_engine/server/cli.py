@@ -57,6 +57,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--page-spill-dir", default=None, metavar="DIR",
                    help="paged: where the page store's spill files are created (unlinked at once: nothing is left behind) "
                         "(default: <state dir>/spill with --persist turn, else the system temp dir)")
+    p.add_argument("--malloc-mmap-threshold-kb", type=int, default=d.malloc_mmap_threshold_kb, metavar="KIB",
+                   help="glibc: allocations of at least this many KiB get maps of their own, returned to the OS when "
+                        "freed (prefill chunks' and archived pages' tensors); 0 = glibc's dynamic threshold, under which "
+                        "freed MB-sized tensors stay with the process's heap; MALLOC_MMAP_THRESHOLD_ in the environment wins. Default 0: a "
+                        "fixed one lowers a session's peak a little and costs prefill more (docs/paged.md)")
+    p.add_argument("--malloc-trim", choices=("on", "off"), default="on" if d.malloc_trim else "off",
+                   help="glibc: hand the heap's freed memory back to the OS (malloc_trim) each time the engine loop "
+                        "runs out of work, so what the daemon holds between turns is what its sessions hold (2-6 ms "
+                        "a call, off the turns' path)")
     p.add_argument("--capacity", type=int, default=d.capacity,
                    help="max live sessions; beyond it the least recently used idle session is spilled to disk (--persist turn) "
                         "or, with --persist off, CreateSession is refused with RESOURCE_EXHAUSTED")
@@ -199,6 +208,8 @@ def serve_config(args) -> ServeConfig:
         page_ram_mb=args.page_ram_mb,
         page_far_from=args.page_far_from,
         page_spill_dir=args.page_spill_dir,
+        malloc_mmap_threshold_kb=args.malloc_mmap_threshold_kb,
+        malloc_trim=args.malloc_trim == "on",
         capacity=args.capacity,
         idle_ttl=args.idle_ttl,
         metrics_port=args.metrics_port,

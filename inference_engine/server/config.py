@@ -38,6 +38,10 @@ class ServeConfig:
     page_ram_mb: int = 128  # paged: MB of a session's page store kept in host RAM; the rest in a spill file (0 = all in RAM)
     page_far_from: int = 0  # paged: positions from which queries attend in InfLLM's layout (0 = the trained context)
     page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
+    # glibc: allocations of at least this many KiB get maps of their own, returned to the OS when freed (0 = glibc's
+    # dynamic threshold, under which freed MB-sized tensors stay with the heap): server/host_memory.py
+    malloc_mmap_threshold_kb: int = 0
+    malloc_trim: bool = True  # glibc: the heap's freed memory back to the OS each time the engine loop goes idle
     capacity: int = 16
     idle_ttl: float = 1800.0
     metrics_port: int = 0  # 0 = off
@@ -99,6 +103,10 @@ class ServeConfig:
         for flag, n in (("--max-append-tokens", self.max_append_tokens), ("--max-pending-tokens", self.max_pending_tokens)):
             if n < 0:
                 raise ConfigError(f"{flag} takes a token count >= 0 (0 = no limit), got {n}")
+        if isinstance(self.malloc_mmap_threshold_kb, bool) or not isinstance(self.malloc_mmap_threshold_kb, int) \
+                or self.malloc_mmap_threshold_kb < 0:
+            raise ConfigError(f"--malloc-mmap-threshold-kb takes a number of KiB >= 0 (0 = glibc's dynamic threshold), "
+                              f"got {self.malloc_mmap_threshold_kb!r}")
         if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, int) or self.page_ram_mb < 0:
             raise ConfigError(f"--page-ram-mb takes a number of MB >= 0 (0 = keep every page in RAM), got {self.page_ram_mb!r}")
         if self.capacity < 1:

@@ -48,3 +48,31 @@ def test_daemon_forwards_run_on_the_model_thread(monkeypatch):
     th.join()
     assert len(out) == 5  # 4 tokens + done
     assert seen and set(seen) == {model_thread().ident}
+
+
+def test_the_loop_calls_its_idle_hook_on_the_model_thread_when_work_runs_out():
+    """EngineLoop.on_idle (the daemon's malloc_trim): called on the model thread once the last task has ended,
+    after its value reached the caller; a hook that raises is logged and the loop keeps serving."""
+    mt = ModelThread(name="test-idle-hook")
+    try:
+        lp = loop.EngineLoop(None, 8, model_thread=mt)  # type: ignore[arg-type]  (these tasks post no forward)
+        called, where = threading.Event(), []
+
+        def hook():
+            where.append(threading.get_ident())
+            called.set()
+            raise RuntimeError("a failing hook")
+
+        lp.on_idle = hook
+
+        def task(v):
+            return v
+            yield  # a task: a generator that here posts no step
+
+        assert lp.run(task(41)) == 41
+        assert called.wait(60) and where == [mt.ident]
+        called.clear()
+        assert lp.run(task(42)) == 42  # still serving after the hook raised
+        assert called.wait(60) and where == [mt.ident, mt.ident]
+    finally:
+        mt.close()

@@ -51,6 +51,52 @@ def test_a_spilling_table_reads_what_a_ram_table_reads(codec_name):
         spill.write_all(3, torch.zeros(2, 2, 3, 1, 8))
 
 
+def test_a_ring_sized_for_its_budget_at_once_holds_only_the_rows_written():
+    """On the CPU the ring is allocated at its full RAM budget at the first write (never grown by copying), in
+    memory taken as rows are written: a 1 GiB budget with one page written holds one page, in the process's RSS
+    as in `nbytes`; the rows read back exactly and the rest read as zeros."""
+    psutil = pytest.importorskip("psutil")
+    codec = make_row_codec("identity", head_dim=64, dtype=torch.float32)
+    kw = dict(num_layers=4, num_kv_heads=2, head_dim=64, stack=2, page=64, device="cpu")
+    row_bytes = 4 * 2 * 2 * 64 * 4
+    ram_rows = ram_rows_for(2 ** 30, row_bytes, 64)
+    proc = psutil.Process()
+
+    def anon() -> int:
+        m = proc.memory_info()
+        return m.rss - m.shared
+
+    before = anon()
+    table = SpillingRowTable(codec, ram_rows=ram_rows, **kw)
+    x = torch.randn(4, 2, 2, 64, 64, generator=torch.Generator().manual_seed(0))
+    table.reserve(64)
+    table.write_all(0, x)
+    table.rows = 64
+    assert table.capacity == ram_rows and table.wrapped and not table.spilled  # the whole ring, no spill
+    assert table.nbytes == 64 * row_bytes  # one page written: 128 KiB of a 1 GiB ring
+    assert anon() - before < 64 * 2 ** 20  # what the process holds follows the rows, not the capacity
+    assert torch.equal(table.read(1), x[1])
+    assert not table.whole_pages(0, 128)["rows"][:, :, 64:].any()  # spare rows: zeros, untouched
+
+
+def test_archiving_in_slices_gives_the_same_session(monkeypatch):
+    """A prefill chunk's evicted rows are archived ARCHIVE_ROWS at a time (its copies and codes a slice's): the
+    same logits and the same saved state as archiving the chunk's rows in one go."""
+    from inference_engine.kv.paged import PagedCache
+
+    m = model()
+    history = ids(150, seed=5)
+    monkeypatch.setattr(PagedCache, "ARCHIVE_ROWS", 10 ** 9)
+    whole = new_cache(m, paged(page_ram_mb=ONE_PAGE))
+    want = feed(m, whole, history, 32)
+    monkeypatch.setattr(PagedCache, "ARCHIVE_ROWS", 3)
+    sliced = new_cache(m, paged(page_ram_mb=ONE_PAGE))
+    got = feed(m, sliced, history, 32)
+    assert torch.equal(got, want)
+    a, b = whole.state(), sliced.state()
+    assert a.tensors.keys() == b.tensors.keys() and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+
+
 def test_the_budget_is_whole_pages_of_rows():
     row = 2 * 2 * 3 * 8 * 4  # bytes a position: layers x (K, V) x heads x head_dim x fp32
     assert ram_rows_for(0, row, 4) is None  # no limit

@@ -123,17 +123,21 @@ def test_resident_bytes_are_flat_and_store_bytes_grow_by_pages():
     feed(m, cache, ids(200, seed=3), 16)
     assert cache.resident_nbytes == resident and cache.resident_positions == 4 + 16 - 1
     rows = cache.pages.rows
-    cap = cache.pages.capacity  # whole pages, grown by at least a quarter at a time: at most ~1.25x the rows held
-    assert cap % 8 == 0 and rows <= cap <= -(-rows * 5 // 4 // 8) * 8 + 8 and cache.keys.capacity == cap
-    code_bytes = cap * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
+    held = -(-rows // 8) * 8  # the written rows' whole pages: what the tables hold, whatever their capacity
+    # the page store, a spilling ring on the CPU, is sized for its RAM budget at once (its memory taken as rows are
+    # written); the keys (no RAM limit yet) grow by at least a quarter at a time, in whole pages
+    assert cache.pages.capacity == cache.pages.ram_rows and cache.pages.ram_rows > rows
+    cap = cache.keys.capacity
+    assert cap % 8 == 0 and rows <= cap <= -(-rows * 5 // 4 // 8) * 8 + 8
+    code_bytes = held * g.num_layers * g.num_kv_heads * (g.head_dim // 2 + 2)  # int4 + fp16 scale
     assert cache.keys.nbytes == cache.far_keys.nbytes == code_bytes  # far_keys: kept, idle below the context
-    assert cache.stored_nbytes == cap * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 + code_bytes > store
+    assert cache.stored_nbytes == held * g.num_layers * 2 * g.num_kv_heads * g.head_dim * 4 + code_bytes > store
     assert not cache.shortlisting and cache.bounds.nbytes == 0  # bounds are made once the shortlist applies
     assert cache.selection_nbytes == cache.keys.nbytes  # until then every compact key is read each step
     assert cache.nbytes == cache.resident_nbytes + cache.selection_nbytes
     again = new_cache(m, paged(window=16, page=8))
     again.load_state(cache.state())
-    assert again.pages.capacity == -(-rows // 8) * 8  # rebuilt: its rows' pages exactly
+    assert again.pages.nbytes == cache.pages.nbytes and again.keys.capacity == held  # rebuilt: its rows' pages exactly
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "kakeya_e8"])

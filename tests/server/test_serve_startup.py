@@ -100,6 +100,7 @@ def test_flags_that_need_no_model_are_checked_before_loading(tmp_path):
     (dict(batching="sometimes"), "batching must be auto, on or off"),
     (dict(kv_strategy="paged", page_size=0), "page_size must be an int >= 1"),
     (dict(kv_strategy="paged", page_ram_mb=-1), "--page-ram-mb takes a number of MB >= 0"),
+    (dict(malloc_mmap_threshold_kb=-1), "--malloc-mmap-threshold-kb takes a number of KiB >= 0"),
     (dict(bind="nowhere"), "--bind must be HOST:PORT"),
     (dict(activations="fp8"), "--activations must be 'int16' or 'int8'"),
     (dict(backend="mlx", activations="int8"), "--activations int8 sets the torch backend's CPU int4 kernel"),
