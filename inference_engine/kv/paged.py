@@ -726,8 +726,8 @@ class PagedCache(SinkWindowCache):
             return
         p = self.page_size
         self.bounds.reserve(full)
-        for a in range(done, full, 32):  # 32 pages at a time (~125 MB of decoded keys for SmolLM2), not the history's
-            e = min(full, a + 32)
+        for a in range(done, full, 8):  # 8 pages at a time (~12 MB of decoded keys for SmolLM2), not the history's
+            e = min(full, a + 8)
             part = {name: x[:, 0] for name, x in self.choice_keys.span(a * p, e * p).items()}  # (L, Hkv, n * P, ...)
             self.bounds.write_all(a, self._page_bounds(part["codes"], part["scale"]).transpose(0, 1))  # (L, 2, Hkv, n, D)
             self.bounds.rows = e
