@@ -6,7 +6,9 @@ Arms (--arms):
   set as the daemon sets it, after the imports, before the model loads;
 - `trim`: glibc's defaults, and malloc_trim(0) at each turn's end (after the prefill, after the decode steps), as
   the daemon's --malloc-trim on does when its engine loop runs out of work (server/host_memory.trim); its time
-  (`trim_ms`, each call's) is not in the prefill's or the steps' (the daemon runs it after the turn).
+  (`trim_ms`, each call's) is not in the prefill's or the steps' (the daemon runs it after the turn);
+- `trim-chunk`: `trim`, and malloc_trim(0) after every prefill chunk too (its time in the prefill's): whether
+  trimming inside a long append would lower its peak (the daemon does not do this).
 
 Each (arm, strategy) is a process of its own (what one session freed must not serve the next one's allocations),
 run in turn with the other arms, `--rounds` times, the order reversed every other round. A process loads the
@@ -64,7 +66,7 @@ def child(args) -> dict:
     fixed = set_mmap_threshold(int(arm.split(":")[1])) if arm.startswith("mmap:") else False
 
     def at_turn_end() -> float:
-        if arm != "trim":
+        if not arm.startswith("trim"):
             return 0.0
         t = time.perf_counter()
         trim()
@@ -88,6 +90,8 @@ def child(args) -> dict:
                 part = ids[a:a + args.chunk]
                 forward(model, model.tensor(part.tolist()), range(a, a + part.numel()), cache, logits="last")
                 cache.commit()
+                if arm == "trim-chunk":
+                    trim()
             prefill_s = time.perf_counter() - t0
             trims = [at_turn_end()]
             steps = []
@@ -103,7 +107,8 @@ def child(args) -> dict:
         out["strategies"][name] = {
             "prefill_tok_s": args.prefill / prefill_s, "decode_step_ms": 1e3 * statistics.median(steps),
             "peak_anon_mib": (mem.peak_anon - before) / 2**20, "after_anon_mib": (anon() - before) / 2**20,
-            "cache_holds_mib": (tiers.resident + tiers.selection + tiers.stored) / 2**20, "trim_ms": max(trims) if arm == "trim" else None}
+            "cache_holds_mib": (tiers.resident + tiers.selection + tiers.stored) / 2**20,
+            "trim_ms": max(trims) if arm.startswith("trim") else None}
         del cache
         gc.collect()
     return out
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--arms", default="glibc,mmap:1024,trim", help="glibc (the baseline), mmap:KIB, trim")
+    ap.add_argument("--arms", default="glibc,mmap:4096,trim,trim-chunk", help="glibc (the baseline), mmap:KIB, trim, trim-chunk")
     ap.add_argument("--strategies", default="paged,sink_window")
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=256)
@@ -128,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     arms = args.arms.split(",")
-    if "glibc" not in arms or any(a not in ("glibc", "trim") and not a.startswith("mmap:") for a in arms):
-        raise SystemExit(f"--arms takes glibc (required: the baseline), mmap:KIB and trim, got {args.arms!r}")
+    if "glibc" not in arms or any(a not in ("glibc", "trim", "trim-chunk") and not a.startswith("mmap:") for a in arms):
+        raise SystemExit(f"--arms takes glibc (required: the baseline), mmap:KIB, trim and trim-chunk, got {args.arms!r}")
     strategies = args.strategies.split(",")
     runs: dict[str, dict[str, list]] = {a: {s: [] for s in strategies} for a in arms}
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
