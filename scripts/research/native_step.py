@@ -14,6 +14,9 @@ Arms, one int4 model (the GGUF's Q4_1 blocks), every step a decode step (`steps.
                  decode, as the peer's own quality on the same positions
   native-q4+kv_fp16  (--kv-fp16) native-q4 over fp16 resident K/V (--kv-dtype fp16: the slabs half the bytes,
                  attention in fp32 on the stored values); every other arm reads fp32 K/V
+  native-q4+attn_avx2, native-q4+kv_fp16+attn_avx2  (--attention-avx2, an AVX-512 build's machine) the same steps
+                 with the AVX2 attention code (row_attention(1)) instead of the build's 16-lane one (the default there;
+                 the bits differ: another sum order), over fp32 and (with --kv-fp16) fp16 K/V
   planes-ABCD    (--plane-arms, quality only) activation planes per matrix kind: wqkv A, wo B, w_gate_up C,
                  w_down D (e.g. 1112: two planes in w_down only), to see whether some matrices can take one
 Measured:
@@ -65,6 +68,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quality-arms", default="", help="only these arms' quality (comma list; default all)")
     ap.add_argument("--decode-arms", default="", help="only these arms' decode (comma list; default all)")
     ap.add_argument("--kv-fp16", action="store_true", help="an arm: native-q4 over fp16 resident K/V (--kv-dtype fp16)")
+    ap.add_argument("--attention-avx2", action="store_true",
+                    help="arms with the AVX2 attention code where the build's default is the 16-lane one (AVX-512)")
     ap.add_argument("--llama-cpp", action="store_true", help="a quality arm: llama.cpp on the same GGUF, same positions")
     ap.add_argument("--out", default=str(ROOT / "results" / "research" / "native_step.json"))
     args = ap.parse_args(argv)
@@ -100,9 +105,13 @@ def main(argv=None) -> int:
     m.use_native_step(q4=True, planes=2)
     setups["native-q4"] = (m.native_step, m.head.greedy_kernel)
     kv_arms = ["native-q4+kv_fp16"] if args.kv_fp16 else []
-    for arm in kv_arms:
+    default_attention = mod.row_attention(-1)
+    if args.attention_avx2 and default_attention == 1:
+        raise SystemExit("--attention-avx2: this build's attention is the AVX2 code already (no AVX-512)")
+    attn_arms = [f"{a}+attn_avx2" for a in ("native-q4", *kv_arms)] if args.attention_avx2 else []
+    for arm in (*kv_arms, *attn_arms):
         setups[arm] = setups["native-q4"]
-    arms = (*ARMS, *outlier_arms, *kv_arms)
+    arms = (*ARMS, *outlier_arms, *kv_arms, *attn_arms)
 
     plane_arms = [f"planes-{a}" for a in args.plane_arms.split(",") if a]
     for arm in plane_arms:
@@ -112,13 +121,15 @@ def main(argv=None) -> int:
 
     def use(arm):
         m.native_step, m.head.greedy_kernel = setups[arm]
+        mod.row_attention(1 if arm.endswith("+attn_avx2") else default_attention)
 
     engines = {dt: Engine(m, KVStrategy("full", kv_dtype=dt), prefill_chunk=256) for dt in ("fp32", "fp16")}
 
     def engine_for(arm):  # the arm's resident K/V: fp16 for the +kv_fp16 arm, fp32 for every other
-        return engines["fp16" if arm.endswith("+kv_fp16") else "fp32"]
+        return engines["fp16" if "+kv_fp16" in arm else "fp32"]
 
-    out = meta | {"q4_isa": {0: "none", 1: "AVX2", 2: "AVX-512 VNNI"}[mod.q4_isa()], "build_dir": str(native.build_dir())}
+    out = meta | {"q4_isa": {0: "none", 1: "AVX2", 2: "AVX-512 VNNI"}[mod.q4_isa()], "build_dir": str(native.build_dir()),
+                  "default_attention": {0: "16-lane", 1: "AVX2"}[default_attention]}
 
     # 1. quality
     if not args.skip_quality:
@@ -190,7 +201,7 @@ def main(argv=None) -> int:
                                     for arm in ("native-q4", "native-q4-one-plane", "native-torchk") if arm in ms}
                 if "native-q4" in ms:
                     row[str(c)] |= {f"{arm}_speedup_vs_native_q4": round(ms["native-q4"] / ms[arm], 3)
-                                    for arm in (*outlier_arms, *kv_arms) if arm in ms}
+                                    for arm in (*outlier_arms, *kv_arms, *attn_arms) if arm in ms}
                 print(f"threads {nt} ctx {c}", row[str(c)], flush=True)
             decode[str(nt)] = row
         out["decode"] = decode
