@@ -90,11 +90,21 @@ typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef float v4f __attribute__((vector_size(16), aligned(4)));
 
+// 16 K/V elements as floats: fp32 slabs as they are; fp16 ones (AVX-512 builds) converted in the register, exactly, so
+// the 16-lane attention computes on the same floats as over a converted copy of the chunk (what other builds make).
+inline v16f load16(const float* p) { return *reinterpret_cast<const v16f*>(p); }
+#if defined(__AVX512F__)
+#define KAKEYA_HALF16 1
+inline v16f load16(const c10::Half* p) {
+  return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // dot of D floats (D % 16 == 0) in 16 lanes, then a fixed tree over the lanes, kept in registers.
-template <int D>
-inline float dot_d(const float* a, const float* b) {
-  v16f acc = *reinterpret_cast<const v16f*>(a) * *reinterpret_cast<const v16f*>(b);
-  for (int i = 16; i < D; i += 16) acc += *reinterpret_cast<const v16f*>(a + i) * *reinterpret_cast<const v16f*>(b + i);
+template <int D, class T = float>
+inline float dot_d(const float* a, const T* b) {
+  v16f acc = *reinterpret_cast<const v16f*>(a) * load16(b);
+  for (int i = 16; i < D; i += 16) acc += *reinterpret_cast<const v16f*>(a + i) * load16(b + i);
   const v8f h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
                  __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
   const v4f h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
@@ -166,8 +176,8 @@ inline void floats_to_halves(const float* __restrict src, int64_t n, c10::Half* 
 // The G query heads that share a KV head (GQA), one query row, over columns [j0, j1) of its session's slab, visible
 // ones only (each key and value read once for all G heads): per head, scores in column order, their max, exp, then
 // the sum and the weighted V in column order. part: per head [max, sum, acc (D)].
-template <int D, int G>
-inline void attend_chunk(const float* __restrict q, const float* __restrict kb, const float* __restrict vb,
+template <int D, int G, class T = float>
+inline void attend_chunk(const float* __restrict q, const T* __restrict kb, const T* __restrict vb,
                          const bool* __restrict m, int64_t j0, int64_t j1, float scale, float* __restrict scores,
                          float* __restrict part) {
   constexpr int V = D / 16;
@@ -180,7 +190,7 @@ inline void attend_chunk(const float* __restrict q, const float* __restrict kb, 
       continue;
     }
     for (int g = 0; g < G; ++g) {
-      const float sc = dot_d<D>(q + g * D, kb + (j0 + j) * D) * scale;
+      const float sc = dot_d<D, T>(q + g * D, kb + (j0 + j) * D) * scale;
       scores[g * n + j] = sc;
       mx[g] = sc > mx[g] ? sc : mx[g];
     }
@@ -196,7 +206,9 @@ inline void attend_chunk(const float* __restrict q, const float* __restrict kb, 
   }
   for (int64_t j = 0; j < n; ++j) {
     if (!m[j0 + j]) continue;
-    const v16f* v = reinterpret_cast<const v16f*>(vb + (j0 + j) * D);
+    const T* vj = vb + (j0 + j) * D;
+    v16f v[V];
+    for (int i = 0; i < V; ++i) v[i] = load16(vj + 16 * i);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * n + j];
       sum[g] += p;
@@ -355,8 +367,9 @@ inline int64_t& attention_kernel() {
   return kernel;
 }
 
-// T: the slab's element type. fp16 slabs: the AVX2 code converts each key and value in its registers; the 16-lane
-// code gets the chunk's rows converted to floats first (the same float values either way: exact conversions).
+// T: the slab's element type. fp16 slabs: the AVX2 code converts each key and value in its registers, and so does the
+// 16-lane code in an AVX-512 build; elsewhere it gets the chunk's rows converted to floats first (the same float values
+// every way: exact conversions).
 template <int D, int G, class T>
 inline void attend_chunk_pick(const float* q, const T* kb, const T* vb, const bool* m, int64_t j0, int64_t j1,
                               float scale, float* scores, float* part) {
@@ -365,6 +378,10 @@ inline void attend_chunk_pick(const float* q, const T* kb, const T* vb, const bo
 #endif
   if constexpr (std::is_same_v<T, float>) {
     attend_chunk<D, G>(q, kb, vb, m, j0, j1, scale, scores, part);
+#if defined(KAKEYA_HALF16)
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    attend_chunk<D, G, T>(q, kb, vb, m, j0, j1, scale, scores, part);
+#endif
   } else {
     thread_local std::vector<float> kf, vf;
     const int64_t n = (j1 - j0) * D;
