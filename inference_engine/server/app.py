@@ -101,14 +101,17 @@ def check_backend_options(cfg: ServeConfig, model) -> None:
 
 
 def resolve_kv_dtype(cfg: ServeConfig, model) -> str:
-    """--kv-dtype as the engine takes it: auto = fp16 where the native CPU row step reads fp16 slabs with its AVX2
-    attention: `full` / `sink_window` without a compressor (the same top-1 agreement with fp32 as fp32 K/V, a decode
-    step 1.03x / 1.10x / 1.16x faster at 128 / 1k / 4k tokens and half the K/V bytes on the AVX2 EPYC it was measured
-    on: results/research/kv_fp16_avx2.json) and `paged` with exact pages (--page-compressor identity: the slab and the
-    page store in fp16, half the page RAM and spill bytes, decode 1.09-1.11x faster at 1k-32k; the needle ladder at
-    7.5k, N = 40: 33 vs 34 of 40, 39 answers identical, and several keys at 4k the same answers:
-    results/research/parts/paged_kv_fp16_avx2/read_run.json, niah_paged_kv_fp16_*.json; docs/paged.md); fp32
-    everywhere else: CUDA, MLX, the Python pieces, the 16-lane attention of AVX-512 builds (not measured there)."""
+    """--kv-dtype as the engine takes it: auto = fp16 where the native CPU row step's attention reads fp16 slabs
+    converting them in its registers (`fp16_in_registers`: its AVX2 code, and the 16-lane code of AVX-512 builds):
+    `full` / `sink_window` without a compressor (the same top-1 agreement with fp32 as fp32 K/V, a decode step
+    1.03x / 1.10x / 1.16x faster at 128 / 1k / 4k tokens and half the K/V bytes on the AVX2 EPYC it was measured on:
+    results/research/kv_fp16_avx2.json; 1.04x / 1.09x / 1.25x on an AVX-512 EPYC, 99.53 % agreement against fp32
+    K/V's 99.49 %: results/research/kv_fp16_avx512_in_registers.json, kv_fp16_avx512.json) and `paged` with exact
+    pages (--page-compressor identity: the slab and the page store in fp16, half the page RAM and spill bytes, decode
+    1.09-1.11x faster at 1k-32k on the AVX2 EPYC; the needle ladder at 7.5k, N = 40: 33 vs 34 of 40, 39 answers
+    identical, and several keys at 4k the same answers: results/research/parts/paged_kv_fp16_avx2/read_run.json,
+    niah_paged_kv_fp16_*.json; docs/paged.md); fp32 everywhere else: CUDA, MLX, the Python pieces, and a build whose
+    attention would convert a copy of each chunk first (0.83x at 4k on the AVX-512 EPYC: kv_fp16_avx512.json)."""
     if cfg.kv_dtype != "auto":
         return cfg.kv_dtype
     step = getattr(model, "native_step", None)
@@ -116,7 +119,7 @@ def resolve_kv_dtype(cfg: ServeConfig, model) -> str:
                                                  or (cfg.kv_strategy == "paged" and cfg.page_compressor == "identity"))
     if getattr(model, "backend_name", "torch") != "torch" or step is None or not exact:
         return "fp32"
-    return "fp16" if step.module.row_attention(-1) == 1 else "fp32"
+    return "fp16" if step.module.fp16_in_registers() else "fp32"
 
 
 def build_engine(cfg: ServeConfig, model, model_thread=None):

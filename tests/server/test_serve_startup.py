@@ -176,12 +176,13 @@ def test_activations_set_the_native_int4_kernels_planes_and_fail_loudly_where_it
         _load_model(ServeConfig(model=tiny, weights="fp32", activations="int8"))
 
 
-def test_kv_dtype_auto_is_fp16_where_the_native_steps_avx2_attention_reads_it_and_fp32_elsewhere():
+def test_kv_dtype_auto_is_fp16_where_the_native_steps_attention_reads_it_in_registers_and_fp32_elsewhere():
     """--kv-dtype auto (the default) resolves once the model is loaded: fp16 for full / sink_window where the native
-    CPU row step runs with its AVX2 attention (where fp16 slabs were measured faster with the same agreement), and for
-    paged with exact pages (identity: its page store in fp16 too); fp32 for paged with coded pages, without the native
-    step (fp32 weights, --compile off) or with the 16-lane attention; a value given is kept; the engine's strategy
-    carries what it resolved to."""
+    CPU row step's attention converts fp16 in its registers (its AVX2 code, an AVX-512 build's 16-lane code: where
+    fp16 slabs were measured faster with the same agreement), and for paged with exact pages (identity: its page store
+    in fp16 too); fp32 for paged with coded pages, without the native step (fp32 weights, --compile off) or with an
+    attention that converts a copy of each chunk (the 16-lane code of a build without AVX-512); a value given is kept;
+    the engine's strategy carries what it resolved to."""
     from factories import require_native
 
     from inference_engine.server.app import _load_model, build_engine, resolve_kv_dtype
@@ -190,7 +191,7 @@ def test_kv_dtype_auto_is_fp16_where_the_native_steps_avx2_attention_reads_it_an
     tiny = str(tiny_model_dir("llama"))
     assert ServeConfig().kv_dtype == "auto"
     int4 = _load_model(ServeConfig(model=tiny, weights="int4"))
-    avx2 = mod.row_attention(-1) == 1
+    avx2 = mod.fp16_in_registers()  # the AVX2 attention, or an AVX-512 build's 16-lane one: fp16 in registers
     assert resolve_kv_dtype(ServeConfig(), int4) == ("fp16" if avx2 else "fp32")
     assert resolve_kv_dtype(ServeConfig(kv_strategy="sink_window"), int4) == ("fp16" if avx2 else "fp32")
     assert build_engine(ServeConfig(model=tiny, weights="int4"), int4).strategy.kv_dtype == ("fp16" if avx2 else "fp32")
@@ -201,10 +202,16 @@ def test_kv_dtype_auto_is_fp16_where_the_native_steps_avx2_attention_reads_it_an
     assert resolve_kv_dtype(ServeConfig(kv_compressor="kakeya_e8"), int4) == "fp32"
     assert resolve_kv_dtype(ServeConfig(kv_dtype="fp32"), int4) == "fp32"
     assert resolve_kv_dtype(ServeConfig(kv_dtype="int8"), int4) == "int8"
-    if avx2:
-        was = mod.row_attention(0)  # the 16-lane attention (an AVX-512 build's): not measured with fp16 slabs
+    if mod.row_attention(-1) == 1:
+        was = mod.row_attention(0)  # the 16-lane attention of a build without AVX-512: a converted copy per chunk
         try:
-            assert resolve_kv_dtype(ServeConfig(), int4) == "fp32"
+            assert not mod.fp16_in_registers() and resolve_kv_dtype(ServeConfig(), int4) == "fp32"
+        finally:
+            mod.row_attention(was)
+    else:  # an AVX-512 build: its 16-lane attention converts fp16 in its registers, and so does the AVX2 code
+        was = mod.row_attention(1)
+        try:
+            assert mod.fp16_in_registers() and resolve_kv_dtype(ServeConfig(), int4) == "fp16"
         finally:
             mod.row_attention(was)
     assert resolve_kv_dtype(ServeConfig(), _load_model(ServeConfig(model=tiny, weights="fp32"))) == "fp32"

@@ -1614,6 +1614,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return was;
   }, "the attention chunk code the row step runs: 0 the 16-lane vector code, 1 AVX2; returns the previous one "
      "(-1: only read it)", pybind11::arg("kernel") = -1);
+  m.def("fp16_in_registers", [] {
+#if defined(KAKEYA_HALF16)
+    return true;
+#else
+    return attention_kernel() == 1;
+#endif
+  }, "whether the attention code in use reads fp16 slabs converting them in its registers (the AVX2 code; the "
+     "16-lane code of an AVX-512 build), not through a converted copy of each chunk");
   m.def("group_max_scores", &group_max_scores,
         "compact keys' scores: q (B, G, M, D) fp32, codes (B, C, D/2) uint8 (4-bit) or (B, C, D) int8, scale (B, C, 1) "
         "fp16 -> (B, M, C) fp32, max over g (kv/paged_store.RowQuant.group_max_scores)",
