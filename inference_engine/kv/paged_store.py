@@ -282,6 +282,7 @@ class RowTable(Generic[CodecT]):
         self.device = torch.device(device)
         self.layout = codec.payload_layout()
         self.rows = 0  # rows every layer holds (between appends)
+        self.written = 0  # slots written so far (an append's pages are written before `rows` counts them)
         self.capacity = 0
         self._set(self._zeros(0))
 
@@ -319,7 +320,7 @@ class RowTable(Generic[CodecT]):
         for name in list(data):
             x = data[name]
             y = lazy_zeros((*x.shape[:3], cap, *x.shape[4:]), x.dtype, x.device)
-            held = min(self.rows, x.shape[3])
+            held = min(max(self.rows, self.written), x.shape[3])  # what was written; the rest is zeros, untouched
             y[:, :, :, :held] = x[:, :, :, :held]
             data[name] = y
             del x
@@ -353,6 +354,7 @@ class RowTable(Generic[CodecT]):
         for name, x in self.data.items():
             y = payload[name]
             x[:, :, :, start:start + y.shape[3]] = y.to(x.device, x.dtype)
+            self.written = max(self.written, start + y.shape[3])
 
     def read(self, layer: int, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded rows (S, Hkv, len(idx), D) float32 (identity: the stored dtype); idx None = all rows."""
@@ -440,7 +442,7 @@ class RowTable(Generic[CodecT]):
         if got != want:
             raise ValueError(f"stored rows {got} do not fit this {type(self.codec).__name__} table, which holds {want}")
         self._set(self._zeros(0))
-        self.capacity = 0
+        self.capacity = self.written = 0
         self.reserve(rows)
         at = 0
         for part in _in_pieces(tensors):
@@ -611,7 +613,7 @@ class SpillingRowTable(RowTable[CodecT]):
         old = self.rows
         self.ram_rows, self.rows = ram_rows, keep_from
         self._set(self._zeros(0))
-        self.capacity = 0
+        self.capacity = self.written = 0
         self._put(keep_from, kept)
         self.rows = old
 
@@ -624,7 +626,11 @@ class SpillingRowTable(RowTable[CodecT]):
         if self.capacity >= self.ram_rows or rows <= self.capacity:
             return
         limit = self.ram_rows if most is None else min(most, self.ram_rows)
-        super().reserve(limit if self.device.type == "cpu" else min(rows, limit), most=limit)
+        super().reserve(limit if self._ring_at_once() else min(rows, limit), most=limit)
+
+    def _ring_at_once(self) -> bool:
+        """The ring is allocated at its full size at once where its memory is taken as rows are written (the CPU)."""
+        return self.device.type == "cpu"
 
     def _slot(self, r: int) -> int:
         return r % self.ram_rows if self.wrapped else r  # type: ignore[operator]
@@ -646,6 +652,7 @@ class SpillingRowTable(RowTable[CodecT]):
             slot = self._slot(a)
             for name, x in self.data.items():
                 x[:, :, :, slot:slot + b - a] = payload[name][:, :, :, a - start:b - start].to(x.device, x.dtype)
+            self.written = max(self.written, slot + b - a)
             a = b
 
     def _spill(self, pages: int) -> None:

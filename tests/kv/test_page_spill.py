@@ -14,10 +14,14 @@ from inference_engine.kv.paged_store import RowTable, SpillingRowTable, make_row
 ONE_PAGE = 1e-9  # MB: ram_rows_for keeps at least one page in RAM, so this is a budget of one page
 
 
+@pytest.mark.parametrize("at_once", [True, False], ids=["ring-at-once", "ring-grows"])
 @pytest.mark.parametrize("codec_name", ["identity", "int8", "kakeya_d4"])
-def test_a_spilling_table_reads_what_a_ram_table_reads(codec_name):
+def test_a_spilling_table_reads_what_a_ram_table_reads(codec_name, at_once, monkeypatch):
     """Appends of every size (across page boundaries and the ring's wrap), then every read path and state():
-    equal to a RowTable's, bit for bit; a table loaded under a smaller budget too."""
+    equal to a RowTable's, bit for bit; a table loaded under a smaller budget too. Both ways a ring is allocated:
+    at its full size at once (the CPU's), and grown as rows come (elsewhere: a growth in the middle of an append
+    keeps the append's pages written before it)."""
+    monkeypatch.setattr(SpillingRowTable, "_ring_at_once", lambda self: at_once)
     codec = make_row_codec(codec_name, head_dim=8, dtype=torch.float32)
     kw = dict(num_layers=2, num_kv_heads=3, head_dim=8, stack=2, page=4, device="cpu")
     ram, spill = RowTable(codec, **kw), SpillingRowTable(codec, ram_rows=8, **kw)
