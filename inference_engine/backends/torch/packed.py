@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import pathlib
 import tempfile
 from typing import Any
@@ -97,8 +98,16 @@ def load_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra
         return None
     if loaded is not None:
         with contextlib.suppress(OSError):  # a read-only model directory: nothing to mark
-            os.utime(path)
+            _mark_used(path)
     return loaded
+
+
+def _mark_used(path: pathlib.Path) -> None:
+    """The file's mtime set to now in nanoseconds: the kernel stamps writes and a bare utime with its coarse clock
+    (a tick of a few ms), so a file read and another written within one tick could tie, and the MRU order would not
+    be the order of use."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 def save_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra: str, tensors: dict) -> None:
@@ -111,8 +120,10 @@ def save_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra
     path = _derived_path(model_dir, name, weights, extra)
     if not write_atomically(path, lambda tmp: save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata={"key": key})):
         return
+    with contextlib.suppress(OSError):
+        _mark_used(path)
     d = pathlib.Path(model_dir)
-    versions = sorted(d.glob(f".kakeya-{name}-{weights}-*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
+    versions = sorted(d.glob(f".kakeya-{name}-{weights}-*.safetensors"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
     for old in [f for f in versions if f != path][DERIVED_KEPT - 1:] + list(d.glob(f".kakeya-{name}-{weights}.safetensors")):
         with contextlib.suppress(OSError):
             old.unlink()
