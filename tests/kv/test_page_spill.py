@@ -84,20 +84,24 @@ def test_a_ring_sized_for_its_budget_at_once_holds_only_the_rows_written():
 
 
 def test_archiving_in_slices_gives_the_same_session(monkeypatch):
-    """A prefill chunk's evicted rows are archived ARCHIVE_ROWS at a time (its copies and codes a slice's): the
-    same logits and the same saved state as archiving the chunk's rows in one go."""
+    """A prefill chunk's evicted rows are archived ARCHIVE_ROWS at a time, and far_keys catch up FAR_CATCH_UP_ROWS at
+    a time (their copies and codes a slice's): the same logits and the same saved state (far_keys included) as doing
+    either in one go."""
     from inference_engine.kv.paged import PagedCache
 
     m = model()
     history = ids(150, seed=5)
     monkeypatch.setattr(PagedCache, "ARCHIVE_ROWS", 10 ** 9)
+    monkeypatch.setattr(PagedCache, "FAR_CATCH_UP_ROWS", 10 ** 9)
     whole = new_cache(m, paged(page_ram_mb=ONE_PAGE))
     want = feed(m, whole, history, 32)
     monkeypatch.setattr(PagedCache, "ARCHIVE_ROWS", 3)
+    monkeypatch.setattr(PagedCache, "FAR_CATCH_UP_ROWS", 5)
     sliced = new_cache(m, paged(page_ram_mb=ONE_PAGE))
     got = feed(m, sliced, history, 32)
     assert torch.equal(got, want)
     a, b = whole.state(), sliced.state()
+    assert any(k.startswith("far_keys.") for k in a.tensors)  # caught up and saved
     assert a.tensors.keys() == b.tensors.keys() and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
 
 
