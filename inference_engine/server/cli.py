@@ -64,7 +64,7 @@ def _add_serve(sub) -> None:
                         "fixed one lowers a session's peak a little and costs prefill more (docs/paged.md)")
     p.add_argument("--malloc-trim", choices=("on", "off"), default="on" if d.malloc_trim else "off",
                    help="glibc: hand the heap's freed memory back to the OS (malloc_trim) each time the engine loop "
-                        "runs out of work, so what the daemon holds between turns is what its sessions hold (2-6 ms "
+                        "runs out of work, so what the daemon holds between turns is what its sessions hold (3-7 ms "
                         "a call, off the turns' path)")
     p.add_argument("--capacity", type=int, default=d.capacity,
                    help="max live sessions; beyond it the least recently used idle session is spilled to disk (--persist turn) "

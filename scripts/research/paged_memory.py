@@ -35,7 +35,6 @@ worst case for a disk tier). Ratios side by side: decode spill / ram at each len
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import mmap
@@ -56,7 +55,9 @@ VARIANTS = {"spill": 128, "ram": 0}  # page_ram_mb
 def rss() -> dict:
     """This process's RSS, after giving glibc's free heap memory back to the system (malloc_trim): what is held,
     not what the allocator keeps for reuse."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    from inference_engine.server.host_memory import trim
+
+    trim()
     out = {}
     for line in pathlib.Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
