@@ -4,7 +4,7 @@ glibc serves an allocation of at least its mmap threshold from a map of its own,
 from the heap, whose freed memory it keeps for later allocations. The threshold is dynamic by default: each map
 freed raises it to that map's size (up to 32 MiB on 64-bit), so after a few MB-sized tensors are freed, tensors of
 that size come from the heap and stay with the process when freed. A daemon whose sessions prefill in chunks and
-archive pages then holds, between turns, memory it no longer uses (~50 MB after a 4k-token `paged` prefill:
+archive pages then holds, between turns, memory it no longer uses (30-50 MB after a 4k-token `paged` prefill:
 `scripts/research/malloc_threshold.py`).
 A fixed threshold (`mallopt(M_MMAP_THRESHOLD)`, which also turns the dynamic one off) gives every tensor of at least
 that size its own map. A MALLOC_MMAP_THRESHOLD_ in the environment is glibc's own setting: it is left as it is.
