@@ -20,6 +20,8 @@ in --rounds, so a drift in the box's speed lands on every cell alike. Arms are s
           (q4_row_registers 0: the kernel before f45bac2; the same bits)
   planes2 head, with the int4 kernel's activations as two int8 planes everywhere (native.PLANES, built explicitly)
   outliers  head, with one plane and each linear's native.OUTLIERS outlier channels exact
+  vnnichain  head, but the int4 kernel's AVX-512 path runs its rows in the runtime loop, each row's dot one chain
+          (q4_vnni_tiles 0: the kernel before 2026-12-01; the same bits)
   kvfp16  head, over sessions whose resident K/V is fp16 (--kv-dtype fp16: the slabs half the bytes; the other arms'
           sessions hold fp32 K/V); with --context 1024 each row reads what a steady-state sink_window session reads
 The other arms run the daemon's default step (use_step_graphs("auto"): activations as native.PLANES planes).
@@ -42,9 +44,10 @@ from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
 # trim_columns, rows_apart, silu_vectors, the greedy head's refinement in C++ (csrc/row_step.cpp refined_head)
 # (and q4_row_registers: a one-row tile's sums in registers)
-ARMS = {"before": (0, 0, 0, 0, 0), "trim": (1, 0, 0, 0, 0), "apart": (1, 1, 0, 0, 0), "silu": (1, 1, 1, 0, 0),
-        "rowmem": (1, 1, 1, 1, 0), "head": (1, 1, 1, 1, 1), "planes2": (1, 1, 1, 1, 1), "outliers": (1, 1, 1, 1, 1),
-        "kvfp16": (1, 1, 1, 1, 1)}
+# (and q4_vnni_tiles: the AVX-512 kernel's rows in tiles of a fixed count, their dot chains interleaved)
+ARMS = {"before": (0, 0, 0, 0, 0, 0), "trim": (1, 0, 0, 0, 0, 0), "apart": (1, 1, 0, 0, 0, 0), "silu": (1, 1, 1, 0, 0, 0),
+        "rowmem": (1, 1, 1, 1, 0, 1), "head": (1, 1, 1, 1, 1, 1), "planes2": (1, 1, 1, 1, 1, 1),
+        "outliers": (1, 1, 1, 1, 1, 1), "kvfp16": (1, 1, 1, 1, 1, 1), "vnnichain": (1, 1, 1, 1, 1, 0)}
 KV_DTYPE = {"kvfp16": "fp16"}  # the arms whose sessions hold other K/V than fp32
 
 
@@ -136,8 +139,9 @@ def main(argv=None) -> int:
     def use(arm: str) -> None:
         nonlocal kvs
         kvs = sessions[KV_DTYPE.get(arm, "fp32")]
-        trim, apart, silu, in_cpp, registers = ARMS[arm]
+        trim, apart, silu, in_cpp, registers, tiles = ARMS[arm]
         mod.q4_row_registers(registers)
+        mod.q4_vnni_tiles(tiles)
         m.native_step = activations.get(arm, default_step)
         mod.trim_columns(trim)
         mod.rows_apart(apart)
@@ -165,7 +169,8 @@ def main(argv=None) -> int:
         for a in arms:
             for n, v in by_arm[a].items():
                 v["speedup_vs_before"] = round(by_arm["before"][n]["forward_ms_median"] / v["forward_ms_median"], 3)
-    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors", "refined_head", "q4_row_registers"), ARMS[a]))
+    settings = {a: dict(zip(("trim_columns", "rows_apart", "silu_vectors", "refined_head", "q4_row_registers",
+                             "q4_vnni_tiles"), ARMS[a]))
                 | {"planes": activations.get(a, default_step).planes, "outliers": activations.get(a, default_step).outliers,
                    "kv_dtype": KV_DTYPE.get(a, "fp32")}
                 for a in arms}

@@ -680,6 +680,34 @@ def test_a_one_row_call_in_one_pass_and_the_next_blocks_prefetch_keep_every_bit(
         mod.q4_prefetch_next(was[1])
 
 
+def test_the_avx512_kernels_row_tiles_keep_every_bit_and_every_row_its_own():
+    """The AVX-512 kernel's rows in tiles of a fixed count (q4_vnni_tiles 1, the default: sums in registers, the rows'
+    dot chains interleaved, a chain split by chunk parity under 4 rows) against the runtime loop of one chain per row
+    (0): the same bits for every count of rows 1..17 (every tile size, and tiles after a full one), with two planes,
+    one, and outlier channels; and each row equals its own one-row call."""
+    mod = _module()
+    if mod.q4_isa() != 2:
+        pytest.skip("no AVX-512 VNNI here: the tiles are the AVX-512 path's")
+    g = torch.Generator().manual_seed(2)
+    n, k = 64, 256
+    packed = mod.q4_pack(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                         torch.rand(n, k // 32, generator=g) * 0.01, torch.randn(n, k // 32, generator=g) * 0.01)
+    x = torch.randn(17, k, generator=g) * torch.rand(1, k, generator=g) * 4
+    channels = torch.tensor([5, 33, 70, 200])
+    was = mod.q4_vnni_tiles(-1)
+    try:
+        for rows in range(1, 18):
+            for planes, ch in ((2, None), (1, None), (1, channels), (2, channels)):
+                mod.q4_vnni_tiles(1)
+                tiles = mod.q4_matmul(x[:rows], packed, 2, planes, ch)
+                alone = [mod.q4_matmul(x[r:r + 1], packed, 2, planes, ch) for r in range(rows)]
+                mod.q4_vnni_tiles(0)
+                assert torch.equal(mod.q4_matmul(x[:rows], packed, 2, planes, ch), tiles), (rows, planes, ch)
+                assert all(torch.equal(a, tiles[r:r + 1]) for r, a in enumerate(alone)), (rows, planes, ch)
+    finally:
+        mod.q4_vnni_tiles(was)
+
+
 @pytest.mark.parametrize("query", ["int8", "fp32"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 5])

@@ -285,6 +285,93 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
   }
 }
 
+// Whether block_vnni runs its rows in tiles of exactly NR rows (1, the default) or in the loop above (0: before;
+// research scripts time it). The loop's integer dot of a row is one chain of 8 (one plane) or 16 (two) vpdpbusd, each
+// waiting on the one before, and its tile of rows a runtime count, so the rows' sums went through memory: a decode row
+// waited on that chain's latency and a verify block's rows overlapped only as far as the CPU reordered them. A tile of
+// NR rows (a template) keeps its sums in registers, interleaves its rows' chains (chunk by chunk, every row), and
+// splits each chain of a tile under 4 rows in two by chunk parity, then adds the halves: integer sums, exact in any
+// order (|.| < 2^24), so every output element gets the same value and then the same float operations in the same
+// order. The same bits either way (tests/backends/test_native_step.py).
+inline int64_t& vnni_tiles() {
+  static int64_t on = 1;
+  return on;
+}
+
+template <int P, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void tile_vnni(
+    const uint8_t* w, int64_t groups, const int8_t* qx, const float* xs, const float* xsum, int64_t r0, int64_t k,
+    float* y, int64_t n, int64_t col0, int64_t ahead, const float* xo, const int64_t* ch, const int64_t* gfirst,
+    int64_t nc) {
+  constexpr int S = NR < 4 ? 2 : 1;  // chains per row and plane
+  const __m512i lo_mask = _mm512_set1_epi8(15);
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = w + g * kBlockBytes;
+    if (r0 == 0) prefetch_block(blk, ahead);
+    __m512i wq[8];
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(blk + p * 64);
+      wq[2 * p] = _mm512_and_si512(v, lo_mask);
+      wq[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes + 32)));
+    const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
+    alignas(64) float wf[kGroup * kCols];
+    for (int64_t ci = c0; ci < c1; ++ci) {  // as block_vnni
+      const int i = static_cast<int>(ch[ci] - g * kGroup);
+      const __m512i v = _mm512_loadu_si512(blk + (i >> 3) * 64);
+      const __m512i q = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm512_set1_epi32(15));
+      _mm512_store_ps(wf + (ci - c0) * kCols, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m));
+    }
+    __m512i dot[NR];
+    for (int plane = 0; plane < P; ++plane) {
+      __m512i part[NR][S];
+      for (int r = 0; r < NR; ++r)
+        for (int s = 0; s < S; ++s) part[r][s] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c)
+        for (int r = 0; r < NR; ++r) {
+          int32_t four;
+          std::memcpy(&four, qx + (r0 + r) * P * k + plane * k + g * kGroup + 4 * c, 4);
+          part[r][c % S] = _mm512_dpbusd_epi32(part[r][c % S], wq[c], _mm512_set1_epi32(four));
+        }
+      for (int r = 0; r < NR; ++r) {
+        const __m512i sum = S == 2 ? _mm512_add_epi32(part[r][0], part[r][S - 1]) : part[r][0];
+        dot[r] = plane ? _mm512_add_epi32(_mm512_slli_epi32(dot[r], 8), sum) : sum;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(t), acc[r]);
+    }
+    for (int64_t ci = c0; ci < c1; ++ci) {
+      const __m512 wv = _mm512_load_ps(wf + (ci - c0) * kCols);
+      for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xo[(r0 + r) * nc + ci]), wv, acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(y + (r0 + r) * n + col0, acc[r]);
+}
+
+template <int P>
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void tiles_vnni(
+    const uint8_t* w, int64_t groups, const int8_t* qx, const float* xs, const float* xsum, int64_t rows, int64_t k,
+    float* y, int64_t n, int64_t col0, int64_t ahead, const float* xo, const int64_t* ch, const int64_t* gfirst,
+    int64_t nc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+    const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
+#define KAKEYA_TILE(R) \
+  case R: tile_vnni<P, R>(w, groups, qx, xs, xsum, r0, k, y, n, col0, ahead, xo, ch, gfirst, nc); break;
+    switch (nr) {
+      KAKEYA_TILE(1) KAKEYA_TILE(2) KAKEYA_TILE(3) KAKEYA_TILE(4) KAKEYA_TILE(5) KAKEYA_TILE(6) KAKEYA_TILE(7)
+      default: tile_vnni<P, kRowTile>(w, groups, qx, xs, xsum, r0, k, y, n, col0, ahead, xo, ch, gfirst, nc);
+    }
+#undef KAKEYA_TILE
+  }
+}
+
 // Half `half` (8 columns) of a group's codes as vpmaddubsw's unsigned operands: wq[2p] the low nibbles of vector P_p
 // (inputs 8p..8p+3), wq[2p + 1] the high ones (inputs 8p+4..8p+7).
 __attribute__((target("avx2"), always_inline)) inline void unpack_half(const uint8_t* blk, int half, __m256i* wq) {
@@ -507,7 +594,10 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, int64_t isa =
       // the last blocks of the thread's range prefetch no further than the weights' end
       const int64_t pf = (hi - b) * groups * kBlockBytes > ahead + kBlockBytes ? ahead : 0;
       const int64_t next = b + 1 < hi && prefetch_next() ? groups * kBlockBytes : 0;  // the next block of this thread's
-      if (use == kVnni512 && planes == 2) block_vnni<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
+      if (use == kVnni512 && vnni_tiles()) {
+        if (planes == 2) tiles_vnni<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
+        else tiles_vnni<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
+      } else if (use == kVnni512 && planes == 2) block_vnni<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
       else if (use == kVnni512) block_vnni<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc);
       else if (planes == 2) block_avx2<2>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc, next);
       else block_avx2<1>(wb, groups, qp, xs, xsum, rows, k, yp, n, b * kCols, pf, xop, ch, gp, nc, next);

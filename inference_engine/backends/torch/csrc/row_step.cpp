@@ -1601,6 +1601,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("q4_row_registers", &q4::row_registers,
          "whether the int4 kernel's AVX2 path runs a tile of one row with its sums in registers (1, the default) or "
          "as a tile of up to 8 rows, sums in memory (0); the same bits either way");
+  toggle("q4_vnni_tiles", &q4::vnni_tiles,
+         "whether the AVX-512 int4 kernel runs its rows in tiles of a fixed count, their sums in registers and their "
+         "dot chains interleaved (1, the default) or in the runtime loop over up to 8 rows (0: before); the same bits "
+         "either way");
   toggle("trim_columns", &trim_columns,
          "whether a whole step's rows attend only up to their last visible column (1, the default) or scan every "
          "column of the step's mask, masked ones skipped one by one (0); the same bits either way");
