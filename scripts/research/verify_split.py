@@ -11,6 +11,8 @@ One int4 model with the daemon's native CPU row step (csrc/row_step.cpp); per ro
                default until 2026-11-29), `one_plane` (one int8 plane, no outlier channels) and `two_planes`
   head         the greedy head's scoring (linear.RefinedHead.greedy_kernel: the 4-bit pass and its exact top 64) of R rows
   rest         forward - layers default - head: attention, norms, RoPE, SiLU, quantizing activations and the glue
+  *_chain      (on an AVX-512 VNNI CPU) forward and layers_two_planes with the kernel's rows in its runtime loop, one
+               dot chain a row (q4_vnni_tiles 0: the kernel before 2026-12-01; the same bits)
 All interleaved in --rounds, so a drift in the box's speed lands on every cell alike. Records the median ms of each
 cell, each cell's time per row beyond the first ((t(R) - t(1)) / (R - 1)), and t(R) / t(1). Python calls each matmul
 of the `layers` cells (~7 us a call), the step calls them from C++: the split is approximate; the forward is the step.
@@ -99,7 +101,21 @@ def main(argv=None) -> int:
            "layers_one_plane": lambda r: layers(r, 1, False),
            "layers_two_planes": lambda r: layers(r, 2, False),
            "head": lambda r: m.head.greedy_kernel(hx[:r])}
-    times = {(c, r): [] for c in CELLS for r in rows}
+    cells = CELLS
+    if mod.q4_isa() == 2:  # the AVX-512 kernel: its row tiles against the loop before them
+
+        def chained(fn):
+            def go(r: int) -> None:
+                was = mod.q4_vnni_tiles(0)
+                try:
+                    fn(r)
+                finally:
+                    mod.q4_vnni_tiles(was)
+            return go
+
+        run |= {"forward_chain": chained(forward), "layers_two_planes_chain": chained(run["layers_two_planes"])}
+        cells = CELLS + ("forward_chain", "layers_two_planes_chain")
+    times = {(c, r): [] for c in cells for r in rows}
     for c, r in times:  # warm-up
         run[c](r)
     for rnd in range(args.rounds):
@@ -112,10 +128,10 @@ def main(argv=None) -> int:
     med = {key: statistics.median(v) * 1000 for key, v in times.items()}
     by_rows = {}
     for r in rows:
-        cell = {f"{c}_ms_median": round(med[c, r], 4) for c in CELLS}
+        cell = {f"{c}_ms_median": round(med[c, r], 4) for c in cells}
         cell["rest_ms"] = round(med["forward", r] - med["layers_default", r] - med["head", r], 4)
         if r > 1:
-            for c in CELLS:
+            for c in cells:
                 cell[f"{c}_vs_1"] = round(med[c, r] / med[c, 1], 3)
                 cell[f"{c}_ms_per_extra_row"] = round((med[c, r] - med[c, 1]) / (r - 1), 3)
             cell["rest_ms_per_extra_row"] = round((cell["rest_ms"] - by_rows["1"]["rest_ms"]) / (r - 1), 3)

@@ -34,9 +34,9 @@ def test_batch_rows_times_every_arm_and_batch_in_the_same_rounds(tmp_path, monke
     # the daemon's default step: native.PLANES planes, outlier channels only where a matrix takes one plane
     default = {"planes": native.PLANES, "outliers": native.OUTLIERS if native.PLANES == 1 else 0, "kv_dtype": "fp32"}
     assert doc["arms"]["before"] == {"trim_columns": 0, "rows_apart": 0, "silu_vectors": 0, "refined_head": 0,
-                                     "q4_row_registers": 0} | default
+                                     "q4_row_registers": 0, "q4_vnni_tiles": 0} | default
     assert doc["arms"]["head"] == {"trim_columns": 1, "rows_apart": 1, "silu_vectors": 1, "refined_head": 1,
-                                   "q4_row_registers": 1} | default
+                                   "q4_row_registers": 1, "q4_vnni_tiles": 1} | default
     for arm in doc["by_arm"].values():
         assert set(arm) == {"1", "3"}
         assert arm["1"]["speedup_vs_1"] == 1.0 and arm["3"]["forward_ms_median"] > 0 and arm["3"]["speedup_vs_before"] > 0
