@@ -78,7 +78,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--drafters", default="ngram,smollm2-135m-dlm,smollm2-135m-dflash",
-                    help="comma list: ngram (prompt lookup) and/or dLM drafter names/dirs")
+                    help="comma list: ngram (prompt lookup; ngram+before: as before 2026-12-01) and/or dLM drafter "
+                         "names/dirs")
     ap.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
     ap.add_argument("--styles", default="chat,code,edit")
     ap.add_argument("--heldout-from", default="smollm2-135m-dlm",
@@ -99,8 +100,9 @@ def main() -> int:
     ap.add_argument("--time-budget-min", type=float, default=0.0, help="stop starting prompts after this long (0 = all)")
     ap.add_argument("--draft-gates", default="cost",
                     help="comma list; cost: the daemon's gate, acceptance weighed against verify blocks' cost measured "
-                         "here (Engine.measure_verify_cost); misses: only empty blocks pause drafting (before "
-                         "2026-11-27); none: every step drafts k (the drafter's acceptance apart from the timing the cost "
+                         "here (Engine.measure_verify_cost); cost-before: that gate as before 2026-12-01 (every empty "
+                         "block a miss too); misses: only empty blocks pause drafting (before 2026-11-27); none: every "
+                         "step drafts k (the drafter's acceptance apart from the timing the cost "
                          "gate depends on). With several, each drafter runs under each, arms after the first named drafter[gate]")
     args = ap.parse_args()
     load_at_start = os.getloadavg()
@@ -119,10 +121,11 @@ def main() -> int:
     model.use_step_graphs(args.compile)
     drafters = {}
     for name in args.drafters.split(","):
-        if name == "ngram":
+        if name in ("ngram", "ngram+before"):  # +before: the prompt lookup before 2026-12-01 (3-grams, k after any match)
             from inference_engine.engine.prompt_lookup import PromptLookupDrafter
 
-            drafters[name] = TimedDrafter(PromptLookupDrafter())
+            drafters[name] = TimedDrafter(PromptLookupDrafter() if name == "ngram" else
+                                          PromptLookupDrafter(max_ngram=3, k_by_match=()))
         else:  # NAME as the daemon loads it (weights "auto": a v2 drafter int8 on the CPU); NAME+fp32 / NAME+int8
             base, _, variant = name.partition("+")
             if variant not in ("", "fp32", "int8"):
@@ -139,8 +142,8 @@ def main() -> int:
     strategy = KVStrategy(args.kv_strategy)
     ar = Engine(model, strategy)
     gates = args.draft_gates.split(",")
-    if not gates or any(g not in ("cost", "misses", "none") for g in gates):
-        raise SystemExit(f"--draft-gates: cost, misses and/or none, got {args.draft_gates!r}")
+    if not gates or any(g not in ("cost", "cost-before", "misses", "none") for g in gates):
+        raise SystemExit(f"--draft-gates: cost, cost-before, misses and/or none, got {args.draft_gates!r}")
     label = {(d, g): d if g == gates[0] else f"{d}[{g}]" for d in drafters for g in gates}
     arms = [(label[d, g], k) for d in drafters for g in gates for k in ks]
     specs = {(label[d, g], k): Engine(model, strategy, drafter=drafters[d], spec_k=k) for d in drafters for g in gates
@@ -148,10 +151,12 @@ def main() -> int:
     verify_cost: dict = {}
     for d in drafters:
         for k in ks:
-            if "cost" in gates:  # one measurement per k, shared by the drafters
-                eng = specs[label[d, "cost"], k]
-                eng.verify_cost = verify_cost.get(k) or eng.measure_verify_cost()
-                verify_cost[k] = eng.verify_cost
+            for g in ("cost", "cost-before"):  # one measurement per k, shared by the drafters and gates
+                if g in gates:
+                    eng = specs[label[d, g], k]
+                    eng.verify_cost = verify_cost.get(k) or eng.measure_verify_cost()
+                    verify_cost[k] = eng.verify_cost
+                    eng.gate_by_gain = g == "cost"
             if "none" in gates:
                 specs[label[d, "none"], k].gate_drafts = False
     drafter_of = {label[d, g]: d for d in drafters for g in gates}

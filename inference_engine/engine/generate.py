@@ -63,6 +63,9 @@ class Engine:
         # False: every step drafts spec_k (room permitting), for measuring a drafter's acceptance apart from the gate's
         # timing-dependent choice of which steps draft (scripts/bench_speculative.py --draft-gates none)
         self.gate_drafts = True
+        # False: the draft gate counts every empty verify block as a miss, as before 2026-12-01 (DraftGate.by_gain;
+        # scripts/bench_speculative.py --draft-gates cost-before)
+        self.gate_by_gain = True
         self.drafter_name = drafter_name if self.drafter is not None else ""
         self.strategy_resources = strategy_resources
         # One forward at a time; concurrent sessions' steps share it when batching is on.
@@ -247,6 +250,7 @@ class Engine:
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
+            kv.draft_gate.by_gain = self.gate_by_gain
             drafting = self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open())
             drafts = self._draft(kv, context, min(self.spec_k, room)) if drafting else []
             step = yield from self._advance(kv, token, drafts, params, gen, budget)

@@ -49,17 +49,22 @@ class DraftGate:
     """Per session: stop drafting for a while when drafting does not pay.
 
     A verify block costs more than a decode step, so a drafter that keeps missing - prompt lookup on
-    prose, say - would make decoding slower than without it. A verify step that accepted nothing is a
-    miss; with the engine's measured cost of a verify block (`cost[n]`: a block of n drafts over one decode
-    step, engine.Engine.measure_verify_cost), so is one while the session's recent verify steps yield less
-    than they cost: `gain`, a moving average of (1 + accepted) / cost[drafted], the tokens a verify step
-    gives per decode step's time, below 1. After the 2nd miss in a row drafting pauses for 2 steps, then 4,
-    8, ... up to 32; a step that pays resets it. Which steps draft never changes the output (acceptance
-    keeps it exact)."""
+    prose, say - would make decoding slower than without it. With the engine's measured cost of a verify
+    block (`cost[n]`: a block of n drafts over one decode step, engine.Engine.measure_verify_cost), a step
+    is a miss while the session's recent verify steps yield less than they cost: `gain`, a moving average
+    of (1 + accepted) / cost[drafted], the tokens a verify step gives per decode step's time, below 1.
+    Without one, a verify step that accepted nothing is a miss. After the 2nd miss in a row drafting
+    pauses for 2 steps, then 4, 8, ... up to 32; a step that pays resets it. Which steps draft never
+    changes the output (acceptance keeps it exact)."""
 
     misses: int = 0
     skip: int = 0
     gain: float = 1.0  # moving average of (1 + accepted) / cost[drafted] (with a measured cost)
+    # With a measured cost for the block's size, a step is a miss when `gain` is below 1 - an empty block of one draft
+    # (cost ~1.01-1.03 decode steps) while the average pays is not one. False: every empty block is a miss too (before
+    # 2026-12-01), which paused prompt lookup's one-token drafts, whose misses cost almost nothing
+    # (scripts/research/ngram_policy.py).
+    by_gain: bool = True
     MAX_SKIP = 32
     WEIGHT = 0.25  # of the newest verify step in `gain`
 
@@ -70,9 +75,15 @@ class DraftGate:
         return True
 
     def record(self, accepted: int, drafted: int = 0, cost: Sequence[float] | None = None) -> None:
-        if cost is not None and 0 < drafted < len(cost):
+        measured = cost is not None and 0 < drafted < len(cost)
+        if measured:
+            assert cost is not None
             self.gain += self.WEIGHT * ((1 + accepted) / cost[drafted] - self.gain)
-        if accepted and (cost is None or self.gain >= 1.0):
+        if measured and self.by_gain:
+            pays = self.gain >= 1.0
+        else:
+            pays = bool(accepted) and (cost is None or self.gain >= 1.0)
+        if pays:
             self.misses = 0
             return
         self.misses += 1

@@ -12,8 +12,10 @@ time for prompt lookup in results/speculative_ngram_avx512.json, is left out), s
 
 Prompts: the held-out prompts of smollm2-135m-dlm per style, in the bench's `spread` order, from index --skip on (the
 bench takes the first --prompts-per-style, 8 in its runs of record): the policies are chosen on prompts the bench
-does not use. Policies (--policies, comma list of NAME=max_ngram:min_ngram:k_by_match):
-  k_by_match: how many tokens to draft for a match of n tokens, `4` for every n or e.g. `1/2/4` (n = 1, 2, >= 3)
+does not use. Policies (--policies, comma list of NAME=max_ngram:min_ngram:k_by_match), each under three draft gates (`cost`, the
+engine's; `cost-before`, the gate before 2026-12-01; `none`):
+  k_by_match: the most tokens drafted after a match of n tokens (PromptLookupDrafter's k_by_match), `4` for every n
+              or e.g. `1/2/4` (n = 1, 2, >= 3); the engine's k (--k) caps them all
 
     python scripts/research/ngram_policy.py --threads 2 --out results/research/ngram_policy_avx512.json
 """
@@ -30,8 +32,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
-POLICIES = ("now=3:1:4,min2=3:2:4,max5=5:1:4,max8=8:1:4,max8min2=8:2:4,short1=5:1:1/2/4,short2=8:1:2/4,"
-            "short2min2=8:2:2/4,max8k2=8:1:2")
+POLICIES = ("before=3:1:4,default=5:1:1/2,max3=3:1:1/2,max8=8:1:1/2,one=5:1:1/1,short3=5:1:1/2/3,min2=5:2:1/2,"
+            "k2=5:1:2")  # before: the drafter before 2026-12-01; default: PromptLookupDrafter()'s since
 
 
 def parse_policy(spec: str) -> tuple[str, int, int, list[int]]:
@@ -43,44 +45,36 @@ def parse_policy(spec: str) -> tuple[str, int, int, list[int]]:
     return name, int(mx), int(mn), k_by
 
 
-def lookup(ctx: np.ndarray, max_ngram: int, min_ngram: int) -> tuple[int, int]:
-    """(start of the tokens that followed the latest earlier occurrence of ctx's longest matching suffix, its length n);
-    (-1, 0) when none: engine/prompt_lookup.PromptLookupDrafter.lookup's search."""
-    n_ctx = ctx.size
-    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
-        suffix = ctx[n_ctx - n:]
-        hits = np.flatnonzero(ctx[: n_ctx - n] == suffix[0])
-        for j in range(1, n):
-            hits = hits[ctx[hits + j] == suffix[j]]
-        if hits.size:
-            return int(hits[-1]) + n, n
-    return -1, 0
+GATES = ("cost", "cost-before", "none")
 
 
-def replay(prompt: list, out: list, policy: tuple, cost: list, gate: bool) -> dict:
-    """The engine's decode loop over `out` (the greedy continuation, out[0] from the prefill) under `policy`."""
+def replay(prompt: list, out: list, policy: tuple, cost: list, gate: str) -> dict:
+    """The engine's decode loop over `out` (the greedy continuation, out[0] from the prefill) under `policy` and a draft
+    gate: `cost` (the engine's DraftGate), `cost-before` (DraftGate(by_gain=False): every empty block a miss, the
+    gate before 2026-12-01) or `none` (every step drafts)."""
+    from inference_engine.engine.prompt_lookup import PromptLookupDrafter
     from inference_engine.engine.speculative import DraftGate
 
     _, mx, mn, k_by = policy
+    drafter = PromptLookupDrafter(max_ngram=mx, min_ngram=mn, k_by_match=tuple(k_by))
     k_max = len(cost) - 1
-    g = DraftGate()
+    g = DraftGate(by_gain=gate != "cost-before")
     ctx = np.asarray(prompt + out, dtype=np.int64)
     n, steps, spent, drafted, accepted, by_match = 1, 0, 0.0, 0, 0, {}
     while n < len(out):
         room = len(out) - n - 1
         drafts: np.ndarray = ctx[:0]
         match = 0
-        if room > 0 and (not gate or g.open()):
-            start, match = lookup(ctx[: len(prompt) + n], mx, mn)
-            if match:
-                k = min(k_by[min(match, len(k_by)) - 1], k_max, room)
-                drafts = ctx[start: start + k][: len(prompt) + n - start]
+        if room > 0 and (gate == "none" or g.open()):
+            seen = ctx[: len(prompt) + n]
+            drafts = drafter.lookup(seen, min(k_max, room))
+            match = drafter.match(seen)[1]
         truth = out[n: n + len(drafts)]
         a = 0
         while a < len(drafts) and a < len(truth) and int(drafts[a]) == truth[a]:
             a += 1
         if len(drafts):
-            if gate:
+            if gate != "none":
                 g.record(a, len(drafts), cost)
             m = by_match.setdefault(str(min(match, 4)), [0, 0, 0])
             m[0], m[1], m[2] = m[0] + 1, m[1] + len(drafts), m[2] + a
@@ -143,7 +137,7 @@ def main(argv=None) -> int:
     by_style: dict = {}
     for style, rows in refs.items():
         by_style[style] = {}
-        for gate in (True, False):
+        for gate in GATES:
             for pol in policies:
                 runs = [replay(prompt, out, pol, cost, gate) for _, prompt, out in rows]
                 tot = {k: sum(r[k] for r in runs) for k in ("ar_steps", "steps", "cost_steps", "drafted", "accepted")}
@@ -152,7 +146,7 @@ def main(argv=None) -> int:
                     for m, v in r["by_match"].items():
                         b = by_match.setdefault(m, [0, 0, 0])
                         b[0], b[1], b[2] = b[0] + v[0], b[1] + v[1], b[2] + v[2]
-                by_style[style][f"{pol[0]}{'' if gate else '[none]'}"] = tot | {
+                by_style[style][pol[0] if gate == "cost" else f"{pol[0]}[{gate}]"] = tot | {
                     "modelled_speedup": round(tot["ar_steps"] / tot["cost_steps"], 4),
                     "tokens_per_step": round((tot["ar_steps"]) / max(1, tot["steps"]), 4),
                     "alpha": round(tot["accepted"] / max(1, tot["drafted"]), 4),
@@ -161,7 +155,7 @@ def main(argv=None) -> int:
     doc = meta | {
         "what": "modelled speedup = AR decode steps / the policy's verify steps weighted by the measured cost of a block of "
                 "n drafts (verify_cost[n], decode step = 1); the verifier's greedy output replayed (exact acceptance); "
-                "[none]: every step drafts (no cost gate)",
+                "[none]: every step drafts (no gate); [cost-before]: the gate before 2026-12-01 (every empty block a miss)",
         "verify_cost": cost, "generate_s": round(gen_s, 1),
         "policies": {name: {"max_ngram": mx, "min_ngram": mn, "k_by_match_length": kb} for name, mx, mn, kb in policies},
         "prompts": {s: [k for k, _, _ in rows] for s, rows in refs.items()},

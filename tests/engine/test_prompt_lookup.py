@@ -1,6 +1,7 @@
 """`--drafter ngram`: prompt lookup proposes what followed the latest earlier match, nothing when
 there is none, and never changes the verifier's output."""
 import numpy as np
+import pytest
 import torch
 
 from factories import load_model, tiny_model_dir
@@ -19,6 +20,22 @@ def test_lookup_prefers_the_longest_suffix_and_the_latest_match():
     assert d.lookup(np.array([1, 2, 3, 9, 2, 3, 4, 2, 3]), 2).tolist() == [4, 2]  # latest "2 3"
     assert d.lookup(np.array([1, 2, 3, 4]), 3).size == 0  # no earlier occurrence of anything: no draft
     assert d.lookup(np.array([7, 7, 7]), 4).tolist() == [7]  # what follows, up to the end
+
+
+def test_a_short_match_drafts_only_what_it_earns():
+    """k_by_match caps a match of n tokens at k_by_match[n - 1] drafts (default: 1 after one token, 2 after two, k
+    from three on); match() says where the continuation starts and how long the matched suffix is."""
+    ctx = np.array([5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7])
+    d = PromptLookupDrafter()
+    assert d.match(ctx) == (3, 3) and d.lookup(ctx, 4).tolist() == [8, 1, 6, 7]  # three tokens matched: k
+    two = np.array([1, 2, 3, 9, 4, 2, 3])
+    assert d.match(two) == (3, 2) and d.lookup(two, 4).tolist() == [9, 4]  # "2 3": two drafts
+    one = np.array([1, 2, 3, 9, 4, 2, 8, 3])
+    assert d.match(one) == (3, 1) and d.lookup(one, 4).tolist() == [9]  # "3": one draft
+    assert PromptLookupDrafter(k_by_match=()).lookup(one, 4).tolist() == [9, 4, 2, 8]  # uncapped: as before
+    assert d.match(np.array([1, 2, 3])) == (-1, 0) and d.lookup(np.array([1, 2, 3]), 4).size == 0
+    with pytest.raises(ValueError, match="k_by_match"):
+        PromptLookupDrafter(k_by_match=(0, 2))
 
 
 def test_ngram_speculation_is_exact_and_drafts_only_on_matches():
