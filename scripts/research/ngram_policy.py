@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=12, help="prompts per style after --skip")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="the most drafts a block takes (the engine's --spec-k)")
+    p.add_argument("--cost-steps", type=int, default=40, help="timed forwards per block size (tuning.verify_costs)")
     p.add_argument("--policies", default=POLICIES)
     p.add_argument("--out", default=str(ROOT / "results" / "research" / "ngram_policy.json"))
     args = p.parse_args(argv)
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     model.use_step_graphs("auto")
     engine = Engine(model, KVStrategy("sink_window"))
     with model.inference():
-        cost = verify_costs(model, args.k)
+        cost = verify_costs(model, args.k, timed_steps=args.cost_steps)
     heldout = json.loads((resolve_checkpoint(args.heldout_from) / "heldout_prompts.json").read_text())
     t0 = time.perf_counter()
     refs: dict = {}

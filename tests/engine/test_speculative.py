@@ -229,7 +229,8 @@ def test_verify_costs_are_measured_on_a_scratch_cache_per_block_size():
     engine = Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=SelfDrafter(model), spec_k=3)
     assert engine.verify_cost is None  # until measured (the daemon does at startup)
     cost = engine.measure_verify_cost()
-    assert engine.verify_cost is cost and len(cost) == 4 and cost[0] == 1.0 and all(c > 0 for c in cost)
+    assert engine.verify_cost is cost and len(cost) == 4 and cost[0] == 1.0
+    assert all(a <= b for a, b in zip(cost, cost[1:]))  # more rows never cost less
     assert len(verify_costs(model, 1, timed_steps=1)) == 2
     assert Engine(model, KVStrategy("full")).measure_verify_cost() is None  # no drafter, nothing to weigh
 
