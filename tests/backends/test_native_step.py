@@ -752,6 +752,12 @@ def _scores_alone_and_batched(mod, RowQuant, bits, groups, query):
         mod.score_eight(1)
     if query == "int8":
         assert torch.equal(batch, rq.group_max_scores(q, codes, scale, path="float"))
+        assert mod.score_keys_avx512() == 1
+        try:  # the AVX2 code where an AVX-512 VNNI build takes two keys a vector: the same bits
+            mod.score_keys_avx512(0)
+            assert torch.equal(mod.group_max_scores(q, codes, scale), batch)
+        finally:
+            mod.score_keys_avx512(1)
         return
     want = (q @ rq.decode(pay).reshape(2, 1, n, 64).transpose(-1, -2)).amax(1)  # the decoded keys' scores
     torch.testing.assert_close(batch, want, rtol=1e-4, atol=1e-3)

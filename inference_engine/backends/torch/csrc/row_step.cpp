@@ -665,6 +665,13 @@ inline float quantize_query(const float* qs, int64_t G, int64_t D, int8_t* a, in
   return s;
 }
 
+// Whether score_keys_q8 scores 4-bit codes of 64 dimensions two keys a vector with AVX-512 VNNI where the build has it
+// (1, the default) or with the AVX2 code (0: before; research scripts time it); the same bits either way.
+inline int64_t& score_keys_avx512() {
+  static int64_t on = 1;
+  return on;
+}
+
 // Scores of keys [c0, c1) against one (row, KV head)'s quantized query (a, sums, s: quantize_query). 4-bit codes are
 // read as unsigned nibbles u = code + 8 (so dot = u . a - 8 sum(a)). With AVX2: 4-bit codes 32 bytes (64 dimensions)
 // per u8 x s8 multiply-add (vpmaddubsw: pairs of products <= 2 * 15 * 127, no saturation), int8 codes 16 dimensions
@@ -686,8 +693,33 @@ inline void score_keys_q8(const int8_t* a, const int32_t* sums, float s, int64_t
         qo[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + g * D + 32));
       }
     alignas(32) __m256i acc[G][8];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    // AVX-512 VNNI (4-bit codes of 64 dimensions): two keys a vector, each pair of nibble vectors one vpdpbusd per
+    // query row; lane i of a key's half holds the same sum of 4 byte products as the AVX2 code's lane i (both exact
+    // integers), so the reduction below gives the same bits (score_keys_avx512)
+    __m512i qe2[G], qo2[G];
+    if (held && score_keys_avx512())
+      for (int g = 0; g < G; ++g) {
+        qe2[g] = _mm512_broadcast_i64x4(qe[g]);
+        qo2[g] = _mm512_broadcast_i64x4(qo[g]);
+      }
+#endif
     for (; c < c1; c += 8) {
       const int nk = static_cast<int>(std::min<int64_t>(8, c1 - c));
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (held && nk == 8 && score_keys_avx512()) {
+        const __m512i low2 = _mm512_set1_epi8(0x0F);
+        for (int j = 0; j < 4; ++j) {
+          const __m512i x = _mm512_loadu_si512(codes + (c + 2 * j) * row_bytes);
+          const __m512i lo = _mm512_and_si512(x, low2), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low2);
+          for (int g = 0; g < G; ++g) {
+            const __m512i r = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, qe2[g]), hi, qo2[g]);
+            acc[g][2 * j] = _mm512_castsi512_si256(r);
+            acc[g][2 * j + 1] = _mm512_extracti64x4_epi64(r, 1);
+          }
+        }
+      } else
+#endif
       for (int k = 0; k < 8; ++k) {
         __m256i r[G];
         for (int g = 0; g < G; ++g) r[g] = _mm256_setzero_si256();
@@ -1605,6 +1637,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          "whether the AVX-512 int4 kernel runs its rows in tiles of a fixed count, their sums in registers and their "
          "dot chains interleaved (1, the default) or in the runtime loop over up to 8 rows (0: before); the same bits "
          "either way");
+  toggle("score_keys_avx512", &score_keys_avx512,
+         "whether the compact keys' scoring takes 4-bit codes of 64 dimensions two keys a vector with AVX-512 VNNI where "
+         "the build has it (1, the default) or the AVX2 code (0: before); the same bits either way");
   toggle("trim_columns", &trim_columns,
          "whether a whole step's rows attend only up to their last visible column (1, the default) or scan every "
          "column of the step's mask, masked ones skipped one by one (0); the same bits either way");
