@@ -7,7 +7,8 @@ Issue 29's target: at 32k and 100k tokens of history, hot (resident + selection)
          spill files
   ram    page_ram_mb 0: every page in RAM (what paged did before the disk tier), the control
 
-Each process loads the real model (its weights, --weights), notes its RSS, then fills one real PagedCache with random
+Each process loads the real model (its weights, --weights; its decode steps on the path `kakeya serve --compile`
+takes, --compile; the K/V dtype the daemon resolves for `paged`, --kv-dtype), notes its RSS, then fills one real PagedCache with random
 K/V through the cache's own API (prepare, update_and_fetch, commit: rows archived, compact keys and page bounds made
 as in serving; no model forward, so the history reaches 100k tokens in minutes) to each length in turn, and there:
 
@@ -90,11 +91,18 @@ def run_variant(args) -> dict:
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
 
+    from inference_engine.server.app import resolve_kv_dtype
+    from inference_engine.server.config import ServeConfig
+
     torch.set_num_threads(args.threads)
     model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
+    model.use_step_graphs(args.compile)
     g = model.geometry()
     budget = args.page_ram_mb if args.variant == "spill" else VARIANTS[args.variant]
-    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, page_ram_mb=budget)
+    # the K/V dtype the daemon takes for `paged` with these settings (--kv-dtype auto: fp16 where the native step reads
+    # it in its registers)
+    kv_dtype = resolve_kv_dtype(ServeConfig(kv_strategy="paged", kv_dtype=args.kv_dtype), model)
+    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, page_ram_mb=budget, kv_dtype=kv_dtype)
     gen = torch.Generator().manual_seed(0)
     token = model.tensor([17])
 
@@ -111,7 +119,8 @@ def run_variant(args) -> dict:
     gc.collect()
     before = rss()
     cache = make_cache(strategy, g, max_step=args.chunk, max_context=model.spec.max_context)
-    out: dict = {"rss_before_cache": before, "page_ram_mb": strategy.page_ram_mb, "lengths": {}}
+    out: dict = {"rss_before_cache": before, "page_ram_mb": strategy.page_ram_mb, "kv_dtype": kv_dtype,
+                 "step": model.describe_step(), "lengths": {}}
 
     def step() -> float:
         at = cache.next_position
@@ -183,6 +192,11 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--compile", default="auto", choices=("off", "auto"),
+                    help="the decode steps' path, as `kakeya serve --compile` (auto: the native CPU row step; before "
+                         "2026-12-01 this script ran the Python pieces)")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp32", "fp16"),
+                    help="the K/V dtype, as `kakeya serve --kv-dtype` resolves it (before 2026-12-01 this script ran fp32)")
     ap.add_argument("--page-ram-mb", type=float, default=VARIANTS["spill"], help="the spill variant's budget")
     ap.add_argument("--resume-step", action="store_true",
                     help="also time each length's first decode step after a save and a load (with far_keys saved, and "
