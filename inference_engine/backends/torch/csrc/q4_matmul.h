@@ -231,12 +231,34 @@ inline int64_t& prefetch_next() {
   return on;
 }
 
+// Group g of a block of 16 columns for the AVX-512 kernels: its codes as vpdpbusd's unsigned operands (wq[2p] the low
+// nibbles of vector P_p: inputs 8p..8p+3; wq[2p + 1] the high ones: 8p+4..8p+7), its d and m, and its outlier channels
+// [c0, c1) with their weights q * d + m (one fma) decoded from the block's own codes into wf.
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"), always_inline)) inline void group_vnni(
+    const uint8_t* blk, int64_t g, const int64_t* ch, const int64_t* gfirst, int64_t nc, __m512i* wq, __m512& d,
+    __m512& m, float* wf, int64_t& c0, int64_t& c1) {
+  const __m512i lo_mask = _mm512_set1_epi8(15);
+  for (int p = 0; p < 4; ++p) {
+    const __m512i v = _mm512_loadu_si512(blk + p * 64);
+    wq[2 * p] = _mm512_and_si512(v, lo_mask);
+    wq[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
+  }
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes)));
+  m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes + 32)));
+  c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
+  for (int64_t ci = c0; ci < c1; ++ci) {
+    const int i = static_cast<int>(ch[ci] - g * kGroup);
+    const __m512i v = _mm512_loadu_si512(blk + (i >> 3) * 64);
+    const __m512i q = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm512_set1_epi32(15));
+    _mm512_store_ps(wf + (ci - c0) * kCols, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m));
+  }
+}
+
 template <int P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void block_vnni(
     const uint8_t* w, int64_t groups, const int8_t* qx, const float* xs, const float* xsum, int64_t rows, int64_t k,
     float* y, int64_t n, int64_t col0, int64_t ahead, const float* xo, const int64_t* ch, const int64_t* gfirst,
     int64_t nc) {
-  const __m512i lo_mask = _mm512_set1_epi8(15);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
     const int64_t nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
     __m512 acc[kRowTile];
@@ -245,22 +267,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
       const uint8_t* blk = w + g * kBlockBytes;
       if (r0 == 0) prefetch_block(blk, ahead);
       __m512i wq[8];
-      for (int p = 0; p < 4; ++p) {
-        const __m512i v = _mm512_loadu_si512(blk + p * 64);
-        wq[2 * p] = _mm512_and_si512(v, lo_mask);
-        wq[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
-      }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes + 32)));
-      // this group's outlier channels: their weights q * d + m (one fma) decoded from the block's codes
-      const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
+      __m512 d, m;
       alignas(64) float wf[kGroup * kCols];
-      for (int64_t ci = c0; ci < c1; ++ci) {
-        const int i = static_cast<int>(ch[ci] - g * kGroup);
-        const __m512i v = _mm512_loadu_si512(blk + (i >> 3) * 64);
-        const __m512i q = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm512_set1_epi32(15));
-        _mm512_store_ps(wf + (ci - c0) * kCols, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m));
-      }
+      int64_t c0, c1;
+      group_vnni(blk, g, ch, gfirst, nc, wq, d, m, wf, c0, c1);
       for (int r = 0; r < nr; ++r) {
         const int8_t* xr = qx + (r0 + r) * P * k + g * kGroup;
         __m512i dot = _mm512_setzero_si512();
@@ -304,28 +314,16 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void tile
     float* y, int64_t n, int64_t col0, int64_t ahead, const float* xo, const int64_t* ch, const int64_t* gfirst,
     int64_t nc) {
   constexpr int S = NR < 4 ? 2 : 1;  // chains per row and plane
-  const __m512i lo_mask = _mm512_set1_epi8(15);
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk = w + g * kBlockBytes;
     if (r0 == 0) prefetch_block(blk, ahead);
     __m512i wq[8];
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512(blk + p * 64);
-      wq[2 * p] = _mm512_and_si512(v, lo_mask);
-      wq[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo_mask);
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodeBytes + 32)));
-    const int64_t c0 = nc ? gfirst[g] : 0, c1 = nc ? gfirst[g + 1] : 0;
+    __m512 d, m;
     alignas(64) float wf[kGroup * kCols];
-    for (int64_t ci = c0; ci < c1; ++ci) {  // as block_vnni
-      const int i = static_cast<int>(ch[ci] - g * kGroup);
-      const __m512i v = _mm512_loadu_si512(blk + (i >> 3) * 64);
-      const __m512i q = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(code_shift(i))), _mm512_set1_epi32(15));
-      _mm512_store_ps(wf + (ci - c0) * kCols, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m));
-    }
+    int64_t c0, c1;
+    group_vnni(blk, g, ch, gfirst, nc, wq, d, m, wf, c0, c1);
     __m512i dot[NR];
     for (int plane = 0; plane < P; ++plane) {
       __m512i part[NR][S];
