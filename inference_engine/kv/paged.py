@@ -187,18 +187,9 @@ class PagedCache(SinkWindowCache):
             return None
         c = cand_end - self.sink
         n_pages = -(-c // self.page_size)
-        cpos = np.arange(self.sink, cand_end)
-        qpos = np.arange(first, first + t)[:, None]
         dev = self.store.device
-        allowed, free = {}, {}
-        for w in set(self.geometry.layer_windows):
-            if w is not None and w <= self.window:
-                continue  # a local layer sees nothing its cache window does not hold
-            a = cpos[None, :] <= qpos - self.window
-            if w is not None:
-                a &= cpos[None, :] > qpos - w
-            allowed[w] = torch.from_numpy(a).to(dev)
-            free[w] = bool(a.all())
+        # a local layer sees nothing its cache window does not hold; the others recall (their `allowed` made on demand)
+        windows = {w for w in self.geometry.layer_windows if w is None or w > self.window}
         cols = None
         if cand_end > self.archived_end:  # out-of-window keys still resident (a step longer than the window)
             key_pos = layout.key_positions.cpu().numpy()
@@ -208,9 +199,24 @@ class PagedCache(SinkWindowCache):
                 raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
             cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
         far = np.arange(first, first + t) >= self.far_from  # rows that choose through far_keys
-        return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "allowed": allowed, "free": free, "cols": cols,
-                "first": first, "far": "all" if far.all() else ("some" if far.any() else "none"),
+        return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "windows": windows, "allowed": {}, "free": {},
+                "cols": cols, "first": first, "t": t, "far": "all" if far.all() else ("some" if far.any() else "none"),
                 "far_rows": torch.from_numpy(far).to(dev)}
+
+    def _recall_allowed(self, plan: Plan, w: int | None) -> torch.Tensor:
+        """(T, C) bool: which candidates each of the step's queries may recall under model window w (made on first use
+        and kept in the plan: the native step never reads it, and a prefill chunk's is T x history, 16 MB for 512
+        rows at 32k, which was made for every step before 2026-12-01); plan["free"][w]: whether every one may."""
+        a = plan["allowed"].get(w)
+        if a is None:
+            cpos = np.arange(self.sink, plan["cand_end"])
+            qpos = np.arange(plan["first"], plan["first"] + plan["t"])[:, None]
+            m = cpos[None, :] <= qpos - self.window
+            if w is not None:
+                m &= cpos[None, :] > qpos - w
+            a = plan["allowed"][w] = torch.from_numpy(m).to(self.store.device)
+            plan["free"][w] = bool(m.all())
+        return a
 
     def recall_hook(self, rotate_keys: RotateKeys | None = None, resident_rows: Callable | None = None,
                     recalled_rows: Callable | None = None, paged_rows: Callable | None = None) -> Callable | None:
@@ -257,12 +263,11 @@ class PagedCache(SinkWindowCache):
             self._keep_far_keys(rotate_keys)
         w = self.geometry.layer_windows[layer]
         plan = self._step
-        if plan is None or w not in plan["allowed"]:
+        if plan is None or w not in plan["windows"]:
             return None
         if not isinstance(q, torch.Tensor):  # another backend's arrays (MLX): recall runs on host torch tensors
             q, k_all, v_all = (torch.from_numpy(np.array(x)) for x in (q, k_all, v_all))
         t0 = time.perf_counter()
-        allowed = plan["allowed"][w]
         if plan["far"] != "none" and self._rotate is not None and not self.far_active:
             self._start_far_choice()
         if self._native_rows is not None and w is None:  # every row as a one-token step at its position would
@@ -281,7 +286,7 @@ class PagedCache(SinkWindowCache):
                 return o
         if getattr(layout, "row_exact", False) or layout.last_position >= self.far_from:
             return self._attend_rows(layer, q, k_all, v_all, layout, plan, w, idx, scale, t0, t1, rotate_keys)
-        sel = self._selection(idx, ok, allowed, c)  # (Hkv, T, C)
+        sel = self._selection(idx, ok, self._recall_allowed(plan, w), c)  # (Hkv, T, C)
         rows, valid = _rows_per_head(sel.any(1))  # per head: keys any of the step's queries chose
         kr, vr = self._rows_kv(layer, rows, k_all, v_all, plan["cols"])
         mask_r = sel.gather(2, rows[:, None].expand(-1, t, -1)) & valid[:, None]  # (Hkv, T, E)
@@ -571,7 +576,7 @@ class PagedCache(SinkWindowCache):
         key = ("visible", w)
         if key not in plan:
             p, n_pages = self.page_size, plan["n_pages"]
-            ok = F.pad(plan["allowed"][w], (0, n_pages * p - plan["c"]), value=False)  # (T, pages * P)
+            ok = F.pad(self._recall_allowed(plan, w), (0, n_pages * p - plan["c"]), value=False)  # (T, pages * P)
             host = ok.cpu().numpy()
             last = [int(np.flatnonzero(r)[-1]) + 1 if r.any() else 0 for r in host]  # rows through the last visible one
             pages = [-(-n // p) for n in last]
@@ -605,7 +610,7 @@ class PagedCache(SinkWindowCache):
         if plan is None:
             raise CacheInvariantError("inv1", "page choice outside a prepared step")
         idx, ok = self._choose_pages(layer, q, k_all, plan, w)
-        return self._selection(idx, ok, plan["allowed"][w], plan["c"])
+        return self._selection(idx, ok, self._recall_allowed(plan, w), plan["c"])
 
     def _selection(self, idx: torch.Tensor, ok: torch.Tensor, allowed: torch.Tensor, c: int) -> torch.Tensor:
         """(Hkv, T, C) bool from the chosen pages: keys of a chosen page the query may see."""
@@ -626,7 +631,7 @@ class PagedCache(SinkWindowCache):
         if n_pages <= self.recall_pages:  # every page is chosen, whatever the scores: nothing to score
             key = ("every_page", w)
             if key not in plan:
-                ok = F.pad(plan["allowed"][w], (0, span - c), value=False).view(t, n_pages, p).any(-1)  # (T, pages)
+                ok = F.pad(self._recall_allowed(plan, w), (0, span - c), value=False).view(t, n_pages, p).any(-1)  # (T, pages)
                 plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
             return plan[key]
         far = plan["far"] if self.far_active else "none"
@@ -644,8 +649,9 @@ class PagedCache(SinkWindowCache):
             scores = scored(far == "all")
         if span > c:
             scores[..., c:] = float("-inf")
+        allowed = self._recall_allowed(plan, w)
         if not plan["free"][w]:
-            scores[..., :c].masked_fill_(~plan["allowed"][w], float("-inf"))
+            scores[..., :c].masked_fill_(~allowed, float("-inf"))
         page_scores = scores.view(hkv, t, n_pages, p).amax(-1)  # (Hkv, T, pages): a page's best key
         best, idx = _top(page_scores, min(self.recall_pages, n_pages), stable=far != "none")
         return idx, best > float("-inf")
