@@ -254,6 +254,24 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"), always_inline)) i
   }
 }
 
+// A row's group into its sums: acc + float(dot) * (d * s), then + m * (s * sum) (the same two fmas on every path).
+__attribute__((target("avx512f,fma"), always_inline)) inline __m512 add_group(__m512 acc, __m512i dot, __m512 d, __m512 m,
+                                                                           float s, float t) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s)), acc);
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(t), acc);
+}
+
+// Then the group's outlier channels [c0, c1), exactly, in order, for rows r0 .. r0 + nr (rows inside: their sums are
+// independent chains): acc[r] += x[r, c] * w[c] with the weights group_vnni decoded into wf.
+__attribute__((target("avx512f,fma"), always_inline)) inline void add_outliers(__m512* acc, int64_t nr, int64_t r0,
+                                                                            const float* wf, const float* xo, int64_t nc,
+                                                                            int64_t c0, int64_t c1) {
+  for (int64_t ci = c0; ci < c1; ++ci) {
+    const __m512 wv = _mm512_load_ps(wf + (ci - c0) * kCols);
+    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xo[(r0 + r) * nc + ci]), wv, acc[r]);
+  }
+}
+
 template <int P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void block_vnni(
     const uint8_t* w, int64_t groups, const int8_t* qx, const float* xs, const float* xsum, int64_t rows, int64_t k,
@@ -282,14 +300,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void bloc
             dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(four));
           }
         }
-        const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(t), acc[r]);
+        acc[r] = add_group(acc[r], dot, d, m, xs[(r0 + r) * groups + g], xsum[(r0 + r) * groups + g]);
       }
-      for (int64_t ci = c0; ci < c1; ++ci) {  // then the group's outlier channels, exactly, in order (rows inside: their
-        const __m512 wv = _mm512_load_ps(wf + (ci - c0) * kCols);  // sums are independent chains)
-        for (int r = 0; r < nr; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xo[(r0 + r) * nc + ci]), wv, acc[r]);
-      }
+      add_outliers(acc, nr, r0, wf, xo, nc, c0, c1);
     }
     for (int r = 0; r < nr; ++r) _mm512_storeu_ps(y + (r0 + r) * n + col0, acc[r]);
   }
@@ -340,15 +353,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c"))) inline void tile
         dot[r] = plane ? _mm512_add_epi32(_mm512_slli_epi32(dot[r], 8), sum) : sum;
       }
     }
-    for (int r = 0; r < NR; ++r) {
-      const float s = xs[(r0 + r) * groups + g], t = xsum[(r0 + r) * groups + g];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(t), acc[r]);
-    }
-    for (int64_t ci = c0; ci < c1; ++ci) {
-      const __m512 wv = _mm512_load_ps(wf + (ci - c0) * kCols);
-      for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xo[(r0 + r) * nc + ci]), wv, acc[r]);
-    }
+    for (int r = 0; r < NR; ++r)
+      acc[r] = add_group(acc[r], dot[r], d, m, xs[(r0 + r) * groups + g], xsum[(r0 + r) * groups + g]);
+    add_outliers(acc, NR, r0, wf, xo, nc, c0, c1);
   }
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(y + (r0 + r) * n + col0, acc[r]);
 }
