@@ -12,8 +12,9 @@ class DrafterInputError(ValueError):
 
 class DraftResult:
     """ids (k,); probs (k, V): the drafter's distribution of each slot at the step it was committed, given as the tensor
-    or as a function that makes it on first read (the engine accepts drafts as point proposals and never reads them:
-    a v2 draft's (k, V) scatter over the verifier's vocabulary was ~0.5 ms of its ~3.6 on a 2-core CPU); kv: per layer
+    or as a function that makes it on first read (the engine accepts drafts as point proposals and never reads them; a
+    v2 draft's (k, V) scatter over the verifier's vocabulary is work nobody used, though side by side it was within the
+    noise of a draft's time: results/research/drafter_cost_avx512.json, arm `probs`); kv: per layer
     (K, V), v1 (H, T + k, D) of the last pass, v2 its context cache; hidden: (T + k, d) v1 / (block, d) v2, the
     last-layer hidden states of the last pass; steps_used: the passes run."""
 
