@@ -33,7 +33,7 @@ class TimedDrafter:
         self.inner, self.seconds, self.calls = inner, 0.0, 0
         self.context_window, self.uses_verifier_hidden = inner.context_window, inner.uses_verifier_hidden
         if getattr(inner, "capture_layers", ()):  # v2: the engine captures these layers and keeps the drafter's cache
-            self.capture_layers, self.new_state = inner.capture_layers, inner.new_state
+            self.capture_layers, self.new_state, self.config = inner.capture_layers, inner.new_state, inner.config
 
     def draft(self, *a, **kw):
         t = time.perf_counter()
@@ -100,10 +100,12 @@ def main() -> int:
     ap.add_argument("--time-budget-min", type=float, default=0.0, help="stop starting prompts after this long (0 = all)")
     ap.add_argument("--draft-gates", default="cost",
                     help="comma list; cost: the daemon's gate, acceptance weighed against verify blocks' cost measured "
-                         "here (Engine.measure_verify_cost); cost-before: that gate as before 2026-12-01 (every empty "
-                         "block a miss too); misses: only empty blocks pause drafting (before 2026-11-27); none: every "
-                         "step drafts k (the drafter's acceptance apart from the timing the cost "
-                         "gate depends on). With several, each drafter runs under each, arms after the first named drafter[gate]")
+                         "here (Engine.measure_verify_cost: verify block and draft); cost-before: that gate as before "
+                         "2026-12-01 (every empty block a miss too, the draft's cost not counted); cost-verify: the "
+                         "gate with the verify blocks' cost only (the draft's not counted, as before 2026-12-01); "
+                         "misses: only empty blocks pause drafting (before 2026-11-27); none: every step drafts k (the "
+                         "drafter's acceptance apart from the timing the cost gate depends on). With several, each "
+                         "drafter runs under each, arms after the first named drafter[gate]")
     args = ap.parse_args()
     load_at_start = os.getloadavg()
 
@@ -142,8 +144,8 @@ def main() -> int:
     strategy = KVStrategy(args.kv_strategy)
     ar = Engine(model, strategy)
     gates = args.draft_gates.split(",")
-    if not gates or any(g not in ("cost", "cost-before", "misses", "none") for g in gates):
-        raise SystemExit(f"--draft-gates: cost, cost-before, misses and/or none, got {args.draft_gates!r}")
+    if not gates or any(g not in ("cost", "cost-before", "cost-verify", "misses", "none") for g in gates):
+        raise SystemExit(f"--draft-gates: cost, cost-before, cost-verify, misses and/or none, got {args.draft_gates!r}")
     label = {(d, g): d if g == gates[0] else f"{d}[{g}]" for d in drafters for g in gates}
     arms = [(label[d, g], k) for d in drafters for g in gates for k in ks]
     specs = {(label[d, g], k): Engine(model, strategy, drafter=drafters[d], spec_k=k) for d in drafters for g in gates
@@ -151,12 +153,13 @@ def main() -> int:
     verify_cost: dict = {}
     for d in drafters:
         for k in ks:
-            for g in ("cost", "cost-before"):  # one measurement per k, shared by the drafters and gates
+            for g in ("cost", "cost-before", "cost-verify"):  # measured per drafter and k (a draft's cost is its own)
                 if g in gates:
                     eng = specs[label[d, g], k]
-                    eng.verify_cost = verify_cost.get(k) or eng.measure_verify_cost()
-                    verify_cost[k] = eng.verify_cost
-                    eng.gate_by_gain = g == "cost"
+                    eng.draft_cost_in_gate = g == "cost"
+                    eng.measure_verify_cost()
+                    verify_cost[f"{d}/{g}/{k}"] = eng.verify_cost
+                    eng.gate_by_gain = g != "cost-before"
             if "none" in gates:
                 specs[label[d, "none"], k].gate_drafts = False
     drafter_of = {label[d, g]: d for d in drafters for g in gates}

@@ -60,6 +60,11 @@ class Engine:
         # [1.0, c1, .., ck]: a verify block of n drafts over a decode step, measured (measure_verify_cost; the daemon
         # does at startup); the draft gate weighs acceptance against it. None: the gate counts empty blocks only.
         self.verify_cost: list[float] | None = None
+        # a draft's own cost in decode steps, added to the table's blocks of 1..k drafts (measure_verify_cost); False:
+        # the table holds the verify blocks only, as before 2026-12-01 (scripts/bench_speculative.py --draft-gates
+        # cost-verify)
+        self.draft_cost_in_gate = True
+        self.draft_cost = 0.0
         # False: every step drafts spec_k (room permitting), for measuring a drafter's acceptance apart from the gate's
         # timing-dependent choice of which steps draft (scripts/bench_speculative.py --draft-gates none)
         self.gate_drafts = True
@@ -84,14 +89,19 @@ class Engine:
         self.new_session_kv()  # fail at startup on a cache this model cannot hold (e.g. a lattice needing head_dim 2^k)
 
     def measure_verify_cost(self) -> list[float] | None:
-        """Measure what verify blocks of 1..spec_k drafts cost here against a decode step (tuning.verify_costs, on a
-        scratch cache; call it from the thread that owns the model, before serving) and let the draft gate use it."""
+        """Measure what a step that drafts 1..spec_k tokens costs here against a decode step - its verify block
+        (tuning.verify_costs, on a scratch cache) and its draft (tuning.draft_cost) - and let the draft gate use it.
+        Call it from the thread that owns the model, before serving."""
         if self.drafter is None:
             return None
-        from inference_engine.engine.tuning import verify_costs
+        from inference_engine.engine.tuning import draft_cost, verify_costs
 
         with self.model.inference():
-            self.verify_cost = verify_costs(self.model, self.spec_k)
+            verify = verify_costs(self.model, self.spec_k)
+            # a step that drafts pays its draft too (a v2 drafter's ~0.8 of a decode step on a 2-core CPU, prompt
+            # lookup's ~0.01): in the table, so the gate weighs what drafting costs in all (since 2026-12-01)
+            self.draft_cost = draft_cost(self.model, self.drafter, self.spec_k) if self.draft_cost_in_gate else 0.0
+        self.verify_cost = [1.0] + [c + self.draft_cost for c in verify[1:]]
         return self.verify_cost
 
     @property

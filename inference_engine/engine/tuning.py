@@ -119,6 +119,42 @@ def verify_costs(model: Backend, k: int, timed_steps: int = 12, context: int = 6
     return costs
 
 
+def draft_cost(model: Backend, drafter: Any, k: int, timed: int = 12, context: int = 64) -> float:
+    """What one draft of k tokens costs against a decode step on this machine: the median of `timed` draft() calls
+    over the median of as many greedy one-row decode steps (after 2 warm-up ones each), interleaved, as decoding
+    alternates them. Drafts run on synthetic inputs of the shapes the engine passes (a draft's cost does not depend on
+    the values): a drafter reading the verifier's captured layers gets random features for `context` positions,
+    growing one position a draft as in decoding, and its own state; another, `context` token ids."""
+    kv = SessionKV(make_cache(KVStrategy("full"), model.geometry(), max_step=64, max_context=model.spec.max_context))
+    steps.prefill_chunk(model, kv, [10 + i % 200 for i in range(context)])
+    gen = torch.Generator().manual_seed(0)
+    layers = getattr(drafter, "capture_layers", ())
+    feats = torch.randn(context + timed + 3, drafter.config.feature_size, generator=gen) if layers else None
+    state = drafter.new_state() if layers else None
+    ids = [10 + i % 200 for i in range(getattr(drafter, "context_window", context))]
+    position = context
+    draft_t: list[float] = []
+    step_t: list[float] = []
+    for i in range(2 + timed):
+        t = time.perf_counter()
+        if layers:
+            drafter.draft(torch.tensor([ids[-1]]), k, context_hidden=feats[:position], state=state, position=position)
+            position += 1
+        else:
+            drafter.draft(torch.tensor(ids), k)
+        dt = time.perf_counter() - t
+        at = kv.cache.next_position
+        t = time.perf_counter()
+        steps.forward_batch(model, [steps.StepInput(model.tensor([100 + i % 100]), range(at, at + 1), kv.cache, "all",
+                                                    True, greedy=True)])
+        st = time.perf_counter() - t
+        kv.cache.abort()
+        if i >= 2:
+            draft_t.append(dt)
+            step_t.append(st)
+    return statistics.median(draft_t) / statistics.median(step_t)
+
+
 def warm_up(engine: Engine, tokens: int = 16) -> float:
     """Generate on a scratch session of the engine's own strategy, through `Engine.generate` as a
     client's turn does (a prefill chunk of `tokens`, greedy decode steps, then a sampled one), and

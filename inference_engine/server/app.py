@@ -220,8 +220,9 @@ def warm(engine, persister) -> None:
     log.info("warm-up forward: %.2f s", warm_up(engine))
     cost = engine.measure_verify_cost()
     if cost is not None:
-        log.info("verify blocks of 1..%d drafts cost %s decode steps here (measured; the draft gate weighs acceptance "
-                 "against it)", engine.spec_k, ", ".join(f"{c:.2f}" for c in cost[1:]))
+        log.info("steps drafting 1..%d tokens cost %s decode steps here, the draft %.2f of them (measured; the draft "
+                 "gate weighs acceptance against it)", engine.spec_k, ", ".join(f"{c:.2f}" for c in cost[1:]),
+                 engine.draft_cost)
     if persister is not None:
         persister.prepare_loads()
 

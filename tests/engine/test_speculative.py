@@ -235,6 +235,26 @@ def test_verify_costs_are_measured_on_a_scratch_cache_per_block_size():
     assert Engine(model, KVStrategy("full")).measure_verify_cost() is None  # no drafter, nothing to weigh
 
 
+def test_a_steps_cost_in_the_gates_table_includes_its_draft():
+    """measure_verify_cost adds a draft's own cost (tuning.draft_cost, in decode steps) to every block of 1..k drafts:
+    the table is what a step that drafts costs in all; draft_cost_in_gate False leaves the verify blocks alone."""
+    from inference_engine.backends.torch.model import TorchCausalLM
+    from inference_engine.engine.prompt_lookup import PromptLookupDrafter
+    from inference_engine.engine.tuning import draft_cost
+
+    model = TorchCausalLM.load(tiny_model_dir("llama"), weights="int8")
+    lookup = PromptLookupDrafter()
+    assert draft_cost(model, lookup, 3, timed=2) > 0
+    engine = Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=lookup, spec_k=3)
+    cost = engine.measure_verify_cost()
+    assert engine.draft_cost > 0 and cost[0] == 1.0
+    assert all(c >= 1.0 + engine.draft_cost for c in cost[1:])  # verify blocks never cost under a decode step
+    plain = Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=lookup, spec_k=3)
+    plain.draft_cost_in_gate = False
+    plain.measure_verify_cost()
+    assert plain.draft_cost == 0.0 and plain.verify_cost[0] == 1.0
+
+
 def test_the_cost_gate_drafts_less_when_verifying_costs_more_and_changes_nothing():
     """The gate's decisions follow acceptance and the cost table only (no clock here): a costlier table pauses a
     drafter that accepts a little sooner and longer; the tokens are the verifier's either way."""

@@ -369,3 +369,12 @@ def test_a_v2_drafts_probs_are_made_when_read_and_are_what_they_were():
     outside[d.model.draft_vocab] = False
     assert torch.equal(p[:, outside], torch.zeros_like(p[:, outside]))
     assert torch.equal(p.argmax(-1), r.ids)
+
+
+def test_a_v2_drafts_cost_is_measured_on_features_it_makes_up():
+    """tuning.draft_cost drives a v2 drafter as decoding does (random features for the context, one more position a
+    draft, its own state) and gives its time over a decode step's."""
+    from inference_engine.engine.tuning import draft_cost
+
+    model = load_model(str(tiny_verifier_dir()))
+    assert draft_cost(model, tiny_dflash(model), 3, timed=2, context=16) > 0
