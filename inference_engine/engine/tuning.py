@@ -137,7 +137,7 @@ def draft_cost(model: Backend, drafter: Any, k: int, timed: int = 12, context: i
     step_t: list[float] = []
     for i in range(2 + timed):
         t = time.perf_counter()
-        if layers:
+        if feats is not None:
             drafter.draft(torch.tensor([ids[-1]]), k, context_hidden=feats[:position], state=state, position=position)
             position += 1
         else:
