@@ -108,10 +108,6 @@ class DFlashDrafter:
         h = m.run_blocks(ids[-1:].to(dev)[None], block_pos, state.kv, None)  # (1, bs, d)
         probs = torch.softmax(m.logits(h[0, 1 : 1 + kk]).float(), dim=-1)  # (kk, N draft vocab)
         col = probs.argmax(-1)
-
-        def over_vocab() -> torch.Tensor:  # (kk, V): made only if read (DraftResult.probs)
-            out = torch.zeros(kk, cfg.vocab_size, dtype=torch.float32, device=dev)
-            out[:, m.draft_vocab] = probs
-            return out
-
-        return DraftResult(ids=m.draft_vocab[col], probs=over_vocab, kv=list(state.kv), hidden=h[0], steps_used=1)
+        out_probs = torch.zeros(kk, cfg.vocab_size, dtype=torch.float32, device=dev)
+        out_probs[:, m.draft_vocab] = probs
+        return DraftResult(ids=m.draft_vocab[col], probs=out_probs, kv=list(state.kv), hidden=h[0], steps_used=1)

@@ -10,8 +10,6 @@ verifier on a session that starts at --context tokens and grows by one token a s
 use: the verifier's weights stream through the caches). Only draft() is timed. Arms:
   streamed  DFlashModel.logits as head @ rows^T (stream_head True, the default since 2026-11-29)
   packed    rows @ head^T (stream_head False, the form before)
-  probs     streamed, and each draft's probs over the verifier's vocabulary read as it returns (DraftResult.probs: made
-            in every draft before 2026-12-01; since, only when read, and the engine never reads them)
 Records the median ms per draft per arm, their ratio, and how far the two forms' logits (and their argmax) differ on
 the same seeded rows (float summation order only).
 
@@ -29,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_common import ROOT, run_metadata, write_json  # noqa: E402
 
-ARMS = {"streamed": (True, False), "packed": (False, False), "probs": (True, True)}  # stream_head, read probs
+ARMS = {"streamed": True, "packed": False}
 
 
 def main(argv=None) -> int:
@@ -78,13 +76,10 @@ def main(argv=None) -> int:
             steps.decode_step(m, kv, int(kv.last_logits.argmax()), greedy=True)
 
     def draft(arm):
-        drafter.model.stream_head, read_probs = ARMS[arm]
+        drafter.model.stream_head = ARMS[arm]
         position[arm] += 1
         pos = position[arm]
-        r = drafter.draft([int(pos % span) + 100], args.k, context_hidden=feats[:pos], state=states[arm], position=pos)
-        if read_probs:
-            r.probs  # noqa: B018 (made on read)
-        return r
+        return drafter.draft([int(pos % span) + 100], args.k, context_hidden=feats[:pos], state=states[arm], position=pos)
 
     for a in ARMS:  # warm-up: each arm's state covers the context
         draft(a)
@@ -110,10 +105,9 @@ def main(argv=None) -> int:
         "step": m.describe_step(), "drafter_config": drafter.config.to_dict(),
         "by_arm": {a_: {"draft_ms_median": round(v, 3)} for a_, v in med.items()},
         "packed_vs_streamed": round(med["packed"] / med["streamed"], 3),
-        "probs_read_vs_streamed": round(med["probs"] / med["streamed"], 3),
         "logits_max_abs_diff": float((a - b).abs().max()),
         "logits_argmax_equal": bool(torch.equal(a.argmax(-1), b.argmax(-1)))}
-    print(doc["by_arm"], doc["packed_vs_streamed"], doc["probs_read_vs_streamed"], flush=True)
+    print(doc["by_arm"], doc["packed_vs_streamed"], flush=True)
     write_json(pathlib.Path(args.out), doc)
     return 0
 

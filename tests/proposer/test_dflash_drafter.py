@@ -355,22 +355,6 @@ def test_the_streamed_vocabulary_projection_gives_the_packed_ones_logits():
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_a_v2_drafts_probs_are_made_when_read_and_are_what_they_were():
-    """DraftResult.probs of a v2 draft is made on first read (the engine never reads it): the drafter's softmax over
-    its draft vocabulary scattered into the verifier's, zeros elsewhere, the same tensor on every read."""
-    model = load_model(str(tiny_verifier_dir()))
-    d = tiny_dflash(model, draft_vocab=64)
-    r = d.draft(torch.tensor([5, 6, 7]), 3, context_hidden=torch.randn(3, d.config.feature_size), position=3)
-    assert callable(r._probs)
-    p = r.probs
-    assert p.shape == (3, d.config.vocab_size) and r.probs is p
-    assert torch.allclose(p.sum(-1), torch.ones(3), atol=1e-5)
-    outside = torch.ones(d.config.vocab_size, dtype=torch.bool)
-    outside[d.model.draft_vocab] = False
-    assert torch.equal(p[:, outside], torch.zeros_like(p[:, outside]))
-    assert torch.equal(p.argmax(-1), r.ids)
-
-
 def test_a_v2_drafts_cost_is_measured_on_features_it_makes_up():
     """tuning.draft_cost drives a v2 drafter as decoding does (random features for the context, one more position a
     draft, its own state) and gives its time over a decode step's."""
