@@ -68,7 +68,7 @@ class Engine:
         # False: every step drafts spec_k (room permitting), for measuring a drafter's acceptance apart from the gate's
         # timing-dependent choice of which steps draft (scripts/bench_speculative.py --draft-gates none)
         self.gate_drafts = True
-        # False: the draft gate counts every empty verify block as a miss, as before 2026-12-01 (DraftGate.by_gain;
+        # False: the draft gate counts every empty verify block as a miss, as before 2026-12-01 (DraftGate.record by_gain;
         # scripts/bench_speculative.py --draft-gates cost-before)
         self.gate_by_gain = True
         self.drafter_name = drafter_name if self.drafter is not None else ""
@@ -90,18 +90,17 @@ class Engine:
 
     def measure_verify_cost(self) -> list[float] | None:
         """Measure what a step that drafts 1..spec_k tokens costs here against a decode step - its verify block
-        (tuning.verify_costs, on a scratch cache) and its draft (tuning.draft_cost) - and let the draft gate use it.
+        and its draft (tuning.verify_costs, on a scratch cache) - and let the draft gate use it.
         Call it from the thread that owns the model, before serving."""
         if self.drafter is None:
             return None
-        from inference_engine.engine.tuning import draft_cost, verify_costs
+        from inference_engine.engine.tuning import verify_costs
 
         with self.model.inference():
-            verify = verify_costs(self.model, self.spec_k)
             # a step that drafts pays its draft too (a v2 drafter's ~0.8 of a decode step on a 2-core CPU, prompt
             # lookup's ~0.01): in the table, so the gate weighs what drafting costs in all (since 2026-12-01)
-            self.draft_cost = draft_cost(self.model, self.drafter, self.spec_k) if self.draft_cost_in_gate else 0.0
-        self.verify_cost = [1.0] + [c + self.draft_cost for c in verify[1:]]
+            self.verify_cost, self.draft_cost = verify_costs(self.model, self.spec_k,
+                                                             drafter=self.drafter if self.draft_cost_in_gate else None)
         return self.verify_cost
 
     @property
@@ -260,12 +259,11 @@ class Engine:
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
-            kv.draft_gate.by_gain = self.gate_by_gain
             drafting = self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open())
             drafts = self._draft(kv, context, min(self.spec_k, room)) if drafting else []
             step = yield from self._advance(kv, token, drafts, params, gen, budget)
             if drafts:
-                kv.draft_gate.record(step.accepted, len(drafts), self.verify_cost)
+                kv.draft_gate.record(step.accepted, len(drafts), self.verify_cost, by_gain=self.gate_by_gain)
             out = list(step.emitted)
             drafted, accepted, decode_dropped = drafted + len(drafts), accepted + step.accepted, decode_dropped + step.dropped
         if not completed:

@@ -60,11 +60,6 @@ class DraftGate:
     misses: int = 0
     skip: int = 0
     gain: float = 1.0  # moving average of (1 + accepted) / cost[drafted] (with a measured cost)
-    # With a measured cost for the block's size, a step is a miss when `gain` is below 1 - an empty block of one draft
-    # (cost ~1.01-1.03 decode steps) while the average pays is not one. False: every empty block is a miss too (before
-    # 2026-12-01), which paused prompt lookup's one-token drafts, whose misses cost almost nothing
-    # (scripts/research/ngram_policy.py).
-    by_gain: bool = True
     MAX_SKIP = 32
     WEIGHT = 0.25  # of the newest verify step in `gain`
 
@@ -74,12 +69,16 @@ class DraftGate:
             return False
         return True
 
-    def record(self, accepted: int, drafted: int = 0, cost: Sequence[float] | None = None) -> None:
+    def record(self, accepted: int, drafted: int = 0, cost: Sequence[float] | None = None, *, by_gain: bool = True) -> None:
+        """by_gain: with a measured cost for the block's size, the step is a miss when `gain` is below 1 and only then
+        (an empty block of one draft, ~1.01-1.07 decode steps, while the average pays is not one); False: every empty
+        block is a miss too, as before 2026-12-01, which paused prompt lookup's one-token drafts, whose misses cost
+        almost nothing (scripts/research/ngram_policy.py)."""
         measured = cost is not None and 0 < drafted < len(cost)
         if measured:
             assert cost is not None
             self.gain += self.WEIGHT * ((1 + accepted) / cost[drafted] - self.gain)
-        if measured and self.by_gain:
+        if measured and by_gain:
             pays = self.gain >= 1.0
         else:
             pays = bool(accepted) and (cost is None or self.gain >= 1.0)

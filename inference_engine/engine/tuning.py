@@ -9,6 +9,7 @@ candidate for SmolLM2): a shared 2-core box and an 8-core laptop get different a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -90,18 +91,25 @@ def native_step_pays(model: Any, threads: int | None = None, timed_steps: int = 
     return med["native"] < med["python"], med
 
 
-def verify_costs(model: Backend, k: int, timed_steps: int = 12, context: int = 64) -> list[float]:
-    """What a verify block of n drafts costs against a decode step on this machine, for n = 0..k: [1.0, c1, ..,
-    ck], each the median of `timed_steps` greedy row-exact forwards of n + 1 rows (after 2 warm-up ones) over the
-    median of as many one-row ones, on a scratch `full` cache of `context` tokens, interleaved and never committed;
-    then made non-decreasing from 1.0 (a block of more rows never costs less: a dip is the box's noise, which with 6
-    steps gave a block of one draft at 0.86 of a decode step on a 2-core VM, 2026-12-01). DraftGate weighs what a
-    session's verify steps accept against these."""
+def verify_costs(model: Backend, k: int, timed_steps: int = 12, context: int = 64,
+                 drafter: Any = None) -> tuple[list[float], float]:
+    """What a step that feeds a block of n drafts costs against a decode step on this machine, for n = 0..k: ([1.0,
+    c1, .., ck], the draft's share). Each block: the median of `timed_steps` greedy row-exact forwards of n + 1 rows
+    (after 2 warm-up ones) over the median of as many one-row ones, on a scratch `full` cache of `context` tokens,
+    interleaved and never committed; then made non-decreasing from 1.0 (a block of more rows never costs less: a dip
+    is the box's noise, which with 6 steps gave a block of one draft at 0.86 of a decode step on a 2-core VM,
+    2026-12-01). With a drafter, one draft of k tokens is timed in the same rounds (its median over the decode step's:
+    the share, added to every block of 1..k drafts, since a step that drafts pays its draft too), on made-up inputs of
+    the shapes the engine passes (a draft's cost does not depend on the values): a drafter reading the verifier's
+    captured layers gets random features for `context` positions, one more a draft as in decoding, and its own state;
+    another, `context` token ids. DraftGate weighs what a session's verify steps accept against these."""
     kv = SessionKV(make_cache(KVStrategy("full"), model.geometry(), max_step=max(k + 1, 64),
                               max_context=model.spec.max_context))
     steps.prefill_chunk(model, kv, [10 + i % 200 for i in range(context)])
     cache = kv.cache
     times: dict[int, list[float]] = {n: [] for n in range(k + 1)}
+    drafts: list[float] = []
+    draft = _timed_draft(drafter, k, context, 2 + timed_steps) if drafter is not None else None
     for i in range(2 + timed_steps):
         for n in times:
             at = cache.next_position
@@ -112,47 +120,38 @@ def verify_costs(model: Backend, k: int, timed_steps: int = 12, context: int = 6
             cache.abort()
             if i >= 2:
                 times[n].append(dt)
+        if draft is not None:
+            dt = draft()
+            if i >= 2:
+                drafts.append(dt)
     base = statistics.median(times[0])
-    costs = [1.0]
+    share = statistics.median(drafts) / base if drafts else 0.0
+    verify = [1.0]
     for n in range(1, k + 1):
-        costs.append(max(costs[-1], statistics.median(times[n]) / base))
-    return costs
+        verify.append(max(verify[-1], statistics.median(times[n]) / base))
+    return [1.0] + [c + share for c in verify[1:]], share
 
 
-def draft_cost(model: Backend, drafter: Any, k: int, timed: int = 12, context: int = 64) -> float:
-    """What one draft of k tokens costs against a decode step on this machine: the median of `timed` draft() calls
-    over the median of as many greedy one-row decode steps (after 2 warm-up ones each), interleaved, as decoding
-    alternates them. Drafts run on synthetic inputs of the shapes the engine passes (a draft's cost does not depend on
-    the values): a drafter reading the verifier's captured layers gets random features for `context` positions,
-    growing one position a draft as in decoding, and its own state; another, `context` token ids."""
-    kv = SessionKV(make_cache(KVStrategy("full"), model.geometry(), max_step=64, max_context=model.spec.max_context))
-    steps.prefill_chunk(model, kv, [10 + i % 200 for i in range(context)])
-    gen = torch.Generator().manual_seed(0)
+def _timed_draft(drafter: Any, k: int, context: int, calls: int) -> Callable[[], float]:
+    """A function that runs the next of `calls` drafts on made-up inputs (verify_costs) and returns its seconds."""
     layers = getattr(drafter, "capture_layers", ())
-    feats = torch.randn(context + timed + 3, drafter.config.feature_size, generator=gen) if layers else None
+    feats = (torch.randn(context + calls, drafter.config.feature_size, generator=torch.Generator().manual_seed(0))
+             if layers else None)
     state = drafter.new_state() if layers else None
     ids = [10 + i % 200 for i in range(getattr(drafter, "context_window", context))]
-    position = context
-    draft_t: list[float] = []
-    step_t: list[float] = []
-    for i in range(2 + timed):
+    position = [context]
+
+    def run() -> float:
         t = time.perf_counter()
         if feats is not None:
-            drafter.draft(torch.tensor([ids[-1]]), k, context_hidden=feats[:position], state=state, position=position)
-            position += 1
+            p = position[0]
+            drafter.draft(torch.tensor([ids[-1]]), k, context_hidden=feats[:p], state=state, position=p)
+            position[0] += 1
         else:
             drafter.draft(torch.tensor(ids), k)
-        dt = time.perf_counter() - t
-        at = kv.cache.next_position
-        t = time.perf_counter()
-        steps.forward_batch(model, [steps.StepInput(model.tensor([100 + i % 100]), range(at, at + 1), kv.cache, "all",
-                                                    True, greedy=True)])
-        st = time.perf_counter() - t
-        kv.cache.abort()
-        if i >= 2:
-            draft_t.append(dt)
-            step_t.append(st)
-    return statistics.median(draft_t) / statistics.median(step_t)
+        return time.perf_counter() - t
+
+    return run
 
 
 def warm_up(engine: Engine, tokens: int = 16) -> float:

@@ -50,7 +50,7 @@ GATES = ("cost", "cost-before", "none")
 
 def replay(prompt: list, out: list, policy: tuple, cost: list, gate: str) -> dict:
     """The engine's decode loop over `out` (the greedy continuation, out[0] from the prefill) under `policy` and a draft
-    gate: `cost` (the engine's DraftGate), `cost-before` (DraftGate(by_gain=False): every empty block a miss, the
+    gate: `cost` (the engine's DraftGate), `cost-before` (record's by_gain=False: every empty block a miss, the
     gate before 2026-12-01) or `none` (every step drafts)."""
     from inference_engine.engine.prompt_lookup import PromptLookupDrafter
     from inference_engine.engine.speculative import DraftGate
@@ -58,7 +58,7 @@ def replay(prompt: list, out: list, policy: tuple, cost: list, gate: str) -> dic
     _, mx, mn, k_by = policy
     drafter = PromptLookupDrafter(max_ngram=mx, min_ngram=mn, k_by_match=tuple(k_by))
     k_max = len(cost) - 1
-    g = DraftGate(by_gain=gate != "cost-before")
+    g = DraftGate()
     ctx = np.asarray(prompt + out, dtype=np.int64)
     n, steps, spent, drafted, accepted, by_match = 1, 0, 0.0, 0, 0, {}
     while n < len(out):
@@ -75,7 +75,7 @@ def replay(prompt: list, out: list, policy: tuple, cost: list, gate: str) -> dic
             a += 1
         if len(drafts):
             if gate != "none":
-                g.record(a, len(drafts), cost)
+                g.record(a, len(drafts), cost, by_gain=gate != "cost-before")
             m = by_match.setdefault(str(min(match, 4)), [0, 0, 0])
             m[0], m[1], m[2] = m[0] + 1, m[1] + len(drafts), m[2] + a
         steps += 1
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     model.use_step_graphs("auto")
     engine = Engine(model, KVStrategy("sink_window"))
     with model.inference():
-        cost = verify_costs(model, args.k, timed_steps=args.cost_steps)
+        cost, _ = verify_costs(model, args.k, timed_steps=args.cost_steps)
     heldout = json.loads((resolve_checkpoint(args.heldout_from) / "heldout_prompts.json").read_text())
     t0 = time.perf_counter()
     refs: dict = {}

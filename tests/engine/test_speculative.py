@@ -231,24 +231,26 @@ def test_verify_costs_are_measured_on_a_scratch_cache_per_block_size():
     cost = engine.measure_verify_cost()
     assert engine.verify_cost is cost and len(cost) == 4 and cost[0] == 1.0
     assert all(a <= b for a, b in zip(cost, cost[1:]))  # more rows never cost less
-    assert len(verify_costs(model, 1, timed_steps=1)) == 2
+    costs, share = verify_costs(model, 1, timed_steps=1)
+    assert len(costs) == 2 and share == 0.0  # no drafter: the verify blocks alone
     assert Engine(model, KVStrategy("full")).measure_verify_cost() is None  # no drafter, nothing to weigh
 
 
 def test_a_steps_cost_in_the_gates_table_includes_its_draft():
-    """measure_verify_cost adds a draft's own cost (tuning.draft_cost, in decode steps) to every block of 1..k drafts:
-    the table is what a step that drafts costs in all; draft_cost_in_gate False leaves the verify blocks alone."""
+    """measure_verify_cost adds a draft's own cost (timed in verify_costs' rounds, in decode steps) to every block of
+    1..k drafts: the table is what a step that drafts costs in all; draft_cost_in_gate False leaves the verify blocks
+    alone."""
     from inference_engine.backends.torch.model import TorchCausalLM
     from inference_engine.engine.prompt_lookup import PromptLookupDrafter
-    from inference_engine.engine.tuning import draft_cost
+    from inference_engine.engine.tuning import verify_costs
 
     model = TorchCausalLM.load(tiny_model_dir("llama"), weights="int8")
     lookup = PromptLookupDrafter()
-    assert draft_cost(model, lookup, 3, timed=2) > 0
+    costs, share = verify_costs(model, 3, timed_steps=2, drafter=lookup)
+    assert share > 0 and costs[0] == 1.0 and all(c >= 1.0 + share for c in costs[1:])  # a block never under a step
     engine = Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=lookup, spec_k=3)
     cost = engine.measure_verify_cost()
-    assert engine.draft_cost > 0 and cost[0] == 1.0
-    assert all(c >= 1.0 + engine.draft_cost for c in cost[1:])  # verify blocks never cost under a decode step
+    assert engine.draft_cost > 0 and cost[0] == 1.0 and all(c >= 1.0 + engine.draft_cost for c in cost[1:])
     plain = Engine(model, KVStrategy("full"), prefill_chunk=32, drafter=lookup, spec_k=3)
     plain.draft_cost_in_gate = False
     plain.measure_verify_cost()

@@ -356,9 +356,10 @@ def test_the_streamed_vocabulary_projection_gives_the_packed_ones_logits():
 
 
 def test_a_v2_drafts_cost_is_measured_on_features_it_makes_up():
-    """tuning.draft_cost drives a v2 drafter as decoding does (random features for the context, one more position a
-    draft, its own state) and gives its time over a decode step's."""
-    from inference_engine.engine.tuning import draft_cost
+    """verify_costs times a v2 drafter as decoding drives it (random features for the context, one more position a
+    draft, its own state) and adds its share of a decode step to every block that drafts."""
+    from inference_engine.engine.tuning import verify_costs
 
     model = load_model(str(tiny_verifier_dir()))
-    assert draft_cost(model, tiny_dflash(model), 3, timed=2, context=16) > 0
+    costs, share = verify_costs(model, 3, timed_steps=2, context=16, drafter=tiny_dflash(model))
+    assert share > 0 and all(c >= 1.0 + share for c in costs[1:])
