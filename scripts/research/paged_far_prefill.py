@@ -16,7 +16,9 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
   <arm>+rowbounds       that arm with every row of a chunk making the bounds of the pages past the bounds table itself
                         (the module's made_bounds(0): before they were made once a layer; the same bits);
   <arm>+tasksalone      that arm with a chunk's per-task planning, choice and merges on the calling thread (the
-                        module's paged_tasks_apart(0): before they ran on the threads; the same bits).
+                        module's paged_tasks_apart(0): before they ran on the threads; the same bits);
+  <arm>+noprefetch      that arm without asking for shortlisted pages' compact keys two pages ahead of their scoring
+                        (the module's prefetch_candidates(0): before; loads only, the same bits).
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -72,6 +74,10 @@ def main(argv=None) -> int:
                          "tokens from there: the cost far into a history without prefilling all of it")
     ap.add_argument("--interleave", action="store_true",
                     help="run the arms chunk by chunk in turn (side by side) instead of one after another")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp32", "fp16"),
+                    help="the resident K/V and page store dtype, as `kakeya serve --kv-dtype` resolves it per strategy "
+                         "(auto: fp16 where the native step reads it in its registers; before 2026-12-01 this script "
+                         "ran fp32 for every arm)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON files into --out and stop")
     args = ap.parse_args(argv)
@@ -85,6 +91,8 @@ def main(argv=None) -> int:
     from inference_engine.kv.factory import make_cache
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
+    from inference_engine.server.app import resolve_kv_dtype
+    from inference_engine.server.config import ServeConfig
 
     torch.set_num_threads(args.threads)
     meta = run_metadata(vars(args))
@@ -94,7 +102,10 @@ def main(argv=None) -> int:
     native = model.native_step
     ctx = model.spec.max_context
     caps = {k: int(v) for k, v in (kv.split("=") for kv in args.arm_tokens.split(",") if kv)}
-    paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8)
+    # the K/V dtype the daemon takes for each strategy with these settings
+    kv_dtypes = {name: resolve_kv_dtype(ServeConfig(kv_strategy=name, kv_dtype=args.kv_dtype), model)
+                 for name in ("full", "paged")}
+    paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8, kv_dtype=kv_dtypes["paged"])
     ids = torch.randint(3, model.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     arms, last = {}, {}
     from inference_engine.kv import paged_store
@@ -105,11 +116,13 @@ def main(argv=None) -> int:
         native.module.paged_tasks_apart(0 if "+tasksalone" in arm else 1)
         native.paged_recall = "python" if arm == "python-recall" else "whole"
         native.module.order_by_data(0 if "/row" in arm else 1)
+        native.module.prefetch_candidates(0 if "+noprefetch" in arm else 2)
 
     names = args.arms.split(",")
     base = {arm: arm.split("/")[0].split("+")[0] for arm in names}
     n_of = {arm: min(args.tokens, caps.get(arm, args.tokens), ctx if base[arm] == "full" else args.tokens) for arm in names}
-    caches = {arm: make_cache(KVStrategy("full") if base[arm] == "full" else paged, model.geometry(), max_step=args.chunk,
+    full = KVStrategy("full", kv_dtype=kv_dtypes["full"])
+    caches = {arm: make_cache(full if base[arm] == "full" else paged, model.geometry(), max_step=args.chunk,
                               max_context=ctx) for arm in names}
     chunks_of: dict = {arm: [] for arm in names}
     start = args.start_random
@@ -166,6 +179,7 @@ def main(argv=None) -> int:
     native.module.order_by_data(1)
     native.module.made_bounds(1)
     native.module.paged_tasks_apart(1)
+    native.module.prefetch_candidates(2)
     paged_store.query_int8(True)
     ratios = {}
     for arm in arms:  # an arm's rate over its variant's (the int8 query over the fp32 one, bounds made once over per row)
@@ -189,6 +203,7 @@ def main(argv=None) -> int:
                 torch.equal(last[arm].argmax(-1), last["full"].argmax(-1)))
     doc = meta | {"model": model.model_id, "max_context": ctx,
                   "strategy": "paged sink 4, window 1020, pages of 64, 8 recalled (shortlist 64 past 256 pages)",
+                  "kv_dtype": kv_dtypes,
                   "arms": arms, "ratios": ratios}
     write_json(pathlib.Path(args.out), doc)
     print(ratios, {a: (v.get("last_4k_over_to_2k"), v.get("whole_over_to_2k")) for a, v in arms.items()})

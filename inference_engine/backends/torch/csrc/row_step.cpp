@@ -1640,6 +1640,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("score_keys_avx512", &score_keys_avx512,
          "whether the compact keys' scoring takes 4-bit codes of 64 dimensions two keys a vector with AVX-512 VNNI where "
          "the build has it (1, the default) or the AVX2 code (0: before); the same bits either way");
+  m.def("prefetch_candidates", [](int64_t pages) {
+    const int64_t was = prefetch_candidates();
+    if (pages >= 0) prefetch_candidates() = std::min<int64_t>(pages, 64);
+    return was;
+  }, "how many shortlisted pages ahead a paged step's page choice asks for a page's compact keys and scales while it "
+     "scores the current one (2, the default; 0: not at all, before); loads only, so the same bits; returns the "
+     "previous count (-1: only read it)", pybind11::arg("pages") = -1);
   toggle("trim_columns", &trim_columns,
          "whether a whole step's rows attend only up to their last visible column (1, the default) or scan every "
          "column of the step's mask, masked ones skipped one by one (0); the same bits either way");
