@@ -105,6 +105,9 @@ ARMS = {
                                    page_shortlist_from=0),
     "paged_4+508_p64_m8_s64": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8, page_shortlist=64,
                                    page_shortlist_from=0),
+    # the shortlist from 128 candidate pages (the native step's measured crossover; the default before: 256)
+    "paged_4+508_p64_m8_sf128": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
+                                     page_shortlist_from=128),
     # InfLLM's layout from position 4096 instead of the trained context (docs/paged.md, "Where the InfLLM layout starts")
     "paged_4+508_p64_m8_far4k": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
                                      page_far_from=4096),
