@@ -396,13 +396,15 @@ inline void plan_end(const PagedConfig& cf, PagedTask& t, PagedRank& rk) {
   t.cand_best.assign(t.cand.size(), -INFINITY);
 }
 
-// How many candidate pages ahead score_candidates asks for a page's codes and scales while it scores the current one
-// (a shortlisted page sits anywhere in the history, so its first loads miss every cache; 0: not at all, as before;
-// research scripts time it). Loads only, so the same bits.
+// How many candidate pages ahead score_candidates asks for a page's codes and scales while it scores the current one,
+// in steps of at most kPrefetchRows rows (a decode step's shortlisted pages sit anywhere in the history, so their first
+// loads miss every cache; 0: not at all, as before; research scripts time it). Loads only, so the same bits.
 inline int64_t& prefetch_candidates() {
   static int64_t on = 2;
   return on;
 }
+
+constexpr int64_t kPrefetchRows = 16;  // steps of at most this many rows prefetch (decode rows and verify blocks)
 
 inline void prefetch_bytes(const uint8_t* p, int64_t n) {
 #if defined(__SSE__)
@@ -414,12 +416,12 @@ inline void prefetch_bytes(const uint8_t* p, int64_t n) {
 
 // Phase 2: candidates [k0, k1) of a task: each page's best key score (its visible keys' compact codes).
 inline void score_candidates(const PagedConfig& cf, int64_t l, PagedTask& t, int64_t k0, int64_t k1, int64_t G, int64_t D,
-                             const PagedRows& codes, const PagedRows& scales) {
+                             const PagedRows& codes, const PagedRows& scales, int64_t ahead) {
   const bool four = codes.tier.width * 2 == D;
   const int64_t P = cf.P;
   std::vector<float> scores(P);
   std::vector<uint8_t> cbuf, sbuf;
-  const int64_t ahead = prefetch_candidates(), nc = static_cast<int64_t>(t.cand.size());
+  const int64_t nc = static_cast<int64_t>(t.cand.size());
   auto fetch = [&](int64_t k2) {  // candidate k2's codes and scales asked for (the next item's too: a thread takes items in order)
     if (k2 >= nc) return;
     const int64_t j2 = t.cand[k2], n2 = std::min(P, t.c - j2 * P);

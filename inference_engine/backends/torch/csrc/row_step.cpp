@@ -1393,8 +1393,11 @@ class RowStep {
     at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) plan_end(cf, tasks[i], ranks[i]);
     });
-    // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together
+    // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together; a step of a
+    // few rows (decode, verify) asks for its shortlisted pages' keys ahead (a prefill chunk's rows share their pages:
+    // in cache already, where the prefetches only cost, results/research/paged_prefill_32k_prefetch_avx512.json)
     constexpr int64_t kScorePages = 8;
+    const int64_t ahead = T <= kPrefetchRows ? prefetch_candidates() : 0;
     items.clear();
     for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += kScorePages) items.push_back({i, k});
@@ -1402,7 +1405,7 @@ class RowStep {
       for (int64_t it = lo; it < hi; ++it) {
         PagedTask& t = tasks[items[it].first];
         const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + kScorePages, t.cand.size());
-        score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales);
+        score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, ahead);
       }
     });
     // 3: the chosen pages; 4: the attention's parts, every task's shared out together; 5: each row's parts merged
