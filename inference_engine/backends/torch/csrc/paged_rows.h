@@ -285,9 +285,31 @@ struct PagedTask {
 // (per task: the S pages the bounds rank highest plus the page it sees in part).
 struct PagedRank {
   std::vector<float> qf;                        // the task's query rows (G, D), rotated as its choice reads them
-  std::vector<std::pair<float, int64_t>> ranked;  // (bound score, page) per whole page
+  std::vector<uint64_t> ranked;                   // rank_key(bound score, page) per whole page
   bool shortlist = false;                        // its candidates are the bounds' shortlist (plan_end makes them)
 };
+
+// A page's rank as one integer: ascending keys are bound scores descending, ties to the lower page (the order a
+// comparator on (score, page) gives: -0 is taken as +0, which compare equal; pages < 2^32; no NaN reaches here).
+inline uint32_t descending_bits(float s) {
+  uint32_t u;
+  std::memcpy(&u, &s, sizeof u);
+  if (u == 0x80000000u) u = 0;
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending in s
+  return ~u;
+}
+inline uint64_t rank_key(float s, int64_t page) {
+  return (static_cast<uint64_t>(descending_bits(s)) << 32) | static_cast<uint32_t>(page);
+}
+inline int64_t rank_page(uint64_t key) { return static_cast<int64_t>(key & 0xFFFFFFFFu); }
+
+// Whether plan_end hands the shortlisted pages to the scoring in page order (1, the default: their keys' reads then
+// walk the tables forward) or in rank order (0: before; research scripts time it). The choice is a total order on
+// (best key score, page), whatever order the candidates come in: the same bits.
+inline int64_t& shortlist_page_order() {
+  static int64_t on = 1;
+  return on;
+}
 
 constexpr int64_t kRankPages = 64;
 // a step with at least this many (row, KV head) tasks runs its per-task planning, choice and merges on the threads
@@ -360,8 +382,8 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
       const c10::Half* lo[2] = {lo_t + j * D, lo_t + (j + 1) * D};
       float sc[2];
       bound_scores<2>(rk.qf.data(), G, D, hi, lo, sc);
-      rk.ranked[j] = {sc[0], j};
-      rk.ranked[j + 1] = {sc[1], j + 1};
+      rk.ranked[j] = rank_key(sc[0], j);
+      rk.ranked[j + 1] = rank_key(sc[1], j + 1);
     }
 #endif
   for (; j < j1; ++j) {
@@ -378,20 +400,23 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
       page_bound(cp, sp, P, D, four, made.data(), made.data() + D);
       hi = made.data(), lo = made.data() + D;
     }
-    rk.ranked[j] = {bound_score(rk.qf.data(), G, D, hi, lo), j};
+    rk.ranked[j] = rank_key(bound_score(rk.qf.data(), G, D, hi, lo), j);
   }
 }
 
 inline void plan_end(const PagedConfig& cf, PagedTask& t, PagedRank& rk) {
   if (!rk.shortlist) return;  // chosen whole, or every page a candidate (plan_begin)
   const int64_t whole = static_cast<int64_t>(rk.ranked.size()), keep = std::min<int64_t>(cf.S, whole);
-  // the top `keep` in order (score down, ties to the lower page: a strict total order, so the same pages in the same
-  // order as a partial sort of the whole list)
-  auto before = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
-  if (keep < whole) std::nth_element(rk.ranked.begin(), rk.ranked.begin() + keep, rk.ranked.end(), before);
-  std::sort(rk.ranked.begin(), rk.ranked.begin() + keep, before);
+  // the top `keep` keys (the same pages as a partial sort of the whole list: the keys are a strict total order)
+  if (keep < whole) std::nth_element(rk.ranked.begin(), rk.ranked.begin() + keep, rk.ranked.end());
+  if (shortlist_page_order())
+    std::sort(rk.ranked.begin(), rk.ranked.begin() + keep,
+              [](uint64_t a, uint64_t b) { return rank_page(a) < rank_page(b); });
+  else
+    std::sort(rk.ranked.begin(), rk.ranked.begin() + keep);
+  const uint64_t no_bound = static_cast<uint64_t>(descending_bits(-INFINITY)) << 32;  // pages ranked -inf: not kept
   for (int64_t i = 0; i < keep; ++i)
-    if (rk.ranked[i].first > -INFINITY) t.cand.push_back(rk.ranked[i].second);
+    if (rk.ranked[i] < no_bound) t.cand.push_back(rank_page(rk.ranked[i]));
   if (whole < (t.c + cf.P - 1) / cf.P) t.cand.push_back(whole);  // the page it sees in part: always scored
   t.cand_best.assign(t.cand.size(), -INFINITY);
 }

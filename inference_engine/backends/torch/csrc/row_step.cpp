@@ -1650,6 +1650,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "how many shortlisted pages ahead a paged step's page choice asks for a page's compact keys and scales while it "
      "scores the current one (2, the default; 0: not at all, before); loads only, so the same bits; returns the "
      "previous count (-1: only read it)", pybind11::arg("pages") = -1);
+  toggle("shortlist_page_order", &shortlist_page_order,
+         "whether a paged step scores its shortlisted pages in page order (1, the default: the keys' reads walk the "
+         "tables forward) or in the bounds' rank order (0: before); the choice is the same total order either way, so "
+         "the same bits");
   toggle("trim_columns", &trim_columns,
          "whether a whole step's rows attend only up to their last visible column (1, the default) or scan every "
          "column of the step's mask, masked ones skipped one by one (0); the same bits either way");
