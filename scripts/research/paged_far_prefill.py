@@ -20,6 +20,8 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
   <arm>+noprefetch      that arm without asking for shortlisted pages' compact keys two pages ahead of their scoring
                         (the module's prefetch_candidates(0): before; loads only, the same bits; decode-sized steps
                         only since 8a0f5c4);
+  <arm>+sfN             that arm with the page shortlist from N candidate pages (--page-shortlist-from N), not the
+                        daemon's resolved value (--shortlist-from);
   <arm>+rankorder       that arm with the shortlisted pages scored in the bounds' rank order (shortlist_page_order(0):
                         before), not in page order: the same choice.
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
@@ -34,6 +36,7 @@ The logits of the chunk ending at 7,680 tokens of each paged arm against `full`'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -81,6 +84,9 @@ def main(argv=None) -> int:
                     help="the resident K/V and page store dtype, as `kakeya serve --kv-dtype` resolves it per strategy "
                          "(auto: fp16 where the native step reads it in its registers; before 2026-12-01 this script "
                          "ran fp32 for every arm)")
+    ap.add_argument("--shortlist-from", default="auto",
+                    help="paged: --page-shortlist-from as `kakeya serve` takes it (auto: resolved as the daemon does; before "
+                         "2026-12-01 this script ran the strategy's 256)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON files into --out and stop")
     args = ap.parse_args(argv)
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
     from inference_engine.kv.factory import make_cache
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
-    from inference_engine.server.app import resolve_kv_dtype
+    from inference_engine.server.app import resolve_kv_dtype, resolve_shortlist_from
     from inference_engine.server.config import ServeConfig
 
     torch.set_num_threads(args.threads)
@@ -108,7 +114,11 @@ def main(argv=None) -> int:
     # the K/V dtype the daemon takes for each strategy with these settings
     kv_dtypes = {name: resolve_kv_dtype(ServeConfig(kv_strategy=name, kv_dtype=args.kv_dtype), model)
                  for name in ("full", "paged")}
-    paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8, kv_dtype=kv_dtypes["paged"])
+    # and the candidate pages from which its page shortlist applies (--page-shortlist-from as the daemon resolves it;
+    # an arm +sfN sets N)
+    shortlist_from = resolve_shortlist_from(ServeConfig(kv_strategy="paged", page_shortlist_from=args.shortlist_from), model)
+    paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8, kv_dtype=kv_dtypes["paged"],
+                       shortlist_from=shortlist_from)
     ids = torch.randint(3, model.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     arms, last = {}, {}
     from inference_engine.kv import paged_store
@@ -126,8 +136,15 @@ def main(argv=None) -> int:
     base = {arm: arm.split("/")[0].split("+")[0] for arm in names}
     n_of = {arm: min(args.tokens, caps.get(arm, args.tokens), ctx if base[arm] == "full" else args.tokens) for arm in names}
     full = KVStrategy("full", kv_dtype=kv_dtypes["full"])
-    caches = {arm: make_cache(full if base[arm] == "full" else paged, model.geometry(), max_step=args.chunk,
-                              max_context=ctx) for arm in names}
+
+    def strategy_of(arm: str) -> KVStrategy:
+        if base[arm] == "full":
+            return full
+        sf = [int(m[2:]) for m in arm.split("+")[1:] if m.startswith("sf") and m[2:].isdigit()]
+        return dataclasses.replace(paged, shortlist_from=sf[0]) if sf else paged
+
+    caches = {arm: make_cache(strategy_of(arm), model.geometry(), max_step=args.chunk, max_context=ctx) for arm in names}
+    shortlist_froms = {arm: strategy_of(arm).shortlist_from for arm in names if base[arm] != "full"}
     chunks_of: dict = {arm: [] for arm in names}
     start = args.start_random
     if start:
@@ -209,6 +226,7 @@ def main(argv=None) -> int:
     doc = meta | {"model": model.model_id, "max_context": ctx,
                   "strategy": "paged sink 4, window 1020, pages of 64, 8 recalled (shortlist 64 past 256 pages)",
                   "kv_dtype": kv_dtypes,
+                  "shortlist_from": shortlist_froms,
                   "arms": arms, "ratios": ratios}
     write_json(pathlib.Path(args.out), doc)
     print(ratios, {a: (v.get("last_4k_over_to_2k"), v.get("whole_over_to_2k")) for a, v in arms.items()})
