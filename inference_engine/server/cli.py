@@ -156,28 +156,25 @@ def _research(args) -> dict:
     return out
 
 
-def _pages_or_auto(value: str):
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--page-shortlist-from takes a page count >= 0 or 'auto', got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"--page-shortlist-from takes a page count >= 0 or 'auto', got {n}")
-    return n
+def _count_or_auto(flag: str, what: str, least: int):
+    """An argparse type: `auto`, or an int >= least (else a message naming the flag)."""
+
+    def parse(value: str):
+        if value == "auto":
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < least:
+            raise argparse.ArgumentTypeError(f"{flag} takes {what} or 'auto', got {value!r}")
+        return n
+
+    return parse
 
 
-def _threads(value: str):
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--threads takes a positive int or 'auto', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--threads takes a positive int or 'auto', got {n}")
-    return n
+_pages_or_auto = _count_or_auto("--page-shortlist-from", "a page count >= 0", 0)
+_threads = _count_or_auto("--threads", "a positive int", 1)
 
 
 def _seconds(value: str) -> float:
