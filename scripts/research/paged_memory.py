@@ -91,7 +91,7 @@ def run_variant(args) -> dict:
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
 
-    from inference_engine.server.app import resolve_kv_dtype
+    from inference_engine.server.app import resolve_kv_dtype, resolve_shortlist_from
     from inference_engine.server.config import ServeConfig
 
     torch.set_num_threads(args.threads)
@@ -102,7 +102,10 @@ def run_variant(args) -> dict:
     # the K/V dtype the daemon takes for `paged` with these settings (--kv-dtype auto: fp16 where the native step reads
     # it in its registers)
     kv_dtype = resolve_kv_dtype(ServeConfig(kv_strategy="paged", kv_dtype=args.kv_dtype), model)
-    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, page_ram_mb=budget, kv_dtype=kv_dtype)
+    # and the candidate pages from which the page shortlist applies, as the daemon resolves --page-shortlist-from
+    shortlist_from = resolve_shortlist_from(ServeConfig(kv_strategy="paged", page_shortlist_from=args.shortlist_from), model)
+    strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, page_ram_mb=budget, kv_dtype=kv_dtype,
+                          shortlist_from=shortlist_from)
     gen = torch.Generator().manual_seed(0)
     token = model.tensor([17])
 
@@ -120,6 +123,7 @@ def run_variant(args) -> dict:
     before = rss()
     cache = make_cache(strategy, g, max_step=args.chunk, max_context=model.spec.max_context)
     out: dict = {"rss_before_cache": before, "page_ram_mb": strategy.page_ram_mb, "kv_dtype": kv_dtype,
+                 "shortlist_from": shortlist_from,
                  "step": model.describe_step(), "lengths": {}}
 
     def step() -> float:
@@ -189,7 +193,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="positions a fill step appends (0: the daemon's --prefill-chunk, 256; before 2026-12-01 this "
+                         "script filled 512 at a time, whose grown slab and archive made a higher peak)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--compile", default="auto", choices=("off", "auto"),
@@ -197,6 +203,9 @@ def main() -> int:
                          "2026-12-01 this script ran the Python pieces)")
     ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp32", "fp16"),
                     help="the K/V dtype, as `kakeya serve --kv-dtype` resolves it (before 2026-12-01 this script ran fp32)")
+    ap.add_argument("--shortlist-from", default="auto",
+                    help="--page-shortlist-from as `kakeya serve` takes it (auto: resolved as the daemon does; before "
+                         "2026-12-01 this script ran 256)")
     ap.add_argument("--page-ram-mb", type=float, default=VARIANTS["spill"], help="the spill variant's budget")
     ap.add_argument("--resume-step", action="store_true",
                     help="also time each length's first decode step after a save and a load (with far_keys saved, and "
@@ -204,6 +213,10 @@ def main() -> int:
     ap.add_argument("--variant", default="", help=argparse.SUPPRESS)  # internal: run one variant, JSON on stdout
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
+    if not args.chunk:
+        from inference_engine.server.config import ServeConfig
+
+        args.chunk = ServeConfig().prefill_chunk
     if args.variant:
         print(json.dumps(run_variant(args)))
         return 0
@@ -233,7 +246,7 @@ def main() -> int:
                          "tiers_ram_le_hot_plus_budget": t["hot"] + t["warm_ram"] <= t["hot"] + budget,
                          "rss_anon_of_cache_le_hot_plus_budget": r["rss_anon_of_cache"] <= t["hot"] + budget,
                          "peak_anon_of_cache_le_hot_plus_budget": r["peak_anon_of_cache"] <= t["hot"] + budget}
-    meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8, shortlist 64 from 256 pages",
+    meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8, shortlist 64 (variants' shortlist_from)",
                                       "kv": "random normal K/V through the cache's API; decode steps of the real model",
                                       "variants_page_ram_mb": VARIANTS})
     write_json(pathlib.Path(args.out), meta | {"variants": variants, "ratios": ratios, "issue_29_memory_target": target})
