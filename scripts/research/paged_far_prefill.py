@@ -84,9 +84,9 @@ def main(argv=None) -> int:
                     help="the resident K/V and page store dtype, as `kakeya serve --kv-dtype` resolves it per strategy "
                          "(auto: fp16 where the native step reads it in its registers; before 2026-12-01 this script "
                          "ran fp32 for every arm)")
-    ap.add_argument("--shortlist-from", default="auto",
-                    help="paged: --page-shortlist-from as `kakeya serve` takes it (auto: resolved as the daemon does; before "
-                         "2026-12-01 this script ran the strategy's 256)")
+    ap.add_argument("--shortlist-from", default="",
+                    help="paged: --page-shortlist-from as `kakeya serve` takes it, resolved as the daemon does (default: "
+                         "the daemon's default, 256; auto: 128 where the native step runs the recall)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON files into --out and stop")
     args = ap.parse_args(argv)
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
                  for name in ("full", "paged")}
     # and the candidate pages from which its page shortlist applies (--page-shortlist-from as the daemon resolves it;
     # an arm +sfN sets N)
-    shortlist_from = resolve_shortlist_from(ServeConfig(kv_strategy="paged", page_shortlist_from=args.shortlist_from), model)
+    given = args.shortlist_from or ServeConfig.page_shortlist_from
+    shortlist_from = resolve_shortlist_from(ServeConfig(kv_strategy="paged", page_shortlist_from=given), model)
     paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8, kv_dtype=kv_dtypes["paged"],
                        shortlist_from=shortlist_from)
     ids = torch.randint(3, model.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()

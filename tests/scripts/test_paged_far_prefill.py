@@ -25,7 +25,7 @@ def test_paged_far_prefill_runs_full_and_both_attention_orders_past_the_context(
     arms = doc["arms"]
     assert arms["full"]["tokens"] == 2048  # full stops at the trained context
     assert doc["kv_dtype"]["paged"] in ("fp16", "fp32")  # what the daemon resolves (--kv-dtype auto)
-    assert doc["shortlist_from"] == {"native": 128, "native/row": 128, "native+fp32q": 128, "native+sf3": 3}
+    assert doc["shortlist_from"] == {"native": 256, "native/row": 256, "native+fp32q": 256, "native+sf3": 3}  # the daemon's default
     for arm in ("native", "native/row", "native+fp32q", "native+sf3"):
         assert arms[arm]["tokens"] == 2560 and len(arms[arm]["chunk_seconds"]) == 10
         assert arms[arm]["segments"]["past_context"]["tokens"] == 512
