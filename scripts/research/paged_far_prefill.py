@@ -17,13 +17,8 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
                         (the module's made_bounds(0): before they were made once a layer; the same bits);
   <arm>+tasksalone      that arm with a chunk's per-task planning, choice and merges on the calling thread (the
                         module's paged_tasks_apart(0): before they ran on the threads; the same bits);
-  <arm>+noprefetch      that arm without asking for shortlisted pages' compact keys two pages ahead of their scoring
-                        (the module's prefetch_candidates(0): before; loads only, the same bits; decode-sized steps
-                        only since 8a0f5c4);
   <arm>+sfN             that arm with the page shortlist from N candidate pages (--page-shortlist-from N), not the
-                        daemon's resolved value (--shortlist-from);
-  <arm>+rankorder       that arm with the shortlisted pages scored in the bounds' rank order (shortlist_page_order(0):
-                        before), not in page order: the same choice.
+                        daemon's resolved value (--shortlist-from).
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -130,8 +125,6 @@ def main(argv=None) -> int:
         native.module.paged_tasks_apart(0 if "+tasksalone" in arm else 1)
         native.paged_recall = "python" if arm == "python-recall" else "whole"
         native.module.order_by_data(0 if "/row" in arm else 1)
-        native.module.prefetch_candidates(0 if "+noprefetch" in arm else 2)
-        native.module.shortlist_page_order(0 if "+rankorder" in arm else 1)
 
     names = args.arms.split(",")
     base = {arm: arm.split("/")[0].split("+")[0] for arm in names}
@@ -201,8 +194,6 @@ def main(argv=None) -> int:
     native.module.order_by_data(1)
     native.module.made_bounds(1)
     native.module.paged_tasks_apart(1)
-    native.module.prefetch_candidates(2)
-    native.module.shortlist_page_order(1)
     paged_store.query_int8(True)
     ratios = {}
     for arm in arms:  # an arm's rate over its variant's (the int8 query over the fp32 one, bounds made once over per row)

@@ -27,10 +27,7 @@ runs), `native-python-recall` (the segments, page choice and attention in kv/pag
 csrc/paged_rows.h), `native-keys1` (the default step with the compact keys' dots summed one or two keys at a time,
 as before key_dots8: the same bits; the fp32 query's kernel only, so with `--queries fp32`), `native-keys-avx2` (the
 default step with the int8 query's 4-bit keys scored by the AVX2 code where an AVX-512 VNNI build takes two keys a
-vector: the same bits), `native-no-prefetch` (the default step without the prefetch of shortlisted pages'
-compact keys two pages ahead of their scoring, `native-prefetchN` N pages ahead: loads only, the same bits),
-`native-rank-order` (the default step with its shortlisted pages scored in the bounds' rank order, as before, not in
-page order: the same choice). --full-reference N also
+vector: the same bits). --full-reference N also
 times
 `full` at N tokens of the same random history through the native whole-step call (issue 29: paged at 32k >= 0.9x
 full at 1k). --kv-dtypes fp32,fp16 times every cell (and `full`) with each resident K/V dtype (`--kv-dtype`: fp16
@@ -73,7 +70,7 @@ def main() -> int:
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--step-arms", default="native",
                     help="comma list of pieces, native, native-segments, native-python-recall, native-keys1, "
-                         "native-keys-avx2, native-no-prefetch, native-prefetchN, native-rank-order (with --model)")
+                         "native-keys-avx2 (with --model)")
     ap.add_argument("--full-reference", type=int, default=0, help="also time full at this many tokens (with --model)")
     ap.add_argument("--kv-dtypes", default="fp32", help="comma list of fp32, fp16: the resident K/V (and page store) dtype")
     ap.add_argument("--queries", default="int8",
@@ -119,12 +116,6 @@ def main() -> int:
                 native_step.module.score_eight(0 if name == "native-keys1" else 1)
                 # native-keys-avx2: the default step with the keys scored by the AVX2 code on an AVX-512 VNNI build
                 native_step.module.score_keys_avx512(0 if name == "native-keys-avx2" else 1)
-                # native-no-prefetch: the default step without asking for the next shortlisted page's keys ahead
-                # native-rank-order: the default step with its shortlisted pages scored in the bounds' rank order
-                native_step.module.shortlist_page_order(0 if name == "native-rank-order" else 1)
-                native_step.module.prefetch_candidates(0 if name == "native-no-prefetch" else
-                                                       int(name[len("native-prefetch"):]) if name.startswith("native-prefetch")
-                                                       else 2)
         geometry = model.geometry()
         args.layers, args.kv_heads, args.head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
         args.heads = model.spec.num_heads

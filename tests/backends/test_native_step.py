@@ -918,23 +918,16 @@ def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_
 def test_a_prefill_chunk_ranks_its_own_pages_by_bounds_made_once_with_the_same_bits(strategy):
     """The whole pages past the bounds table (those a prefill chunk completes, ranked by each of its later rows) get
     their bounds made once a layer (csrc/paged_rows.h MadeBounds) instead of by every row that ranks them: the same
-    bits as each row making its own (made_bounds 0) and as one-token steps. The shortlisted pages' keys asked for
-    ahead of their scoring (prefetch_candidates, 2 by default) or not, or far ahead: loads only, the same bits; and
-    scored in page order (shortlist_page_order, the default) or in the bounds' rank order: the same choice."""
+    bits as each row making its own (made_bounds 0) and as one-token steps."""
     mod = _module()
     m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
     assert m.use_native_step() is True
     history = _prompt(160, seed=4)
     runs = {}
-    was, ahead, order = mod.made_bounds(-1), mod.prefetch_candidates(-1), mod.shortlist_page_order(-1)
-    assert ahead == 2 and order == 1
+    was = mod.made_bounds(-1)
     try:
-        for name, chunk, made, fetch, by_page in (("made", 16, 1, 2, 1), ("per-row", 16, 0, 2, 1), ("steps", 1, 1, 2, 1),
-                                                  ("no-prefetch", 16, 1, 0, 1), ("steps-far-prefetch", 1, 1, 64, 1),
-                                                  ("rank-order", 16, 1, 2, 0), ("steps-rank-order", 1, 1, 2, 0)):
+        for name, chunk, made in (("made", 16, 1), ("per-row", 16, 0), ("steps", 1, 1)):
             mod.made_bounds(made)
-            mod.shortlist_page_order(by_page)
-            assert mod.prefetch_candidates(fetch) in (0, 2, 64)
             cache = _cache(m, strategy, 16)
             out = []
             for i in range(0, 160, chunk):
@@ -946,14 +939,8 @@ def test_a_prefill_chunk_ranks_its_own_pages_by_bounds_made_once_with_the_same_b
             runs[name] = torch.cat(out)
     finally:
         mod.made_bounds(was)
-        mod.prefetch_candidates(ahead)
-        mod.shortlist_page_order(order)
-    assert torch.equal(runs["made"], runs["rank-order"])
-    assert torch.equal(runs["steps"], runs["steps-rank-order"])
     assert torch.equal(runs["made"], runs["per-row"])
     assert torch.equal(runs["made"], runs["steps"])
-    assert torch.equal(runs["made"], runs["no-prefetch"])
-    assert torch.equal(runs["steps"], runs["steps-far-prefetch"])
 
 
 @pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED,

@@ -63,12 +63,6 @@ struct PagedRows {
     TORCH_CHECK(f < fresh_n, "paged rows: row ", r, " is neither in its table nor among the step's resident rows");
     return fresh + ((s * tier.Hkv + h) * fresh_n + f) * tier.width;
   }
-  // rows [r0, r0 + n) of (layer, s, head) in place when they are one run, else nullptr (nothing copied)
-  const uint8_t* peek(int64_t l, int64_t s, int64_t h, int64_t r0, int64_t n) const {
-    if (r0 + n <= tier.rows && r0 / tier.P == (r0 + n - 1) / tier.P) return tier.at(l, s, h, r0);
-    if (r0 >= tier.rows && r0 - tier.rows + n <= fresh_n) return at(l, s, h, r0);
-    return nullptr;
-  }
   // a pointer to rows [r0, r0 + n) of (layer, s, head): in place when they are one run, else copied into buf
   const uint8_t* run(int64_t l, int64_t s, int64_t h, int64_t r0, int64_t n, std::vector<uint8_t>& buf) const {
     if (r0 + n <= tier.rows && r0 / tier.P == (r0 + n - 1) / tier.P) return tier.at(l, s, h, r0);
@@ -285,31 +279,9 @@ struct PagedTask {
 // (per task: the S pages the bounds rank highest plus the page it sees in part).
 struct PagedRank {
   std::vector<float> qf;                        // the task's query rows (G, D), rotated as its choice reads them
-  std::vector<uint64_t> ranked;                   // rank_key(bound score, page) per whole page
+  std::vector<std::pair<float, int64_t>> ranked;  // (bound score, page) per whole page
   bool shortlist = false;                        // its candidates are the bounds' shortlist (plan_end makes them)
 };
-
-// A page's rank as one integer: ascending keys are bound scores descending, ties to the lower page (the order a
-// comparator on (score, page) gives: -0 is taken as +0, which compare equal; pages < 2^32; no NaN reaches here).
-inline uint32_t descending_bits(float s) {
-  uint32_t u;
-  std::memcpy(&u, &s, sizeof u);
-  if (u == 0x80000000u) u = 0;
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending in s
-  return ~u;
-}
-inline uint64_t rank_key(float s, int64_t page) {
-  return (static_cast<uint64_t>(descending_bits(s)) << 32) | static_cast<uint32_t>(page);
-}
-inline int64_t rank_page(uint64_t key) { return static_cast<int64_t>(key & 0xFFFFFFFFu); }
-
-// Whether plan_end hands the shortlisted pages to the scoring in page order (1, the default: their keys' reads then
-// walk the tables forward) or in rank order (0: before; research scripts time it). The choice is a total order on
-// (best key score, page), whatever order the candidates come in: the same bits.
-inline int64_t& shortlist_page_order() {
-  static int64_t on = 1;
-  return on;
-}
 
 constexpr int64_t kRankPages = 64;
 // a step with at least this many (row, KV head) tasks runs its per-task planning, choice and merges on the threads
@@ -382,8 +354,8 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
       const c10::Half* lo[2] = {lo_t + j * D, lo_t + (j + 1) * D};
       float sc[2];
       bound_scores<2>(rk.qf.data(), G, D, hi, lo, sc);
-      rk.ranked[j] = rank_key(sc[0], j);
-      rk.ranked[j + 1] = rank_key(sc[1], j + 1);
+      rk.ranked[j] = {sc[0], j};
+      rk.ranked[j + 1] = {sc[1], j + 1};
     }
 #endif
   for (; j < j1; ++j) {
@@ -400,64 +372,33 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
       page_bound(cp, sp, P, D, four, made.data(), made.data() + D);
       hi = made.data(), lo = made.data() + D;
     }
-    rk.ranked[j] = rank_key(bound_score(rk.qf.data(), G, D, hi, lo), j);
+    rk.ranked[j] = {bound_score(rk.qf.data(), G, D, hi, lo), j};
   }
 }
 
 inline void plan_end(const PagedConfig& cf, PagedTask& t, PagedRank& rk) {
   if (!rk.shortlist) return;  // chosen whole, or every page a candidate (plan_begin)
   const int64_t whole = static_cast<int64_t>(rk.ranked.size()), keep = std::min<int64_t>(cf.S, whole);
-  // the top `keep` keys (the same pages as a partial sort of the whole list: the keys are a strict total order)
-  if (keep < whole) std::nth_element(rk.ranked.begin(), rk.ranked.begin() + keep, rk.ranked.end());
-  if (shortlist_page_order())
-    std::sort(rk.ranked.begin(), rk.ranked.begin() + keep,
-              [](uint64_t a, uint64_t b) { return rank_page(a) < rank_page(b); });
-  else
-    std::sort(rk.ranked.begin(), rk.ranked.begin() + keep);
-  const uint64_t no_bound = static_cast<uint64_t>(descending_bits(-INFINITY)) << 32;  // pages ranked -inf: not kept
+  // the top `keep` in order (score down, ties to the lower page: a strict total order, so the same pages in the same
+  // order as a partial sort of the whole list)
+  auto before = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  if (keep < whole) std::nth_element(rk.ranked.begin(), rk.ranked.begin() + keep, rk.ranked.end(), before);
+  std::sort(rk.ranked.begin(), rk.ranked.begin() + keep, before);
   for (int64_t i = 0; i < keep; ++i)
-    if (rk.ranked[i] < no_bound) t.cand.push_back(rank_page(rk.ranked[i]));
+    if (rk.ranked[i].first > -INFINITY) t.cand.push_back(rk.ranked[i].second);
   if (whole < (t.c + cf.P - 1) / cf.P) t.cand.push_back(whole);  // the page it sees in part: always scored
   t.cand_best.assign(t.cand.size(), -INFINITY);
 }
 
-// How many candidate pages ahead score_candidates asks for a page's codes and scales while it scores the current one,
-// in steps of at most kPrefetchRows rows (a decode step's shortlisted pages sit anywhere in the history, so their first
-// loads miss every cache; 0: not at all, as before; research scripts time it). Loads only, so the same bits.
-inline int64_t& prefetch_candidates() {
-  static int64_t on = 2;
-  return on;
-}
-
-constexpr int64_t kPrefetchRows = 16;  // steps of at most this many rows prefetch (decode rows and verify blocks)
-
-inline void prefetch_bytes(const uint8_t* p, int64_t n) {
-#if defined(__SSE__)
-  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
-#else
-  (void)p, (void)n;
-#endif
-}
-
 // Phase 2: candidates [k0, k1) of a task: each page's best key score (its visible keys' compact codes).
 inline void score_candidates(const PagedConfig& cf, int64_t l, PagedTask& t, int64_t k0, int64_t k1, int64_t G, int64_t D,
-                             const PagedRows& codes, const PagedRows& scales, int64_t ahead) {
+                             const PagedRows& codes, const PagedRows& scales) {
   const bool four = codes.tier.width * 2 == D;
   const int64_t P = cf.P;
   std::vector<float> scores(P);
   std::vector<uint8_t> cbuf, sbuf;
-  const int64_t nc = static_cast<int64_t>(t.cand.size());
-  auto fetch = [&](int64_t k2) {  // candidate k2's codes and scales asked for (the next item's too: a thread takes items in order)
-    if (k2 >= nc) return;
-    const int64_t j2 = t.cand[k2], n2 = std::min(P, t.c - j2 * P);
-    if (const uint8_t* c2 = codes.peek(l, 0, t.h, j2 * P, n2)) prefetch_bytes(c2, n2 * codes.tier.width);
-    if (const uint8_t* s2 = scales.peek(l, 0, t.h, j2 * P, n2)) prefetch_bytes(s2, n2 * scales.tier.width);
-  };
-  if (ahead > 1)
-    for (int64_t k = k0 + 1; k < std::min(k1, k0 + ahead); ++k) fetch(k);
   for (int64_t k = k0; k < k1; ++k) {
     const int64_t j = t.cand[k], n = std::min(P, t.c - j * P);
-    if (ahead > 0) fetch(k + ahead);
     const uint8_t* cp = codes.run(l, 0, t.h, j * P, n, cbuf);
     const auto* sp = reinterpret_cast<const c10::Half*>(scales.run(l, 0, t.h, j * P, n, sbuf));
     if (!t.qa.empty()) {

@@ -1393,11 +1393,8 @@ class RowStep {
     at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) plan_end(cf, tasks[i], ranks[i]);
     });
-    // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together; a step of a
-    // few rows (decode, verify) asks for its shortlisted pages' keys ahead (a prefill chunk's rows share their pages:
-    // in cache already, where the prefetches only cost, results/research/paged_prefill_32k_prefetch_avx512.json)
+    // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together
     constexpr int64_t kScorePages = 8;
-    const int64_t ahead = T <= kPrefetchRows ? prefetch_candidates() : 0;
     items.clear();
     for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += kScorePages) items.push_back({i, k});
@@ -1405,7 +1402,7 @@ class RowStep {
       for (int64_t it = lo; it < hi; ++it) {
         PagedTask& t = tasks[items[it].first];
         const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + kScorePages, t.cand.size());
-        score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, ahead);
+        score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales);
       }
     });
     // 3: the chosen pages; 4: the attention's parts, every task's shared out together; 5: each row's parts merged
@@ -1643,17 +1640,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("score_keys_avx512", &score_keys_avx512,
          "whether the compact keys' scoring takes 4-bit codes of 64 dimensions two keys a vector with AVX-512 VNNI where "
          "the build has it (1, the default) or the AVX2 code (0: before); the same bits either way");
-  m.def("prefetch_candidates", [](int64_t pages) {
-    const int64_t was = prefetch_candidates();
-    if (pages >= 0) prefetch_candidates() = std::min<int64_t>(pages, 64);
-    return was;
-  }, "how many shortlisted pages ahead a paged step's page choice asks for a page's compact keys and scales while it "
-     "scores the current one (2, the default; 0: not at all, before); loads only, so the same bits; returns the "
-     "previous count (-1: only read it)", pybind11::arg("pages") = -1);
-  toggle("shortlist_page_order", &shortlist_page_order,
-         "whether a paged step scores its shortlisted pages in page order (1, the default: the keys' reads walk the "
-         "tables forward) or in the bounds' rank order (0: before); the choice is the same total order either way, so "
-         "the same bits");
   toggle("trim_columns", &trim_columns,
          "whether a whole step's rows attend only up to their last visible column (1, the default) or scan every "
          "column of the step's mask, masked ones skipped one by one (0); the same bits either way");
