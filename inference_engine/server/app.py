@@ -122,18 +122,6 @@ def resolve_kv_dtype(cfg: ServeConfig, model) -> str:
     return "fp16" if step.module.fp16_in_registers() else "fp32"
 
 
-def resolve_shortlist_from(cfg: ServeConfig, model) -> int:
-    """--page-shortlist-from as the engine takes it: auto = 128 candidate pages where the native CPU step runs the
-    paged recall (its page choice in C++: the shortlist measured faster than scoring every key from ~128 pages on,
-    docs/paged.md, "Where the shortlist starts"), 256 elsewhere (the Python pieces: CUDA, MLX, no native build)."""
-    from inference_engine.server.config import SHORTLIST_FROM_NATIVE, SHORTLIST_FROM_PIECES
-
-    if cfg.page_shortlist_from != "auto":
-        return cfg.shortlist_from()
-    native = getattr(model, "backend_name", "torch") == "torch" and getattr(model, "native_step", None) is not None
-    return SHORTLIST_FROM_NATIVE if native else SHORTLIST_FROM_PIECES
-
-
 def build_engine(cfg: ServeConfig, model, model_thread=None):
     """Engine for `cfg` around an already loaded model (benchmarks share one model across arms).
     model_thread: the ModelThread that runs its loop (None: the callers' threads)."""
@@ -146,10 +134,7 @@ def build_engine(cfg: ServeConfig, model, model_thread=None):
         kv_dtype = resolve_kv_dtype(cfg, model)
         if cfg.kv_dtype == "auto":
             log.info("--kv-dtype auto: resident K/V in %s", kv_dtype)
-        shortlist_from = resolve_shortlist_from(cfg, model)
-        if cfg.page_shortlist_from == "auto" and cfg.kv_strategy == "paged":
-            log.info("--page-shortlist-from auto: the page shortlist from %d candidate pages", shortlist_from)
-        strategy, options = cfg.strategy(kv_dtype=kv_dtype, shortlist_from=shortlist_from)
+        strategy, options = cfg.strategy(kv_dtype=kv_dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     drafter = None

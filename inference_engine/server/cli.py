@@ -42,9 +42,9 @@ def _add_serve(sub) -> None:
                    help="paged: past --page-shortlist-from candidate pages, rank pages by per-page key bounds and score the "
                         "keys of the best N only (at least --recall-pages; the bounds are ~1/8 of the keys' bytes); 0 = score "
                         "every evicted key each step")
-    p.add_argument("--page-shortlist-from", type=_pages_or_auto, default=d.page_shortlist_from,
-                   help="paged: candidate pages past which the shortlist applies (256 = 16k tokens with pages of 64); auto = "
-                        "where it measured faster than scoring every key: 128 with the native CPU step, 256 elsewhere")
+    p.add_argument("--page-shortlist-from", type=int, default=d.page_shortlist_from,
+                   help="paged: candidate pages past which the shortlist applies (256 = 16k tokens with pages of 64: where it "
+                        "measured faster than scoring every key on the development CPU)")
     p.add_argument("--page-ram-mb", type=int, default=d.page_ram_mb, metavar="MB",
                    help="paged: host RAM per session for the page store (the exact K/V of evicted positions); pages past "
                         "it are kept in a memory-mapped spill file on disk and read from there when recalled; 0 = keep "
@@ -156,25 +156,16 @@ def _research(args) -> dict:
     return out
 
 
-def _count_or_auto(flag: str, what: str, least: int):
-    """An argparse type: `auto`, or an int >= least (else a message naming the flag)."""
-
-    def parse(value: str):
-        if value == "auto":
-            return value
-        try:
-            n = int(value)
-        except ValueError:
-            n = None
-        if n is None or n < least:
-            raise argparse.ArgumentTypeError(f"{flag} takes {what} or 'auto', got {value!r}")
-        return n
-
-    return parse
-
-
-_pages_or_auto = _count_or_auto("--page-shortlist-from", "a page count >= 0", 0)
-_threads = _count_or_auto("--threads", "a positive int", 1)
+def _threads(value: str):
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads takes a positive int or 'auto', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--threads takes a positive int or 'auto', got {n}")
+    return n
 
 
 def _seconds(value: str) -> float:

@@ -17,13 +17,6 @@ class ConfigError(ValueError):
     """A serve option the daemon cannot run with; the message names the option and the fix."""
 
 
-# --page-shortlist-from auto: the candidate pages past which ranking pages by their bounds measured faster than scoring
-# every compact key (docs/paged.md, "Where the shortlist starts"): with the Python pieces (the recall in kv/paged.py)
-# and with the native CPU step (csrc/paged_rows.h)
-SHORTLIST_FROM_PIECES = 256
-SHORTLIST_FROM_NATIVE = 128
-
-
 @dataclass
 class ServeConfig:
     bind: str = "127.0.0.1:50051"
@@ -41,9 +34,7 @@ class ServeConfig:
     recall_pages: int = 8  # paged: pages each query attends to besides sink and window
     page_compressor: str = "identity"  # paged: stored pages as identity | int8 | kakeya_d4 | kakeya_e8
     page_shortlist: int = 64  # paged: past page_shortlist_from candidate pages, rank pages by key bounds, score the best N
-    # paged: candidate pages past which the shortlist applies (page_shortlist 0: never); auto = where it measured
-    # faster than scoring every key: 128 with the native CPU step, 256 with the Python pieces (app.resolve_shortlist_from)
-    page_shortlist_from: int | str = 256
+    page_shortlist_from: int = 256  # paged: candidate pages past which the shortlist applies (page_shortlist 0: never)
     page_ram_mb: int = 128  # paged: MB of a session's page store kept in host RAM; the rest in a spill file (0 = all in RAM)
     page_far_from: int = 0  # paged: positions from which queries attend in InfLLM's layout (0 = the trained context)
     page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
@@ -116,11 +107,6 @@ class ServeConfig:
                 or self.malloc_mmap_threshold_kb < 0:
             raise ConfigError(f"--malloc-mmap-threshold-kb takes a number of KiB >= 0 (0 = glibc's dynamic threshold), "
                               f"got {self.malloc_mmap_threshold_kb!r}")
-        if self.page_shortlist_from != "auto" and (isinstance(self.page_shortlist_from, bool)
-                                                   or not isinstance(self.page_shortlist_from, int)
-                                                   or self.page_shortlist_from < 0):
-            raise ConfigError(f"--page-shortlist-from takes a number of candidate pages >= 0 or auto, got "
-                              f"{self.page_shortlist_from!r}")
         if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, int) or self.page_ram_mb < 0:
             raise ConfigError(f"--page-ram-mb takes a number of MB >= 0 (0 = keep every page in RAM), got {self.page_ram_mb!r}")
         if self.capacity < 1:
@@ -141,12 +127,11 @@ class ServeConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from e
 
-    def strategy(self, kv_dtype: str | None = None, shortlist_from: int | None = None):
+    def strategy(self, kv_dtype: str | None = None):
         """The KV strategy these options name (its parameters checked: ValueError naming the one at fault), and
         its plugin's options (kv/plugins.py: defaults overridden by `research`), which its resources are built from.
         kv_dtype: what --kv-dtype auto resolved to for the loaded model (app.resolve_kv_dtype); without it auto
-        stands for fp32 (every strategy takes that). shortlist_from: what --page-shortlist-from auto resolved to
-        (app.resolve_shortlist_from); without it auto stands for the Python pieces' 256."""
+        stands for fp32 (every strategy takes that)."""
         import dataclasses
 
         from inference_engine.kv import registry
@@ -158,16 +143,10 @@ class ServeConfig:
                                           kv_dtype=kv_dtype or (self.kv_dtype if self.kv_dtype != "auto" else "fp32"),
                                           q_range=self.kv_q_range, page_size=self.page_size,
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,
-                                          shortlist_pages=self.page_shortlist, shortlist_from=self.shortlist_from(shortlist_from),
+                                          shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
                                           page_ram_mb=self.page_ram_mb, far_from=self.page_far_from,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
-
-    def shortlist_from(self, resolved: int | None = None) -> int:
-        """--page-shortlist-from as a number: auto is `resolved` (app.resolve_shortlist_from) or, without it, 256."""
-        if self.page_shortlist_from != "auto":
-            return int(self.page_shortlist_from)
-        return SHORTLIST_FROM_PIECES if resolved is None else resolved
 
 
 def split_bind(bind: str) -> tuple[str, int]:

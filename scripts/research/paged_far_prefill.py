@@ -79,9 +79,9 @@ def main(argv=None) -> int:
                     help="the resident K/V and page store dtype, as `kakeya serve --kv-dtype` resolves it per strategy "
                          "(auto: fp16 where the native step reads it in its registers; before 2026-12-01 this script "
                          "ran fp32 for every arm)")
-    ap.add_argument("--shortlist-from", default="",
-                    help="paged: --page-shortlist-from as `kakeya serve` takes it, resolved as the daemon does (default: "
-                         "the daemon's default, 256; auto: 128 where the native step runs the recall)")
+    ap.add_argument("--shortlist-from", type=int, default=-1,
+                    help="paged: the candidate pages past which the page shortlist applies, as `kakeya serve "
+                         "--page-shortlist-from` (-1: the daemon's default)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON files into --out and stop")
     args = ap.parse_args(argv)
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     from inference_engine.kv.factory import make_cache
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
-    from inference_engine.server.app import resolve_kv_dtype, resolve_shortlist_from
+    from inference_engine.server.app import resolve_kv_dtype
     from inference_engine.server.config import ServeConfig
 
     torch.set_num_threads(args.threads)
@@ -111,8 +111,7 @@ def main(argv=None) -> int:
                  for name in ("full", "paged")}
     # and the candidate pages from which its page shortlist applies (--page-shortlist-from as the daemon resolves it;
     # an arm +sfN sets N)
-    given = args.shortlist_from or ServeConfig.page_shortlist_from
-    shortlist_from = resolve_shortlist_from(ServeConfig(kv_strategy="paged", page_shortlist_from=given), model)
+    shortlist_from = ServeConfig.page_shortlist_from if args.shortlist_from < 0 else args.shortlist_from
     paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8, kv_dtype=kv_dtypes["paged"],
                        shortlist_from=shortlist_from)
     ids = torch.randint(3, model.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -91,7 +91,7 @@ def run_variant(args) -> dict:
     from inference_engine.kv.strategy import KVStrategy
     from inference_engine.model_store import resolve_model
 
-    from inference_engine.server.app import resolve_kv_dtype, resolve_shortlist_from
+    from inference_engine.server.app import resolve_kv_dtype
     from inference_engine.server.config import ServeConfig
 
     torch.set_num_threads(args.threads)
@@ -103,8 +103,7 @@ def run_variant(args) -> dict:
     # it in its registers)
     kv_dtype = resolve_kv_dtype(ServeConfig(kv_strategy="paged", kv_dtype=args.kv_dtype), model)
     # and the candidate pages from which the page shortlist applies, as the daemon resolves --page-shortlist-from
-    given = args.shortlist_from or ServeConfig.page_shortlist_from
-    shortlist_from = resolve_shortlist_from(ServeConfig(kv_strategy="paged", page_shortlist_from=given), model)
+    shortlist_from = ServeConfig.page_shortlist_from if args.shortlist_from < 0 else args.shortlist_from
     strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, page_ram_mb=budget, kv_dtype=kv_dtype,
                           shortlist_from=shortlist_from)
     gen = torch.Generator().manual_seed(0)
@@ -204,9 +203,9 @@ def main() -> int:
                          "2026-12-01 this script ran the Python pieces)")
     ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp32", "fp16"),
                     help="the K/V dtype, as `kakeya serve --kv-dtype` resolves it (before 2026-12-01 this script ran fp32)")
-    ap.add_argument("--shortlist-from", default="",
-                    help="paged: --page-shortlist-from as `kakeya serve` takes it, resolved as the daemon does (default: "
-                         "the daemon's default, 256; auto: 128 where the native step runs the recall)")
+    ap.add_argument("--shortlist-from", type=int, default=-1,
+                    help="paged: the candidate pages past which the page shortlist applies, as `kakeya serve "
+                         "--page-shortlist-from` (-1: the daemon's default)")
     ap.add_argument("--page-ram-mb", type=float, default=VARIANTS["spill"], help="the spill variant's budget")
     ap.add_argument("--resume-step", action="store_true",
                     help="also time each length's first decode step after a save and a load (with far_keys saved, and "

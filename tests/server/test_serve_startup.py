@@ -2,7 +2,6 @@
 refused with a message naming them, before any model loads (issue 30, items 1 and 5)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import socket
@@ -218,34 +217,3 @@ def test_kv_dtype_auto_is_fp16_where_the_native_steps_attention_reads_it_in_regi
     assert resolve_kv_dtype(ServeConfig(), _load_model(ServeConfig(model=tiny, weights="fp32"))) == "fp32"
     assert resolve_kv_dtype(ServeConfig(compile="off"), _load_model(ServeConfig(model=tiny, weights="int4",
                                                                                   compile="off"))) == "fp32"
-
-
-def test_page_shortlist_from_auto_resolves_by_the_step_that_runs_the_recall():
-    """--page-shortlist-from auto: 128 candidate pages where the native CPU step runs the paged recall (its crossover,
-    docs/paged.md "Where the shortlist starts"), 256 with the Python pieces (no native step: fp32 weights, --compile
-    off); a number given is kept, and the engine's strategy carries what it resolved to. A bad value is a ConfigError
-    naming the flag, from the config and from the command line."""
-    from factories import require_native
-
-    from inference_engine.server.app import _load_model, build_engine, resolve_shortlist_from
-    from inference_engine.server.cli import build_parser, serve_config
-    from inference_engine.server.config import SHORTLIST_FROM_NATIVE, SHORTLIST_FROM_PIECES
-
-    require_native()
-    tiny = str(tiny_model_dir("llama"))
-    int4 = _load_model(ServeConfig(model=tiny, weights="int4"))
-    auto = ServeConfig(model=tiny, weights="int4", kv_strategy="paged", page_shortlist_from="auto")
-    assert resolve_shortlist_from(auto, int4) == SHORTLIST_FROM_NATIVE == 128
-    assert build_engine(auto, int4).strategy.shortlist_from == 128
-    assert resolve_shortlist_from(dataclasses.replace(auto, page_shortlist_from=40), int4) == 40
-    assert build_engine(dataclasses.replace(auto, page_shortlist_from=40), int4).strategy.shortlist_from == 40
-    pieces = _load_model(ServeConfig(model=tiny, weights="int4", compile="off"))
-    assert getattr(pieces, "native_step", None) is None
-    assert resolve_shortlist_from(dataclasses.replace(auto, compile="off"), pieces) == SHORTLIST_FROM_PIECES == 256
-    assert auto.strategy()[0].shortlist_from == 256  # unresolved (no model): the Python pieces' figure
-    args = build_parser().parse_args(["serve", "--kv-strategy", "paged", "--page-shortlist-from", "auto"])
-    assert serve_config(args).page_shortlist_from == "auto"
-    with pytest.raises(ConfigError, match="--page-shortlist-from"):
-        ServeConfig(kv_strategy="paged", page_shortlist_from="soon").validate()
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--page-shortlist-from", "-3"])
