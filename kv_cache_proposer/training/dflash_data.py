@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 import pathlib
 import random
 
@@ -22,7 +21,7 @@ import torch
 
 from kv_cache_proposer.training import corpus as corpus_mod
 from kv_cache_proposer.training.dataset import chat_ids, code_ids
-from kv_cache_proposer.training.teacher import left_padded
+from kv_cache_proposer.training.teacher import left_padded, save_sequences
 
 STYLES = {"chat": 0, "code": 1, "edit": 2, "synthetic": 3}
 CHUNK = 32
@@ -152,28 +151,17 @@ def generate_with_features(model, prompts: list[list[int]], layers: tuple[int, .
 
 def build_chunk(model, items: list[dict], *, layers: tuple[int, ...], max_new: int, eos: list[int], pad: int,
                 gen_batch: int, path: pathlib.Path) -> dict:
-    from safetensors.torch import save_file
-
     prompts = [j["ids"] for j in items]
     gens, feats = generate_with_features(model, prompts, layers, max_new, eos, pad, batch_size=gen_batch)
     seqs = [p + g for p, g in zip(prompts, gens)]
-    offsets = [0]
-    for s in seqs:
-        offsets.append(offsets[-1] + len(s))
-    tensors = {
-        "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+    save_sequences(path, seqs, {
         "feats": torch.cat([f[0] for f in feats]).contiguous(),
         "final": torch.cat([f[1] for f in feats]).contiguous(),
         "argmax": torch.cat([f[2] for f in feats]).contiguous(),
-        "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
         "gen_start": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
         "style": torch.tensor([STYLES[j["kind"]] for j in items], dtype=torch.int64),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-    return {"sequences": len(seqs), "tokens": offsets[-1], "generated": sum(len(g) for g in gens)}
+    })
+    return {"sequences": len(seqs), "tokens": sum(len(s) for s in seqs), "generated": sum(len(g) for g in gens)}
 
 
 class ChunkRows:

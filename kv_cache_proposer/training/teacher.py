@@ -108,25 +108,30 @@ def teacher_forward(model, seqs: list[list[int]], topk: int = 20, max_batch_toke
     return res
 
 
-def write_shard(path: pathlib.Path, seqs: list[list[int]], targets, target_start: list[int], styles: list[int]):
+def save_sequences(path: pathlib.Path, seqs: list[list[int]], tensors: dict) -> None:
+    """A shard of token sequences: their tokens concatenated (int32) and seq_offsets (n + 1) beside `tensors`,
+    written to `path` atomically (a temporary file, then renamed)."""
     from safetensors.torch import save_file
 
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
-    tensors = {
-        "tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+    out = {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+           "seq_offsets": torch.tensor(offsets, dtype=torch.int64)} | tensors
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(out, str(tmp))
+    os.replace(tmp, path)
+
+
+def write_shard(path: pathlib.Path, seqs: list[list[int]], targets, target_start: list[int], styles: list[int]):
+    save_sequences(path, seqs, {
         "hidden": torch.cat([t[0] for t in targets]).contiguous(),
         "topk_idx": torch.cat([t[1] for t in targets]).contiguous(),
         "topk_val": torch.cat([t[2] for t in targets]).contiguous(),
-        "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
         "target_start": torch.tensor(target_start, dtype=torch.int64),
         "style": torch.tensor(styles, dtype=torch.int64),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    })
 
 
 @dataclasses.dataclass
