@@ -256,7 +256,7 @@ class StateDir:
             if not top.is_dir() or not is_session_id(top.name):
                 continue
             d = self.data_dir(top.name)
-            size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+            size = _file_bytes(d)
             try:
                 body = read_manifest(d)
                 out.append(SessionEntry(top.name, d, size, int(body["history_length"]), float(body["saved_at"]),
@@ -319,3 +319,20 @@ class StateDir:
                 shutil.rmtree(d) if d.is_dir() else d.unlink()
                 quarantine_removed.append(d.name)
         return {"leftover_files": leftover_files, "sessions_removed": sessions_removed, "quarantine_removed": quarantine_removed}
+
+
+def _file_bytes(d: Path) -> int:
+    """Bytes of the files in `d`; a file a daemon's save in flight renames or removes meanwhile (or the whole
+    directory, a session removed meanwhile) counts as nothing, instead of ending a listing beside running daemons."""
+    total = 0
+    try:
+        files = list(d.iterdir())
+    except FileNotFoundError:
+        return 0
+    for p in files:
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total

@@ -165,3 +165,30 @@ def logits_of_native(m) -> torch.Tensor:
     logits, _ = forward(m, m.tensor(list(range(3, 15))), range(12), cache, logits="all", row_exact=True)
     cache.commit()
     return logits
+
+
+def test_a_derived_file_removed_by_another_process_mid_save_is_skipped(tmp_path, monkeypatch):
+    """Two daemons starting beside each other on one model directory each write their derived tensors and prune old
+    versions: a version the other process removes between this one's listing and its look at the file's time is
+    skipped (before, the FileNotFoundError ended the start), and the rest of the pruning still runs."""
+    import pathlib
+
+    from inference_engine.backends.torch import packed
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d, ignore=shutil.ignore_patterns(".kakeya-*"))
+    for tag in ("a", "b"):
+        packed.save_derived_tensor(d, "probe", "int4", tag, torch.zeros(3))
+    real_glob = pathlib.Path.glob
+
+    def listing_with_a_vanished_file(self, pattern):
+        found = list(real_glob(self, pattern))
+        return found + [self / ".kakeya-probe-int4-000000000000.safetensors"] if "probe" in pattern else found
+
+    monkeypatch.setattr(pathlib.Path, "glob", listing_with_a_vanished_file)
+    packed.save_derived_tensor(d, "probe", "int4", "c", torch.ones(3))
+    monkeypatch.undo()
+    kept = sorted(f.name for f in d.glob(".kakeya-probe-int4-*"))
+    assert len(kept) == packed.DERIVED_KEPT  # c and the most recently used other one
+    assert torch.equal(packed.load_derived_tensor(d, "probe", "int4", "c"), torch.ones(3))
+    assert packed.load_derived_tensor(d, "probe", "int4", "a") is None  # the oldest, pruned

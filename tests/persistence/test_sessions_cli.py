@@ -67,3 +67,35 @@ def test_kakeya_state_dir_overrides_the_default_state_directory(monkeypatch, tmp
     monkeypatch.delenv("KAKEYA_STATE_DIR")
     monkeypatch.setenv("KAKEYA_HOME", str(tmp_path / "home"))
     assert default_state_dir() == tmp_path / "home" / "state"
+
+
+def test_list_survives_a_file_removed_while_it_looks(tmp_path, capsys, monkeypatch):
+    """`kakeya sessions list` (and gc, which lists) beside running daemons: a file a save in flight renames away
+    between the listing of a session's directory and the look at its size is skipped, not a traceback."""
+    import pathlib
+
+    (a,) = _saved(tmp_path, 1)
+    d = StateDir(tmp_path)
+    session_dir = d.data_dir(a)
+    real_iterdir = pathlib.Path.iterdir
+
+    def with_a_vanished_temp(self):
+        found = list(real_iterdir(self))
+        return iter(found + [self / ".tmp-session.json.gone"] if self == session_dir else found)
+
+    real_stat, looks = pathlib.Path.stat, []
+
+    def racing_stat(self, *args, **kwargs):  # there when is_file() looks, gone when its size is read
+        if self.name == ".tmp-session.json.gone":
+            looks.append(1)
+            if len(looks) % 2:
+                return real_stat(session_dir / "session.json")
+            raise FileNotFoundError(str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", with_a_vanished_temp)
+    monkeypatch.setattr(pathlib.Path, "stat", racing_stat)
+    assert main(["sessions", "--state-dir", str(tmp_path), "list"]) == 0
+    assert looks  # the listing met the file
+    assert a in capsys.readouterr().out
+    assert [e.session_id for e in d.entries()] == [a] and d.entries()[0].problem is None

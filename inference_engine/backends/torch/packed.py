@@ -110,6 +110,15 @@ def _mark_used(path: pathlib.Path) -> None:
     os.utime(path, ns=(now, now))
 
 
+def _mtime_ns(path: pathlib.Path) -> int | None:
+    """The file's mtime, or None when it is gone: another process sharing the model directory (a second daemon
+    starting beside this one) may remove a version between the listing and this look."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 def save_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra: str, tensors: dict) -> None:
     """Write `tensors` for load_derived_tensors, atomically, then remove this (name, weights)'s other versions but the
     DERIVED_KEPT most recently used (and an untagged file from before the tags); a directory that cannot be written is
@@ -123,7 +132,8 @@ def save_derived_tensors(model_dir: pathlib.Path, name: str, weights: str, extra
     with contextlib.suppress(OSError):
         _mark_used(path)
     d = pathlib.Path(model_dir)
-    versions = sorted(d.glob(f".kakeya-{name}-{weights}-*.safetensors"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
+    stamped = [(m, f) for f in d.glob(f".kakeya-{name}-{weights}-*.safetensors") if (m := _mtime_ns(f)) is not None]
+    versions = [f for _, f in sorted(stamped, key=lambda mf: mf[0], reverse=True)]
     for old in [f for f in versions if f != path][DERIVED_KEPT - 1:] + list(d.glob(f".kakeya-{name}-{weights}.safetensors")):
         with contextlib.suppress(OSError):
             old.unlink()
