@@ -17,8 +17,8 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
                         (the module's made_bounds(0): before they were made once a layer; the same bits);
   <arm>+tasksalone      that arm with a chunk's per-task planning, choice and merges on the calling thread (the
                         module's paged_tasks_apart(0): before they ran on the threads; the same bits);
-  <arm>+sfN             that arm with the page shortlist from N candidate pages (--page-shortlist-from N), not the
-                        daemon's resolved value (--shortlist-from).
+  <arm>+sfN             that arm with the page shortlist from N candidate pages (--page-shortlist-from N), not
+                        --shortlist-from's (the daemon's default unless given).
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -109,8 +109,8 @@ def main(argv=None) -> int:
     # the K/V dtype the daemon takes for each strategy with these settings
     kv_dtypes = {name: resolve_kv_dtype(ServeConfig(kv_strategy=name, kv_dtype=args.kv_dtype), model)
                  for name in ("full", "paged")}
-    # and the candidate pages from which its page shortlist applies (--page-shortlist-from as the daemon resolves it;
-    # an arm +sfN sets N)
+    # and the candidate pages from which its page shortlist applies (the daemon's --page-shortlist-from default unless
+    # --shortlist-from is given; an arm +sfN sets N)
     shortlist_from = ServeConfig.page_shortlist_from if args.shortlist_from < 0 else args.shortlist_from
     paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8, kv_dtype=kv_dtypes["paged"],
                        shortlist_from=shortlist_from)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
             ratios[f"{arm} vs full, logits at {CHECKPOINTS[-1]}: argmax equal"] = bool(
                 torch.equal(last[arm].argmax(-1), last["full"].argmax(-1)))
     doc = meta | {"model": model.model_id, "max_context": ctx,
-                  "strategy": "paged sink 4, window 1020, pages of 64, 8 recalled (shortlist 64 past 256 pages)",
+                  "strategy": "paged sink 4, window 1020, pages of 64, 8 recalled (shortlist 64 past shortlist_from pages)",
                   "kv_dtype": kv_dtypes,
                   "shortlist_from": shortlist_froms,
                   "arms": arms, "ratios": ratios}

@@ -102,7 +102,8 @@ def run_variant(args) -> dict:
     # the K/V dtype the daemon takes for `paged` with these settings (--kv-dtype auto: fp16 where the native step reads
     # it in its registers)
     kv_dtype = resolve_kv_dtype(ServeConfig(kv_strategy="paged", kv_dtype=args.kv_dtype), model)
-    # and the candidate pages from which the page shortlist applies, as the daemon resolves --page-shortlist-from
+    # and the candidate pages from which the page shortlist applies (the daemon's --page-shortlist-from default unless
+    # --shortlist-from is given)
     shortlist_from = ServeConfig.page_shortlist_from if args.shortlist_from < 0 else args.shortlist_from
     strategy = KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, page_ram_mb=budget, kv_dtype=kv_dtype,
                           shortlist_from=shortlist_from)
