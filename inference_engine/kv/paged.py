@@ -22,7 +22,8 @@ Past the trained context (`max_context`) there is no limit (InfLLM's layout, arX
 query at p >= far_from (the trained context unless the strategy's `far_from` is smaller) attends to its
 window at true positions, to its chosen pages as if they sat in position order right before the window,
 and to the sink right before those, so no distance it sees exceeds sink + window + recall_pages *
-page_size (checked against the trained context). Keys stay
+page_size (checked against the trained context); with `far_layout` "spread" the pages keep their order and
+the gaps between them scaled down to fit far_from positions (`_far_slots`). Keys stay
 post-RoPE at their true positions in every tier; the recalled ones are rotated on recall (RoPE
 composes: rotating a key at p_k by d puts it at p_k + d), by the backend's `rotate_keys`. Below
 far_from nothing changes: every query attends at true positions. Page choice, too, scores at
@@ -105,6 +106,7 @@ class PagedCache(SinkWindowCache):
         self.far_distance = self.window + self.page_size
         # queries at p >= far_from attend (and choose pages) in InfLLM's layout; below it at true positions
         self.far_from = min(strategy.far_from, max_context) if strategy.far_from else max_context
+        self.far_layout = strategy.far_layout  # where those queries see their chosen pages (`_far_slots`)
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         self._resident_rows: Callable | None = None  # the backend's fused-step attention of resident rows (recall_hook)
         self._recalled_rows: Callable | None = None  # the backend's attention of a row over recalled rows + slab
@@ -420,7 +422,7 @@ class PagedCache(SinkWindowCache):
         tables += [pr, pf, self.bounds.data["rows"]]
         meta += m
         meta += [self.sink, self.window, self.page_size, self.recall_pages, self.shortlist, self.shortlist_from,
-                 self.far_distance, self.far_from, self.bounds.rows, int(self.far_active)]
+                 self.far_distance, self.far_from, self.bounds.rows, int(self.far_active), int(self.far_layout == "spread")]
         first, t = layout.first_position, layout.positions.numel()
         positions = np.arange(first, first + t)
         kp = layout.key_positions
@@ -443,16 +445,18 @@ class PagedCache(SinkWindowCache):
         q = qj[0]  # (Hkv, G, D)
         n = 0 if pages is None else pages.shape[1]
         moved = []
+        no_pages = torch.empty(hkv, 0, dtype=torch.long, device=q.device)
+        moves, sink_start = self._far_slots(no_pages if pages is None else pages, torch.tensor(p, device=q.device))
         if kr is not None:
             assert pages is not None and vr is not None  # _attend_rows sets a row's pages with its recalled rows
-            back = -self._page_moves(pages, torch.tensor(p, device=pages.device))  # (Hkv, n)
+            back = -moves  # (Hkv, n)
             q_pages = rotate_keys(layer, q[:, None].expand(hkv, n, g, d).reshape(hkv, n * g, d),
                                   back[..., None].expand(hkv, n, g).reshape(hkv, -1)).view(hkv, n, g, d)
             moved.append((q_pages, kr, vr, None if bias_r is None else bias_r[0]))
         kp = layout.key_positions
         sink_cols = torch.nonzero((kp >= 0) & (kp < self.sink)).flatten()
         if sink_cols.numel():
-            q_sink = rotate_keys(layer, q, torch.full((hkv, g), -self._sink_start(p, n), dtype=torch.long, device=q.device))
+            q_sink = rotate_keys(layer, q, (-sink_start)[:, None].expand(hkv, g))
             moved.append((q_sink[:, None], k_all.index_select(1, sink_cols), v_all.index_select(1, sink_cols), None))
             bias_w = bias_w.clone()
             bias_w[sink_cols] = float("-inf")  # the sink is attended above, moved; the window stays where it is
@@ -482,7 +486,7 @@ class PagedCache(SinkWindowCache):
         k_u, v_u, pair_page = self._candidate_pages(layer, pages, k_all, v_all, plan)  # (Hkv * U, P, D) x2, (Hkv * T * M,)
         slot, tile_page = page_tiles(pair_page, k_u.shape[0])  # the (row, page) pairs grouped by page
         positions = layout.first_position + torch.arange(t, device=dev)  # (T,)
-        deltas = self._page_moves(pages, positions)  # (Hkv, T, M): each chosen page's move
+        deltas, first = self._far_slots(pages, positions)  # (Hkv, T, M): each chosen page's move; (Hkv, T): the sink's start
         qh = q.reshape(hkv, g, t, d).transpose(1, 2)  # (Hkv, T, G, D)
         q_pages = rotate_keys(layer, qh[:, :, None].expand(hkv, t, m, g, d).reshape(hkv, -1, d),
                               (-deltas)[..., None].expand(hkv, t, m, g).reshape(hkv, -1)).view(hkv, t, m, g, d)
@@ -495,8 +499,7 @@ class PagedCache(SinkWindowCache):
         sink_cols = torch.nonzero((kp >= 0) & (kp < self.sink)).flatten()
         sink_scores = None
         if sink_cols.numel():  # the sink, moved to sit right before each row's pages: its queries counter-rotated
-            first = self._sink_start(positions, m)  # (T,)
-            q_sink = rotate_keys(layer, qh.reshape(hkv, -1, d), (-first)[None, :, None].expand(hkv, t, g).reshape(hkv, -1))
+            q_sink = rotate_keys(layer, qh.reshape(hkv, -1, d), (-first)[:, :, None].expand(hkv, t, g).reshape(hkv, -1))
             sink_scores = torch.einsum("htgd,hsd->htgs", q_sink.view(hkv, t, g, d), k_all.index_select(1, sink_cols)) * scale
             bias_w = bias_w.clone()
             bias_w[:, sink_cols] = float("-inf")  # attended above, moved; the window stays where it is
@@ -533,17 +536,32 @@ class PagedCache(SinkWindowCache):
         pair_page = (at.gather(1, pages.flatten(1)) + torch.arange(hkv, device=dev)[:, None] * u).flatten()
         return k_u.reshape(hkv * u, p, d), v_u.reshape(hkv * u, p, d), pair_page
 
-    def _page_moves(self, pages: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """How far each chosen page moves for a query at p (InfLLM's layout): pages (..., n) in position order,
-        p broadcastable to pages' leading dims; page i goes to the i-th of n page slots ending right before the
-        query's window."""
-        n, size = pages.shape[-1], self.page_size
-        slot_start = p[..., None] - self.window - (n - torch.arange(n, device=pages.device)) * size + 1
-        return slot_start - (self.sink + pages.to(torch.long) * size)
+    def _far_slots(self, pages: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a query at p >= far_from sees its chosen pages and the sink: pages (..., n) in position order, p
+        broadcastable to pages' leading dims. Returns each page's move (..., n) (its slot's start less its true start)
+        and where the sink starts (pages' leading dims).
 
-    def _sink_start(self, p: Any, n: int) -> Any:
-        """Where the sink starts, as seen from a query at p with n recalled pages (right before them)."""
-        return p - self.window - n * self.page_size - self.sink + 1
+        "packed" (InfLLM's layout): page i goes to the i-th of n page slots ending right before the query's window,
+        the sink right before them. "spread": the same order, with the gaps before each page, and from the last one to
+        the window, scaled down together (integer floor of gap * free / total gaps, free = far_from - window - sink -
+        n * page_size) so everything the query sees spans at most far_from positions; a page straddling the window's
+        start counts a gap of 0 after it. Order and relative spacing are kept; a query at p < far_from (where nothing
+        is scaled) would see every page at its true position. A row that recalls nothing sees the sink next to its
+        window in either layout (`_sink_shift`). Kept equal, integer for integer, to paged_rows.h's `far_slots`."""
+        n, size, dev = pages.shape[-1], self.page_size, pages.device
+        starts = self.sink + pages.to(torch.long) * size
+        w0 = torch.broadcast_to(torch.as_tensor(p, device=dev) - self.window + 1, pages.shape[:-1])  # the window's start
+        if self.far_layout == "packed" or n == 0:
+            slot_start = w0[..., None] - (n - torch.arange(n, device=dev)) * size
+            return slot_start - starts, w0 - n * size - self.sink
+        prev_end = torch.cat([torch.full_like(starts[..., :1], self.sink), starts[..., :-1] + size], -1)
+        gaps = torch.cat([starts - prev_end, (w0[..., None] - starts[..., -1:] - size).clamp(min=0)], -1)  # (..., n + 1)
+        free = self.far_from - self.window - self.sink - n * size
+        total = gaps.sum(-1, keepdim=True)
+        gaps = torch.where(total > free, gaps * free // total.clamp(min=1), gaps)
+        after = gaps.flip(-1).cumsum(-1).flip(-1)  # after[i]: the gaps from gap i on (gap i: before page i; gap n: the last)
+        slot_start = w0[..., None] - after[..., 1:] - (n - torch.arange(n, device=dev)) * size
+        return slot_start - starts, w0 - after[..., 0] - n * size - self.sink
 
     def _sink_shift(self) -> SinkShift | None:
         """Past far_from (not only past the trained context) a query that recalls nothing sees the sink next to its

@@ -12,6 +12,7 @@ from inference_engine.kv.compressor_names import COMPRESSOR_NAMES, MAX_Q_RANGE
 
 KV_DTYPES = ("fp32", "fp16", "int8")  # resident K/V rows (KVStrategy.kv_dtype)
 PAGE_COMPRESSORS = ("identity", "int8", "kakeya_d4", "kakeya_e8")  # paged: how stored (evicted) pages are kept
+FAR_LAYOUTS = ("packed", "spread")  # paged, from far_from on: where the recalled pages and the sink sit
 PAGE_KEY_BITS = (4, 8)  # paged: bits per element of the compact keys pages are scored by
 
 
@@ -46,6 +47,10 @@ class KVStrategy:
     # it a query attends at true positions. A smaller value keeps the layout the model reads well for more of the
     # history (docs/paged.md, "Where the InfLLM layout starts")
     far_from: int = 0
+    # paged, from far_from on: where the chosen pages and the sink sit. "packed": next to the window, in position order
+    # (InfLLM's layout); "spread": in position order with the gaps between them (and to the sink and the window) scaled
+    # down together, so the whole history seen from the query spans far_from positions (order and relative spacing kept)
+    far_layout: str = "packed"
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -85,6 +90,10 @@ class KVStrategy:
                              f"page_size = {reach} (the distances the layout reaches), got {self.far_from!r}")
         if self.far_from and self.name != "paged":
             raise ValueError(f"far_from applies to the paged strategy only, not {self.name!r}")
+        if self.far_layout not in FAR_LAYOUTS:
+            raise ValueError(f"unknown far layout {self.far_layout!r}; choose one of {', '.join(FAR_LAYOUTS)}")
+        if self.far_layout != "packed" and self.name != "paged":
+            raise ValueError(f"far_layout applies to the paged strategy only, not {self.name!r}")
         if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, (int, float)) or not 0 <= self.page_ram_mb < 2 ** 40:
             raise ValueError(f"page_ram_mb must be a number >= 0 (MB of host RAM for a session's pages; 0: all in RAM), "
                              f"got {self.page_ram_mb!r}")
@@ -104,6 +113,7 @@ class KVStrategy:
             out |= {"shortlist_pages": str(self.shortlist_pages), "shortlist_from": str(self.shortlist_from),
                     "page_ram_mb": f"{self.page_ram_mb:g}"}
             out["far_from"] = str(self.far_from) if self.far_from else "trained context"
+            out["far_layout"] = self.far_layout
         return out
 
     @property

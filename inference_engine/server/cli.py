@@ -54,6 +54,10 @@ def _add_serve(sub) -> None:
                         "moved next to its window); 0 = the model's trained context. Below it queries attend at true "
                         "positions. SmolLM2, 4096: single-needle and multi-turn recall up, several keys at 7.5k down "
                         "(docs/paged.md, 'Where the InfLLM layout starts')")
+    p.add_argument("--page-far-layout", choices=("packed", "spread"), default=d.page_far_layout,
+                   help="paged, from --page-far-from on: where a query's recalled pages and the sink sit. packed: next to "
+                        "its window in position order (InfLLM's); spread: in position order with the gaps between them "
+                        "scaled down so the history seen spans --page-far-from positions (docs/paged.md, 'The spread layout')")
     p.add_argument("--page-spill-dir", default=None, metavar="DIR",
                    help="paged: where the page store's spill files are created (unlinked at once: nothing is left behind) "
                         "(default: <state dir>/spill with --persist turn, else the system temp dir)")
@@ -207,6 +211,7 @@ def serve_config(args) -> ServeConfig:
         page_shortlist_from=args.page_shortlist_from,
         page_ram_mb=args.page_ram_mb,
         page_far_from=args.page_far_from,
+        page_far_layout=args.page_far_layout,
         page_spill_dir=args.page_spill_dir,
         malloc_mmap_threshold_kb=args.malloc_mmap_threshold_kb,
         malloc_trim=args.malloc_trim == "on",

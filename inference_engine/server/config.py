@@ -37,6 +37,7 @@ class ServeConfig:
     page_shortlist_from: int = 256  # paged: candidate pages past which the shortlist applies (page_shortlist 0: never)
     page_ram_mb: int = 128  # paged: MB of a session's page store kept in host RAM; the rest in a spill file (0 = all in RAM)
     page_far_from: int = 0  # paged: positions from which queries attend in InfLLM's layout (0 = the trained context)
+    page_far_layout: str = "packed"  # paged, from page_far_from on: packed (next to the window) | spread (gaps scaled)
     page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
     # glibc: allocations of at least this many KiB get maps of their own, returned to the OS when freed (0 = glibc's
     # dynamic threshold, under which freed MB-sized tensors stay with the heap): server/host_memory.py
@@ -145,6 +146,7 @@ class ServeConfig:
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,
                                           shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
                                           page_ram_mb=self.page_ram_mb, far_from=self.page_far_from,
+                                          far_layout=self.page_far_layout,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
 
@@ -181,6 +183,9 @@ def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
         raise ConfigError(f"--page-compressor {cfg.page_compressor} runs on --backend torch only; with --backend mlx use identity")
     if cfg.kv_dtype not in ("fp32", "auto"):
         raise ConfigError(f"--kv-dtype {cfg.kv_dtype} runs on --backend torch only; with --backend mlx use fp32")
+    if cfg.kv_strategy == "paged" and cfg.page_far_layout != "packed":
+        raise ConfigError(f"--page-far-layout {cfg.page_far_layout} runs on --backend torch only (it moves recalled keys "
+                          "with its rotate_keys); with --backend mlx use packed (paged stops at the trained context there)")
     if cfg.kv_strategy == "paged" and cfg.page_far_from:
         raise ConfigError(f"--page-far-from {cfg.page_far_from} runs on --backend torch only (InfLLM's layout moves recalled "
                           "keys with its rotate_keys); with --backend mlx use 0 (paged stops at the trained context there)")

@@ -111,6 +111,10 @@ ARMS = {
     # InfLLM's layout from position 4096 instead of the trained context (docs/paged.md, "Where the InfLLM layout starts")
     "paged_4+508_p64_m8_far4k": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
                                      page_far_from=4096),
+    # the same with the recalled pages spread (their gaps scaled to fit 4096 positions) instead of packed next to the
+    # window (docs/paged.md, "The spread layout")
+    "paged_4+508_p64_m8_far4k_spread": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
+                                            page_far_from=4096, page_far_layout="spread"),
     "paged_4+1020_p64_m8": dict(kv_strategy="paged", sink=4, window=1020, page_size=64, recall_pages=8),
     # the same 512 recalled rows in finer pages, and a narrower window with more recalled rows (chosen on --sample-set dev)
     "paged_4+508_p32_m16": dict(kv_strategy="paged", sink=4, window=508, page_size=32, recall_pages=16),

@@ -332,7 +332,8 @@ def test_paged_goes_past_the_trained_context_row_by_row():
     torch.testing.assert_close(runs["chunks"], runs["steps"], rtol=0.05, atol=0.05)  # bf16 activations
 
 
-def test_a_prefill_chunk_past_the_context_attends_as_its_rows_would_alone(monkeypatch):
+@pytest.mark.parametrize("layout", ["packed", "spread"])
+def test_a_prefill_chunk_past_the_context_attends_as_its_rows_would_alone(monkeypatch, layout):
     """fp32: the batched far chunk (two calls per layer: each row's rotated pages + moved sink, then the slab under
     each row's mask, merged by log-sum-exp) computes what row-by-row attention in the same layout computes."""
     from inference_engine.kv.paged import PagedCache
@@ -342,10 +343,10 @@ def test_a_prefill_chunk_past_the_context_attends_as_its_rows_would_alone(monkey
     calls = []
     real = PagedCache._attend_far_chunk
     monkeypatch.setattr(PagedCache, "_attend_far_chunk", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    batched = feed(m, new_cache(m, paged(), max_step=16), history, 16)
+    batched = feed(m, new_cache(m, paged(far_layout=layout), max_step=16), history, 16)
     assert calls  # chunks at 64 and past went through it
     monkeypatch.setattr(PagedCache, "_attend_far_chunk", lambda self, *a, **k: None)  # row by row
-    rows = feed(m, new_cache(m, paged(), max_step=16), history, 16)
+    rows = feed(m, new_cache(m, paged(far_layout=layout), max_step=16), history, 16)
     torch.testing.assert_close(batched, rows, rtol=1e-4, atol=1e-4)
 
 
@@ -465,9 +466,51 @@ def test_page_moves_put_the_pages_in_order_before_the_window():
     m = short_context_model()
     cache = new_cache(m, paged(sink=4, window=12, page=8, pages=2))
     pages = torch.tensor([[1, 5], [0, 6]])  # per KV head, in position order
-    d = cache._page_moves(pages, torch.tensor(100))
-    # slots: [100 - 12 - 16 + 1, ...] = 73..80 and 81..88; page j starts at 4 + 8 j
+    d, sink_start = cache._far_slots(pages, torch.tensor(100))
+    # slots: [100 - 12 - 16 + 1, ...] = 73..80 and 81..88; page j starts at 4 + 8 j; the sink right before: 69..72
     assert torch.equal(d, torch.tensor([[73 - 12, 81 - 44], [73 - 4, 81 - 52]]))
+    assert torch.equal(sink_start, torch.tensor([69, 69]))
+
+
+def test_the_spread_layout_keeps_order_and_spacing_within_far_from():
+    """"spread": the chosen pages in position order, none overlapping another or the window, the gaps between them
+    (and to the sink and the window) scaled down together so the query sees at most far_from positions; where the
+    gaps fit (a query below far_from) every page and the sink sit at their true positions."""
+    m = short_context_model()
+    sink, window, size, f = 4, 12, 8, 48
+    cache = new_cache(m, paged(sink=sink, window=window, page=size, pages=3, far_from=f, far_layout="spread"))
+    g = torch.Generator().manual_seed(0)
+    for p in (48, 49, 100, 1000, 100_000):
+        n_pages = (p - window + 1 - sink) // size
+        pages = torch.stack([torch.randperm(n_pages, generator=g)[:3].sort().values for _ in range(4)])  # 4 "heads"
+        moves, sink_start = cache._far_slots(pages, torch.tensor(p))
+        slots = sink + pages * size + moves
+        assert bool((slots[:, 1:] - slots[:, :-1] >= size).all())  # order kept, no overlap
+        assert bool((slots[:, -1] + size <= p - window + 1).all())  # before the window
+        assert bool((sink_start + sink <= slots[:, 0]).all()) and bool((p - sink_start <= f - 1).all())  # within far_from
+        starts = sink + pages * size
+        true_gaps = starts - torch.cat([torch.full((4, 1), sink), starts[:, :-1] + size], 1)
+        seen_gaps = slots - torch.cat([(sink_start + sink)[:, None], slots[:, :-1] + size], 1)
+        assert bool((seen_gaps <= true_gaps).all()) and bool((seen_gaps >= 0).all())  # scaled down, never up
+    pages = torch.tensor([[0, 2, 3]])
+    moves, sink_start = cache._far_slots(pages, torch.tensor(47))  # below far_from: the gaps fit
+    assert torch.equal(moves, torch.zeros_like(moves)) and int(sink_start) == 0
+    packed = new_cache(m, paged(sink=sink, window=window, page=size, pages=3, far_from=f))
+    for c in (cache, packed):  # a row that recalls nothing sees the sink next to its window in either layout
+        assert int(c._far_slots(torch.empty(1, 0, dtype=torch.long), torch.tensor(500))[1]) == 500 - window + 1 - sink
+    with pytest.raises(ValueError, match="unknown far layout 'near'"):
+        paged(far_layout="near")
+
+
+@pytest.mark.parametrize("chunk, row_exact", [(16, False), (1, True)])
+def test_the_spread_layout_changes_nothing_below_far_from_and_differs_from_packed_past_it(chunk, row_exact):
+    m = short_context_model("int4")  # trained context 64
+    history, f = ids(120, seed=7), 40
+    spread = feed(m, make_cache(paged(far_from=f, far_layout="spread"), m.geometry(), max_step=16, max_context=64),
+                  history, chunk, row_exact)
+    packed = feed(m, make_cache(paged(far_from=f), m.geometry(), max_step=16, max_context=64), history, chunk, row_exact)
+    assert torch.equal(spread[:f], packed[:f]) and bool(torch.isfinite(spread).all())
+    assert not torch.allclose(spread[f:], packed[f:], rtol=1e-3, atol=1e-3)
 
 
 def test_rotate_keys_moves_a_positioned_key():

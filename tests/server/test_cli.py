@@ -97,3 +97,17 @@ def test_page_far_from_reaches_the_paged_strategy_and_is_checked():
         serve_config(serve_args("--kv-strategy", "sink_window", "--page-far-from", "4096")).validate()
     with pytest.raises(ConfigError, match="--page-far-from 4096 runs on --backend torch only"):
         serve_config(serve_args("--kv-strategy", "paged", "--page-far-from", "4096", "--backend", "mlx")).validate()
+
+
+def test_page_far_layout_reaches_the_paged_strategy_and_is_checked():
+    from inference_engine.server.config import ConfigError
+
+    assert serve_config(serve_args("--kv-strategy", "paged")).strategy()[0].describe()["far_layout"] == "packed"
+    cfg = serve_config(serve_args("--kv-strategy", "paged", "--page-far-from", "4096", "--page-far-layout", "spread"))
+    assert cfg.strategy()[0].far_layout == "spread" and cfg.strategy()[0].describe()["far_layout"] == "spread"
+    with pytest.raises(SystemExit):
+        serve_args("--page-far-layout", "near")
+    with pytest.raises(ConfigError, match="far_layout applies to the paged strategy only"):
+        serve_config(serve_args("--kv-strategy", "sink_window", "--page-far-layout", "spread")).validate()
+    with pytest.raises(ConfigError, match="--page-far-layout spread runs on --backend torch only"):
+        serve_config(serve_args("--kv-strategy", "paged", "--page-far-layout", "spread", "--backend", "mlx")).validate()

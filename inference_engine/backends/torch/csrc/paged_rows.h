@@ -179,6 +179,7 @@ inline float bound_score(const float* qf, int64_t G, int64_t D, const c10::Half*
 struct PagedConfig {
   int64_t sink, window, P, M, S, shortlist_from, far_distance, far_from, bounds_rows;
   bool bounds_far;  // the bounds table holds far_keys' bounds (page choice past the context has started)
+  bool far_spread;  // rows at or past far_from see their pages "spread" (gaps scaled), else "packed" (kv/paged.py)
 };
 
 // One paged session's step as kv/paged.py hands it over (`_native_view`, once a step): its tables, their bookkeeping,
@@ -189,7 +190,7 @@ struct PagedConfig {
 //     (L, 2, Hkv, pages, D) fp16;
 //   meta: per table (rows, cold pages, ring size once wrapped else 0) for keys, far_keys, pages; then sink, window,
 //     page size, recall pages, shortlist pages, shortlist_from, far_distance, far_from (rows at or past it: InfLLM's
-//     layout), bounds rows, bounds of far_keys (0 / 1).
+//     layout), bounds rows, bounds of far_keys (0 / 1), the far layout (0 packed, 1 spread).
 struct PagedView {
   std::vector<at::Tensor> tables;
   std::vector<int64_t> meta, sinks;
@@ -200,12 +201,13 @@ struct PagedView {
             const at::Tensor& sink_cols, const at::Tensor& inv_freq_)
       : tables(std::move(tables_)), meta(std::move(meta_)), rows(rows_.contiguous()), mask(mask_.contiguous()),
         inv_freq(inv_freq_.contiguous()) {
-    TORCH_CHECK(tables.size() == 11 && meta.size() == 19, "paged view: 11 tables and 19 numbers");
+    TORCH_CHECK(tables.size() == 11 && meta.size() == 20, "paged view: 11 tables and 20 numbers");
     TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(1) == 3, "paged view: rows must be (T, 3) int64");
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == rows.size(0),
                 "paged view: mask must be (T, N) bool");
     TORCH_CHECK(inv_freq.scalar_type() == at::kFloat, "paged view: inv_freq must be fp32");
-    cf = PagedConfig{meta[9], meta[10], meta[11], meta[12], meta[13], meta[14], meta[15], meta[16], meta[17], meta[18] != 0};
+    cf = PagedConfig{meta[9], meta[10], meta[11], meta[12], meta[13], meta[14], meta[15], meta[16], meta[17], meta[18] != 0,
+                    meta[19] != 0};
     TORCH_CHECK(cf.P >= 1 && cf.P <= kChunk && cf.M >= 0 && cf.sink >= 0 && cf.window >= 0,
                 "paged view: the page size must be 1 .. 256");
     const bool four = tables[0].scalar_type() == at::kByte;
@@ -267,6 +269,8 @@ struct PagedTask {
   std::vector<int64_t> cand;         // the pages whose keys are scored
   std::vector<float> cand_best;      // each one's best key score
   std::vector<int64_t> pages;        // the chosen pages, position order
+  std::vector<int64_t> slot;         // past far_from: where each page starts as the row sees it (far_slots)
+  int64_t sink_start = 0;            // and where the sink starts
   std::vector<float> parts;          // the attention's parts: pages, the moved sink (past the context), slab chunks
   int64_t nw = 0;                    // slab chunks
   bool sink = false;
@@ -415,7 +419,40 @@ inline void score_candidates(const PagedConfig& cf, int64_t l, PagedTask& t, int
   }
 }
 
-// Phase 3: the M best-scoring candidates (ties to the lower page), in position order; then the attention's part count.
+// Past far_from: where a row sees its chosen pages (t.slot) and the sink (t.sink_start), as kv/paged.py's
+// `_far_slots` computes them, integer for integer: "packed", the pages in the n page slots ending right before the
+// window, the sink right before them; "spread", the same order with the gaps before each page and after the last
+// scaled by free / total (floor), free = far_from - window - sink - n * P, when the gaps exceed it.
+inline void far_slots(const PagedConfig& cf, PagedTask& t) {
+  const int64_t n = static_cast<int64_t>(t.pages.size()), P = cf.P, w0 = t.pos - cf.window + 1;
+  t.slot.resize(n);
+  if (!cf.far_spread || n == 0) {
+    for (int64_t i = 0; i < n; ++i) t.slot[i] = w0 - (n - i) * P;
+    t.sink_start = w0 - n * P - cf.sink;
+    return;
+  }
+  std::vector<int64_t> gaps(n + 1);
+  int64_t prev_end = cf.sink, total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t start = cf.sink + t.pages[i] * P;
+    gaps[i] = start - prev_end;
+    prev_end = start + P;
+  }
+  gaps[n] = std::max<int64_t>(w0 - prev_end, 0);
+  for (const int64_t gp : gaps) total += gp;
+  const int64_t free = cf.far_from - cf.window - cf.sink - n * P;
+  if (total > free)
+    for (int64_t& gp : gaps) gp = gp * free / total;
+  int64_t after = gaps[n];
+  for (int64_t i = n - 1; i >= 0; --i) {
+    t.slot[i] = w0 - after - (n - i) * P;
+    after += gaps[i];
+  }
+  t.sink_start = w0 - after - n * P - cf.sink;
+}
+
+// Phase 3: the M best-scoring candidates (ties to the lower page), in position order (past far_from: where the row sees
+// them); then the attention's part count.
 inline void finish_choice(const PagedConfig& cf, PagedTask& t, int64_t G, int64_t D, const std::vector<int64_t>& sink_cols) {
   if (!t.cand.empty()) {
     std::vector<std::pair<float, int64_t>> scored;
@@ -430,6 +467,7 @@ inline void finish_choice(const PagedConfig& cf, PagedTask& t, int64_t G, int64_
   }
   t.nw = (t.nk + kChunk - 1) / kChunk;
   t.sink = t.far && !sink_cols.empty();
+  if (t.far) far_slots(cf, t);
   t.parts.resize((t.pages.size() + (t.sink ? 1 : 0) + t.nw) * G * (D + 2));
 }
 
@@ -460,9 +498,8 @@ inline void attend_part(const PagedConfig& cf, int64_t l, const PagedTask& t, in
     const auto* vb = reinterpret_cast<const T*>(kv.run(l, 1, h, r0, rn, vbuf));
     const float* qq = t.q;
     if (t.far) {
-      const int64_t slot_start = t.pos - cf.window - (n - ci) * P + 1;
       moved.resize(G * D);
-      rotate_by(t.q, G, D, inv_freq, -(slot_start - (cf.sink + r0)), moved.data());
+      rotate_by(t.q, G, D, inv_freq, -(t.slot[ci] - (cf.sink + r0)), moved.data());
       qq = moved.data();
     }
     attend_chunk_any(D, G, qq, kb, vb, all_rows, 0, rn, scale, scores.data(), part);
@@ -476,7 +513,7 @@ inline void attend_part(const PagedConfig& cf, int64_t l, const PagedTask& t, in
       std::memcpy(&vs[s * D], v_slab + (h * cap + sink_cols[s]) * D, D * sizeof(T));
     }
     moved.resize(G * D);
-    rotate_by(t.q, G, D, inv_freq, -(t.pos - cf.window - n * P - cf.sink + 1), moved.data());
+    rotate_by(t.q, G, D, inv_freq, -t.sink_start, moved.data());
     attend_chunk_any(D, G, moved.data(), ks.data(), vs.data(), all_rows, 0, ns, scale, scores.data(), part);
     return;
   }
