@@ -21,7 +21,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-strategy", default=d.kv_strategy, choices=tuple(strategies),
                    help="; ".join(f"{name}: {s.help}" for name, s in strategies.items()))
     p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (every strategy but full)")
-    p.add_argument("--window", type=int, default=d.window, help="sliding-window positions (every strategy but full)")
+    p.add_argument("--window", type=int, default=d.window,
+                   help="sliding-window positions (every strategy but full; default: 508 for paged, 1020 for the others)")
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=("auto", "fp32", "fp16", "int8"),

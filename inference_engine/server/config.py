@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+DEFAULT_WINDOW = 1020  # --window when not given: sink_window and dlm_restore
+# strategies whose window defaults otherwise: paged's 508 keeps resident + selection under sink_window 4+1020's bytes up to
+# 7.5k (issue 15), and is what its recall ladders, memory and decode figures measured (docs/paged.md)
+STRATEGY_WINDOWS = {"paged": 508}
+
+
 class ConfigError(ValueError):
     """A serve option the daemon cannot run with; the message names the option and the fix."""
 
@@ -23,7 +29,9 @@ class ServeConfig:
     model: str = "smollm2-135m-instruct"
     kv_strategy: str = "sink_window"
     sink: int = 4
-    window: int = 1020
+    # None: the strategy's own default (STRATEGY_WINDOWS): 508 for paged, the window every paged figure was measured
+    # with (recall, memory, decode); 1020 for the others
+    window: int | None = None
     kv_compressor: str = "identity"  # identity | kakeya_d4 | kakeya_e8 (resident cache store)
     # auto | fp32 | fp16 | int8: resident K/V rows of full / sink_window; auto = fp16 where the native CPU step reads
     # fp16 slabs with its AVX2 attention (measured faster there at every context, the same agreement), else fp32
@@ -128,6 +136,11 @@ class ServeConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from e
 
+    @property
+    def resolved_window(self) -> int:
+        """--window as given, else the strategy's default window."""
+        return self.window if self.window is not None else STRATEGY_WINDOWS.get(self.kv_strategy, DEFAULT_WINDOW)
+
     def strategy(self, kv_dtype: str | None = None):
         """The KV strategy these options name (its parameters checked: ValueError naming the one at fault), and
         its plugin's options (kv/plugins.py: defaults overridden by `research`), which its resources are built from.
@@ -140,7 +153,7 @@ class ServeConfig:
         options = registry.options_for(self.kv_strategy, self.research)
         fields = {f.name for f in dataclasses.fields(registry.plugin(self.kv_strategy).params)}
         # a research option named after a field of the strategy's parameters sets it; the others go to its resources
-        strategy = registry.make_strategy(self.kv_strategy, self.sink, self.window, compressor=self.kv_compressor,
+        strategy = registry.make_strategy(self.kv_strategy, self.sink, self.resolved_window, compressor=self.kv_compressor,
                                           kv_dtype=kv_dtype or (self.kv_dtype if self.kv_dtype != "auto" else "fp32"),
                                           q_range=self.kv_q_range, page_size=self.page_size,
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,

@@ -2,7 +2,8 @@
 <= 1.15x `full`'s at 4k and 7.5k; prefill tok/s at 32k >= 0.5x its rate at 2k), side by side in one process.
 
 One session per arm prefills --tokens tokens (an arm's own cap with --arm-tokens) in --chunk chunks (the daemon's
-defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native CPU step on). Arms:
+defaults: sink 4, window 508 (paged's default since 2026-12-01; 1020 before), pages of 64, 8 recalled, int4 weights,
+the native CPU step on). Arms:
   full                  `full` (it stops at the trained context);
   native                `paged` as it runs by default: every row of a prefill chunk chooses its pages and attends in
                         C++ as the one-token step at its position would (csrc/paged_rows.h), bit for bit;
@@ -18,7 +19,8 @@ defaults: sink 4, window 1020, pages of 64, 8 recalled, int4 weights, the native
   <arm>+tasksalone      that arm with a chunk's per-task planning, choice and merges on the calling thread (the
                         module's paged_tasks_apart(0): before they ran on the threads; the same bits);
   <arm>+sfN             that arm with the page shortlist from N candidate pages (--page-shortlist-from N), not
-                        --shortlist-from's (the daemon's default unless given).
+                        --shortlist-from's (the daemon's default unless given);
+  <arm>+wN              that arm with a window of N positions (`--window N`), not --window's.
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -82,6 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shortlist-from", type=int, default=-1,
                     help="paged: the candidate pages past which the page shortlist applies, as `kakeya serve "
                          "--page-shortlist-from` (-1: the daemon's default)")
+    ap.add_argument("--window", type=int, default=-1,
+                    help="paged: the window, as `kakeya serve --window` (-1: the daemon's default for paged; this "
+                         "script used 1020 until 2026-12-01, when paged's default became 508)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON files into --out and stop")
     args = ap.parse_args(argv)
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
     # and the candidate pages from which its page shortlist applies (the daemon's --page-shortlist-from default unless
     # --shortlist-from is given; an arm +sfN sets N)
     shortlist_from = ServeConfig.page_shortlist_from if args.shortlist_from < 0 else args.shortlist_from
-    paged = KVStrategy("paged", 4, 1020, page_size=64, recall_pages=8, kv_dtype=kv_dtypes["paged"],
+    window = ServeConfig(kv_strategy="paged").resolved_window if args.window < 0 else args.window
+    paged = KVStrategy("paged", 4, window, page_size=64, recall_pages=8, kv_dtype=kv_dtypes["paged"],
                        shortlist_from=shortlist_from)
     ids = torch.randint(3, model.spec.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     arms, last = {}, {}
@@ -134,10 +140,12 @@ def main(argv=None) -> int:
         if base[arm] == "full":
             return full
         sf = [int(m[2:]) for m in arm.split("+")[1:] if m.startswith("sf") and m[2:].isdigit()]
-        return dataclasses.replace(paged, shortlist_from=sf[0]) if sf else paged
+        w = [int(m[1:]) for m in arm.split("+")[1:] if m.startswith("w") and m[1:].isdigit()]
+        return dataclasses.replace(paged, **({"shortlist_from": sf[0]} if sf else {}), **({"window": w[0]} if w else {}))
 
     caches = {arm: make_cache(strategy_of(arm), model.geometry(), max_step=args.chunk, max_context=ctx) for arm in names}
     shortlist_froms = {arm: strategy_of(arm).shortlist_from for arm in names if base[arm] != "full"}
+    windows = {arm: strategy_of(arm).window for arm in names if base[arm] != "full"}
     chunks_of: dict = {arm: [] for arm in names}
     start = args.start_random
     if start:
@@ -215,7 +223,9 @@ def main(argv=None) -> int:
             ratios[f"{arm} vs full, logits at {CHECKPOINTS[-1]}: argmax equal"] = bool(
                 torch.equal(last[arm].argmax(-1), last["full"].argmax(-1)))
     doc = meta | {"model": model.model_id, "max_context": ctx,
-                  "strategy": "paged sink 4, window 1020, pages of 64, 8 recalled (shortlist 64 past shortlist_from pages)",
+                  "strategy": "paged sink 4, pages of 64, 8 recalled (shortlist 64 past shortlist_from pages), "
+                              "the window per arm ('window')",
+                  "window": windows,
                   "kv_dtype": kv_dtypes,
                   "shortlist_from": shortlist_froms,
                   "arms": arms, "ratios": ratios}

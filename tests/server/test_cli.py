@@ -91,12 +91,22 @@ def test_page_far_from_reaches_the_paged_strategy_and_is_checked():
     assert serve_config(serve_args()).strategy()[0].far_from == 0  # the trained context
     cfg = serve_config(serve_args("--kv-strategy", "paged", "--page-far-from", "4096"))
     assert cfg.strategy()[0].far_from == 4096 and cfg.strategy()[0].describe()["far_from"] == "4096"
-    with pytest.raises(ConfigError, match=r"far_from must be 0 .* >= sink \+ window \+ recall_pages \* page_size = 1536"):
+    with pytest.raises(ConfigError, match=r"far_from must be 0 .* >= sink \+ window \+ recall_pages \* page_size = 1024"):
         serve_config(serve_args("--kv-strategy", "paged", "--page-far-from", "1000")).validate()
     with pytest.raises(ConfigError, match="far_from applies to the paged strategy only"):
         serve_config(serve_args("--kv-strategy", "sink_window", "--page-far-from", "4096")).validate()
     with pytest.raises(ConfigError, match="--page-far-from 4096 runs on --backend torch only"):
         serve_config(serve_args("--kv-strategy", "paged", "--page-far-from", "4096", "--backend", "mlx")).validate()
+
+
+def test_the_window_defaults_per_strategy_and_an_explicit_one_wins():
+    """paged's default window is the one its recall, memory and decode figures were measured with (508); the other
+    strategies keep 1020; --window N sets any strategy's."""
+    assert serve_config(serve_args()).strategy()[0].window == 1020  # sink_window
+    assert serve_config(serve_args("--kv-strategy", "paged")).strategy()[0].window == 508
+    assert serve_config(serve_args("--kv-strategy", "paged")).strategy()[0].describe()["window"] == "508"
+    assert serve_config(serve_args("--kv-strategy", "paged", "--window", "1020")).strategy()[0].window == 1020
+    assert serve_config(serve_args("--kv-strategy", "sink_window", "--window", "64")).strategy()[0].window == 64
 
 
 def test_page_far_layout_reaches_the_paged_strategy_and_is_checked():
