@@ -1197,7 +1197,8 @@ def run_all(check: Check, args) -> None:
                      "max_context": s.max_context,
                      "hidden_size": s.hidden_size, "weights": model.weights_format, "prompt_format": prompts.format,
                      "load_s": round(time.perf_counter() - t, 2), "daemon_defaults": {
-                         k: getattr(ServeConfig(), k) for k in ("kv_strategy", "sink", "window", "page_size", "recall_pages", "batching")}}
+                         k: getattr(ServeConfig(), k) for k in ("kv_strategy", "sink", "page_size", "recall_pages", "batching")}
+                         | {"window": ServeConfig().resolved_window, "paged_window": ServeConfig(kv_strategy="paged").resolved_window}}
     doc["model"]["by_compile"] = models.describe()
     check.write()
     steps = {"correctness": lambda: section_correctness(check, models, hf, prompts),

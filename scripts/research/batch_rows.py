@@ -96,11 +96,11 @@ def main(argv=None) -> int:
     m.native_step = default_step
     batches = [int(b) for b in args.batches.split(",")]
     cfg = ServeConfig()
-    strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)
+    strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.resolved_window)
     span = min(1000, m.spec.vocab_size - 100)
     sessions = {}  # kv dtype -> the sessions (the same token ids in each)
     for dt in sorted({KV_DTYPE.get(a, "fp32") for a in arms}):
-        engine = Engine(m, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window, kv_dtype=dt), prefill_chunk=256)
+        engine = Engine(m, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.resolved_window, kv_dtype=dt), prefill_chunk=256)
         sessions[dt] = []
         for s in range(max(batches)):
             kv = engine.new_session_kv()

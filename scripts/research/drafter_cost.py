@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if not hasattr(drafter.model, "stream_head"):
         raise SystemExit(f"drafter_cost: {args.drafter} is not a v2 (DFlash) drafter")
     cfg = ServeConfig()
-    engine = Engine(m, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window), prefill_chunk=256)
+    engine = Engine(m, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.resolved_window), prefill_chunk=256)
     kv = engine.new_session_kv()
     span = min(1000, m.spec.vocab_size - 100)
     steps.prefill_chunk(m, kv, [(7 * i + 3) % span + 100 for i in range(args.context)])

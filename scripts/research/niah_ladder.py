@@ -269,7 +269,7 @@ def restore_fidelity(model, source, samples, sink: int, window: int) -> dict:
 def attention_fraction(arm_cfg, history: int) -> float:
     if arm_cfg.kv_strategy in ("full", "dlm_restore"):
         return 1.0  # dlm_restore attends resident + restored = every position
-    return min(1.0, (arm_cfg.sink + arm_cfg.window) / history)
+    return min(1.0, (arm_cfg.sink + arm_cfg.resolved_window) / history)
 
 
 def main() -> int:
@@ -423,7 +423,8 @@ def main() -> int:
                 }
                 source = getattr(server.runtime.engine, "strategy_resources", None)
                 if source is not None and args.fidelity_samples and args.task != "multiturn":  # not timed: after the cell
-                    cell["restore_fidelity"] = restore_fidelity(model, source, samples[n][: args.fidelity_samples], cfg.sink, cfg.window)
+                    cell["restore_fidelity"] = restore_fidelity(model, source, samples[n][: args.fidelity_samples], cfg.sink,
+                                                                cfg.resolved_window)
                     f = cell["restore_fidelity"]
                     print(f"    restored K/V vs verifier: K rel-MSE {f['k_rel_mse_mean']:.3f}  V {f['v_rel_mse_mean']:.3f}", flush=True)
                 results[arm]["rungs"][str(n)] = cell

@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             m.use_native_step(planes=1)
         setups[mode] = (m.graphs, m.native_step, m.describe_step())
     cfg = ServeConfig()
-    strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window)
+    strategy = KVStrategy(cfg.kv_strategy, cfg.sink, cfg.resolved_window)
     contexts = [int(c) for c in args.contexts.split(",")]
     engine = Engine(m, strategy, prefill_chunk=256)
     greedy = SamplingParams()

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
             mod.q4_matmul(xs[k][:r], w, 0, planes, ch if with_channels else None)
 
     cfg = ServeConfig()
-    engine = Engine(m, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.window), prefill_chunk=256)
+    engine = Engine(m, KVStrategy(cfg.kv_strategy, cfg.sink, cfg.resolved_window), prefill_chunk=256)
     kv = engine.new_session_kv()
     span = min(1000, m.spec.vocab_size - 100)
     prompt = [(7 * i + 3) % span + 100 for i in range(args.context)]
