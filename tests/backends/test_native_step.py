@@ -946,35 +946,6 @@ def test_a_prefill_chunk_ranks_its_own_pages_by_bounds_made_once_with_the_same_b
     assert torch.equal(runs["made"], runs["steps"])
 
 
-def test_the_avx512_ranking_of_page_bounds_chooses_the_pages_the_avx2_one_does():
-    """Where the build has AVX-512 the bounds' shortlist ranks pages with q+ . hi + q- . lo in fused multiply-adds
-    (rank_avx512 1, the default) instead of the AVX2 code's products, max and sums (0): other roundings of the same
-    bound, so on this history (no near-ties at the shortlist's edge) the same pages, and the same logits bit for bit,
-    prefill chunks and one-token steps alike."""
-    mod = _module()
-    m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
-    assert m.use_native_step() is True
-    history = _prompt(160, seed=5)
-    runs = {}
-    was = mod.rank_avx512(-1)
-    try:
-        for name, chunk, wide in (("avx512", 16, 1), ("avx2", 16, 0), ("avx512-steps", 1, 1)):
-            mod.rank_avx512(wide)
-            cache = _cache(m, SHORTLISTED, 16)
-            out = []
-            for i in range(0, 160, chunk):
-                part = history[i:i + chunk]
-                logits, _ = steps.forward(m, m.tensor(part), range(i, i + len(part)), cache, row_exact=chunk == 1)
-                cache.commit()
-                out.append(logits)
-            assert cache.shortlisting
-            runs[name] = torch.cat(out)
-    finally:
-        mod.rank_avx512(was)
-    assert torch.equal(runs["avx512"], runs["avx2"])
-    assert torch.equal(runs["avx512"], runs["avx512-steps"])
-
-
 @pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED,
                                       KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, kv_dtype="fp16"),
                                       SHORTLISTED_FP16, SPREAD, dataclasses.replace(SHORTLISTED_FP16, far_layout="spread")],

@@ -156,47 +156,6 @@ inline void bound_scores(const float* qf, int64_t G, int64_t D, const c10::Half*
 }
 #endif
 
-// The same bound with AVX-512: 16 dimensions at a time as q+ . hi + q- . lo (two fused multiply-adds over the query
-// split by sign, qp = max(q, 0) and qn = min(q, 0): kv/paged.py's two matmuls over the clamped query), NP pages at a
-// time (each page's sums the same operations in the same order as alone). Its bits differ from the AVX2 code's (other
-// roundings); a build ranks every page of every path with one of the two (rank_avx512).
-#if defined(__AVX512F__)
-template <int NP>
-inline void bound_scores16(const float* qp, const float* qn, int64_t G, int64_t D, const c10::Half* const* hi,
-                           const c10::Half* const* lo, float* out) {
-  for (int p = 0; p < NP; ++p) out[p] = -INFINITY;
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int64_t gn = std::min<int64_t>(4, G - g0);
-    __m512 acc[NP][4];
-    for (int p = 0; p < NP; ++p)
-      for (int g = 0; g < 4; ++g) acc[p][g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 h[NP], l[NP];
-      for (int p = 0; p < NP; ++p) {
-        h[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi[p] + d)));
-        l[p] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo[p] + d)));
-      }
-      for (int64_t g = 0; g < gn; ++g) {
-        const __m512 xp = _mm512_loadu_ps(qp + (g0 + g) * D + d), xn = _mm512_loadu_ps(qn + (g0 + g) * D + d);
-        for (int p = 0; p < NP; ++p) acc[p][g] = _mm512_fmadd_ps(xn, l[p], _mm512_fmadd_ps(xp, h[p], acc[p][g]));
-      }
-    }
-    for (int p = 0; p < NP; ++p)
-      for (int64_t g = 0; g < gn; ++g) {
-        const float s = _mm512_reduce_add_ps(acc[p][g]);
-        out[p] = s > out[p] ? s : out[p];
-      }
-  }
-}
-#endif
-
-// Whether the bounds are ranked by the AVX-512 code above (1, the default where the build has AVX-512 and the head
-// dimension is a multiple of 16) or the AVX2 code (0: research scripts time the difference; other bits near ties).
-inline int64_t& rank_avx512() {
-  static int64_t on = 1;
-  return on;
-}
-
 inline float bound_score(const float* qf, int64_t G, int64_t D, const c10::Half* hi, const c10::Half* lo) {
 #if defined(__AVX2__) && defined(__F16C__)
   float best;
@@ -324,7 +283,6 @@ struct PagedTask {
 // (per task: the S pages the bounds rank highest plus the page it sees in part).
 struct PagedRank {
   std::vector<float> qf;                        // the task's query rows (G, D), rotated as its choice reads them
-  std::vector<float> qp, qn;                    // with the AVX-512 ranking: qf's positive and negative parts
   std::vector<std::pair<float, int64_t>> ranked;  // (bound score, page) per whole page
   bool shortlist = false;                        // its candidates are the bounds' shortlist (plan_end makes them)
 };
@@ -359,13 +317,6 @@ inline void plan_begin(const PagedConfig& cf, PagedTask& t, PagedRank& rk, int64
   if (cf.S > 0 && n_pages > cf.shortlist_from) {
     rk.shortlist = true;
     rk.ranked.resize(t.c / P);
-#if defined(__AVX512F__)
-    if (rank_avx512() && D % 16 == 0) {
-      rk.qp.resize(G * D);
-      rk.qn.resize(G * D);
-      for (int64_t i = 0; i < G * D; ++i) rk.qp[i] = std::max(rk.qf[i], 0.f), rk.qn[i] = std::min(rk.qf[i], 0.f);
-    }
-#endif
   } else {
     for (int64_t j = 0; j < n_pages; ++j) t.cand.push_back(j);
     t.cand_best.assign(t.cand.size(), -INFINITY);
@@ -400,21 +351,8 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
   const c10::Half* hi_t = bounds + ((l * 2 + 0) * Hkv + t.h) * bounds_cap * D;
   const c10::Half* lo_t = bounds + ((l * 2 + 1) * Hkv + t.h) * bounds_cap * D;
   int64_t j = j0;
-#if defined(__AVX512F__)
-  const bool wide = !rk.qp.empty();  // plan_begin split the query for the AVX-512 code (rank_avx512)
-  if (wide && table)  // pages in the table, four at a time
-    for (; j + 4 <= std::min(j1, cf.bounds_rows); j += 4) {
-      const c10::Half* hi[4] = {hi_t + j * D, hi_t + (j + 1) * D, hi_t + (j + 2) * D, hi_t + (j + 3) * D};
-      const c10::Half* lo[4] = {lo_t + j * D, lo_t + (j + 1) * D, lo_t + (j + 2) * D, lo_t + (j + 3) * D};
-      float sc[4];
-      bound_scores16<4>(rk.qp.data(), rk.qn.data(), G, D, hi, lo, sc);
-      for (int p = 0; p < 4; ++p) rk.ranked[j + p] = {sc[p], j + p};
-    }
-#else
-  const bool wide = false;
-#endif
 #if defined(__AVX2__) && defined(__F16C__)
-  if (table && !wide)  // pages in the table, two at a time
+  if (table)  // pages in the table, two at a time
     for (; j + 2 <= std::min(j1, cf.bounds_rows); j += 2) {
       const c10::Half* hi[2] = {hi_t + j * D, hi_t + (j + 1) * D};
       const c10::Half* lo[2] = {lo_t + j * D, lo_t + (j + 1) * D};
@@ -438,14 +376,6 @@ inline void rank_pages(const PagedConfig& cf, int64_t l, const PagedTask& t, Pag
       page_bound(cp, sp, P, D, four, made.data(), made.data() + D);
       hi = made.data(), lo = made.data() + D;
     }
-#if defined(__AVX512F__)
-    if (wide) {
-      float sc;
-      bound_scores16<1>(rk.qp.data(), rk.qn.data(), G, D, &hi, &lo, &sc);
-      rk.ranked[j] = {sc, j};
-      continue;
-    }
-#endif
     rk.ranked[j] = {bound_score(rk.qf.data(), G, D, hi, lo), j};
   }
 }

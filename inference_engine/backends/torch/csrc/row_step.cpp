@@ -1612,10 +1612,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("paged_tasks_apart", &tasks_apart,
          "whether a paged step of many (row, KV head) tasks (a prefill chunk) plans, chooses and merges them on the "
          "threads (1, the default) or on the calling thread (0: before); the same bits either way");
-  toggle("rank_avx512", &rank_avx512,
-         "whether a paged step ranks its pages' bounds with the AVX-512 code (1, the default where the build has "
-         "AVX-512F: q+ . hi + q- . lo in fused multiply-adds, 16 dimensions at a time) or the AVX2 code (0: before); "
-         "other roundings, so near-tied pages may rank otherwise");
   toggle("made_bounds", &made_bounds,
          "whether a paged step makes the bounds of the whole pages past the bounds table (a prefill chunk's own) once a "
          "layer for all its rows (1, the default) or each row its own (0: before); the same bits either way");
