@@ -435,9 +435,10 @@ class PagedCache(SinkWindowCache):
                  bias_r: torch.Tensor | None, pages: torch.Tensor | None, p: int, k_all: torch.Tensor, v_all: torch.Tensor,
                  layout: AttentionLayout, bias_w: torch.Tensor, scale: float, rotate_keys: RotateKeys | None) -> torch.Tensor:
         """One query row at p >= far_from (InfLLM's layout): its window at true positions; its recalled
-        rows (pages (Hkv, n) in position order) as if they sat in that order right before the window; the
-        sink right before them. A page moves as a whole, so the row's G query vectors are counter-rotated once
-        per page (and once for the sink) instead of its keys being rotated (`attend_moved_row`)."""
+        rows (pages (Hkv, n) in position order) as if they sat in that order right before the window, the
+        sink right before them (or, "spread", at their gaps scaled down: `_far_slots`). A page moves as a whole,
+        so the row's G query vectors are counter-rotated once per page (and once for the sink) instead of its keys
+        being rotated (`attend_moved_row`)."""
         if rotate_keys is None:
             raise ValueError(f"position {p} is past far_from ({self.far_from}; the trained context: {self.max_context}): "
                              "paged needs the backend's rotate_keys there (the torch backend has it)")
@@ -445,8 +446,8 @@ class PagedCache(SinkWindowCache):
         q = qj[0]  # (Hkv, G, D)
         n = 0 if pages is None else pages.shape[1]
         moved = []
-        no_pages = torch.empty(hkv, 0, dtype=torch.long, device=q.device)
-        moves, sink_start = self._far_slots(no_pages if pages is None else pages, torch.tensor(p, device=q.device))
+        at = pages if pages is not None else torch.empty(hkv, 0, dtype=torch.long, device=q.device)
+        moves, sink_start = self._far_slots(at, torch.tensor(p, device=q.device))
         if kr is not None:
             assert pages is not None and vr is not None  # _attend_rows sets a row's pages with its recalled rows
             back = -moves  # (Hkv, n)
@@ -466,7 +467,7 @@ class PagedCache(SinkWindowCache):
                           plan: Plan, w: int | None, idx: torch.Tensor, scale: float,
                           rotate_keys: RotateKeys | None) -> torch.Tensor | None:
         """A prefill chunk past the trained context, each row in the layout `_far_row` gives it (its chosen pages in
-        position order right before its window, the sink right before them), every row at once. A page moves as
+        position order right before its window, the sink right before them; or spread: `_far_slots`), every row at once. A page moves as
         a whole (one rotation for its P keys), and RoPE is a rotation: q . R(d) k = R(-d) q . k, so each row's
         queries are counter-rotated once per chosen page (G vectors) instead of its P keys being rotated
         (the page store's keys are read as stored). Each KV head's chosen pages are read once (their union), and

@@ -462,7 +462,7 @@ def test_past_the_context_the_layout_must_fit_inside_it():
     assert cache.next_position == 64
 
 
-def test_page_moves_put_the_pages_in_order_before_the_window():
+def test_the_packed_layout_puts_the_pages_in_order_before_the_window():
     m = short_context_model()
     cache = new_cache(m, paged(sink=4, window=12, page=8, pages=2))
     pages = torch.tensor([[1, 5], [0, 6]])  # per KV head, in position order

@@ -473,8 +473,8 @@ inline void finish_choice(const PagedConfig& cf, PagedTask& t, int64_t G, int64_
 
 inline int64_t part_count(const PagedTask& t) { return static_cast<int64_t>(t.pages.size()) + (t.sink ? 1 : 0) + t.nw; }
 
-// Phase 4: part ci of a task's attention, alone: one chosen page (its visible rows; past the context the query
-// counter-rotated by the page's move to the i-th of n page slots ending right before the window), the moved sink, or
+// Phase 4: part ci of a task's attention, alone: one chosen page (its visible rows; past far_from the query
+// counter-rotated by the page's move to its slot, far_slots: packed before the window or spread), the moved sink, or
 // a chunk of kChunk slab columns (those the row sees, without the sink past the context) as the whole-step call reads
 // them. A row that recalls nothing has only slab chunks: the whole-step call's own parts. T: the slab's and the page
 // store's element type (float, or c10::Half with `--kv-dtype fp16`: converted to floats as attend_chunk_pick reads them).
