@@ -139,8 +139,9 @@ def main(argv=None) -> int:
     def strategy_of(arm: str) -> KVStrategy:
         if base[arm] == "full":
             return full
-        sf = [int(m[2:]) for m in arm.split("+")[1:] if m.startswith("sf") and m[2:].isdigit()]
-        w = [int(m[1:]) for m in arm.split("+")[1:] if m.startswith("w") and m[1:].isdigit()]
+        mods = arm.replace("/row", "").split("+")[1:]  # "/row" may sit anywhere in the name
+        sf = [int(m[2:]) for m in mods if m.startswith("sf") and m[2:].isdigit()]
+        w = [int(m[1:]) for m in mods if m.startswith("w") and m[1:].isdigit()]
         return dataclasses.replace(paged, **({"shortlist_from": sf[0]} if sf else {}), **({"window": w[0]} if w else {}))
 
     caches = {arm: make_cache(strategy_of(arm), model.geometry(), max_step=args.chunk, max_context=ctx) for arm in names}
