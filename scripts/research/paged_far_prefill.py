@@ -20,9 +20,7 @@ the native CPU step on). Arms:
                         module's paged_tasks_apart(0): before they ran on the threads; the same bits);
   <arm>+sfN             that arm with the page shortlist from N candidate pages (--page-shortlist-from N), not
                         --shortlist-from's (the daemon's default unless given);
-  <arm>+wN              that arm with a window of N positions (`--window N`), not --window's;
-  <arm>+static          that arm with each phase's items split in one block per thread and plan_end a phase of its
-                        own (the module's paged_dynamic(0): before; the same bits).
+  <arm>+wN              that arm with a window of N positions (`--window N`), not --window's.
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -129,7 +127,6 @@ def main(argv=None) -> int:
     def setup(arm: str) -> None:  # the process switches an arm runs under
         paged_store.query_int8("+fp32q" not in arm)
         native.module.made_bounds(0 if "+rowbounds" in arm else 1)
-        native.module.paged_dynamic(0 if "+static" in arm else 1)
         native.module.paged_tasks_apart(0 if "+tasksalone" in arm else 1)
         native.paged_recall = "python" if arm == "python-recall" else "whole"
         native.module.order_by_data(0 if "/row" in arm else 1)

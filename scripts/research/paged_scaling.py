@@ -27,8 +27,7 @@ runs), `native-python-recall` (the segments, page choice and attention in kv/pag
 csrc/paged_rows.h), `native-keys1` (the default step with the compact keys' dots summed one or two keys at a time,
 as before key_dots8: the same bits; the fp32 query's kernel only, so with `--queries fp32`), `native-keys-avx2` (the
 default step with the int8 query's 4-bit keys scored by the AVX2 code where an AVX-512 VNNI build takes two keys a
-vector: the same bits), `native-static` (the default step with each phase's items in one block per thread and plan_end
-a phase of its own, as before paged_dynamic: the same bits). --full-reference N also
+vector: the same bits). --full-reference N also
 times
 `full` at N tokens of the same random history through the native whole-step call (issue 29: paged at 32k >= 0.9x
 full at 1k). --kv-dtypes fp32,fp16 times every cell (and `full`) with each resident K/V dtype (`--kv-dtype`: fp16
@@ -117,8 +116,6 @@ def main() -> int:
                 native_step.module.score_eight(0 if name == "native-keys1" else 1)
                 # native-keys-avx2: the default step with the keys scored by the AVX2 code on an AVX-512 VNNI build
                 native_step.module.score_keys_avx512(0 if name == "native-keys-avx2" else 1)
-                # native-static: the default step with its phases' items in one block per thread (paged_dynamic 0)
-                native_step.module.paged_dynamic(0 if name == "native-static" else 1)
         geometry = model.geometry()
         args.layers, args.kv_heads, args.head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
         args.heads = model.spec.num_heads

@@ -946,43 +946,6 @@ def test_a_prefill_chunk_ranks_its_own_pages_by_bounds_made_once_with_the_same_b
     assert torch.equal(runs["made"], runs["steps"])
 
 
-@pytest.mark.parametrize("strategy", [SHORTLISTED, SPREAD,
-                                      # pages of one position: past 64 pages a task ranks in several items
-                                      KVStrategy("paged", 4, 12, page_size=1, recall_pages=2, shortlist_pages=3,
-                                                 shortlist_from=4)],
-                         ids=["shortlisted-spilled", "spread", "many-rank-items"])
-def test_a_paged_steps_items_handed_out_as_threads_ask_keep_every_bit(strategy):
-    """paged_dynamic 1 (the default: each phase's items taken from an atomic counter, and a task's plan_end run by the
-    thread that ranks its last item) against 0 (one block of items per thread, plan_end a phase of its own): the same
-    logits bit for bit, prefill chunks, verify blocks and one-token steps, below and past the trained context."""
-    mod = _module()
-    m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
-    assert m.use_native_step() is True
-    history = _prompt(160, seed=8)
-    threads = torch.get_num_threads()
-    was = mod.paged_dynamic(-1)
-    runs = {}
-    try:
-        torch.set_num_threads(2)
-        for dynamic in (1, 0):
-            mod.paged_dynamic(dynamic)
-            for chunk in (16, 5, 1):
-                cache = _cache(m, strategy, 16)
-                out = []
-                for i in range(0, 160, chunk):
-                    part = history[i:i + chunk]
-                    logits, _ = steps.forward(m, m.tensor(part), range(i, i + len(part)), cache, row_exact=chunk < 16)
-                    cache.commit()
-                    out.append(logits)
-                runs[dynamic, chunk] = torch.cat(out)
-    finally:
-        mod.paged_dynamic(was)
-        torch.set_num_threads(threads)
-    for chunk in (16, 5, 1):
-        assert torch.equal(runs[1, chunk], runs[0, chunk]), chunk
-    assert torch.equal(runs[1, 5], runs[1, 1]) and torch.equal(runs[1, 16], runs[1, 1])
-
-
 @pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED,
                                       KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, kv_dtype="fp16"),
                                       SHORTLISTED_FP16, SPREAD, dataclasses.replace(SHORTLISTED_FP16, far_layout="spread")],

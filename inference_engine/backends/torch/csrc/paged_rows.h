@@ -288,26 +288,6 @@ struct PagedRank {
 };
 
 constexpr int64_t kRankPages = 64;
-// Whether a paged step's phases hand their items out as the threads ask for them (1, the default: an atomic counter,
-// and each task's plan_end run by the thread that ranks its last item, no barrier between them) or split each phase's
-// items into one contiguous block per thread with plan_end a phase of its own (0: before). Each item's arithmetic and
-// where its result goes do not depend on which thread takes it: the same bits either way.
-inline int64_t& paged_dynamic() {
-  static int64_t on = 1;
-  return on;
-}
-
-// Items [0, n) to fn(item), each taken by whichever thread asks next (an atomic counter), one task per thread.
-template <class F>
-inline void parallel_items(int64_t n, F&& fn) {
-  if (n <= 0) return;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    for (int64_t it = next.fetch_add(1, std::memory_order_relaxed); it < n; it = next.fetch_add(1, std::memory_order_relaxed))
-      fn(it);
-  });
-}
-
 // a step with at least this many (row, KV head) tasks runs its per-task planning, choice and merges on the threads
 // (tasks_apart 1, the default) or on the calling thread as before (0: research scripts time it; the same bits)
 constexpr int64_t kTasksApart = 16;

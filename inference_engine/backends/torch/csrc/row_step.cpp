@@ -19,7 +19,6 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1382,71 +1381,44 @@ class RowStep {
     } else {
       made_b.hi = made_b.lo;
     }
-    const auto rank_item = [&](int64_t it) {
-      const int64_t i = items[it].first, j0 = items[it].second;
-      const PagedTask& t = tasks[i];
-      const int64_t j1 = std::min<int64_t>(j0 + kRankPages, ranks[i].ranked.size());
-      rank_pages(cf, l, t, ranks[i], j0, j1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, bp, bcap, Hkv,
-                 made_b);
-    };
-    if (paged_dynamic()) {
-      // each task's plan_end by whichever thread ranks its last item (its ranks then complete: acq_rel), no barrier
-      std::vector<std::atomic<int64_t>> left(T * Hkv);
-      for (auto& a : left) a.store(0, std::memory_order_relaxed);
-      for (const auto& item : items) left[item.first].fetch_add(1, std::memory_order_relaxed);
-      parallel_items(static_cast<int64_t>(items.size()), [&](int64_t it) {
-        rank_item(it);
-        const int64_t i = items[it].first;
-        if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1) plan_end(cf, tasks[i], ranks[i]);
-      });
-    } else {
-      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t it = lo; it < hi; ++it) rank_item(it);
-      });
-      at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) plan_end(cf, tasks[i], ranks[i]);
-      });
-    }
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t it = lo; it < hi; ++it) {
+        const int64_t i = items[it].first, j0 = items[it].second;
+        const PagedTask& t = tasks[i];
+        const int64_t j1 = std::min<int64_t>(j0 + kRankPages, ranks[i].ranked.size());
+        rank_pages(cf, l, t, ranks[i], j0, j1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales, bp, bcap, Hkv,
+                   made_b);
+      }
+    });
+    at::parallel_for(0, T * Hkv, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) plan_end(cf, tasks[i], ranks[i]);
+    });
     // 2: the candidates' keys scored, kScorePages pages an item, every task's items shared out together
     constexpr int64_t kScorePages = 8;
     items.clear();
     for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t k = 0; k < static_cast<int64_t>(tasks[i].cand.size()); k += kScorePages) items.push_back({i, k});
-    const auto score_item = [&](int64_t it) {
-      PagedTask& t = tasks[items[it].first];
-      const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + kScorePages, t.cand.size());
-      score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales);
-    };
-    if (paged_dynamic()) {
-      parallel_items(static_cast<int64_t>(items.size()), score_item);
-    } else {
-      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t it = lo; it < hi; ++it) score_item(it);
-      });
-    }
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t it = lo; it < hi; ++it) {
+        PagedTask& t = tasks[items[it].first];
+        const int64_t k0 = items[it].second, k1 = std::min<int64_t>(k0 + kScorePages, t.cand.size());
+        score_candidates(cf, l, t, k0, k1, G, D, t.far ? far_codes : codes, t.far ? far_scales : scales);
+      }
+    });
     // 3: the chosen pages; 4: the attention's parts, every task's shared out together; 5: each row's parts merged
     items.clear();
     each_task([&](int64_t i) { finish_choice(cf, tasks[i], G, D, view.sinks); });
     for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t c = 0; c < part_count(tasks[i]); ++c) items.push_back({i, c});
-    const auto attend_item = [&](int64_t it, std::vector<float>& scores) {
-      PagedTask& t = tasks[items[it].first];
-      const int64_t c = items[it].second;
-      attend_part(cf, l, t, c, G, D, scale_, kv, ks, vs, cap, mp + t.row * N, view.sinks, freq, scores,
-                  &t.parts[c * G * stride]);
-    };
-    if (paged_dynamic()) {
-      parallel_items(static_cast<int64_t>(items.size()), [&](int64_t it) {
-        thread_local std::vector<float> scores;
-        scores.resize(G * kChunk);
-        attend_item(it, scores);
-      });
-    } else {
-      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-        std::vector<float> scores(G * kChunk);
-        for (int64_t it = lo; it < hi; ++it) attend_item(it, scores);
-      });
-    }
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scores(G * kChunk);
+      for (int64_t it = lo; it < hi; ++it) {
+        PagedTask& t = tasks[items[it].first];
+        const int64_t c = items[it].second;
+        attend_part(cf, l, t, c, G, D, scale_, kv, ks, vs, cap, mp + t.row * N, view.sinks, freq, scores,
+                    &t.parts[c * G * stride]);
+      }
+    });
     each_task([&](int64_t i) {
       const PagedTask& t = tasks[i];
       for (int64_t g = 0; g < G; ++g)
@@ -1640,10 +1612,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   toggle("paged_tasks_apart", &tasks_apart,
          "whether a paged step of many (row, KV head) tasks (a prefill chunk) plans, chooses and merges them on the "
          "threads (1, the default) or on the calling thread (0: before); the same bits either way");
-  toggle("paged_dynamic", &paged_dynamic,
-         "whether a paged step's phases hand their items to the threads as they ask (1, the default: an atomic counter, "
-         "each task's plan_end run by the thread that ranks its last item) or in one block per thread with plan_end a "
-         "phase of its own (0: before); the same bits either way");
   toggle("made_bounds", &made_bounds,
          "whether a paged step makes the bounds of the whole pages past the bounds table (a prefill chunk's own) once a "
          "layer for all its rows (1, the default) or each row its own (0: before); the same bits either way");
