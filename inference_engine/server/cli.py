@@ -9,7 +9,8 @@ import sys
 from inference_engine.server import chat_command
 from inference_engine.server.app import serve_forever
 from inference_engine.kv import registry
-from inference_engine.server.config import ConfigError, ServeConfig
+from inference_engine.kv.strategy import FAR_LAYOUTS
+from inference_engine.server.config import DEFAULT_WINDOW, STRATEGY_WINDOWS, ConfigError, ServeConfig
 
 
 def _add_serve(sub) -> None:
@@ -22,7 +23,9 @@ def _add_serve(sub) -> None:
                    help="; ".join(f"{name}: {s.help}" for name, s in strategies.items()))
     p.add_argument("--sink", type=int, default=d.sink, help="attention-sink positions (every strategy but full)")
     p.add_argument("--window", type=int, default=d.window,
-                   help="sliding-window positions (every strategy but full; default: 508 for paged, 1020 for the others)")
+                   help="sliding-window positions (every strategy but full; unset: the strategy's own, "
+                        + ", ".join(f"{w} for {name}" for name, w in STRATEGY_WINDOWS.items())
+                        + f", {DEFAULT_WINDOW} for the others)")
     p.add_argument("--kv-compressor", default=d.kv_compressor, choices=("identity", "kakeya_d4", "kakeya_e8"),
                    help="resident KV store: identity (uncompressed) or KakeyaLattice D4/E8 codes (needs kakeyalattice)")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=("auto", "fp32", "fp16", "int8"),
@@ -55,7 +58,7 @@ def _add_serve(sub) -> None:
                         "moved next to its window); 0 = the model's trained context. Below it queries attend at true "
                         "positions. SmolLM2, 4096: single-needle and multi-turn recall up, several keys at 7.5k down "
                         "(docs/paged.md, 'Where the InfLLM layout starts')")
-    p.add_argument("--page-far-layout", choices=("packed", "spread"), default=d.page_far_layout,
+    p.add_argument("--page-far-layout", choices=FAR_LAYOUTS, default=d.page_far_layout,
                    help="paged, from --page-far-from on: where a query's recalled pages and the sink sit. packed: next to "
                         "its window in position order (InfLLM's); spread: in position order with the gaps between them "
                         "scaled down so the history seen spans --page-far-from positions (docs/paged.md, 'The spread layout')")
