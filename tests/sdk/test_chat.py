@@ -144,8 +144,8 @@ def test_chat_prints_its_session_and_reattaches_after_the_daemon_went_away(tmp_p
     monkeypatch.setattr("sys.stdin", StopsTheDaemon("Say hello in French.\nNow in German.\n", at=2, stop=first.stop))
     assert main(["--address", f"127.0.0.1:{first.port}", "--max-tokens", "8"]) == 1
     out, err = capsys.readouterr()
-    sid = re.search(r"kakeya chat --session (\S+)\)", out).group(1)  # printed when the chat started
-    assert f"lost the daemon at 127.0.0.1:{first.port}" in err and f"`kakeya chat --session {sid}`" in err
+    sid = re.search(r"kakeya chat --session=(\S+)\)", out).group(1)  # printed when the chat started
+    assert f"lost the daemon at 127.0.0.1:{first.port}" in err and f"`kakeya chat --session={sid}`" in err
     first_turn = int(re.search(r"\[(\d+) tokens", out).group(1))
 
     second = start(cfg)  # the daemon is back: the session was saved after its turn

@@ -154,3 +154,13 @@ def test_the_async_client_routes_and_retries_the_same(fake):
     sid = asyncio.run(main())
     for m in SESSION_CALLS:
         assert [x for x in daemon.calls if x[0] == m] == [(m, sid)] * 2
+
+
+def test_an_id_the_client_picks_never_starts_with_a_dash(monkeypatch):
+    """A session id starting with "-" reads as an option on a command line (`kakeya chat --session ID`): CI once
+    failed on one. The client draws again, as the daemon does (issue_session_id)."""
+    from kakeya import routing
+
+    draws = iter(["-starts-with-a-dash-0123456789abc", "fine-id-0123456789abcdefghijklmn"])
+    monkeypatch.setattr(routing.secrets, "token_urlsafe", lambda n: next(draws))
+    assert routing.new_session_id() == "fine-id-0123456789abcdefghijklmn"

@@ -134,7 +134,7 @@ def run_chat(client: Client, tokenizer, stdin: TextIO, stdout: TextIO, options: 
     conv = Conversation(client, tokenizer, options, session_id)
     how = f"reattached to session {conv.session.id} ({conv.resumed_tokens} tokens)" if session_id else f"session {conv.session.id}"
     stdout.write(f"kakeya chat with {server.model_id} ({server.kv_strategy}), {how}\n"
-                 f"(to come back to it later: kakeya chat --session {conv.session.id})\n{HELP}\n")
+                 f"(to come back to it later: kakeya chat --session={conv.session.id})\n{HELP}\n")
     gone = False
     try:
         while True:
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
                 after = ""
             elif server.persistence.mode == "turn":
                 after = (f"; session {sid} keeps its saved turns: start the daemon again and run "
-                         f"`kakeya chat --session {sid}`")
+                         f"`kakeya chat --session={sid}`")
             else:
                 after = f"; session {sid} is gone (the daemon does not persist sessions: --persist off)"
             print(f"kakeya chat: lost the daemon at {args.address} ({e.details}){after}", file=sys.stderr)

@@ -26,7 +26,12 @@ DEFAULT_OWNER_WAIT_S = 60.0
 
 
 def new_session_id() -> str:
-    return secrets.token_urlsafe(24)
+    """token_urlsafe(24), never starting with "-" (as the daemon's ids): a command line (`kakeya chat --session ID`,
+    `kakeya sessions rm ID`) would read such an id as an option."""
+    while True:
+        sid = secrets.token_urlsafe(24)
+        if not sid.startswith("-"):
+            return sid
 
 
 def check_session_id(session_id) -> str:

@@ -56,7 +56,7 @@ export class Client {
   }
 
   async createSession(options: CreateSessionOptions = {}): Promise<Session> {
-    const sessionId = options.sessionId ?? randomBytes(24).toString("base64url");
+    const sessionId = options.sessionId ?? newSessionId();
     if (typeof sessionId !== "string" || !SESSION_ID.test(sessionId)) {
       throw new InvalidArgumentError(
         `sessionId ${JSON.stringify(sessionId)} is not a valid session id: use 8 to 128 characters of [A-Za-z0-9_-], or leave it out for a random one`,
@@ -95,5 +95,14 @@ export class Client {
   /** `using client = new Client(...)` closes it at scope exit. */
   [Symbol.dispose](): void {
     this.close();
+  }
+}
+
+/** 24 random bytes as base64url (32 characters), never starting with "-" (as the daemon's ids): a command line
+ * (`kakeya chat --session ID`) would read such an id as an option. */
+export function newSessionId(): string {
+  for (;;) {
+    const id = randomBytes(24).toString("base64url");
+    if (!id.startsWith("-")) return id;
   }
 }

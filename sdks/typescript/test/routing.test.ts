@@ -18,6 +18,7 @@ import {
   RuntimeServiceService,
   type GenerateRequest,
 } from "../src/gen/kakeya/v1/runtime.js";
+import { newSessionId } from "../src/client.js";
 import { AlreadyExistsError, Client, InvalidArgumentError, SESSION_HEADER, SessionOwnedElsewhereError, UnavailableError } from "../src/index.js";
 
 interface Fake {
@@ -104,6 +105,13 @@ describe("routing by session id", () => {
     await expect(client.createSession({ sessionId: "taken-id-0000" })).rejects.toBeInstanceOf(AlreadyExistsError);
     await expect(client.createSession({ sessionId: "no spaces" })).rejects.toBeInstanceOf(InvalidArgumentError);
     client.close();
+  });
+
+  it("never picks an id starting with a dash (a command line would read it as an option)", () => {
+    // 2,000 draws: without the redraw, one in 64 starts with "-", so this fails with odds 1 - (63/64)^2000.
+    const ids = Array.from({ length: 2000 }, () => newSessionId());
+    expect(ids.filter((id) => id.startsWith("-"))).toEqual([]);
+    expect(ids.every((id) => /^[A-Za-z0-9_-]{32}$/.test(id))).toBe(true);
   });
 
   it("retries calls refused as owned elsewhere until they go through", async () => {
