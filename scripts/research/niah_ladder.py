@@ -111,6 +111,10 @@ ARMS = {
     # InfLLM's layout from position 4096 instead of the trained context (docs/paged.md, "Where the InfLLM layout starts")
     "paged_4+508_p64_m8_far4k": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
                                      page_far_from=4096),
+    # the same as the daemon runs paged (fp16 K/V): past the trained context it is, bit for bit, paged with
+    # --page-far-from 4096 --page-far-after context (docs/paged.md, "far_from once past the context")
+    "paged_4+508_p64_m8_far4k+kv_fp16": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
+                                             page_far_from=4096, kv_dtype="fp16"),
     # the same with the recalled pages spread (their gaps scaled to fit 4096 positions) instead of packed next to the
     # window (docs/paged.md, "The spread layout")
     "paged_4+508_p64_m8_far4k_spread": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
