@@ -23,6 +23,7 @@ from inference_engine.engine import steps
 from inference_engine.errors import NothingToGenerateFrom
 from inference_engine.kv import registry
 from inference_engine.kv.factory import make_cache
+from inference_engine.kv.paged import PagedCache
 from inference_engine.kv.strategy import KVStrategy
 
 if TYPE_CHECKING:
@@ -139,13 +140,17 @@ class Engine:
             return self.max_context  # past the context paged moves recalled keys with the backend's rotate_keys (torch)
         return None if self.strategy.unbounded else self.max_context
 
-    def prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
-        """Run pending tokens in chunks (through the engine loop); returns (positions dropped from attention, completed)."""
-        return self.loop.run(self._prefill(kv, pending, should_stop))
+    def prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool] = lambda: False,
+                written: Sequence[int] | None = None) -> tuple[int, bool]:
+        """Run pending tokens in chunks (through the engine loop); returns (positions dropped from attention, completed).
+        written: the tokens the session already holds (needed only where `_switch_far` must re-encode them)."""
+        return self.loop.run(self._prefill(kv, pending, should_stop, written))
 
-    def _prefill(self, kv: SessionKV, pending: Sequence[int],
-                 should_stop: Callable[[], bool]) -> Generator[StepInput, Any, tuple[int, bool]]:
+    def _prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool],
+                 written: Sequence[int] | None = None) -> Generator[StepInput, Any, tuple[int, bool]]:
         """prefill's task: a chunk per forward, shorter while other sessions generate."""
+        if pending and not (yield from self._switch_far(kv, written, kv.next_position + len(pending), should_stop)):
+            return 0, False
         dropped, i = 0, 0
         while i < len(pending):
             if should_stop():
@@ -154,6 +159,30 @@ class Engine:
             dropped += (yield from steps.prefill_chunk_task(self.model, kv, pending[i : i + n])).dropped
             i += n
         return dropped, True
+
+    def _switch_far(self, kv: SessionKV, written: Sequence[int] | None, end: int,
+                    should_stop: Callable[[], bool]) -> Generator[StepInput, Any, bool]:
+        """Before writing positions up to `end` (exclusive): a `paged` session with far_after "context" that would pass
+        the trained context runs from now on as one that ran far_from from its start (docs/paged.md, "far_from once
+        past the context"). Holding no position past far_from, it is only switched; else it is re-encoded first: its
+        `written` tokens (positions 0 .. next_position - 1) prefilled into a new cache that runs far_from throughout,
+        which it then adopts. False: should_stop ended the re-encode (the session is as before)."""
+        cache = kv.cache
+        if not isinstance(cache, PagedCache) or not cache.far_switch_due(end):
+            return True
+        if kv.next_position <= cache.far_target:
+            cache.switch_far()
+            return True
+        if written is None or len(written) < kv.next_position:
+            raise ValueError(f"the session must be re-encoded from its {kv.next_position} tokens to pass the trained "
+                             f"context (far_after 'context'), and they were not given")
+        fresh = self.new_session_kv()
+        assert isinstance(fresh.cache, PagedCache)
+        fresh.cache.switch_far()
+        _, completed = yield from self._prefill(fresh, written[: kv.next_position], should_stop)
+        if completed:
+            kv.adopt(fresh)
+        return completed
 
     def _draft(self, kv: SessionKV, context: list, k: int) -> list:
         """Ask the drafter for up to k tokens after `context` (which ends with the token about
@@ -216,7 +245,7 @@ class Engine:
             raise NothingToGenerateFrom("the session history is empty; append tokens before Generate")
         params.sampling.validate()  # the one check of the sampling parameters (servers and in-process callers alike)
         t_prefill = time.perf_counter()
-        dropped, completed = yield from self._prefill(kv, pending, should_stop)
+        dropped, completed = yield from self._prefill(kv, pending, should_stop, history)
         prefill_s = time.perf_counter() - t_prefill
         if dropped:
             yield HistoryTruncated(dropped, kv.dropped_total)
@@ -227,6 +256,8 @@ class Engine:
         position = kv.next_position  # position of the next token to sample
         token = None  # sampled, not yet fed
         out: list = []
+        # the session's tokens and the emitted ones (a paged session's `_switch_far` may re-encode them)
+        written = list(history[: kv.next_position]) if isinstance(kv.cache, PagedCache) else []
         if completed and params.max_tokens > 0 and (limit is None or position < limit) and not should_stop():
             assert kv.last_logits is not None  # the prefill's, or checked above when nothing was pending
             out = [sample(kv.last_logits, params.sampling, gen)]
@@ -261,6 +292,10 @@ class Engine:
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
             drafting = self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open())
             drafts = self._draft(kv, context, min(self.spec_k, room)) if drafting else []
+            written += out
+            if not (yield from self._switch_far(kv, written, kv.next_position + 1 + len(drafts), should_stop)):
+                reason = "cancelled"
+                break
             step = yield from self._advance(kv, token, drafts, params, gen, budget)
             if drafts:
                 kv.draft_gate.record(step.accepted, len(drafts), self.verify_cost, by_gain=self.gate_by_gain)

@@ -25,6 +25,17 @@ class SessionKV:
         # a v2 drafter's own cache (its DraftCache: drafters are duck-typed) (not saved: rebuilt from recent_hidden)
         self.drafter_state: Any = None
         self.draft_gate = DraftGate()  # speculative decoding's back-off (not saved: it never changes output)
+        # how many times the session's cache was made again from its tokens (`adopt`): a saver holding rows of an
+        # earlier one writes everything again
+        self.epoch = 0
+
+    def adopt(self, other: "SessionKV") -> None:
+        """Take `other`'s cache and what was computed with it: the session re-encoded from its tokens into a new cache
+        (Engine._switch_far). The saver sees a new epoch and saves the cache whole."""
+        self.cache, self.last_logits = other.cache, other.last_logits
+        self.hidden_keep, self.capture_layers, self.recent_hidden = other.hidden_keep, other.capture_layers, other.recent_hidden
+        self.drafter_state = None  # a v2 drafter's cache: rebuilt from recent_hidden
+        self.epoch += 1
 
     def remember_hidden(self, hidden: torch.Tensor, n_committed: int) -> None:
         if not self.hidden_keep:
@@ -67,6 +78,8 @@ class SessionKV:
         if self.recent_hidden is not None:
             tensors["session.recent_hidden"] = self.recent_hidden.cpu()
         meta["session.hidden_keep"] = self.hidden_keep
+        if self.epoch:
+            meta["session.epoch"] = self.epoch
         if self.capture_layers:
             meta["session.capture_layers"] = list(self.capture_layers)
         return CacheState(tensors, meta)
@@ -78,6 +91,7 @@ class SessionKV:
                                  resources=resources)
         keep = state.meta["session.hidden_keep"] if hidden_keep is None else hidden_keep
         kv = cls(cache, hidden_keep=keep, capture_layers=tuple(state.meta.get("session.capture_layers", ())))
+        kv.epoch = int(state.meta.get("session.epoch", 0))
         kv.last_logits = state.tensors.get("session.last_logits")
         h = state.tensors.get("session.recent_hidden")
         kv.recent_hidden = h.to(geometry.device) if h is not None and keep else None

@@ -105,7 +105,11 @@ class PagedCache(SinkWindowCache):
         self._far_unsaved = False  # loaded without far_keys: a saver's segments lack them (delta_state)
         self.far_distance = self.window + self.page_size
         # queries at p >= far_from attend (and choose pages) in InfLLM's layout; below it at true positions
-        self.far_from = min(strategy.far_from, max_context) if strategy.far_from else max_context
+        far_from = min(strategy.far_from, max_context) if strategy.far_from else max_context
+        # far_after "context": the session runs as far_from = the trained context until the engine switches it
+        # (`switch_far`, before its first position past the context); from then on as one that ran far_from from its start
+        self.far_target = far_from
+        self.far_from = max_context if strategy.far_after == "context" else far_from
         self.far_layout = strategy.far_layout  # where those queries see their chosen pages (`_far_slots`)
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         self._resident_rows: Callable | None = None  # the backend's fused-step attention of resident rows (recall_hook)
@@ -164,6 +168,21 @@ class PagedCache(SinkWindowCache):
         """First position not (yet) in the page store: the store holds [sink, archived_end)."""
         return self.sink + self.pages.rows
 
+    # -- far_from once past the context (KVStrategy.far_after "context") ------------------------
+    def far_switch_due(self, end: int) -> bool:
+        """Whether a step that writes positions up to `end` (exclusive) must first switch this session to its far_from:
+        it reaches past the trained context and the session still runs as far_from = the trained context."""
+        return self.far_from != self.far_target and end > self.max_context
+
+    def switch_far(self) -> None:
+        """From now on the session runs as one that ran far_from from its start. Nothing it holds depends on far_from
+        while no query has reached it, so that takes only the switch; a session already holding positions at or past
+        far_from must be re-encoded instead (the engine does: `Engine._switch_far`)."""
+        if self.next_position > self.far_target:
+            raise ValueError(f"a session at position {self.next_position} holds positions written at true positions past "
+                             f"far_from ({self.far_target}): it must be re-encoded from its tokens, not switched")
+        self.far_from = self.far_target
+
     # -- step ---------------------------------------------------------------------------------
     def prepare(self, positions: range | torch.Tensor, ids: torch.Tensor | None = None) -> AttentionLayout:
         t = len(positions) if isinstance(positions, range) else positions.numel()
@@ -173,6 +192,10 @@ class PagedCache(SinkWindowCache):
                 f"position {self.next_position + t - 1} is past the model's context of {self.max_context}, and this paged "
                 f"layout reaches {reach} positions back (sink {self.sink} + window {self.window} + {self.recall_pages} pages "
                 f"of {self.page_size}): past the trained context it must stay under {self.max_context}")
+        if self.far_switch_due(self.next_position + t):
+            raise ValueError(f"positions up to {self.next_position + t - 1} reach past the trained context ({self.max_context}) "
+                             f"of a session that runs far_from {self.far_target} once past it: switch it first "
+                             f"(switch_far, or the engine's re-encode)")
         layout = super().prepare(positions, ids)
         self._step = self._plan_step(layout)
         return layout
@@ -991,10 +1014,12 @@ class PagedCache(SinkWindowCache):
         tensors |= {f"keys.{k}": v for k, v in self.keys.state(start, lazy=lazy).items()}
         if self._far_current():  # up to date (not before a loaded session's first step, nor on MLX)
             tensors |= {f"far_keys.{k}": v for k, v in self.far_keys.state(start, lazy=lazy).items()}
-        return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows}
+        return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows, "far_from": self.far_from}
 
     def _load_extra_state(self, tensors: dict, meta: dict) -> None:
         rows = int(meta["archived_rows"])
+        if "far_from" in meta and int(meta["far_from"]) in (self.far_target, self.max_context):  # switched, or not yet
+            self.far_from = int(meta["far_from"])
         if self.ram_rows is not None and self.shortlist and -(-rows // self.page_size) > self.shortlist_from:
             self.keys.limit(self.ram_rows)  # the shortlist applies from the start: the keys stream in past the ring
         self.pages.load_state({k.removeprefix("pages."): v for k, v in tensors.items() if k.startswith("pages.")}, rows)

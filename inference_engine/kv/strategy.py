@@ -13,6 +13,7 @@ from inference_engine.kv.compressor_names import COMPRESSOR_NAMES, MAX_Q_RANGE
 KV_DTYPES = ("fp32", "fp16", "int8")  # resident K/V rows (KVStrategy.kv_dtype)
 PAGE_COMPRESSORS = ("identity", "int8", "kakeya_d4", "kakeya_e8")  # paged: how stored (evicted) pages are kept
 FAR_LAYOUTS = ("packed", "spread")  # paged, from far_from on: where the recalled pages and the sink sit
+FAR_AFTER = ("start", "context")  # paged: far_from applies from a session's start, or once it passes the trained context
 PAGE_KEY_BITS = (4, 8)  # paged: bits per element of the compact keys pages are scored by
 
 
@@ -51,6 +52,11 @@ class KVStrategy:
     # (InfLLM's layout); "spread": in position order with the gaps between them (and to the sink and the window) scaled
     # down together, so the whole history seen from the query spans far_from positions (order and relative spacing kept)
     far_layout: str = "packed"
+    # paged with far_from: "start" = from a session's first position on; "context" = a session runs as far_from 0 (the
+    # trained context) until an append or a step would take it past the trained context, and from then on as one that
+    # ran far_from from its start (the positions it holds at or past far_from are written again first: the engine
+    # re-encodes the session once, docs/paged.md "far_from once past the context")
+    far_after: str = "start"
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -92,6 +98,11 @@ class KVStrategy:
             raise ValueError(f"far_from applies to the paged strategy only, not {self.name!r}")
         if self.far_layout not in FAR_LAYOUTS:
             raise ValueError(f"unknown far layout {self.far_layout!r}; choose one of {', '.join(FAR_LAYOUTS)}")
+        if self.far_after not in FAR_AFTER:
+            raise ValueError(f"unknown far_after {self.far_after!r}; choose one of {', '.join(FAR_AFTER)}")
+        if self.far_after != "start" and not self.far_from:
+            raise ValueError(f"far_after {self.far_after!r} (--page-far-after) needs a far_from (--page-far-from, a position "
+                             f"under the trained context): without one the layout starts at the trained context anyway")
         if self.far_layout != "packed" and self.name != "paged":
             raise ValueError(f"far_layout applies to the paged strategy only, not {self.name!r}")
         if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, (int, float)) or not 0 <= self.page_ram_mb < 2 ** 40:
@@ -114,6 +125,8 @@ class KVStrategy:
                     "page_ram_mb": f"{self.page_ram_mb:g}"}
             out["far_from"] = str(self.far_from) if self.far_from else "trained context"
             out["far_layout"] = self.far_layout
+            if self.far_from:
+                out["far_after"] = self.far_after
         return out
 
     @property

@@ -253,6 +253,9 @@ class SessionFiles:
 
         # what the cache holds beyond what the segments kept hold (append segments: all again past the limit)
         since = SaveMark(prev["rows_through"], prev.get("appended_rows", 0)) if prev else SaveMark()
+        if prev and prev["cache_meta"].get("session.epoch", 0) != kv.epoch:
+            # the cache was made again from the session's tokens (Engine._switch_far): none of its rows on disk hold
+            segments, since = [g for g in segments if g["kind"] == "history"], SaveMark()
         if sum(g["kind"] == "append" for g in segments) >= APPEND_SEGMENTS_MAX:
             segments, since = [g for g in segments if g["kind"] != "append"], SaveMark(since.rows_through, 0)
         delta = kv.delta_state(since)

@@ -9,7 +9,7 @@ import sys
 from inference_engine.server import chat_command
 from inference_engine.server.app import serve_forever
 from inference_engine.kv import registry
-from inference_engine.kv.strategy import FAR_LAYOUTS
+from inference_engine.kv.strategy import FAR_AFTER, FAR_LAYOUTS
 from inference_engine.server.config import DEFAULT_WINDOW, STRATEGY_WINDOWS, ConfigError, ServeConfig
 
 
@@ -62,6 +62,11 @@ def _add_serve(sub) -> None:
                    help="paged, from --page-far-from on: where a query's recalled pages and the sink sit. packed: next to "
                         "its window in position order (InfLLM's); spread: in position order with the gaps between them "
                         "scaled down so the history seen spans --page-far-from positions (docs/paged.md, 'The spread layout')")
+    p.add_argument("--page-far-after", choices=FAR_AFTER, default=d.page_far_after,
+                   help="paged, with --page-far-from: start = that layout from a session's first position; context = a "
+                        "session runs as --page-far-from 0 until it would pass the trained context, and from then on as "
+                        "one that ran --page-far-from from its start (re-encoded once from its tokens if it already holds "
+                        "positions past --page-far-from; docs/paged.md, 'far_from once past the context')")
     p.add_argument("--page-spill-dir", default=None, metavar="DIR",
                    help="paged: where the page store's spill files are created (unlinked at once: nothing is left behind) "
                         "(default: <state dir>/spill with --persist turn, else the system temp dir)")
@@ -216,6 +221,7 @@ def serve_config(args) -> ServeConfig:
         page_ram_mb=args.page_ram_mb,
         page_far_from=args.page_far_from,
         page_far_layout=args.page_far_layout,
+        page_far_after=args.page_far_after,
         page_spill_dir=args.page_spill_dir,
         malloc_mmap_threshold_kb=args.malloc_mmap_threshold_kb,
         malloc_trim=args.malloc_trim == "on",

@@ -46,6 +46,7 @@ class ServeConfig:
     page_ram_mb: int = 128  # paged: MB of a session's page store kept in host RAM; the rest in a spill file (0 = all in RAM)
     page_far_from: int = 0  # paged: positions from which queries attend in InfLLM's layout (0 = the trained context)
     page_far_layout: str = "packed"  # paged, from page_far_from on: packed (next to the window) | spread (gaps scaled)
+    page_far_after: str = "start"  # paged with page_far_from: from a session's start | once it passes the trained context
     page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
     # glibc: allocations of at least this many KiB get maps of their own, returned to the OS when freed (0 = glibc's
     # dynamic threshold, under which freed MB-sized tensors stay with the heap): server/host_memory.py
@@ -159,7 +160,7 @@ class ServeConfig:
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,
                                           shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
                                           page_ram_mb=self.page_ram_mb, far_from=self.page_far_from,
-                                          far_layout=self.page_far_layout,
+                                          far_layout=self.page_far_layout, far_after=self.page_far_after,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
 

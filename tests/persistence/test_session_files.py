@@ -633,3 +633,36 @@ def test_paged_far_keys_are_saved_again_after_a_load_without_them(tmp_path, monk
     assert turn(second, s.id, 5) == turn(kept, s.id, 5)
     assert loads[-1] == (archived, archived)  # read from the files this time
     assert torch.equal(second.store.get(s.id).kv.last_logits, kept.store.get(s.id).kv.last_logits)
+
+
+def test_paged_far_after_context_re_encoded_session_is_saved_whole_and_resumes(tmp_path):
+    """far_after "context": a session past far_from crossing the trained context is re-encoded into a new cache
+    (Engine._switch_far); its next save writes that cache whole (none of the earlier rows hold), and a restart after it
+    - or one before the crossing, which then crosses in the new daemon - continues as the never-stopped session."""
+    short = tiny_model_dir("llama", max_position_embeddings=64)
+    st = KVStrategy("paged", 4, 12, page_size=8, recall_pages=2, far_from=40, far_after="context")
+    root = tmp_path / "state"
+    kept = runtime(root, st, short)
+    s = kept.create_session(ids(50))
+    turn(kept, s.id, 4)  # positions up to 53: past far_from, under the context
+    first_files = {g["file"] for g in manifest(root, s.id)["segments"] if g["kind"] != "history"}
+    early = restarted(root, st, short)  # a restart before the crossing
+    for rt in (kept, early):
+        rt.append(s.id, ids(20, seed=1))
+    crossed = turn(kept, s.id, 4)
+    assert turn(early, s.id, 4) == crossed  # the resumed session crosses (re-encodes) as the never-stopped one
+    kv = kept.store.get(s.id).kv
+    assert kv.epoch == 1 and kv.cache.far_from == 40
+    body = manifest(root, s.id)
+    assert body["cache_meta"]["session.epoch"] == 1
+    assert not first_files & {g["file"] for g in body["segments"]}  # saved whole: no earlier row or append segment
+    assert [g["start"] for g in body["segments"] if g["kind"] == "append"] == [0]
+    late = restarted(root, st, short)  # a restart after it
+    for rt in (kept, early, late):
+        rt.append(s.id, [9, 8])
+    want = turn(kept, s.id, 6)
+    assert turn(late, s.id, 6) == want and turn(early, s.id, 6) == want
+    for rt in (early, late):
+        got = rt.store.get(s.id).kv
+        assert got.epoch == 1 and got.cache.far_from == 40
+        assert torch.equal(got.last_logits, kept.store.get(s.id).kv.last_logits)

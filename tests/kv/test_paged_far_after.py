@@ -1,0 +1,128 @@
+"""far_after "context" (docs/paged.md, "far_from once past the context"): a paged session runs as the default (far_from
+= the trained context) until it would pass the trained context, and from then on as one that ran far_from from its
+start: switched when it holds no position past far_from, else re-encoded once from its tokens (Engine._switch_far).
+
+A model trained to C = 64 positions; far_from F = 40 (sink 4 + window 12 + 2 pages of 8 = 32 <= 40); int4 weights
+(row-independent linears), prefill chunks of 16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import feed
+from inference_engine.engine.events import TokenGenerated
+from inference_engine.engine.generate import Engine
+from inference_engine.engine.requests import GenerateParams
+from inference_engine.kv.factory import make_cache
+
+from kv.test_paged import ids, paged, short_context_model
+
+F = 40
+
+
+@pytest.fixture(scope="module")
+def m():
+    return short_context_model("int4")
+
+
+def late(**kw):
+    return paged(far_from=F, far_after="context", **kw)
+
+
+def run(engine, kv, history, n):
+    return [e.token_id for e in engine.generate(kv, history, GenerateParams(max_tokens=n)) if isinstance(e, TokenGenerated)]
+
+
+def same_state(a, b) -> bool:
+    """The two caches' whole saved state (slab, page store, compact keys, far_keys, slot map) bit for bit."""
+    x, y = a.state(), b.state()
+    return x.tensors.keys() == y.tensors.keys() and all(torch.equal(x.tensors[k], y.tensors[k]) for k in x.tensors)
+
+
+def test_the_option_is_checked():
+    with pytest.raises(ValueError, match="far_after 'context' needs a far_from"):
+        paged(far_after="context")
+    with pytest.raises(ValueError, match="unknown far_after 'later'"):
+        paged(far_from=F, far_after="later")
+    assert late().describe()["far_after"] == "context" and "far_after" not in paged().describe()
+
+
+def test_below_the_context_it_is_the_default_bit_for_bit(m):
+    """Up to the trained context nothing differs from far_from 0; a step past it is refused until the session is
+    switched (the engine does it: nothing reaches past the context at true positions by mistake)."""
+    history = ids(60, seed=1)
+    cache = make_cache(late(), m.geometry(), max_step=16, max_context=64)
+    got = feed(m, cache, history, 16)
+    want = feed(m, make_cache(paged(), m.geometry(), max_step=16, max_context=64), history, 16)
+    assert torch.equal(got, want) and cache.far_from == 64
+    with pytest.raises(ValueError, match="switch it first"):
+        feed(m, cache, ids(8, seed=2), 8)
+    with pytest.raises(ValueError, match="must be re-encoded"):
+        cache.switch_far()
+    e_late, e_default = Engine(m, late(), prefill_chunk=16), Engine(m, paged(), prefill_chunk=16)
+    a, b = e_late.new_session_kv(), e_default.new_session_kv()
+    assert run(e_late, a, ids(30, seed=3), 30) == run(e_default, b, ids(30, seed=3), 30)  # positions up to 59
+    assert torch.equal(a.last_logits, b.last_logits) and a.cache.far_from == 64 and a.epoch == 0
+
+
+def test_one_append_across_the_context_runs_far_from_from_the_start(m):
+    """An append that takes a session holding no position past F across the context switches it first: the session
+    is, bit for bit, one that ran far_from F from its start (the ladder's far4k arm measures this case)."""
+    history = ids(100, seed=4)
+    e_late, e_far = Engine(m, late(), prefill_chunk=16), Engine(m, paged(far_from=F), prefill_chunk=16)
+    a, b = e_late.new_session_kv(), e_far.new_session_kv()
+    assert run(e_late, a, history, 12) == run(e_far, b, history, 12)
+    assert torch.equal(a.last_logits, b.last_logits)
+    assert a.cache.far_from == F and a.epoch == 0  # switched, not re-encoded
+
+
+def test_a_session_past_far_from_is_re_encoded_once_when_it_crosses(m):
+    """Turn 1 ends at position 54 (past F, under C); turn 2's append crosses C: the session is re-encoded from its
+    54 tokens into a far_from F cache first (prefill chunks of 16), then goes on. It equals, bit for bit, a far_from F
+    session that prefilled those 54 tokens the same way and then the append; before the crossing it was the
+    default's, bit for bit."""
+    e_late, e_default, e_far = (Engine(m, st, prefill_chunk=16) for st in (late(), paged(), paged(far_from=F)))
+    a, d = e_late.new_session_kv(), e_default.new_session_kv()
+    first = ids(50, seed=5)
+    out = run(e_late, a, first, 4)
+    assert out == run(e_default, d, first, 4) and a.epoch == 0 and a.cache.far_from == 64
+    history = first + out + ids(30, seed=6)
+    later = run(e_late, a, history, 6)
+    assert a.epoch == 1 and a.cache.far_from == F
+    ref = e_far.new_session_kv()
+    e_far.prefill(ref, history[:54])  # what the re-encode ran
+    assert run(e_far, ref, history, 6) == later
+    assert torch.equal(a.last_logits, ref.last_logits)
+    assert same_state(a.cache, ref.cache)
+
+
+def test_a_turn_that_crosses_while_decoding_is_re_encoded_at_that_step(m):
+    """A turn whose prefill ends under C but whose decoding crosses it: at the step that would write position 64 the
+    session is re-encoded from its 64 tokens (the emitted ones included) and decodes on. Its K/V then equal a far_from
+    F session's that prefilled those tokens in chunks of 16 and stepped the rest one token at a time."""
+    e_late, e_default = Engine(m, late(), prefill_chunk=16), Engine(m, paged(), prefill_chunk=16)
+    a, d = e_late.new_session_kv(), e_default.new_session_kv()
+    history = ids(58, seed=7)
+    out = run(e_late, a, history, 12)  # positions 58 .. 69: fed up to 68
+    assert out[:7] == run(e_default, d, history, 7)  # up to the crossing: the default's tokens
+    assert a.epoch == 1 and a.cache.far_from == F and a.next_position == 58 + 11
+    tokens = history + out
+    ref = make_cache(paged(far_from=F), m.geometry(), max_step=16, max_context=64)
+    feed(m, ref, tokens[:64], 16)
+    feed(m, ref, tokens[64:69], 1, row_exact=True)
+    assert same_state(a.cache, ref)
+
+
+def test_a_re_encode_ends_with_the_turn_when_it_is_cancelled(m):
+    """should_stop during the re-encode: the turn ends cancelled and the session is as it was (not switched, nothing of
+    the append run)."""
+    e_late = Engine(m, late(), prefill_chunk=16)
+    a = e_late.new_session_kv()
+    first = ids(50, seed=8)
+    run(e_late, a, first, 1)
+    before = a.cache
+    calls = []
+    evs = list(e_late.generate(a, first + ids(30, seed=9), GenerateParams(max_tokens=4),
+                               should_stop=lambda: calls.append(1) or len(calls) > 2))
+    assert evs[-1].stop_reason == "cancelled" and a.cache is before and a.epoch == 0 and a.cache.far_from == 64
+    assert a.next_position == 50 and len(calls) == 3  # stopped inside the re-encode (its third chunk), the append not run
