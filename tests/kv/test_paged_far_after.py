@@ -40,7 +40,7 @@ def same_state(a, b) -> bool:
 
 
 def test_the_option_is_checked():
-    with pytest.raises(ValueError, match="far_after 'context' needs a far_from"):
+    with pytest.raises(ValueError, match=r"far_after 'context' \(--page-far-after\) needs a far_from"):
         paged(far_after="context")
     with pytest.raises(ValueError, match="unknown far_after 'later'"):
         paged(far_from=F, far_after="later")
