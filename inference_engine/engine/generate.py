@@ -143,13 +143,13 @@ class Engine:
     def prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool] = lambda: False,
                 written: Sequence[int] | None = None) -> tuple[int, bool]:
         """Run pending tokens in chunks (through the engine loop); returns (positions dropped from attention, completed).
-        written: the tokens the session already holds (needed only where `_switch_far` must re-encode them)."""
+        written: the tokens the session holds (needed only where `_switch_far` must re-encode them)."""
         return self.loop.run(self._prefill(kv, pending, should_stop, written))
 
     def _prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool],
                  written: Sequence[int] | None = None) -> Generator[StepInput, Any, tuple[int, bool]]:
         """prefill's task: a chunk per forward, shorter while other sessions generate."""
-        if pending and not (yield from self._switch_far(kv, written, kv.next_position + len(pending), should_stop)):
+        if pending and not (yield from self._switch_far(kv, lambda: written, kv.next_position + len(pending), should_stop)):
             return 0, False
         dropped, i = 0, 0
         while i < len(pending):
@@ -160,26 +160,30 @@ class Engine:
             i += n
         return dropped, True
 
-    def _switch_far(self, kv: SessionKV, written: Sequence[int] | None, end: int,
+    def _switch_far(self, kv: SessionKV, written: Callable[[], Sequence[int] | None], end: int,
                     should_stop: Callable[[], bool]) -> Generator[StepInput, Any, bool]:
         """Before writing positions up to `end` (exclusive): a `paged` session with far_after "context" that would pass
         the trained context runs from now on as one that ran far_from from its start (docs/paged.md, "far_from once
         past the context"). Holding no position past far_from, it is only switched; else it is re-encoded first: its
-        `written` tokens (positions 0 .. next_position - 1) prefilled into a new cache that runs far_from throughout,
-        which it then adopts. False: should_stop ended the re-encode (the session is as before)."""
+        tokens (`written()`: positions 0 .. next_position - 1, asked for only then) prefilled into a new cache that runs
+        far_from throughout, which it then adopts. It then equals, bit for bit, a session that ran far_from from its
+        start and prefilled those tokens in the same chunks (a prefill chunk past far_from is not the one-token steps
+        bit for bit on the Python recall path). False: should_stop ended the re-encode (the session is as before; the
+        next turn starts it again). Both caches are held while it runs."""
         cache = kv.cache
         if not isinstance(cache, PagedCache) or not cache.far_switch_due(end):
             return True
         if kv.next_position <= cache.far_target:
             cache.switch_far()
             return True
-        if written is None or len(written) < kv.next_position:
+        tokens = written()
+        if tokens is None or len(tokens) < kv.next_position:
             raise ValueError(f"the session must be re-encoded from its {kv.next_position} tokens to pass the trained "
                              f"context (far_after 'context'), and they were not given")
         fresh = self.new_session_kv()
         assert isinstance(fresh.cache, PagedCache)
         fresh.cache.switch_far()
-        _, completed = yield from self._prefill(fresh, written[: kv.next_position], should_stop)
+        _, completed = yield from self._prefill(fresh, tokens[: kv.next_position], should_stop)
         if completed:
             kv.adopt(fresh)
         return completed
@@ -256,8 +260,8 @@ class Engine:
         position = kv.next_position  # position of the next token to sample
         token = None  # sampled, not yet fed
         out: list = []
-        # the session's tokens and the emitted ones (a paged session's `_switch_far` may re-encode them)
-        written = list(history[: kv.next_position]) if isinstance(kv.cache, PagedCache) else []
+        # the tokens emitted so far: with the history's, what a paged session's `_switch_far` may re-encode
+        held, emitted = kv.next_position, []
         if completed and params.max_tokens > 0 and (limit is None or position < limit) and not should_stop():
             assert kv.last_logits is not None  # the prefill's, or checked above when nothing was pending
             out = [sample(kv.last_logits, params.sampling, gen)]
@@ -290,10 +294,15 @@ class Engine:
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
+            if isinstance(kv.cache, PagedCache) and kv.cache.far_from != kv.cache.far_target and position <= self.max_context:
+                # not switched yet (far_after "context"): a block stops under the trained context, so the switch comes at
+                # the step that feeds position max_context, drafting or not (the output never depends on the drafts)
+                room = min(room, self.max_context - position)
             drafting = self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open())
             drafts = self._draft(kv, context, min(self.spec_k, room)) if drafting else []
-            written += out
-            if not (yield from self._switch_far(kv, written, kv.next_position + 1 + len(drafts), should_stop)):
+            emitted += out
+            if not (yield from self._switch_far(kv, lambda: list(history[:held]) + emitted,
+                                                kv.next_position + 1 + len(drafts), should_stop)):
                 reason = "cancelled"
                 break
             step = yield from self._advance(kv, token, drafts, params, gen, budget)

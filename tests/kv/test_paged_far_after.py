@@ -14,6 +14,7 @@ from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import GenerateParams
 from inference_engine.kv.factory import make_cache
+from inference_engine.engine.session_kv import SessionKV
 
 from kv.test_paged import ids, paged, short_context_model
 
@@ -126,3 +127,32 @@ def test_a_re_encode_ends_with_the_turn_when_it_is_cancelled(m):
                                should_stop=lambda: calls.append(1) or len(calls) > 2))
     assert evs[-1].stop_reason == "cancelled" and a.cache is before and a.epoch == 0 and a.cache.far_from == 64
     assert a.next_position == 50 and len(calls) == 3  # stopped inside the re-encode (its third chunk), the append not run
+
+
+def test_drafts_do_not_move_the_crossing(m):
+    """A verify block that would reach past the context from under it is cut there (its drafts are not the output's
+    to decide): with prompt-lookup drafts on every step the session crosses at the step that feeds position C, as it
+    does decoding plainly, and emits the same tokens. (Here a block of 4 drafts at position 63 crossed early,
+    re-encoding 63 tokens instead of 64, and changed the 7th token on.)"""
+    from inference_engine.engine.prompt_lookup import PromptLookupDrafter
+
+    history = (ids(7, seed=3) * 9)[:58]  # repetitive: prompt lookup drafts
+    plain = Engine(m, late(), prefill_chunk=16)
+    spec = Engine(m, late(), prefill_chunk=16, drafter=PromptLookupDrafter(k_by_match=(4, 4)), spec_k=4)
+    spec.gate_drafts = False
+    a, b = plain.new_session_kv(), spec.new_session_kv()
+    re_encoded_at = []
+    real = SessionKV.adopt
+
+    def spy(kv, other):
+        re_encoded_at.append(kv.next_position)
+        return real(kv, other)
+
+    SessionKV.adopt = spy
+    try:
+        want = run(plain, a, history, 16)
+        got = run(spec, b, history, 16)
+    finally:
+        SessionKV.adopt = real
+    assert got == want and torch.equal(a.last_logits, b.last_logits)
+    assert re_encoded_at == [64, 64]  # each session re-encoded its 64 tokens, at the step that feeds position 64
