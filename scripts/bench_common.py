@@ -95,6 +95,8 @@ def fill_with_random_kv(cache, n: int, chunk: int, generator) -> None:
     import torch
 
     g = cache.geometry
+    if getattr(cache, "far_switch_due", lambda end: False)(n):  # paged, far_after "context": one append past the
+        cache.switch_far()  # context from under far_from switches at its start, as the engine does (Engine._switch_far)
     while cache.next_position < n:
         t = min(chunk, n - cache.next_position)
         cache.prepare(range(cache.next_position, cache.next_position + t))

@@ -396,8 +396,11 @@ class SessionFiles:
                 else:
                     dst.index_fill_(axes[n], torch.from_numpy(empty), 0)
         tensors = tail | {SLOT_MAP: torch.from_numpy(pos)} | {f"store.{n}": x for n, x in payload.items()}
-        # saved under the other of fp32 / fp16 resident K/V (same_strategy): the cache is this daemon's kind
-        meta = dict(body["cache_meta"], strategy=dict(body["cache_meta"]["strategy"], kv_dtype=e.strategy.kv_dtype))
+        # saved under the other of fp32 / fp16 resident K/V, or (paged) with far_from at the trained context where this
+        # daemon applies far_from once past it (same_strategy): the cache is this daemon's kind
+        mine = {"kv_dtype": e.strategy.kv_dtype} | (
+            {"far_from": e.strategy.far_from, "far_after": e.strategy.far_after} if e.strategy.name == "paged" else {})
+        meta = dict(body["cache_meta"], strategy=dict(body["cache_meta"]["strategy"], **mine))
         kv = SessionKV.from_state(CacheState(tensors, meta), e.model.geometry(), max_step=e.prefill_chunk,
                                   max_context=e.max_context, resources=e.strategy_resources, hidden_keep=hidden_keep)
         if kv.next_position > len(history):
@@ -492,7 +495,13 @@ class SessionFiles:
 def same_strategy(saved: KVStrategy, serving: KVStrategy) -> bool:
     """Whether a session saved under `saved` loads into a daemon serving `serving`: the same strategy, except that fp32
     and fp16 resident K/V load into each other (rows converted as they load: exactly from fp16, rounded to fp16 the
-    other way, so a session moved between the two continues, though not bit for bit as it would have)."""
+    other way, so a session moved between the two continues, though not bit for bit as it would have), and a paged
+    session saved with far_from at the trained context loads where far_from applies once past it (far_after "context":
+    it is that session until then)."""
+    if serving.far_after == "context" and saved.far_from == 0 and saved.name == serving.name == "paged":
+        # saved under the trained context's layout: what a far_after "context" session is until it passes the context
+        # (one saved past it is re-encoded at its next step, as any that crosses there)
+        saved = dataclasses.replace(saved, far_from=serving.far_from, far_after="context")
     if {saved.kv_dtype, serving.kv_dtype} <= {"fp32", "fp16"}:
         return dataclasses.replace(saved, kv_dtype=serving.kv_dtype) == serving
     return saved == serving

@@ -10,7 +10,7 @@ from inference_engine.server import chat_command
 from inference_engine.server.app import serve_forever
 from inference_engine.kv import registry
 from inference_engine.kv.strategy import FAR_AFTER, FAR_LAYOUTS
-from inference_engine.server.config import DEFAULT_WINDOW, STRATEGY_WINDOWS, ConfigError, ServeConfig
+from inference_engine.server.config import PAGED_FAR_FROM, DEFAULT_WINDOW, STRATEGY_WINDOWS, ConfigError, ServeConfig
 
 
 def _add_serve(sub) -> None:
@@ -56,8 +56,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--page-far-from", type=int, default=d.page_far_from, metavar="POS",
                    help="paged: positions from which a query attends in InfLLM's layout (its recalled pages and the sink "
                         "moved next to its window); 0 = the model's trained context. Below it queries attend at true "
-                        "positions. SmolLM2, 4096: single-needle and multi-turn recall up, several keys at 7.5k down "
-                        "(docs/paged.md, 'Where the InfLLM layout starts')")
+                        f"positions. Not given: {PAGED_FAR_FROM} once a session passes the trained context (see "
+                        "--page-far-after; torch only); given alone: from a session's start (docs/paged.md, 'Where the "
+                        "InfLLM layout starts', 'far_from once past the context')")
     p.add_argument("--page-far-layout", choices=FAR_LAYOUTS, default=d.page_far_layout,
                    help="paged, from --page-far-from on: where a query's recalled pages and the sink sit. packed: next to "
                         "its window in position order (InfLLM's); spread: in position order with the gaps between them "
@@ -66,7 +67,8 @@ def _add_serve(sub) -> None:
                    help="paged, with --page-far-from: start = that layout from a session's first position; context = a "
                         "session runs as --page-far-from 0 until it would pass the trained context, and from then on as "
                         "one that ran --page-far-from from its start (re-encoded once from its tokens if it already holds "
-                        "positions past --page-far-from; docs/paged.md, 'far_from once past the context')")
+                        "positions past --page-far-from; docs/paged.md, 'far_from once past the context'). Not given: "
+                        "context with the default --page-far-from, start with one given")
     p.add_argument("--page-spill-dir", default=None, metavar="DIR",
                    help="paged: where the page store's spill files are created (unlinked at once: nothing is left behind) "
                         "(default: <state dir>/spill with --persist turn, else the system temp dir)")

@@ -17,6 +17,11 @@ DEFAULT_WINDOW = 1020  # --window when not given: sink_window and dlm_restore
 # strategies whose window defaults otherwise: paged's 508 keeps resident + selection under sink_window 4+1020's bytes up to
 # 7.5k (issue 15), and is what its recall ladders, memory and decode figures measured (docs/paged.md)
 STRATEGY_WINDOWS = {"paged": 508}
+# paged's --page-far-from when not given, applied once a session passes the trained context (--page-far-after context):
+# past it, what a session wrote from 4096 on is K/V of InfLLM's layout, which SmolLM2 reads well (its misses there sat in
+# 4,096-8,192), and under it the session is the trained context's bit for bit (docs/paged.md, "far_from once past the
+# context"); torch only (MLX: paged stops at the trained context)
+PAGED_FAR_FROM = 4096
 
 
 class ConfigError(ValueError):
@@ -44,9 +49,13 @@ class ServeConfig:
     page_shortlist: int = 64  # paged: past page_shortlist_from candidate pages, rank pages by key bounds, score the best N
     page_shortlist_from: int = 256  # paged: candidate pages past which the shortlist applies (page_shortlist 0: never)
     page_ram_mb: int = 128  # paged: MB of a session's page store kept in host RAM; the rest in a spill file (0 = all in RAM)
-    page_far_from: int = 0  # paged: positions from which queries attend in InfLLM's layout (0 = the trained context)
+    # paged: positions from which queries attend in InfLLM's layout (0 = the trained context); None = paged's default,
+    # PAGED_FAR_FROM once past the context on torch (`resolved_far_from`)
+    page_far_from: int | None = None
     page_far_layout: str = "packed"  # paged, from page_far_from on: packed (next to the window) | spread (gaps scaled)
-    page_far_after: str = "start"  # paged with page_far_from: from a session's start | once it passes the trained context
+    # paged with page_far_from: from a session's start | once it passes the trained context; None = "context" for paged's
+    # default far_from, "start" for one given (`resolved_far_after`)
+    page_far_after: str | None = None
     page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
     # glibc: allocations of at least this many KiB get maps of their own, returned to the OS when freed (0 = glibc's
     # dynamic threshold, under which freed MB-sized tensors stay with the heap): server/host_memory.py
@@ -138,6 +147,23 @@ class ServeConfig:
             raise ConfigError(str(e)) from e
 
     @property
+    def resolved_far_from(self) -> int:
+        """--page-far-from as given, else paged's default on the torch backend (PAGED_FAR_FROM, where the layout's reach,
+        sink + window + recall pages x page size, fits under it), else 0."""
+        if self.page_far_from is not None:
+            return self.page_far_from
+        reach = self.sink + self.resolved_window + self.recall_pages * self.page_size  # the layout must fit under it
+        return PAGED_FAR_FROM if self.kv_strategy == "paged" and self.backend == "torch" and reach <= PAGED_FAR_FROM else 0
+
+    @property
+    def resolved_far_after(self) -> str:
+        """--page-far-after as given, else "context" where paged's default far_from applies, else "start" (a far_from
+        given alone keeps its meaning from before the default: from a session's start)."""
+        if self.page_far_after is not None:
+            return self.page_far_after
+        return "context" if self.page_far_from is None and self.resolved_far_from else "start"
+
+    @property
     def resolved_window(self) -> int:
         """--window as given, else the strategy's default window."""
         return self.window if self.window is not None else STRATEGY_WINDOWS.get(self.kv_strategy, DEFAULT_WINDOW)
@@ -159,8 +185,8 @@ class ServeConfig:
                                           q_range=self.kv_q_range, page_size=self.page_size,
                                           recall_pages=self.recall_pages, page_compressor=self.page_compressor,
                                           shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
-                                          page_ram_mb=self.page_ram_mb, far_from=self.page_far_from,
-                                          far_layout=self.page_far_layout, far_after=self.page_far_after,
+                                          page_ram_mb=self.page_ram_mb, far_from=self.resolved_far_from,
+                                          far_layout=self.page_far_layout, far_after=self.resolved_far_after,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
 

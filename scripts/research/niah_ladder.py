@@ -115,6 +115,10 @@ ARMS = {
     # --page-far-from 4096 --page-far-after context (docs/paged.md, "far_from once past the context")
     "paged_4+508_p64_m8_far4k+kv_fp16": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
                                              page_far_from=4096, kv_dtype="fp16"),
+    # paged as the daemon runs it since 2026-12-01: far_from 4096 once past the trained context (--page-far-after
+    # context): under it the default's bits, past it paged_4+508_p64_m8_far4k+kv_fp16's on these tasks
+    "paged_4+508_p64_m8_far4k_ctx+kv_fp16": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
+                                                 page_far_from=4096, page_far_after="context", kv_dtype="fp16"),
     # the same with the recalled pages spread (their gaps scaled to fit 4096 positions) instead of packed next to the
     # window (docs/paged.md, "The spread layout")
     "paged_4+508_p64_m8_far4k_spread": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
@@ -355,6 +359,8 @@ def main() -> int:
         # page_query: a process switch, not a ServeConfig field (set for this arm, back to the default after)
         paged_store.query_int8(overrides.get("page_query", "int8") == "int8")
         product = {k: v for k, v in overrides.items() if k not in research_fields and k != "page_query"}
+        if product.get("kv_strategy") == "paged":  # an arm names its layout: without a far_from, the trained context's
+            product.setdefault("page_far_from", 0)  # (every paged arm's before paged's default far_from, 2026-12-01)
         research = {k: v for k, v in overrides.items() if k in research_fields}
         missing = sorted(set(product) - fields)
         if missing:

@@ -6,7 +6,7 @@ Each arm's session, through the engine as the daemon drives it (`Engine.generate
 generated token, then the crossing turn: --append tokens, which take the history past the trained context, and
 --decode generated tokens. Per arm: the first turn's seconds, the crossing turn's time to its first token (the
 re-encode, when there is one, is in it) and its decode rate. Arms:
-  default   `paged` as the daemon runs it (far_from = the trained context);
+  default   `paged` with far_from = the trained context (the daemon's default before 2026-12-01);
   context   `--page-far-from F --page-far-after context`: at the crossing the session, already holding positions past
             F, is re-encoded once from its tokens;
   start     `--page-far-from F` from the session's start (what `context` equals once past the context).
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ctx = model.spec.max_context
     if not args.far_from < args.history < ctx < args.history + args.append:
         raise SystemExit(f"need --far-from < --history < the trained context ({ctx}) < --history + --append")
-    arms = {"default": {}, "context": {"page_far_from": args.far_from, "page_far_after": "context"},
+    arms = {"default": {"page_far_from": 0}, "context": {"page_far_from": args.far_from, "page_far_after": "context"},
             "start": {"page_far_from": args.far_from}}
     names = args.arms.split(",")
     engines = {}

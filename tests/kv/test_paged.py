@@ -612,9 +612,17 @@ def test_kakeya_serve_builds_a_paged_engine():
     args = build_parser().parse_args(["serve", "--kv-strategy", "paged", "--sink", "4", "--window", "60", "--page-size", "32",
                                       "--recall-pages", "4", "--page-compressor", "int8"])
     engine = build_engine(serve_config(args), model())
-    assert engine.strategy == KVStrategy("paged", 4, 60, page_size=32, recall_pages=4, page_compressor="int8")
+    # paged's default far_from: 4096 once past the trained context (docs/paged.md, "far_from once past the context")
+    assert engine.strategy == KVStrategy("paged", 4, 60, page_size=32, recall_pages=4, page_compressor="int8",
+                                         far_from=4096, far_after="context")
     assert engine.strategy_info().name == "paged" and dict(engine.strategy_info().params)["recall_pages"] == "4"
     assert type(engine.new_session_kv().cache).__name__ == "PagedCache"
+    for given, want in ((["--page-far-from", "0"], (0, "start")), (["--page-far-from", "2048"], (2048, "start")),
+                        (["--page-far-from", "2048", "--page-far-after", "context"], (2048, "context")),
+                        (["--window", "4000"], (0, "start"))):  # a layout reaching past 4096: the trained context
+        st = serve_config(build_parser().parse_args(["serve", "--kv-strategy", "paged", *given])).strategy()[0]
+        assert (st.far_from, st.far_after) == want, given
+    assert serve_config(build_parser().parse_args(["serve"])).strategy()[0].far_from == 0  # sink_window: none
 
 
 def test_merged_two_part_attention_portable_path_equals_the_cpu_kernel(monkeypatch):

@@ -666,3 +666,28 @@ def test_paged_far_after_context_re_encoded_session_is_saved_whole_and_resumes(t
         got = rt.store.get(s.id).kv
         assert got.epoch == 1 and got.cache.far_from == 40
         assert torch.equal(got.last_logits, kept.store.get(s.id).kv.last_logits)
+
+
+def test_a_paged_session_saved_under_the_trained_context_loads_where_far_from_applies_past_it(tmp_path):
+    """A session saved with far_from at the trained context (paged's default before 2026-12-01) loads into a daemon
+    whose far_from applies once past the context: it is that session until then (the same tokens as the never-stopped
+    one under the context), and its first step past the context re-encodes it. The other way it is refused."""
+    short = tiny_model_dir("llama", max_position_embeddings=64)
+    old = KVStrategy("paged", 4, 12, page_size=8, recall_pages=2)
+    new = dataclasses.replace(old, far_from=40, far_after="context")
+    root = tmp_path / "state"
+    kept = runtime(root, old, short)
+    s = kept.create_session(ids(45))
+    turn(kept, s.id, 4)
+    moved = restarted(root, new, short)
+    for rt in (kept, moved):
+        rt.append(s.id, [7, 8])
+    assert turn(moved, s.id, 6) == turn(kept, s.id, 6)  # positions up to 56: under the context, the same bits
+    assert moved.store.get(s.id).kv.epoch == 0
+    moved.append(s.id, ids(20, seed=2))
+    turn(moved, s.id, 3)
+    kv = moved.store.get(s.id).kv
+    assert (kv.epoch, kv.cache.far_from, kv.cache.far_target, kv.next_position) == (1, 40, 40, 79)
+    back = restarted(tmp_path / "state-restart-0", old, short)  # saved under far_after "context": refused by the old
+    with pytest.raises(SessionStateUnusable, match="far_after=context"):
+        back.history(s.id)
