@@ -26,3 +26,6 @@ class GenerationDone:
     time_to_first_token_seconds: float
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # positions the turn ran through the model again: a paged session re-encoded as it passed the trained context
+    # (far_after "context", Engine._switch_far); not in prefill_tokens
+    reencoded_tokens: int = 0

@@ -186,6 +186,7 @@ class Engine:
         _, completed = yield from self._prefill(fresh, tokens[: kv.next_position], should_stop)
         if completed:
             kv.adopt(fresh)
+            kv.reencoded_tokens += fresh.next_position
         return completed
 
     def _draft(self, kv: SessionKV, context: list, k: int) -> list:
@@ -244,6 +245,7 @@ class Engine:
                   arrived_at: float | None,
                   on_token: Callable[[int], None] | None) -> Generator[StepInput | Event, Any, None]:
         t0 = time.perf_counter() if arrived_at is None else arrived_at
+        reencoded = kv.reencoded_tokens
         pending = history[kv.next_position :]
         if not pending and kv.last_logits is None:
             raise NothingToGenerateFrom("the session history is empty; append tokens before Generate")
@@ -314,4 +316,5 @@ class Engine:
             reason = "cancelled"
         if decode_dropped:
             yield HistoryTruncated(decode_dropped, kv.dropped_total)
-        yield GenerationDone(reason, n, len(pending), prefill_s, time.perf_counter() - t0, ttft, drafted, accepted)
+        yield GenerationDone(reason, n, len(pending), prefill_s, time.perf_counter() - t0, ttft, drafted, accepted,
+                             kv.reencoded_tokens - reencoded)

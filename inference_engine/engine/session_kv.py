@@ -28,6 +28,7 @@ class SessionKV:
         # how many times the session's cache was made again from its tokens (`adopt`): a saver holding rows of an
         # earlier one writes everything again
         self.epoch = 0
+        self.reencoded_tokens = 0  # positions re-encoded into an adopted cache, in all (not saved: a counter)
 
     def adopt(self, other: "SessionKV") -> None:
         """Take `other`'s cache and what was computed with it: the session re-encoded from its tokens into a new cache

@@ -57,6 +57,10 @@ class RuntimeMetrics:
         self.history_truncated_tokens_total = Counter(
             "history_truncated_tokens_total", "History positions dropped from attention by a bounded KV strategy.", registry=r
         )
+        self.reencoded_tokens_total = Counter(
+            "reencoded_tokens_total", "Positions run through the model again: paged sessions re-encoded as they passed the "
+            "trained context (--page-far-after context).", registry=r
+        )
         self.spec_drafted_tokens_total = Counter("spec_drafted_tokens_total", "Tokens drafted for speculative decoding.", registry=r)
         self.spec_accepted_tokens_total = Counter("spec_accepted_tokens_total", "Drafted tokens the verifier accepted.", registry=r)
         self.session_saves_total = Counter("session_saves_total", "Session saves to the state directory.", registry=r)

@@ -233,6 +233,8 @@ class Runtime:
     def _observe_done(self, done: GenerationDone) -> None:
         m = self.metrics
         m.generate_prefill_tokens.observe(done.prefill_tokens)
+        if done.reencoded_tokens:
+            m.reencoded_tokens_total.inc(done.reencoded_tokens)
         m.generate_prefill_duration_seconds.observe(done.prefill_seconds)
         m.generate_requests_total.labels(stop_reason=done.stop_reason).inc()
         if done.generated_tokens:

@@ -78,20 +78,23 @@ def test_one_append_across_the_context_runs_far_from_from_the_start(m):
 
 
 def test_a_session_past_far_from_is_re_encoded_once_when_it_crosses(m):
-    """Turn 1 ends at position 54 (past F, under C); turn 2's append crosses C: the session is re-encoded from its
-    54 tokens into a far_from F cache first (prefill chunks of 16), then goes on. It equals, bit for bit, a far_from F
-    session that prefilled those 54 tokens the same way and then the append; before the crossing it was the
-    default's, bit for bit."""
+    """Turn 1 leaves 53 positions in the cache (past F, under C; its last token is fed by the next turn); turn 2's
+    append crosses C: the session is re-encoded from those 53 tokens into a far_from F cache first (prefill chunks of
+    16), then goes on. It equals, bit for bit, a far_from F session that prefilled those 53 tokens the same way and
+    then the append; before the crossing it was the default's, bit for bit. The turn reports the re-encoded positions
+    apart from its prefill."""
     e_late, e_default, e_far = (Engine(m, st, prefill_chunk=16) for st in (late(), paged(), paged(far_from=F)))
     a, d = e_late.new_session_kv(), e_default.new_session_kv()
     first = ids(50, seed=5)
     out = run(e_late, a, first, 4)
     assert out == run(e_default, d, first, 4) and a.epoch == 0 and a.cache.far_from == 64
     history = first + out + ids(30, seed=6)
-    later = run(e_late, a, history, 6)
+    evs = list(e_late.generate(a, history, GenerateParams(max_tokens=6)))
+    later = [e.token_id for e in evs if isinstance(e, TokenGenerated)]
     assert a.epoch == 1 and a.cache.far_from == F
+    assert evs[-1].reencoded_tokens == 53 and evs[-1].prefill_tokens == 31  # counted apart from the turn's prefill
     ref = e_far.new_session_kv()
-    e_far.prefill(ref, history[:54])  # what the re-encode ran
+    e_far.prefill(ref, history[:53])  # what the re-encode ran
     assert run(e_far, ref, history, 6) == later
     assert torch.equal(a.last_logits, ref.last_logits)
     assert same_state(a.cache, ref.cache)
