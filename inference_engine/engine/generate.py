@@ -296,10 +296,11 @@ class Engine:
             budget = params.max_tokens - n  # tokens this step may still emit
             room = budget - 1 if limit is None else min(budget - 1, limit - position - 1)
             room = min(room, kv.cache.exact_step_room() - 1)  # a verify block must reproduce decode steps exactly
-            if isinstance(kv.cache, PagedCache) and kv.cache.far_from != kv.cache.far_target and position <= self.max_context:
-                # not switched yet (far_after "context"): a block stops under the trained context, so the switch comes at
-                # the step that feeds position max_context, drafting or not (the output never depends on the drafts)
-                room = min(room, self.max_context - position)
+            if isinstance(kv.cache, PagedCache) and position <= self.max_context and kv.cache.far_switch_due(position + room):
+                # drafts would take a session not yet switched (far_after "context") past the trained context: the block
+                # stops under it, so the switch comes at the step that feeds position max_context, drafting or not (the
+                # output never depends on the drafts)
+                room = self.max_context - position
             drafting = self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open())
             drafts = self._draft(kv, context, min(self.spec_k, room)) if drafting else []
             emitted += out
