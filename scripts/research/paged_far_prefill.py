@@ -20,7 +20,11 @@ the native CPU step on). Arms:
                         module's paged_tasks_apart(0): before they ran on the threads; the same bits);
   <arm>+sfN             that arm with the page shortlist from N candidate pages (--page-shortlist-from N), not
                         --shortlist-from's (the daemon's default unless given);
-  <arm>+wN              that arm with a window of N positions (`--window N`), not --window's.
+  <arm>+wN              that arm with a window of N positions (`--window N`), not --window's;
+  <arm>+farN            that arm with InfLLM's layout from position N (`--page-far-from N`): how the daemon's default
+                        (`--page-far-from 4096 --page-far-after context`) runs one append that takes a session past the
+                        trained context from under N, such as a whole 32k prompt (the session is switched at the
+                        append's start, Engine._switch_far); without it an arm keeps the trained context (far_from 0).
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -142,11 +146,14 @@ def main(argv=None) -> int:
         mods = arm.replace("/row", "").split("+")[1:]  # "/row" may sit anywhere in the name
         sf = [int(m[2:]) for m in mods if m.startswith("sf") and m[2:].isdigit()]
         w = [int(m[1:]) for m in mods if m.startswith("w") and m[1:].isdigit()]
-        return dataclasses.replace(paged, **({"shortlist_from": sf[0]} if sf else {}), **({"window": w[0]} if w else {}))
+        far = [int(m[3:]) for m in mods if m.startswith("far") and m[3:].isdigit()]
+        return dataclasses.replace(paged, **({"shortlist_from": sf[0]} if sf else {}), **({"window": w[0]} if w else {}),
+                                   **({"far_from": far[0]} if far else {}))
 
     caches = {arm: make_cache(strategy_of(arm), model.geometry(), max_step=args.chunk, max_context=ctx) for arm in names}
     shortlist_froms = {arm: strategy_of(arm).shortlist_from for arm in names if base[arm] != "full"}
     windows = {arm: strategy_of(arm).window for arm in names if base[arm] != "full"}
+    far_froms = {arm: strategy_of(arm).far_from for arm in names if base[arm] != "full"}
     chunks_of: dict = {arm: [] for arm in names}
     start = args.start_random
     if start:
@@ -227,6 +234,7 @@ def main(argv=None) -> int:
                   "strategy": "paged sink 4, pages of 64, 8 recalled (shortlist 64 past shortlist_from pages), "
                               "the window per arm ('window')",
                   "window": windows,
+                  "far_from": far_froms,
                   "kv_dtype": kv_dtypes,
                   "shortlist_from": shortlist_froms,
                   "arms": arms, "ratios": ratios}

@@ -75,6 +75,11 @@ def main() -> int:
     ap.add_argument("--kv-dtypes", default="fp32", help="comma list of fp32, fp16: the resident K/V (and page store) dtype")
     ap.add_argument("--queries", default="int8",
                     help="comma list of int8, fp32: the query the compact keys are scored against (paged_store.query_int8)")
+    ap.add_argument("--far-from", type=int, default=0,
+                    help="paged: InfLLM's layout from this position (`kakeya serve --page-far-from`; 0: the trained "
+                         "context). The daemon's default past the context is 4096 (`--page-far-after context`: a "
+                         "session runs the trained context's layout until it passes it, then 4096's), which at every "
+                         "length here is what 4096 from the start gives: the same bits under 4096")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
 
@@ -125,7 +130,7 @@ def main() -> int:
                                  layer_windows=(None,) * args.layers, dtype=torch.float32, device="cpu")
         context = lengths[-1] + args.chunk  # past the longest history: every choice below it, at true positions
     strategies = {dt: KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0],
-                                 shortlist_from=0, kv_dtype=dt) for dt in kv_dtypes}
+                                 shortlist_from=0, kv_dtype=dt, far_from=args.far_from) for dt in kv_dtypes}
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
     caches: dict = {}
@@ -232,7 +237,8 @@ def main() -> int:
                     if key.endswith("/" + a):
                         out["ratios"][f"{key} at {last} vs full/{a} at {args.full_reference}"] = s_full / s_paged
     out["scoring"] = paged_store.scoring_path()
-    meta = run_metadata(vars(args) | {"strategy": "paged sink 4, window 508, page 64, recall 8", "max_context": context,
+    meta = run_metadata(vars(args) | {"strategy": f"paged sink 4, window 508, page 64, recall 8, far_from {args.far_from}",
+                                      "max_context": context,
                                       "decode_steps_interleaved": "each round: one step per (length, variant, arm), then full",
                                       "kv": "random normal K/V (the choice's cost and bytes do not depend on them)",
                                       "fill_s": time.perf_counter() - t_fill})

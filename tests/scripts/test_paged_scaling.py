@@ -19,13 +19,14 @@ def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path)
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir("llama")), "--weights", "int4",
                         "--lengths", "700,1400", "--shortlists", "2", "--repeats", "1", "--decode-steps", str(steps),
                         "--step-arms", "native,native-python-recall", "--full-reference", "600", "--threads", "1",
-                        "--kv-dtypes", "fp32,fp16", "--queries", "int8,fp32",
+                        "--kv-dtypes", "fp32,fp16", "--queries", "int8,fp32", "--far-from", "1024",
                         "--chunk", "256", "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/paged_scaling.py ") and doc["commit"]
     assert doc["config"]["decode_steps_interleaved"].startswith("each round")
+    assert doc["config"]["far_from"] == 1024 and doc["config"]["strategy"].endswith("far_from 1024")
     lengths = doc["lengths"]
     arms = {f"{a}+kv_{dt}+q_{q}" for a in ("native", "native-python-recall") for dt in ("fp32", "fp16")
             for q in ("int8", "fp32")}
