@@ -169,7 +169,7 @@ class Engine:
         far_from throughout, which it then adopts. It then equals, bit for bit, a session that ran far_from from its
         start and prefilled those tokens in the same chunks (a prefill chunk past far_from is not the one-token steps
         bit for bit on the Python recall path). False: should_stop ended the re-encode (the session is as before; the
-        next turn starts it again). Both caches are held while it runs."""
+        next turn starts it again). Both caches are held while it runs, and counted as the session's (`kv.reencoding`)."""
         cache = kv.cache
         if not isinstance(cache, PagedCache) or not cache.far_switch_due(end):
             return True
@@ -183,7 +183,11 @@ class Engine:
         fresh = self.new_session_kv()
         assert isinstance(fresh.cache, PagedCache)
         fresh.cache.switch_far()
-        _, completed = yield from self._prefill(fresh, tokens[: kv.next_position], should_stop)
+        kv.reencoding = fresh  # counted as the session's bytes while both are held
+        try:
+            _, completed = yield from self._prefill(fresh, tokens[: kv.next_position], should_stop)
+        finally:
+            kv.reencoding = None
         if completed:
             kv.adopt(fresh)
             kv.reencoded_tokens += fresh.next_position

@@ -29,6 +29,9 @@ class SessionKV:
         # earlier one writes everything again
         self.epoch = 0
         self.reencoded_tokens = 0  # positions re-encoded into an adopted cache, in all (not saved: a counter)
+        # while the session is re-encoded (Engine._switch_far), the new SessionKV being filled: its bytes are the
+        # session's too (both caches are held until it adopts the new one), so `nbytes` and kv_bytes count them
+        self.reencoding: SessionKV | None = None
 
     def adopt(self, other: "SessionKV") -> None:
         """Take `other`'s cache and what was computed with it: the session re-encoded from its tokens into a new cache
@@ -52,7 +55,7 @@ class SessionKV:
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes
+        return self.cache.nbytes + (self.reencoding.nbytes if self.reencoding is not None else 0)
 
     @property
     def resident_positions(self) -> int:

@@ -32,12 +32,14 @@ class KVBytes:
 
 
 def kv_bytes(kv: object) -> KVBytes:
-    """The tiers of a session's KV (a SessionKV, whose `.cache` is the strategy's cache, or a cache)."""
+    """The tiers of a session's KV (a SessionKV, whose `.cache` is the strategy's cache, or a cache); a SessionKV being
+    re-encoded (its `reencoding`, the new state being filled) holds that state's bytes as well."""
     if kv is None:
         return KVBytes()
     cache: Any = getattr(kv, "cache", kv)  # its tiers are read by duck typing: any cache (torch, MLX, research)
+    extra = kv_bytes(getattr(kv, "reencoding", None))
     resident = getattr(cache, "resident_nbytes", None)
     if resident is None:
-        return KVBytes(int(cache.nbytes))
+        return KVBytes(int(cache.nbytes)) + extra
     return KVBytes(int(resident), int(getattr(cache, "selection_nbytes", 0)), int(getattr(cache, "stored_nbytes", 0)),
-                   int(getattr(cache, "cold_nbytes", 0)))
+                   int(getattr(cache, "cold_nbytes", 0))) + extra

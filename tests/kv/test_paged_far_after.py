@@ -132,6 +132,33 @@ def test_a_re_encode_ends_with_the_turn_when_it_is_cancelled(m):
     assert a.next_position == 50 and len(calls) == 3  # stopped inside the re-encode (its third chunk), the append not run
 
 
+def test_a_session_being_re_encoded_counts_both_caches(m):
+    """While the re-encode runs, the session holds its old cache and the new one: its bytes (`nbytes`, what
+    kv_live_bytes sums, and kv_bytes' tiers, what GetSessionInfo and /metrics report) are both caches'; after it
+    adopts the new cache, that cache's alone. Read from should_stop, which the re-encode's prefill asks each chunk."""
+    from inference_engine.kv.byte_counts import kv_bytes
+
+    e_late = Engine(m, late(), prefill_chunk=16)
+    a = e_late.new_session_kv()
+    first = ids(50, seed=10)
+    run(e_late, a, first, 1)
+    old = a.cache
+    seen = []
+
+    def should_stop():
+        if a.reencoding is not None:
+            seen.append((a.nbytes, a.reencoding.nbytes, kv_bytes(a), kv_bytes(a.reencoding)))
+        return False
+
+    list(e_late.generate(a, first + ids(30, seed=11), GenerateParams(max_tokens=2), should_stop=should_stop))
+    assert a.epoch == 1 and a.reencoding is None and len(seen) >= 3
+    for total, fresh, tiers, fresh_tiers in seen:
+        assert fresh > 0 and total == old.nbytes + fresh
+        assert tiers == kv_bytes(old) + fresh_tiers
+    assert seen[-1][1] > seen[0][1]  # the new cache grew as it was filled
+    assert a.nbytes == a.cache.nbytes and kv_bytes(a) == kv_bytes(a.cache)
+
+
 def test_drafts_do_not_move_the_crossing(m):
     """A verify block that would reach past the context from under it is cut there (its drafts are not the output's
     to decide): with prompt-lookup drafts on every step the session crosses at the step that feeds position C, as it
