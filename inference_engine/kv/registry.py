@@ -102,12 +102,31 @@ def make_strategy(name: str, *args: Any, **params: Any) -> KVStrategy:
     return cls(name, *args, **params)
 
 
+# what every strategy's saved parameters held before strategies kept parameters of their own (2f15d79): dlm_restore's
+LEGACY_SHARED_KEYS = frozenset({"restore_from", "restore_refresh", "restore_pin"})
+
+
+class StrategyUnknownHere(ValueError):
+    """A saved strategy this daemon cannot read, though nothing is wrong with it: a strategy or a parameter it does not
+    have (written by a newer daemon, or a plugin not installed here). A session saved so stays where it is."""
+
+
 def strategy_from_dict(d: Mapping[str, Any]) -> KVStrategy:
-    """The strategy a saved `asdict(strategy)` describes. Keys its class does not have are left out: a state
-    written before strategies kept parameters of their own names every strategy's (at their defaults)."""
-    cls = plugin(d["name"]).params
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in fields})
+    """The strategy a saved `asdict(strategy)` describes. Another strategy's parameters are left out (a state written
+    before strategies kept parameters of their own names every strategy's, at their defaults); a strategy or a
+    parameter no strategy here has is StrategyUnknownHere, never dropped: a newer daemon's parameter (such as
+    `far_after` once was) read as absent would resume the session under another strategy than it ran."""
+    name = d["name"]
+    if name not in plugins():
+        raise StrategyUnknownHere(f"kv strategy {name!r} is not one this daemon has (it has {', '.join(names())}): "
+                                  f"saved by a newer daemon, or one with a strategy plugin not installed here")
+    known = LEGACY_SHARED_KEYS.union(*({f.name for f in dataclasses.fields(p.params)} for p in plugins().values()))
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise StrategyUnknownHere(f"kv strategy {name} was saved with parameter(s) {', '.join(unknown)} this daemon does "
+                                  f"not have: saved by a newer daemon")
+    fields = {f.name for f in dataclasses.fields(plugin(name).params)}
+    return plugin(name).params(**{k: v for k, v in d.items() if k in fields})
 
 
 def make_cache(strategy: KVStrategy, geometry: CacheGeometry, *, max_step: int, max_context: int,

@@ -38,7 +38,7 @@ import torch
 
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.errors import SessionOwnedElsewhere, SessionStateUnusable
-from inference_engine.kv.registry import strategy_from_dict
+from inference_engine.kv.registry import StrategyUnknownHere, strategy_from_dict
 from inference_engine.kv.slot_cache import CacheState, Pieces, SaveMark
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.leases import DEFAULT_TTL_S, Lease, Leases
@@ -328,6 +328,10 @@ class SessionFiles:
             self._unusable(session_id, problem)
         try:
             saved_strategy = strategy_from_dict(body["strategy"])
+        except StrategyUnknownHere as e:  # the files are fine: kept in place for a daemon that reads them
+            raise SessionStateUnusable(f"session {session_id!r} cannot be resumed by this daemon: {e}. Its files are "
+                                       f"kept in place: resume it with the daemon that saved it, or remove it with "
+                                       f"`kakeya sessions rm {session_id}`") from None
         except (TypeError, ValueError, KeyError) as e:
             self._unusable(session_id, f"its manifest names no valid kv strategy ({e})")
         if not same_strategy(saved_strategy, self.engine.strategy):

@@ -47,6 +47,14 @@ def test_saved_parameters_read_back_and_other_strategies_parameters_are_left_out
     assert registry.strategy_from_dict(old) == KVStrategy("sink_window", 4, 12)
 
 
+def test_a_strategy_or_parameter_unknown_here_is_refused_not_dropped():
+    saved = dataclasses.asdict(KVStrategy("paged", 4, 12, page_size=8))
+    with pytest.raises(registry.StrategyUnknownHere, match="parameter.s. far_after_v2 this daemon does not have"):
+        registry.strategy_from_dict(saved | {"far_after_v2": "context"})
+    with pytest.raises(registry.StrategyUnknownHere, match="'paged_v9' is not one this daemon has"):
+        registry.strategy_from_dict(saved | {"name": "paged_v9"})
+
+
 def test_research_options_are_checked_against_the_strategy_that_takes_them():
     assert set(registry.research_options()) == {"restore_from", "restore_refresh", "restore_pin", "restore_bias"}
     assert registry.options_for("full", {}) == {}

@@ -363,6 +363,30 @@ def test_other_strategy_is_refused_and_the_files_kept(tmp_path):
     assert runtime(tmp_path, KVStrategy("full")).history(sid)
 
 
+@pytest.mark.parametrize("edit,words", [
+    (lambda st: st.update(far_after_v2="context"), "saved with parameter.s. far_after_v2 this daemon does not have"),
+    (lambda st: st.update(name="paged_v9"), "kv strategy 'paged_v9' is not one this daemon has"),
+])
+def test_a_newer_daemons_strategy_is_refused_and_the_files_kept(edit, words, tmp_path):
+    """A session whose manifest names a strategy or a parameter this daemon does not have (a newer daemon saved it) is
+    refused with FAILED_PRECONDITION naming it, its files kept in place (not set aside: it is not damaged), and is
+    never read with the parameter dropped (as a daemon before this one read `far_after`: another strategy than the
+    session ran)."""
+    sid, good, good_history = _saved_session(tmp_path)
+    d = StateDir(tmp_path).data_dir(sid)
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    edit(doc["body"]["strategy"])
+    (d / MANIFEST_NAME).write_bytes(state_dir.manifest_bytes(doc["body"]))  # a well-formed manifest, checksums right
+    rt = runtime(tmp_path, KVStrategy("full"))
+    with pytest.raises(SessionStateUnusable, match=words) as e:
+        rt.append(sid, [1])
+    assert e.value.code == "FAILED_PRECONDITION" and "kept in place" in str(e.value)
+    assert StateDir(tmp_path).has(sid) and not list(StateDir(tmp_path).quarantine.iterdir())
+    with pytest.raises(SessionStateUnusable, match=words):  # asked again: the same answer, the files still there
+        rt.history(sid)
+    assert rt.history(good) == good_history and len(turn(rt, good, 2)) == 2
+
+
 @pytest.mark.parametrize("name", ["full", "sink_window", "paged", "paged_spilled"])
 def test_a_session_moves_between_fp32_and_fp16_resident_kv(name, tmp_path):
     """--kv-dtype auto picks fp16 on some daemons and fp32 on others: a session saved under one loads under the other
