@@ -80,6 +80,10 @@ def main() -> int:
                          "context). The daemon's default past the context is 4096 (`--page-far-after context`: a "
                          "session runs the trained context's layout until it passes it, then 4096's), which at every "
                          "length here is what 4096 from the start gives: the same bits under 4096")
+    ap.add_argument("--page-ram-mb", type=float, default=None,
+                    help="paged: the page store's RAM budget a session (`kakeya serve --page-ram-mb`; default: the "
+                         "daemon's, 128); the rest, and past the shortlist's start the older compact keys, in "
+                         "memory-mapped spill files")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
 
@@ -130,7 +134,9 @@ def main() -> int:
                                  layer_windows=(None,) * args.layers, dtype=torch.float32, device="cpu")
         context = lengths[-1] + args.chunk  # past the longest history: every choice below it, at true positions
     strategies = {dt: KVStrategy("paged", 4, 508, page_size=64, recall_pages=8, shortlist_pages=shortlists[0],
-                                 shortlist_from=0, kv_dtype=dt, far_from=args.far_from) for dt in kv_dtypes}
+                                 shortlist_from=0, kv_dtype=dt, far_from=args.far_from,
+                                 **({} if args.page_ram_mb is None else {"page_ram_mb": args.page_ram_mb}))
+                  for dt in kv_dtypes}
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
     caches: dict = {}
