@@ -185,12 +185,15 @@ class Engine:
         fresh.cache.switch_far()
         kv.reencoding = fresh  # counted as the session's bytes while both are held
         try:
-            _, completed = yield from self._prefill(fresh, tokens[: kv.next_position], should_stop)
+            # positions under far_from are the same bits either way: copied, not encoded again (0 where they cannot be),
+            # unless the drafter's features would then miss rows the encode gives them
+            copied = cache.copy_prefix(fresh.cache, self.prefill_chunk) if kv.next_position - cache.far_target >= fresh.hidden_keep else 0
+            _, completed = yield from self._prefill(fresh, tokens[copied: kv.next_position], should_stop)
         finally:
             kv.reencoding = None
         if completed:
             kv.adopt(fresh)
-            kv.reencoded_tokens += fresh.next_position
+            kv.reencoded_tokens += fresh.next_position - copied
         return completed
 
     def _draft(self, kv: SessionKV, context: list, k: int) -> list:

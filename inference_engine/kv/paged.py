@@ -183,6 +183,38 @@ class PagedCache(SinkWindowCache):
                              f"far_from ({self.far_target}): it must be re-encoded from its tokens, not switched")
         self.far_from = self.far_target
 
+    def copy_prefix(self, other: "PagedCache", chunk: int) -> int:
+        """For a re-encode (Engine._switch_far): write this session's K/V of positions [0, far_target) into `other`, an
+        empty cache of the same kind that runs far_from = far_target throughout, through its own API (prepare,
+        update_and_fetch, commit, `chunk` positions a step: its archive, compact keys and bounds made as in serving).
+        Below far_from nothing depends on it, so those rows are the bits `other` would compute from the tokens; only
+        the positions from far_target on must be encoded again. Returns the positions written: far_target, or 0 where
+        they cannot be read back exactly (a lossy page codec, other settings, or some of them not yet archived)."""
+        upto = self.far_target
+        same = (type(other) is type(self) and other.geometry == self.geometry and other.page_dtype == self.page_dtype
+                and (other.sink, other.far_target, other.far_from) == (self.sink, upto, upto))
+        if (other.next_position or not same or not isinstance(self.pages.codec, IdentityRows)
+                or not self.sink <= upto <= self.archived_end or chunk < 1):
+            return 0
+        pos = self.store.pos
+        sink_slots = np.flatnonzero((pos >= 0) & (pos < self.sink))
+        sink_slots = sink_slots[np.argsort(pos[sink_slots])]
+        if sink_slots.size != self.sink:
+            return 0
+        sink_kv = self._read_all_layers(sink_slots)  # (L, 2, Hkv, sink, D)
+        dtype = self.geometry.dtype
+        for a in range(0, upto, chunk):
+            b = min(upto, a + chunk)
+            parts = [sink_kv[:, :, :, a:min(b, self.sink)]] if a < self.sink else []
+            if b > self.sink:
+                parts.append(self.pages.span(max(a, self.sink) - self.sink, b - self.sink)["rows"])
+            kv = torch.cat(parts, 3) if len(parts) > 1 else parts[0]
+            other.prepare(range(a, b))
+            for layer in range(self.geometry.num_layers):
+                other.update_and_fetch(layer, kv[layer, 0].to(dtype), kv[layer, 1].to(dtype))
+            other.commit()
+        return upto
+
     # -- step ---------------------------------------------------------------------------------
     def prepare(self, positions: range | torch.Tensor, ids: torch.Tensor | None = None) -> AttentionLayout:
         t = len(positions) if isinstance(positions, range) else positions.numel()

@@ -8,7 +8,9 @@ generated token, then the crossing turn: --append tokens, which take the history
 re-encode, when there is one, is in it) and its decode rate. Arms:
   default   `paged` with far_from = the trained context (the daemon's default before 2026-12-01);
   context   `--page-far-from F --page-far-after context`: at the crossing the session, already holding positions past
-            F, is re-encoded once from its tokens;
+            F, is re-encoded once: its K/V of positions under F copied (PagedCache.copy_prefix: the same bits under both
+            layouts), the tokens from F on prefilled again;
+  context-whole  the same with every token prefilled again (copy_prefix refused: the re-encode before the copy);
   start     `--page-far-from F` from the session's start (what `context` equals once past the context).
 --rounds runs the arms in turn that many times (a drift in the box's speed lands on every arm alike); medians.
 A session that crosses the context in one append from under F (a long first prompt) is switched without a re-encode:
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--append", type=int, default=512, help="the crossing turn's tokens")
     ap.add_argument("--decode", type=int, default=16, help="tokens the crossing turn generates")
     ap.add_argument("--far-from", type=int, default=4096)
-    ap.add_argument("--arms", default="default,context,start")
+    ap.add_argument("--arms", default="default,context,context-whole,start")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
@@ -65,7 +67,11 @@ def main(argv=None) -> int:
     if not args.far_from < args.history < ctx < args.history + args.append:
         raise SystemExit(f"need --far-from < --history < the trained context ({ctx}) < --history + --append")
     arms = {"default": {"page_far_from": 0}, "context": {"page_far_from": args.far_from, "page_far_after": "context"},
+            "context-whole": {"page_far_from": args.far_from, "page_far_after": "context"},
             "start": {"page_far_from": args.far_from}}
+    from inference_engine.kv.paged import PagedCache
+
+    copy_prefix = PagedCache.copy_prefix
     names = args.arms.split(",")
     engines = {}
     for arm in names:
@@ -78,6 +84,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for arm in names:
             e = engines[arm]
+            PagedCache.copy_prefix = (lambda self, other, chunk: 0) if arm == "context-whole" else copy_prefix  # type: ignore[method-assign]
             kv = e.new_session_kv()
             history = ids[: args.history]
             t = time.perf_counter()
@@ -91,9 +98,11 @@ def main(argv=None) -> int:
             runs[arm].append({"first_turn_s": round(first_s, 3), "crossing_ttft_s": round(done.time_to_first_token_seconds, 3),
                               "crossing_turn_s": round(time.perf_counter() - t, 3),
                               "decode_tok_s": round((args.decode - 1) / decode_s, 2),
-                              "re_encoded": kv.epoch, "far_from_after": getattr(kv.cache, "far_from", None)})
+                              "re_encoded": kv.epoch, "reencoded_tokens": done.reencoded_tokens,
+                              "far_from_after": getattr(kv.cache, "far_from", None)})
             print(f"round {r} {arm}: {runs[arm][-1]}", flush=True)
             del kv
+    PagedCache.copy_prefix = copy_prefix  # type: ignore[method-assign]
 
     def med(arm: str, key: str) -> float:
         return statistics.median(x[key] for x in runs[arm])

@@ -79,10 +79,10 @@ def test_one_append_across_the_context_runs_far_from_from_the_start(m):
 
 def test_a_session_past_far_from_is_re_encoded_once_when_it_crosses(m):
     """Turn 1 leaves 53 positions in the cache (past F, under C; its last token is fed by the next turn); turn 2's
-    append crosses C: the session is re-encoded from those 53 tokens into a far_from F cache first (prefill chunks of
-    16), then goes on. It equals, bit for bit, a far_from F session that prefilled those 53 tokens the same way and
-    then the append; before the crossing it was the default's, bit for bit. The turn reports the re-encoded positions
-    apart from its prefill."""
+    append crosses C: the session is re-encoded into a far_from F cache first (its K/V of positions under F copied,
+    the same bits either way; positions 40 .. 52 prefilled from their tokens), then goes on. It equals, bit for bit, a
+    far_from F session that prefilled those 53 tokens and then the append; before the crossing it was the default's,
+    bit for bit. The turn reports the re-encoded positions apart from its prefill."""
     e_late, e_default, e_far = (Engine(m, st, prefill_chunk=16) for st in (late(), paged(), paged(far_from=F)))
     a, d = e_late.new_session_kv(), e_default.new_session_kv()
     first = ids(50, seed=5)
@@ -92,7 +92,8 @@ def test_a_session_past_far_from_is_re_encoded_once_when_it_crosses(m):
     evs = list(e_late.generate(a, history, GenerateParams(max_tokens=6)))
     later = [e.token_id for e in evs if isinstance(e, TokenGenerated)]
     assert a.epoch == 1 and a.cache.far_from == F
-    assert evs[-1].reencoded_tokens == 53 and evs[-1].prefill_tokens == 31  # counted apart from the turn's prefill
+    # positions under F copied (the same bits either way), 40 .. 52 encoded again: counted apart from the turn's prefill
+    assert evs[-1].reencoded_tokens == 53 - F and evs[-1].prefill_tokens == 31
     ref = e_far.new_session_kv()
     e_far.prefill(ref, history[:53])  # what the re-encode ran
     assert run(e_far, ref, history, 6) == later
@@ -115,6 +116,48 @@ def test_a_turn_that_crosses_while_decoding_is_re_encoded_at_that_step(m):
     feed(m, ref, tokens[:64], 16)
     feed(m, ref, tokens[64:69], 1, row_exact=True)
     assert same_state(a.cache, ref)
+
+
+@pytest.mark.parametrize("kw", [{}, {"page_ram_mb": 1e-9}, {"kv_dtype": "fp16"}],
+                         ids=["ram", "spilled", "fp16"])
+def test_the_positions_under_far_from_are_copied_not_encoded_again(m, kw):
+    """copy_prefix: a session holding positions past F hands its K/V of positions under F to the far_from cache (from
+    the page store, in RAM or spilled, and the sink from the slab), through that cache's own API; then prefilling the
+    rest gives, bit for bit, the cache of a far_from F session that prefilled every token (positions under F are the
+    same bits under both layouts)."""
+    history = ids(58, seed=12)
+    old = make_cache(late(**kw), m.geometry(), max_step=16, max_context=64)
+    feed(m, old, history, 16)
+    fresh = make_cache(late(**kw), m.geometry(), max_step=16, max_context=64)
+    fresh.switch_far()
+    assert old.copy_prefix(fresh, 16) == F and fresh.next_position == F
+    feed(m, fresh, history[F:], 16)
+    ref = make_cache(paged(far_from=F, **kw), m.geometry(), max_step=16, max_context=64)
+    feed(m, ref, history, 16)
+    assert same_state(fresh, ref)
+
+
+def test_the_copy_is_refused_where_it_would_not_be_exact(m):
+    """0 (then the whole session is encoded again): a lossy page codec (its rows are not the K/V), a position under F
+    still in the window (not archived yet), or a target cache that is not empty or not switched."""
+    def filled(n, **kw):
+        c = make_cache(late(**kw), m.geometry(), max_step=16, max_context=64)
+        feed(m, c, ids(n, seed=13), 16)
+        return c
+
+    def target(**kw):
+        c = make_cache(late(**kw), m.geometry(), max_step=16, max_context=64)
+        c.switch_far()
+        return c
+
+    assert filled(58, page_compressor="int8").copy_prefix(target(page_compressor="int8"), 16) == 0
+    assert filled(48).copy_prefix(target(), 16) == 0  # positions 36 .. 47 in the window: 36 .. 39 not archived
+    unswitched = make_cache(late(), m.geometry(), max_step=16, max_context=64)
+    assert filled(58).copy_prefix(unswitched, 16) == 0
+    used = target()
+    feed(m, used, ids(4, seed=14), 4)
+    assert filled(58).copy_prefix(used, 16) == 0
+    assert filled(58).copy_prefix(target(), 16) == F
 
 
 def test_a_re_encode_ends_with_the_turn_when_it_is_cancelled(m):

@@ -1,5 +1,6 @@
 """scripts/research/paged_far_switch.py on a tiny random-weight int4 model (trained context 2048, far_from 1024): the
-crossing turn of each arm, the `context` arm re-encoded once and then running far_from as the `start` arm does."""
+crossing turn of each arm, the `context` arm re-encoded once (its positions under far_from copied; `context-whole`
+every position encoded again) and then running far_from as the `start` arm does."""
 import json
 import pathlib
 import subprocess
@@ -21,9 +22,13 @@ def test_paged_far_switch_times_the_crossing_turn_of_each_arm(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("scripts/research/paged_far_switch.py ")
     runs = doc["runs"]
-    assert [x["re_encoded"] for x in runs["default"] + runs["context"] + runs["start"]] == [0, 1, 0]
-    assert [x["far_from_after"] for x in runs["default"] + runs["context"] + runs["start"]] == [2048, 1024, 1024]
+    arms = ("default", "context", "context-whole", "start")
+    assert [runs[a][0]["re_encoded"] for a in arms] == [0, 1, 1, 0]
+    assert [runs[a][0]["reencoded_tokens"] for a in arms] == [0, 1536 - 1024, 1536, 0]
+    assert [runs[a][0]["far_from_after"] for a in arms] == [2048, 1024, 1024, 1024]
     assert set(doc["ratios"]) == {"context / default, crossing turn's time to first token",
                                   "context / default, decode tok/s after the crossing",
+                                  "context-whole / default, crossing turn's time to first token",
+                                  "context-whole / default, decode tok/s after the crossing",
                                   "start / default, crossing turn's time to first token",
                                   "start / default, decode tok/s after the crossing"}
