@@ -164,12 +164,14 @@ class Engine:
                     should_stop: Callable[[], bool]) -> Generator[StepInput, Any, bool]:
         """Before writing positions up to `end` (exclusive): a `paged` session with far_after "context" that would pass
         the trained context runs from now on as one that ran far_from from its start (docs/paged.md, "far_from once
-        past the context"). Holding no position past far_from, it is only switched; else it is re-encoded first: its
-        tokens (`written()`: positions 0 .. next_position - 1, asked for only then) prefilled into a new cache that runs
-        far_from throughout, which it then adopts. It then equals, bit for bit, a session that ran far_from from its
-        start and prefilled those tokens in the same chunks (a prefill chunk past far_from is not the one-token steps
-        bit for bit on the Python recall path). False: should_stop ended the re-encode (the session is as before; the
-        next turn starts it again). Both caches are held while it runs, and counted as the session's (`kv.reencoding`)."""
+        past the context"). Holding no position past far_from, it is only switched; else it is re-encoded first into a
+        new cache that runs far_from throughout, which it then adopts: its K/V of the positions under far_from copied
+        (PagedCache.copy_prefix: nothing under far_from depends on it), its tokens from there on (`written()`: positions
+        0 .. next_position - 1, asked for only then) prefilled (all of them where the copy cannot be exact). It then
+        equals, bit for bit, a session that ran far_from from its start and prefilled those tokens in the same chunks
+        (a prefill chunk past far_from is not the one-token steps bit for bit on the Python recall path). False:
+        should_stop ended the re-encode (the session is as before; the next turn starts it again). Both caches are held
+        while it runs, and counted as the session's (`kv.reencoding`)."""
         cache = kv.cache
         if not isinstance(cache, PagedCache) or not cache.far_switch_due(end):
             return True
