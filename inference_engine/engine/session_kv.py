@@ -55,7 +55,8 @@ class SessionKV:
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes + (self.reencoding.nbytes if self.reencoding is not None else 0)
+        fresh = self.reencoding  # read once: other threads (GetSessionInfo, the gauges) ask while the loop sets it
+        return self.cache.nbytes + (fresh.nbytes if fresh is not None else 0)
 
     @property
     def resident_positions(self) -> int:

@@ -189,12 +189,13 @@ class PagedCache(SinkWindowCache):
         update_and_fetch, commit, `chunk` positions a step: its archive, compact keys and bounds made as in serving).
         Below far_from nothing depends on it, so those rows are the bits `other` would compute from the tokens; only
         the positions from far_target on must be encoded again. Returns the positions written: far_target, or 0 where
-        they cannot be read back exactly (a lossy page codec, other settings, or some of them not yet archived)."""
+        they cannot be read back exactly (a lossy resident store or page codec: the rows read back are not what was
+        written, and writing them again codes them again; other settings; some of them not yet archived)."""
         upto = self.far_target
         same = (type(other) is type(self) and other.geometry == self.geometry and other.page_dtype == self.page_dtype
-                and (other.sink, other.far_target, other.far_from) == (self.sink, upto, upto))
-        if (other.next_position or not same or not isinstance(self.pages.codec, IdentityRows)
-                or not self.sink <= upto <= self.archived_end or chunk < 1):
+                and type(other.store) is type(self.store) and (other.sink, other.far_target, other.far_from) == (self.sink, upto, upto))
+        exact = type(self.store) in (SlabStore, HalfSlabStore) and isinstance(self.pages.codec, IdentityRows)
+        if other.next_position or not same or not exact or not self.sink <= upto <= self.archived_end or chunk < 1:
             return 0
         pos = self.store.pos
         sink_slots = np.flatnonzero((pos >= 0) & (pos < self.sink))

@@ -6,6 +6,8 @@ A model trained to C = 64 positions; far_from F = 40 (sink 4 + window 12 + 2 pag
 (row-independent linears), prefill chunks of 16."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -138,7 +140,8 @@ def test_the_positions_under_far_from_are_copied_not_encoded_again(m, kw):
 
 
 def test_the_copy_is_refused_where_it_would_not_be_exact(m):
-    """0 (then the whole session is encoded again): a lossy page codec (its rows are not the K/V), a position under F
+    """0 (then the whole session is encoded again): a lossy page codec or resident store (the rows read back are not
+    the K/V written, and writing them again would code them again), a position under F
     still in the window (not archived yet), or a target cache that is not empty or not switched."""
     def filled(n, **kw):
         c = make_cache(late(**kw), m.geometry(), max_step=16, max_context=64)
@@ -151,6 +154,8 @@ def test_the_copy_is_refused_where_it_would_not_be_exact(m):
         return c
 
     assert filled(58, page_compressor="int8").copy_prefix(target(page_compressor="int8"), 16) == 0
+    if importlib.util.find_spec("kakeyalattice") is not None:  # a lossy resident store: its rows read back are decoded
+        assert filled(58, compressor="kakeya_e8").copy_prefix(target(compressor="kakeya_e8"), 16) == 0
     assert filled(48).copy_prefix(target(), 16) == 0  # positions 36 .. 47 in the window: 36 .. 39 not archived
     unswitched = make_cache(late(), m.geometry(), max_step=16, max_context=64)
     assert filled(58).copy_prefix(unswitched, 16) == 0
@@ -158,6 +163,23 @@ def test_the_copy_is_refused_where_it_would_not_be_exact(m):
     feed(m, used, ids(4, seed=14), 4)
     assert filled(58).copy_prefix(used, 16) == 0
     assert filled(58).copy_prefix(target(), 16) == F
+
+
+def test_a_session_with_a_lossy_resident_store_is_encoded_again_whole(m):
+    """A resident compressor (its rows read back decoded): no copy; the crossing turn's tokens and logits are those of
+    a far_from F session that prefilled the same tokens, as without one."""
+    pytest.importorskip("kakeyalattice")
+    e_late = Engine(m, late(compressor="kakeya_e8"), prefill_chunk=16)
+    e_far = Engine(m, paged(far_from=F, compressor="kakeya_e8"), prefill_chunk=16)
+    a = e_late.new_session_kv()
+    first = ids(50, seed=5)
+    history = first + run(e_late, a, first, 4) + ids(30, seed=6)
+    evs = list(e_late.generate(a, history, GenerateParams(max_tokens=12)))
+    later = [e.token_id for e in evs if isinstance(e, TokenGenerated)]
+    assert a.epoch == 1 and evs[-1].reencoded_tokens == 53  # every position encoded again
+    ref = e_far.new_session_kv()
+    e_far.prefill(ref, history[:53])
+    assert run(e_far, ref, history, 12) == later and torch.equal(a.last_logits, ref.last_logits)
 
 
 def test_a_re_encode_ends_with_the_turn_when_it_is_cancelled(m):
