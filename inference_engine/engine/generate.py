@@ -20,7 +20,7 @@ from inference_engine.engine.requests import GenerateParams, ModelInfo, Strategy
 from inference_engine.engine.sampling import sample
 from inference_engine.engine.session_kv import SessionKV
 from inference_engine.engine import steps
-from inference_engine.errors import NothingToGenerateFrom
+from inference_engine.errors import CacheInvariantError, KakeyaError, NothingToGenerateFrom
 from inference_engine.kv import registry
 from inference_engine.kv.factory import make_cache
 from inference_engine.kv.paged import PagedCache
@@ -191,6 +191,9 @@ class Engine:
             # unless the drafter's features would then miss rows the encode gives them
             copied = cache.copy_prefix(fresh.cache, self.prefill_chunk) if kv.next_position - cache.far_target >= fresh.hidden_keep else 0
             _, completed = yield from self._prefill(fresh, tokens[copied: kv.next_position], should_stop)
+        except CacheInvariantError as e:  # the new cache's, not the session's: that one is intact and stays
+            raise KakeyaError(f"re-encoding the session to pass the trained context failed ({e}); the session is as it "
+                              f"was before this turn") from e
         finally:
             kv.reencoding = None
         if completed:

@@ -224,6 +224,31 @@ def test_a_session_being_re_encoded_counts_both_caches(m):
     assert a.nbytes == a.cache.nbytes and kv_bytes(a) == kv_bytes(a.cache)
 
 
+def test_a_fault_in_the_new_cache_fails_the_turn_not_the_session(m, monkeypatch):
+    """A cache invariant broken while the new cache is filled is that cache's: the turn fails with an internal error
+    (a CacheInvariantError would fail the session and set its files aside), the session stays as it was, and its next
+    turn crosses."""
+    from inference_engine.errors import CacheInvariantError, KakeyaError
+    from inference_engine.kv.paged import PagedCache
+
+    e_late = Engine(m, late(), prefill_chunk=16)
+    a = e_late.new_session_kv()
+    first = ids(50, seed=15)
+    history = first + run(e_late, a, first, 1) + ids(30, seed=16)
+    before = a.cache
+
+    def broken(self, other, chunk):
+        raise CacheInvariantError("inv1", "made up for the test")
+
+    monkeypatch.setattr(PagedCache, "copy_prefix", broken)
+    with pytest.raises(KakeyaError, match="re-encoding the session .* failed .*the session is as it was") as e:
+        run(e_late, a, history, 2)
+    assert not isinstance(e.value, CacheInvariantError) and e.value.code == "INTERNAL"
+    assert a.cache is before and a.epoch == 0 and a.reencoding is None and a.next_position == 50
+    monkeypatch.undo()
+    assert len(run(e_late, a, history, 2)) == 2 and a.epoch == 1
+
+
 def test_drafts_do_not_move_the_crossing(m):
     """A verify block that would reach past the context from under it is cut there (its drafts are not the output's
     to decide): with prompt-lookup drafts on every step the session crosses at the step that feeds position C, as it
