@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inference_engine.engine.events import GenerationDone, HistoryTruncated, TokenGenerated
-from inference_engine.engine.loop import EngineLoop
+from inference_engine.engine.loop import PAUSE, EngineLoop, Pause
 from inference_engine.engine.requests import GenerateParams, ModelInfo, StrategyInfo, check_engine_options
 from inference_engine.engine.sampling import sample
 from inference_engine.engine.session_kv import SessionKV
@@ -147,7 +147,7 @@ class Engine:
         return self.loop.run(self._prefill(kv, pending, should_stop, written))
 
     def _prefill(self, kv: SessionKV, pending: Sequence[int], should_stop: Callable[[], bool],
-                 written: Sequence[int] | None = None) -> Generator[StepInput, Any, tuple[int, bool]]:
+                 written: Sequence[int] | None = None) -> Generator[StepInput | Pause, Any, tuple[int, bool]]:
         """prefill's task: a chunk per forward, shorter while other sessions generate."""
         if pending and not (yield from self._switch_far(kv, lambda: written, kv.next_position + len(pending), should_stop)):
             return 0, False
@@ -161,12 +161,12 @@ class Engine:
         return dropped, True
 
     def _switch_far(self, kv: SessionKV, written: Callable[[], Sequence[int] | None], end: int,
-                    should_stop: Callable[[], bool]) -> Generator[StepInput, Any, bool]:
+                    should_stop: Callable[[], bool]) -> Generator[StepInput | Pause, Any, bool]:
         """Before writing positions up to `end` (exclusive): a `paged` session with far_after "context" that would pass
         the trained context runs from now on as one that ran far_from from its start (docs/paged.md, "far_from once
         past the context"). Holding no position past far_from, it is only switched; else it is re-encoded first into a
         new cache that runs far_from throughout, which it then adopts: its K/V of the positions under far_from copied
-        (PagedCache.copy_prefix: nothing under far_from depends on it), its tokens from there on (`written()`: positions
+        (PagedCache.copy_rows: nothing under far_from depends on it), its tokens from there on (`written()`: positions
         0 .. next_position - 1, asked for only then) prefilled (all of them where the copy cannot be exact). It then
         equals, bit for bit, a session that ran far_from from its start and prefilled those tokens in the same chunks
         (a prefill chunk past far_from is not the one-token steps bit for bit on the Python recall path). False:
@@ -189,7 +189,12 @@ class Engine:
         try:
             # positions under far_from are the same bits either way: copied, not encoded again (0 where they cannot be),
             # unless the drafter's features would then miss rows the encode gives them
-            copied = cache.copy_prefix(fresh.cache, self.prefill_chunk) if kv.next_position - cache.far_target >= fresh.hidden_keep else 0
+            copied = cache.copyable_prefix(fresh.cache) if kv.next_position - cache.far_target >= fresh.hidden_keep else 0
+            for a in range(0, copied, self.prefill_chunk):  # a chunk at a time, the other sessions' forwards between
+                if should_stop():
+                    return False
+                cache.copy_rows(fresh.cache, a, min(copied, a + self.prefill_chunk))
+                yield PAUSE
             _, completed = yield from self._prefill(fresh, tokens[copied: kv.next_position], should_stop)
         except CacheInvariantError as e:  # the new cache's, not the session's: that one is intact and stays
             raise KakeyaError(f"re-encoding the session to pass the trained context failed ({e}); the session is as it "
@@ -255,7 +260,7 @@ class Engine:
 
     def _generate(self, kv: SessionKV, history: Sequence[int], params: GenerateParams, should_stop: Callable[[], bool],
                   arrived_at: float | None,
-                  on_token: Callable[[int], None] | None) -> Generator[StepInput | Event, Any, None]:
+                  on_token: Callable[[int], None] | None) -> Generator[StepInput | Event | Pause, Any, None]:
         t0 = time.perf_counter() if arrived_at is None else arrived_at
         reencoded = kv.reencoded_tokens
         pending = history[kv.next_position :]

@@ -2,7 +2,8 @@
 
 A session's work (a Generate turn, a prefill) is a *task*: a generator the loop advances. It
 yields a `StepInput` when it needs a forward (the loop sends the forward's result back, or throws
-its error in) and any other object as an event for its caller (a token, a truncation, Done).
+its error in), `PAUSE` to let one iteration go by (long host work in pieces), and any other object as an
+event for its caller (a token, a truncation, Done).
 Everything a turn does between forwards - committing, sampling, drafting, stop checks - runs in
 the task, on the thread that runs the loop, so the task's locals are the session's step state.
 
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kakeya")
 
-Task = Generator[Any, Any, Any]  # yields StepInput (a forward to run) or an event; returns the work's value
+Task = Generator[Any, Any, Any]  # yields StepInput (a forward to run), PAUSE or an event; returns the work's value
 
 
 @dataclass
@@ -68,6 +69,16 @@ class BatchStats:
 
 
 _DONE = object()  # the last item of a task's event queue
+
+
+class Pause:
+    def __repr__(self) -> str:
+        return "PAUSE"
+
+
+# what a task yields to let one iteration go by (the other tasks' forward runs) before it goes on: long host work
+# between its forwards (a re-encode's copy of a session's rows) done in pieces, so the others do not wait for all of it
+PAUSE = Pause()
 
 
 @dataclass(eq=False)
@@ -225,6 +236,8 @@ class EngineLoop:
             except BaseException as e:  # the task's own error: its caller gets it
                 return self._finish(t, failure=e)
             send = err = None
+            if y is PAUSE:  # advanced again by the next iteration, after the others' forward
+                return None
             if isinstance(y, StepInput):
                 t.step, t.tokens, t.rows = y, len(y.positions), y.row_exact
                 self._waiting.append(t)

@@ -183,37 +183,48 @@ class PagedCache(SinkWindowCache):
                              f"far_from ({self.far_target}): it must be re-encoded from its tokens, not switched")
         self.far_from = self.far_target
 
-    def copy_prefix(self, other: "PagedCache", chunk: int) -> int:
-        """For a re-encode (Engine._switch_far): write this session's K/V of positions [0, far_target) into `other`, an
-        empty cache of the same kind that runs far_from = far_target throughout, through its own API (prepare,
-        update_and_fetch, commit, `chunk` positions a step: its archive, compact keys and bounds made as in serving).
-        Below far_from nothing depends on it, so those rows are the bits `other` would compute from the tokens; only
-        the positions from far_target on must be encoded again. Returns the positions written: far_target, or 0 where
-        they cannot be read back exactly (a lossy resident store or page codec: the rows read back are not what was
-        written, and writing them again codes them again; other settings; some of them not yet archived)."""
+    def copyable_prefix(self, other: "PagedCache") -> int:
+        """For a re-encode (Engine._switch_far): the positions [0, far_target) of this session whose K/V `copy_rows` can
+        write into `other`, an empty cache of the same kind that runs far_from = far_target throughout. Below far_from
+        nothing depends on it, so those rows are the bits `other` would compute from the tokens; only the positions
+        from far_target on must be encoded again. far_target, or 0 where they cannot be read back exactly (a lossy
+        resident store or page codec: the rows read back are not what was written, and writing them again codes them
+        again; other settings; some of them not yet archived)."""
         upto = self.far_target
         same = (type(other) is type(self) and other.geometry == self.geometry and other.page_dtype == self.page_dtype
                 and type(other.store) is type(self.store) and (other.sink, other.far_target, other.far_from) == (self.sink, upto, upto))
         exact = type(self.store) in (SlabStore, HalfSlabStore) and isinstance(self.pages.codec, IdentityRows)
-        if other.next_position or not same or not exact or not self.sink <= upto <= self.archived_end or chunk < 1:
+        if other.next_position or not same or not exact or not self.sink <= upto <= self.archived_end:
             return 0
         pos = self.store.pos
-        sink_slots = np.flatnonzero((pos >= 0) & (pos < self.sink))
-        sink_slots = sink_slots[np.argsort(pos[sink_slots])]
-        if sink_slots.size != self.sink:
-            return 0
-        sink_kv = self._read_all_layers(sink_slots)  # (L, 2, Hkv, sink, D)
+        return upto if int(((pos >= 0) & (pos < self.sink)).sum()) == self.sink else 0
+
+    def copy_rows(self, other: "PagedCache", a: int, b: int) -> None:
+        """Write this session's K/V of positions [a, b) (within `copyable_prefix(other)`) into `other`, which holds
+        [0, a), as one step through its own API (prepare, update_and_fetch, commit: its archive, compact keys and bounds
+        made as in serving): the sink's rows from the slab, the others from the page store (in RAM or spilled)."""
+        if other.next_position != a or not 0 <= a < b <= min(self.far_target, self.archived_end):
+            raise ValueError(f"copy_rows({a}, {b}): the target holds {other.next_position} positions, and rows are "
+                             f"copied from under far_from ({self.far_target}) and the page store's end ({self.archived_end})")
+        parts = []
+        if a < self.sink:
+            pos = self.store.pos
+            slots = np.flatnonzero((pos >= a) & (pos < min(b, self.sink)))
+            parts.append(self._read_all_layers(slots[np.argsort(pos[slots])]))  # (L, 2, Hkv, n, D)
+        if b > self.sink:
+            parts.append(self.pages.span(max(a, self.sink) - self.sink, b - self.sink)["rows"])
+        kv = torch.cat(parts, 3) if len(parts) > 1 else parts[0]
         dtype = self.geometry.dtype
+        other.prepare(range(a, b))
+        for layer in range(self.geometry.num_layers):
+            other.update_and_fetch(layer, kv[layer, 0].to(dtype), kv[layer, 1].to(dtype))
+        other.commit()
+
+    def copy_prefix(self, other: "PagedCache", chunk: int) -> int:
+        """`copyable_prefix` and `copy_rows` in steps of `chunk` positions: the positions written (0: none)."""
+        upto = self.copyable_prefix(other) if chunk >= 1 else 0
         for a in range(0, upto, chunk):
-            b = min(upto, a + chunk)
-            parts = [sink_kv[:, :, :, a:min(b, self.sink)]] if a < self.sink else []
-            if b > self.sink:
-                parts.append(self.pages.span(max(a, self.sink) - self.sink, b - self.sink)["rows"])
-            kv = torch.cat(parts, 3) if len(parts) > 1 else parts[0]
-            other.prepare(range(a, b))
-            for layer in range(self.geometry.num_layers):
-                other.update_and_fetch(layer, kv[layer, 0].to(dtype), kv[layer, 1].to(dtype))
-            other.commit()
+            self.copy_rows(other, a, min(upto, a + chunk))
         return upto
 
     # -- step ---------------------------------------------------------------------------------

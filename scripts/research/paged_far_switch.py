@@ -8,9 +8,9 @@ generated token, then the crossing turn: --append tokens, which take the history
 re-encode, when there is one, is in it) and its decode rate. Arms:
   default   `paged` with far_from = the trained context (the daemon's default before 2026-12-01);
   context   `--page-far-from F --page-far-after context`: at the crossing the session, already holding positions past
-            F, is re-encoded once: its K/V of positions under F copied (PagedCache.copy_prefix: the same bits under both
+            F, is re-encoded once: its K/V of positions under F copied (PagedCache.copy_rows: the same bits under both
             layouts), the tokens from F on prefilled again;
-  context-whole  the same with every token prefilled again (copy_prefix refused: the re-encode before the copy);
+  context-whole  the same with every token prefilled again (copyable_prefix refused: the re-encode before the copy);
   start     `--page-far-from F` from the session's start (what `context` equals once past the context).
 --rounds runs the arms in turn that many times (a drift in the box's speed lands on every arm alike); medians.
 A session that crosses the context in one append from under F (a long first prompt) is switched without a re-encode:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             "start": {"page_far_from": args.far_from}}
     from inference_engine.kv.paged import PagedCache
 
-    copy_prefix = PagedCache.copy_prefix
+    copyable_prefix = PagedCache.copyable_prefix
     names = args.arms.split(",")
     engines = {}
     for arm in names:
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for arm in names:
             e = engines[arm]
-            PagedCache.copy_prefix = (lambda self, other, chunk: 0) if arm == "context-whole" else copy_prefix  # type: ignore[method-assign]
+            PagedCache.copyable_prefix = (lambda self, other: 0) if arm == "context-whole" else copyable_prefix  # type: ignore[method-assign]
             kv = e.new_session_kv()
             history = ids[: args.history]
             t = time.perf_counter()
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                               "far_from_after": getattr(kv.cache, "far_from", None)})
             print(f"round {r} {arm}: {runs[arm][-1]}", flush=True)
             del kv
-    PagedCache.copy_prefix = copy_prefix  # type: ignore[method-assign]
+    PagedCache.copyable_prefix = copyable_prefix  # type: ignore[method-assign]
 
     def med(arm: str, key: str) -> float:
         return statistics.median(x[key] for x in runs[arm])

@@ -183,6 +183,26 @@ def test_a_cancelled_session_leaves_the_others_unchanged():
     assert out[1] == want[1][: len(out[1])] and len(out[1]) < 16
 
 
+def test_a_task_that_pauses_lets_the_others_go_on_between_its_pieces():
+    """PAUSE: the task is advanced again by the next iteration, after the others (their forwards), so long host work
+    done in pieces (a re-encode's copy) interleaves with them; it is no event for the caller."""
+    from inference_engine.engine.loop import PAUSE
+
+    lp = EngineLoop(None, 8)  # type: ignore[arg-type]  (these tasks post no forward)
+    order = []
+
+    def task(name, n):
+        for i in range(n):
+            order.append((name, i))
+            yield PAUSE
+        return name
+
+    b = lp.submit(task("b", 3))
+    assert list(lp.stream(task("a", 3))) == []  # no event
+    assert lp.run(task("c", 0)) == "c" and b.done and b.value == "b"
+    assert order == [("b", 0), ("a", 0), ("b", 1), ("a", 1), ("b", 2), ("a", 2)]
+
+
 def test_take_fills_two_budgets_in_order_and_keeps_the_rest_queued():
     """The batch takes waiting steps in order: prefill chunks within the prefill budget, decode/
     verify steps within the row budget, the oldest always; a step that does not fit stays queued

@@ -233,19 +233,40 @@ def test_a_fault_in_the_new_cache_fails_the_turn_not_the_session(m, monkeypatch)
 
     e_late = Engine(m, late(), prefill_chunk=16)
     a = e_late.new_session_kv()
-    first = ids(50, seed=15)
+    first = ids(56, seed=15)  # positions under F archived at the crossing: they are copied
     history = first + run(e_late, a, first, 1) + ids(30, seed=16)
     before = a.cache
 
-    def broken(self, other, chunk):
+    def broken(self, other, a, b):
         raise CacheInvariantError("inv1", "made up for the test")
 
-    monkeypatch.setattr(PagedCache, "copy_prefix", broken)
+    monkeypatch.setattr(PagedCache, "copy_rows", broken)
     with pytest.raises(KakeyaError, match="re-encoding the session .* failed .*the session is as it was") as e:
         run(e_late, a, history, 2)
     assert not isinstance(e.value, CacheInvariantError) and e.value.code == "INTERNAL"
-    assert a.cache is before and a.epoch == 0 and a.reencoding is None and a.next_position == 50
+    assert a.cache is before and a.epoch == 0 and a.reencoding is None and a.next_position == 56
     monkeypatch.undo()
+    assert len(run(e_late, a, history, 2)) == 2 and a.epoch == 1
+
+
+def test_a_re_encode_cancelled_during_its_copy_leaves_the_session_as_it_was(m):
+    """The copy goes a chunk at a time (the engine loop's other sessions run between): a stop asked after its first
+    chunk ends the turn cancelled with the session as it was, and the next turn crosses from the start."""
+    e_late = Engine(m, late(), prefill_chunk=16)
+    a = e_late.new_session_kv()
+    first = ids(56, seed=17)
+    history = first + run(e_late, a, first, 1) + ids(30, seed=18)
+    before = a.cache
+    held = []
+
+    def should_stop():
+        if a.reencoding is not None:
+            held.append(a.reencoding.next_position)
+        return bool(held) and held[-1] > 0
+
+    evs = list(e_late.generate(a, history, GenerateParams(max_tokens=2), should_stop=should_stop))
+    assert evs[-1].stop_reason == "cancelled" and held == [0, 16]  # the first 16 positions copied, then stopped
+    assert a.cache is before and a.epoch == 0 and a.reencoding is None and a.next_position == 56
     assert len(run(e_late, a, history, 2)) == 2 and a.epoch == 1
 
 
