@@ -365,8 +365,13 @@ class SessionFiles:
         t = self._template()
         hidden_keep, axes = t.hidden_keep, t.row_axes
         tail |= self._appended(d, body, t)
+        # saved under the other of fp32 / fp16 resident K/V, or (paged) with far_from at the trained context where this
+        # daemon applies far_from once past it (same_strategy): the cache is this daemon's kind
+        mine = {"kv_dtype": e.strategy.kv_dtype} | (
+            {"far_from": e.strategy.far_from, "far_after": e.strategy.far_after} if e.strategy.name == "paged" else {})
+        meta = dict(body["cache_meta"], strategy=dict(body["cache_meta"]["strategy"], **mine))
         if any(k.startswith("store.") and k != SLOT_MAP for k in tail):  # a store saved whole
-            kv = SessionKV.from_state(CacheState(tail, body["cache_meta"]), e.model.geometry(), max_step=e.prefill_chunk,
+            kv = SessionKV.from_state(CacheState(tail, meta), e.model.geometry(), max_step=e.prefill_chunk,
                                       max_context=e.max_context, resources=e.strategy_resources, hidden_keep=hidden_keep)
             return kv, history
         pos = tail.pop(SLOT_MAP).numpy().astype(np.int64)
@@ -400,11 +405,6 @@ class SessionFiles:
                 else:
                     dst.index_fill_(axes[n], torch.from_numpy(empty), 0)
         tensors = tail | {SLOT_MAP: torch.from_numpy(pos)} | {f"store.{n}": x for n, x in payload.items()}
-        # saved under the other of fp32 / fp16 resident K/V, or (paged) with far_from at the trained context where this
-        # daemon applies far_from once past it (same_strategy): the cache is this daemon's kind
-        mine = {"kv_dtype": e.strategy.kv_dtype} | (
-            {"far_from": e.strategy.far_from, "far_after": e.strategy.far_after} if e.strategy.name == "paged" else {})
-        meta = dict(body["cache_meta"], strategy=dict(body["cache_meta"]["strategy"], **mine))
         kv = SessionKV.from_state(CacheState(tensors, meta), e.model.geometry(), max_step=e.prefill_chunk,
                                   max_context=e.max_context, resources=e.strategy_resources, hidden_keep=hidden_keep)
         if kv.next_position > len(history):
