@@ -113,6 +113,7 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
                             accepted_tokens=ev.accepted_tokens,
                             durable_length=getattr(ev, "durable_length", 0),
                             save_error=getattr(ev, "save_error", ""),
+                            reencoded_tokens=ev.reencoded_tokens,
                         )
                     )
         except KakeyaError as e:

@@ -168,3 +168,14 @@ def test_chat_prints_its_session_and_reattaches_after_the_daemon_went_away(tmp_p
         assert "does not exist" in capsys.readouterr().err
     finally:
         second.stop()
+
+
+def test_a_turn_line_says_when_the_daemon_re_encoded_the_session():
+    from kakeya.chat import describe_turn
+    from kakeya.types import GenerationResult
+
+    r = GenerationResult(stop_reason="max_tokens", generated_tokens=5, prefill_tokens=21, prefill_seconds=0.5,
+                         total_seconds=1.0, time_to_first_token_seconds=0.6, drafted_tokens=0, accepted_tokens=0)
+    assert "again" not in describe_turn(r) and "prefilled 21 new tokens," in describe_turn(r)
+    again = describe_turn(GenerationResult(**{**r.__dict__, "reencoded_tokens": 3840}))
+    assert "prefilled 21 new tokens (and 3840 earlier ones again: the session passed the model's context)" in again

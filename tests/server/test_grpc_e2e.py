@@ -410,3 +410,29 @@ def test_speculative_server_reports_drafted_and_accepted():
     finally:
         spec.stop()
         plain.stop()
+
+
+def test_a_turn_that_re_encodes_a_paged_session_says_so():
+    """A `paged` session (far_from 40 once past a trained context of 64) whose turn passes the context re-encodes its
+    positions from 40 on: Done's reencoded_tokens (SDK: GenerationResult.reencoded_tokens) says how many, apart from
+    the turn's prefill_tokens; the turns before and after it say 0."""
+    from factories import load_model, tiny_model_dir
+    from inference_engine.engine.generate import Engine
+    from inference_engine.kv.strategy import KVStrategy
+
+    model = load_model(str(tiny_model_dir("llama", max_position_embeddings=64)))
+    st = KVStrategy("paged", 4, 12, page_size=8, recall_pages=2, far_from=40, far_after="context")
+    srv = start_server(Engine(model, st, prefill_chunk=16))
+    try:
+        with kakeya.Client(f"127.0.0.1:{srv.port}") as c, c.create_session(history(50, 12), ignore_eos=True) as s:
+            list(s.generate(max_tokens=4))  # positions up to 53: past far_from, under the context
+            assert s.last_result.reencoded_tokens == 0
+            s.append(history(20, 13))
+            list(s.generate(max_tokens=4))
+            r = s.last_result
+            assert (r.reencoded_tokens, r.prefill_tokens) == (53 - 40, 21)
+            list(s.generate(max_tokens=2))
+            assert s.last_result.reencoded_tokens == 0
+        assert srv.runtime.metrics.registry.get_sample_value("reencoded_tokens_total") == 13
+    finally:
+        srv.stop()

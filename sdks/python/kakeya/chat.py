@@ -85,7 +85,8 @@ def describe_turn(r: GenerationResult | None) -> str:
         return "[interrupted: the reply so far stays in the session]"
     decode_s = max(r.total_seconds - r.time_to_first_token_seconds, 1e-9)
     rate = f", {(r.generated_tokens - 1) / decode_s:.1f} tok/s" if r.generated_tokens > 1 else ""
-    return (f"[{r.generated_tokens} tokens{rate}, prefilled {r.prefill_tokens} new tokens, "
+    again = f" (and {r.reencoded_tokens} earlier ones again: the session passed the model's context)" if r.reencoded_tokens else ""
+    return (f"[{r.generated_tokens} tokens{rate}, prefilled {r.prefill_tokens} new tokens{again}, "
             f"first token {r.time_to_first_token_seconds * 1000:.0f} ms, stop={r.stop_reason}]")
 
 

@@ -47,6 +47,9 @@ class GenerationResult:
     # session resumes with after a crash; 0 when the daemon does not persist sessions.
     durable_length: int = 0
     save_error: str = ""  # why the save failed (e.g. "No space left on device"); "" when it did not
+    # positions the daemon ran through the model again before this turn (not in prefill_tokens): a `paged` session
+    # re-encoded as it passed the model's trained context; 0 otherwise (and from daemons before the field)
+    reencoded_tokens: int = 0
 
     @classmethod
     def from_pb(cls, done, tokens, truncated) -> "GenerationResult":
@@ -63,6 +66,7 @@ class GenerationResult:
             history_truncated=tuple(truncated),
             durable_length=done.durable_length,
             save_error=done.save_error,
+            reencoded_tokens=done.reencoded_tokens,
         )
 
 

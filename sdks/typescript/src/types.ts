@@ -47,6 +47,11 @@ export interface GenerationResult {
   readonly durableLength: number;
   /** Why the turn's save failed (e.g. "No space left on device"); "" when it did not. */
   readonly saveError: string;
+  /**
+   * Positions the daemon ran through the model again before this turn (not in prefillTokens): a
+   * `paged` session re-encoded as it passed the model's trained context; 0 otherwise.
+   */
+  readonly reencodedTokens: number;
 }
 
 export interface SessionInfo {
@@ -145,6 +150,7 @@ export function generationResult(done: DoneEvent, tokens: readonly number[], tru
     historyTruncated: [...truncated],
     durableLength: done.durableLength,
     saveError: done.saveError,
+    reencodedTokens: done.reencodedTokens,
   };
 }
 

@@ -34,7 +34,7 @@ describe("session lifecycle", () => {
     info = await session.info();
     expect(info.historyLength).toBe(PROMPT.length + 6);
     // The turn was saved before Done: all of it is durable, and the handle knows.
-    expect(result).toMatchObject({ durableLength: PROMPT.length + 6, saveError: "" });
+    expect(result).toMatchObject({ durableLength: PROMPT.length + 6, saveError: "", reencodedTokens: 0 });
     expect(info).toMatchObject({ durableLength: PROMPT.length + 6, saveError: "" });
     expect(session.durableLength).toBe(PROMPT.length + 6);
     expect(info.kvLiveBytes).toBeGreaterThan(0);
