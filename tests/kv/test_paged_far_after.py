@@ -36,6 +36,15 @@ def run(engine, kv, history, n):
     return [e.token_id for e in engine.generate(kv, history, GenerateParams(max_tokens=n)) if isinstance(e, TokenGenerated)]
 
 
+def before_crossing(m, n, seed):
+    """A far_after "context" engine and a session after a first turn of n tokens and one generated token (fed by the
+    next turn), and the history of a next turn that crosses the context (30 more tokens)."""
+    e = Engine(m, late(), prefill_chunk=16)
+    kv = e.new_session_kv()
+    first = ids(n, seed=seed)
+    return e, kv, first + run(e, kv, first, 1) + ids(30, seed=seed + 1)
+
+
 def same_state(a, b) -> bool:
     """The two caches' whole saved state (slab, page store, compact keys, far_keys, slot map) bit for bit."""
     x, y = a.state(), b.state()
@@ -185,13 +194,10 @@ def test_a_session_with_a_lossy_resident_store_is_encoded_again_whole(m):
 def test_a_re_encode_ends_with_the_turn_when_it_is_cancelled(m):
     """should_stop during the re-encode: the turn ends cancelled and the session is as it was (not switched, nothing of
     the append run)."""
-    e_late = Engine(m, late(), prefill_chunk=16)
-    a = e_late.new_session_kv()
-    first = ids(50, seed=8)
-    run(e_late, a, first, 1)
+    e_late, a, history = before_crossing(m, 50, seed=8)
     before = a.cache
     calls = []
-    evs = list(e_late.generate(a, first + ids(30, seed=9), GenerateParams(max_tokens=4),
+    evs = list(e_late.generate(a, history, GenerateParams(max_tokens=4),
                                should_stop=lambda: calls.append(1) or len(calls) > 2))
     assert evs[-1].stop_reason == "cancelled" and a.cache is before and a.epoch == 0 and a.cache.far_from == 64
     assert a.next_position == 50 and len(calls) == 3  # stopped inside the re-encode (its third chunk), the append not run
@@ -203,10 +209,7 @@ def test_a_session_being_re_encoded_counts_both_caches(m):
     adopts the new cache, that cache's alone. Read from should_stop, which the re-encode's prefill asks each chunk."""
     from inference_engine.kv.byte_counts import kv_bytes
 
-    e_late = Engine(m, late(), prefill_chunk=16)
-    a = e_late.new_session_kv()
-    first = ids(50, seed=10)
-    run(e_late, a, first, 1)
+    e_late, a, history = before_crossing(m, 50, seed=10)
     old = a.cache
     seen = []
 
@@ -215,7 +218,7 @@ def test_a_session_being_re_encoded_counts_both_caches(m):
             seen.append((a.nbytes, a.reencoding.nbytes, kv_bytes(a), kv_bytes(a.reencoding)))
         return False
 
-    list(e_late.generate(a, first + ids(30, seed=11), GenerateParams(max_tokens=2), should_stop=should_stop))
+    list(e_late.generate(a, history, GenerateParams(max_tokens=2), should_stop=should_stop))
     assert a.epoch == 1 and a.reencoding is None and len(seen) >= 3
     for total, fresh, tiers, fresh_tiers in seen:
         assert fresh > 0 and total == old.nbytes + fresh
@@ -231,10 +234,7 @@ def test_a_fault_in_the_new_cache_fails_the_turn_not_the_session(m, monkeypatch)
     from inference_engine.errors import CacheInvariantError, KakeyaError
     from inference_engine.kv.paged import PagedCache
 
-    e_late = Engine(m, late(), prefill_chunk=16)
-    a = e_late.new_session_kv()
-    first = ids(56, seed=15)  # positions under F archived at the crossing: they are copied
-    history = first + run(e_late, a, first, 1) + ids(30, seed=16)
+    e_late, a, history = before_crossing(m, 56, seed=15)  # positions under F archived at the crossing: copied
     before = a.cache
 
     def broken(self, other, a, b):
@@ -252,10 +252,7 @@ def test_a_fault_in_the_new_cache_fails_the_turn_not_the_session(m, monkeypatch)
 def test_a_re_encode_cancelled_during_its_copy_leaves_the_session_as_it_was(m):
     """The copy goes a chunk at a time (the engine loop's other sessions run between): a stop asked after its first
     chunk ends the turn cancelled with the session as it was, and the next turn crosses from the start."""
-    e_late = Engine(m, late(), prefill_chunk=16)
-    a = e_late.new_session_kv()
-    first = ids(56, seed=17)
-    history = first + run(e_late, a, first, 1) + ids(30, seed=18)
+    e_late, a, history = before_crossing(m, 56, seed=17)
     before = a.cache
     held = []
 
