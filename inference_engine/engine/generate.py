@@ -189,7 +189,8 @@ class Engine:
         try:
             # positions under far_from are the same bits either way: copied, not encoded again (0 where they cannot be),
             # unless the drafter's features would then miss rows the encode gives them
-            copied = cache.copyable_prefix(fresh.cache) if kv.next_position - cache.far_target >= fresh.hidden_keep else 0
+            copied = (cache.copyable_prefix(fresh.cache) if self._chunk_invariant()
+                      and kv.next_position - cache.far_target >= fresh.hidden_keep else 0)
             for a in range(0, copied, self.prefill_chunk):  # a chunk at a time, the other sessions' forwards between
                 if should_stop():
                     return False
@@ -197,14 +198,25 @@ class Engine:
                 yield PAUSE
             _, completed = yield from self._prefill(fresh, tokens[copied: kv.next_position], should_stop)
         except CacheInvariantError as e:  # the new cache's, not the session's: that one is intact and stays
-            raise KakeyaError(f"re-encoding the session to pass the trained context failed ({e}); the session is as it "
-                              f"was before this turn") from e
+            raise KakeyaError(f"re-encoding the session to pass the trained context failed ({e}); the session keeps the "
+                              f"cache it had (what this turn committed before stays)") from e
         finally:
             kv.reencoding = None
         if completed:
             kv.adopt(fresh)
             kv.reencoded_tokens += fresh.next_position - copied
         return completed
+
+    def _chunk_invariant(self) -> bool:
+        """Whether a position's K/V are the same bits however the prefill was chunked, on either side of far_from: the
+        backend's fused row step takes prefill chunks and paged recall (each row as the one-token step at its position)
+        over row-independent kernels (the native CPU step on int8/int4 weights). Only then may a re-encode copy the K/V
+        under far_from (`_switch_far`): elsewhere a chunk spanning far_from attends its rows under it batched in one
+        layout and in the other as a far_from session's would (kv/paged.py `_attend_rows`), and fp32 linears differ
+        with the rows beside them, so those positions are encoded again."""
+        m = self.model
+        return bool(getattr(m, "kernels_row_independent", False) and getattr(m, "row_step_takes_prefill", False)
+                    and getattr(m, "paged_row_attention", None) is not None)
 
     def _draft(self, kv: SessionKV, context: list, k: int) -> list:
         """Ask the drafter for up to k tokens after `context` (which ends with the token about

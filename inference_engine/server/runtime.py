@@ -219,8 +219,8 @@ class Runtime:
                         self._observe_done(ev)
                         if ev.reencoded_tokens:
                             log.info("session %s passed the model's trained context: %d earlier positions encoded again "
-                                     "(--page-far-after context); its first token came %.1f s after the request",
-                                     s.id, ev.reencoded_tokens, ev.time_to_first_token_seconds)
+                                     "(--page-far-after context) in a turn of %.1f s", s.id, ev.reencoded_tokens,
+                                     ev.total_seconds)
                         # The tokens have streamed; the turn is saved before Done, so Done says what is durable
                         # (the call ends after the save either way).
                         self.store.persist(s)

@@ -81,28 +81,30 @@ def main(argv=None) -> int:
     ids = torch.randint(3, model.spec.vocab_size, (args.history + args.append,),
                         generator=torch.Generator().manual_seed(0)).tolist()
     runs: dict = {arm: [] for arm in names}
-    for r in range(args.rounds):
-        for arm in names:
-            e = engines[arm]
-            PagedCache.copyable_prefix = (lambda self, other: 0) if arm == "context-whole" else copyable_prefix  # type: ignore[method-assign]
-            kv = e.new_session_kv()
-            history = ids[: args.history]
-            t = time.perf_counter()
-            first = [ev for ev in e.generate(kv, history, GenerateParams(max_tokens=1))]
-            first_s = time.perf_counter() - t
-            history = history + [first[0].token_id] + ids[args.history :]
-            t = time.perf_counter()
-            done = [ev for ev in e.generate(kv, history, GenerateParams(max_tokens=args.decode))][-1]
-            assert isinstance(done, GenerationDone) and done.generated_tokens == args.decode
-            decode_s = done.total_seconds - done.time_to_first_token_seconds
-            runs[arm].append({"first_turn_s": round(first_s, 3), "crossing_ttft_s": round(done.time_to_first_token_seconds, 3),
-                              "crossing_turn_s": round(time.perf_counter() - t, 3),
-                              "decode_tok_s": round((args.decode - 1) / decode_s, 2),
-                              "re_encoded": kv.epoch, "reencoded_tokens": done.reencoded_tokens,
-                              "far_from_after": getattr(kv.cache, "far_from", None)})
-            print(f"round {r} {arm}: {runs[arm][-1]}", flush=True)
-            del kv
-    PagedCache.copyable_prefix = copyable_prefix  # type: ignore[method-assign]
+    try:
+        for r in range(args.rounds):
+            for arm in names:
+                e = engines[arm]
+                PagedCache.copyable_prefix = (lambda self, other: 0) if arm == "context-whole" else copyable_prefix  # type: ignore[method-assign]
+                kv = e.new_session_kv()
+                history = ids[: args.history]
+                t = time.perf_counter()
+                first = [ev for ev in e.generate(kv, history, GenerateParams(max_tokens=1))]
+                first_s = time.perf_counter() - t
+                history = history + [first[0].token_id] + ids[args.history :]
+                t = time.perf_counter()
+                done = [ev for ev in e.generate(kv, history, GenerateParams(max_tokens=args.decode))][-1]
+                assert isinstance(done, GenerationDone) and done.generated_tokens == args.decode
+                decode_s = done.total_seconds - done.time_to_first_token_seconds
+                runs[arm].append({"first_turn_s": round(first_s, 3), "crossing_ttft_s": round(done.time_to_first_token_seconds, 3),
+                                  "crossing_turn_s": round(time.perf_counter() - t, 3),
+                                  "decode_tok_s": round((args.decode - 1) / decode_s, 2),
+                                  "re_encoded": kv.epoch, "reencoded_tokens": done.reencoded_tokens,
+                                  "far_from_after": getattr(kv.cache, "far_from", None)})
+                print(f"round {r} {arm}: {runs[arm][-1]}", flush=True)
+                del kv
+    finally:
+        PagedCache.copyable_prefix = copyable_prefix  # type: ignore[method-assign]
 
     def med(arm: str, key: str) -> float:
         return statistics.median(x[key] for x in runs[arm])

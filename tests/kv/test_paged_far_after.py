@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from factories import feed
+from factories import feed, require_native
 from inference_engine.engine.events import TokenGenerated
 from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import GenerateParams
@@ -25,7 +25,18 @@ F = 40
 
 @pytest.fixture(scope="module")
 def m():
+    """int4 through the Python pieces (the native step off): rows of a prefill chunk spanning F attend batched below it."""
     return short_context_model("int4")
+
+
+@pytest.fixture(scope="module")
+def mn():
+    """int4 through the native CPU row step (the daemon's CPU path): every row of a prefill chunk is the one-token step at
+    its position, so a position's K/V do not depend on the chunking (Engine._chunk_invariant)."""
+    require_native()
+    model = short_context_model("int4")
+    assert model.use_native_step()
+    return model
 
 
 def late(**kw):
@@ -88,23 +99,28 @@ def test_one_append_across_the_context_runs_far_from_from_the_start(m):
     assert a.cache.far_from == F and a.epoch == 0  # switched, not re-encoded
 
 
-def test_a_session_past_far_from_is_re_encoded_once_when_it_crosses(m):
+@pytest.mark.parametrize("path,seed", [("native", 5), ("native", 1002), ("python", 5), ("python", 1002)])
+def test_a_session_past_far_from_is_re_encoded_once_when_it_crosses(m, mn, path, seed):
     """Turn 1 leaves 53 positions in the cache (past F, under C; its last token is fed by the next turn); turn 2's
-    append crosses C: the session is re-encoded into a far_from F cache first (its K/V of positions under F copied,
-    the same bits either way; positions 40 .. 52 prefilled from their tokens), then goes on. It equals, bit for bit, a
+    append crosses C: the session is re-encoded into a far_from F cache first, then goes on. On the native step its K/V
+    of positions under F are copied (the same bits either way: every row is its one-token step) and positions 40 .. 52
+    prefilled from their tokens; on the Python pieces every position is encoded again (there the chunk 32 .. 47
+    attends its rows under F batched in the default's layout and row by row in far_from's: seed 1002 gives other
+    bits for positions 34 .. 38, so a copy would differ, as a review found). Either way it equals, bit for bit, a
     far_from F session that prefilled those 53 tokens and then the append; before the crossing it was the default's,
     bit for bit. The turn reports the re-encoded positions apart from its prefill."""
+    m = mn if path == "native" else m
     e_late, e_default, e_far = (Engine(m, st, prefill_chunk=16) for st in (late(), paged(), paged(far_from=F)))
     a, d = e_late.new_session_kv(), e_default.new_session_kv()
-    first = ids(50, seed=5)
+    first = ids(50, seed=seed)
     out = run(e_late, a, first, 4)
     assert out == run(e_default, d, first, 4) and a.epoch == 0 and a.cache.far_from == 64
-    history = first + out + ids(30, seed=6)
+    history = first + out + ids(30, seed=seed + 1)
     evs = list(e_late.generate(a, history, GenerateParams(max_tokens=6)))
     later = [e.token_id for e in evs if isinstance(e, TokenGenerated)]
     assert a.epoch == 1 and a.cache.far_from == F
-    # positions under F copied (the same bits either way), 40 .. 52 encoded again: counted apart from the turn's prefill
-    assert evs[-1].reencoded_tokens == 53 - F and evs[-1].prefill_tokens == 31
+    # counted apart from the turn's prefill: positions 40 .. 52 (native: those under F copied), or all 53
+    assert evs[-1].reencoded_tokens == (53 - F if path == "native" else 53) and evs[-1].prefill_tokens == 31
     ref = e_far.new_session_kv()
     e_far.prefill(ref, history[:53])  # what the re-encode ran
     assert run(e_far, ref, history, 6) == later
@@ -131,11 +147,12 @@ def test_a_turn_that_crosses_while_decoding_is_re_encoded_at_that_step(m):
 
 @pytest.mark.parametrize("kw", [{}, {"page_ram_mb": 1e-9}, {"kv_dtype": "fp16"}],
                          ids=["ram", "spilled", "fp16"])
-def test_the_positions_under_far_from_are_copied_not_encoded_again(m, kw):
+def test_the_positions_under_far_from_are_copied_not_encoded_again(mn, kw):
     """copy_prefix: a session holding positions past F hands its K/V of positions under F to the far_from cache (from
     the page store, in RAM or spilled, and the sink from the slab), through that cache's own API; then prefilling the
     rest gives, bit for bit, the cache of a far_from F session that prefilled every token (positions under F are the
-    same bits under both layouts)."""
+    same bits under both layouts, on the native step)."""
+    m = mn
     history = ids(58, seed=12)
     old = make_cache(late(**kw), m.geometry(), max_step=16, max_context=64)
     feed(m, old, history, 16)
@@ -227,21 +244,21 @@ def test_a_session_being_re_encoded_counts_both_caches(m):
     assert a.nbytes == a.cache.nbytes and kv_bytes(a) == kv_bytes(a.cache)
 
 
-def test_a_fault_in_the_new_cache_fails_the_turn_not_the_session(m, monkeypatch):
+def test_a_fault_in_the_new_cache_fails_the_turn_not_the_session(mn, monkeypatch):
     """A cache invariant broken while the new cache is filled is that cache's: the turn fails with an internal error
     (a CacheInvariantError would fail the session and set its files aside), the session stays as it was, and its next
     turn crosses."""
     from inference_engine.errors import CacheInvariantError, KakeyaError
     from inference_engine.kv.paged import PagedCache
 
-    e_late, a, history = before_crossing(m, 56, seed=15)  # positions under F archived at the crossing: copied
+    e_late, a, history = before_crossing(mn, 56, seed=15)  # positions under F archived at the crossing: copied
     before = a.cache
 
     def broken(self, other, a, b):
         raise CacheInvariantError("inv1", "made up for the test")
 
     monkeypatch.setattr(PagedCache, "copy_rows", broken)
-    with pytest.raises(KakeyaError, match="re-encoding the session .* failed .*the session is as it was") as e:
+    with pytest.raises(KakeyaError, match="re-encoding the session .* failed .*the session keeps the cache it had") as e:
         run(e_late, a, history, 2)
     assert not isinstance(e.value, CacheInvariantError) and e.value.code == "INTERNAL"
     assert a.cache is before and a.epoch == 0 and a.reencoding is None and a.next_position == 56
@@ -249,10 +266,10 @@ def test_a_fault_in_the_new_cache_fails_the_turn_not_the_session(m, monkeypatch)
     assert len(run(e_late, a, history, 2)) == 2 and a.epoch == 1
 
 
-def test_a_re_encode_cancelled_during_its_copy_leaves_the_session_as_it_was(m):
+def test_a_re_encode_cancelled_during_its_copy_leaves_the_session_as_it_was(mn):
     """The copy goes a chunk at a time (the engine loop's other sessions run between): a stop asked after its first
     chunk ends the turn cancelled with the session as it was, and the next turn crosses from the start."""
-    e_late, a, history = before_crossing(m, 56, seed=17)
+    e_late, a, history = before_crossing(mn, 56, seed=17)
     before = a.cache
     held = []
 

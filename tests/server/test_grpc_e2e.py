@@ -414,8 +414,9 @@ def test_speculative_server_reports_drafted_and_accepted():
 
 def test_a_turn_that_re_encodes_a_paged_session_says_so(caplog):
     """A `paged` session (far_from 40 once past a trained context of 64) whose turn passes the context re-encodes its
-    positions from 40 on: Done's reencoded_tokens (SDK: GenerationResult.reencoded_tokens) says how many, apart from
-    the turn's prefill_tokens; the turns before and after it say 0; the daemon's log says it once."""
+    53 positions (fp32 weights: all of them, Engine._chunk_invariant): Done's reencoded_tokens (SDK:
+    GenerationResult.reencoded_tokens) says how many, apart from the turn's prefill_tokens; the turns before and after
+    it say 0; the daemon's log says it once."""
     import logging
 
     caplog.set_level(logging.INFO, logger="inference_engine.server.runtime")
@@ -433,11 +434,11 @@ def test_a_turn_that_re_encodes_a_paged_session_says_so(caplog):
             s.append(history(20, 13))
             list(s.generate(max_tokens=4))
             r = s.last_result
-            assert (r.reencoded_tokens, r.prefill_tokens) == (53 - 40, 21)
+            assert (r.reencoded_tokens, r.prefill_tokens) == (53, 21)
             list(s.generate(max_tokens=2))
             assert s.last_result.reencoded_tokens == 0
-        assert srv.runtime.metrics.registry.get_sample_value("reencoded_tokens_total") == 13
+        assert srv.runtime.metrics.registry.get_sample_value("reencoded_tokens_total") == 53
         said = [r.getMessage() for r in caplog.records if "passed the model's trained context" in r.getMessage()]
-        assert len(said) == 1 and f"session {s.id} " in said[0] and "13 earlier positions encoded again" in said[0]
+        assert len(said) == 1 and f"session {s.id} " in said[0] and "53 earlier positions encoded again" in said[0]
     finally:
         srv.stop()

@@ -66,7 +66,7 @@ class GenerationResult:
             history_truncated=tuple(truncated),
             durable_length=done.durable_length,
             save_error=done.save_error,
-            reencoded_tokens=done.reencoded_tokens,
+            reencoded_tokens=getattr(done, "reencoded_tokens", 0),  # a kakeya-wire built before the field: 0
         )
 
 
