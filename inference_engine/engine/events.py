@@ -29,3 +29,5 @@ class GenerationDone:
     # positions the turn ran through the model again: a paged session re-encoded as it passed the trained context
     # (far_after "context", Engine._switch_far); not in prefill_tokens
     reencoded_tokens: int = 0
+    # seconds of such a re-encode after the first token (a crossing while decoding): in total_seconds, not decoding
+    reencode_decode_seconds: float = 0.0

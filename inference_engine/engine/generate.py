@@ -288,6 +288,7 @@ class Engine:
         limit = self.history_limit()
         context = list(history[-self.drafter.context_window :]) if self.drafter is not None else []
         n, ttft, decode_dropped, drafted, accepted, reason = 0, 0.0, 0, 0, 0, "max_tokens"
+        reencode_decode_s = 0.0
         position = kv.next_position  # position of the next token to sample
         token = None  # sampled, not yet fed
         out: list = []
@@ -333,8 +334,12 @@ class Engine:
             drafting = self.drafter is not None and (not self.gate_drafts or kv.draft_gate.open())
             drafts = self._draft(kv, context, min(self.spec_k, room)) if drafting else []
             emitted += out
-            if not (yield from self._switch_far(kv, lambda: list(history[:held]) + emitted,
-                                                kv.next_position + 1 + len(drafts), should_stop)):
+            t_switch, before = time.perf_counter(), kv.reencoded_tokens
+            switched = yield from self._switch_far(kv, lambda: list(history[:held]) + emitted,
+                                                   kv.next_position + 1 + len(drafts), should_stop)
+            if kv.reencoded_tokens != before or not switched:
+                reencode_decode_s += time.perf_counter() - t_switch
+            if not switched:
                 reason = "cancelled"
                 break
             step = yield from self._advance(kv, token, drafts, params, gen, budget)
@@ -347,4 +352,4 @@ class Engine:
         if decode_dropped:
             yield HistoryTruncated(decode_dropped, kv.dropped_total)
         yield GenerationDone(reason, n, len(pending), prefill_s, time.perf_counter() - t0, ttft, drafted, accepted,
-                             kv.reencoded_tokens - reencoded)
+                             kv.reencoded_tokens - reencoded, reencode_decode_s)

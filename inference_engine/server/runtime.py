@@ -243,8 +243,8 @@ class Runtime:
         m.generate_requests_total.labels(stop_reason=done.stop_reason).inc()
         if done.generated_tokens:
             m.time_to_first_token_seconds.observe(done.time_to_first_token_seconds)
-        if done.generated_tokens > 1:
-            decode_s = done.total_seconds - done.time_to_first_token_seconds
+        if done.generated_tokens > 1:  # a re-encode while decoding (a paged session passing the context) is not decoding
+            decode_s = done.total_seconds - done.time_to_first_token_seconds - done.reencode_decode_seconds
             if decode_s > 0:
                 m.decode_tokens_per_second.observe((done.generated_tokens - 1) / decode_s)
         m.spec_drafted_tokens_total.inc(done.drafted_tokens)

@@ -121,6 +121,7 @@ def test_a_session_past_far_from_is_re_encoded_once_when_it_crosses(m, mn, path,
     assert a.epoch == 1 and a.cache.far_from == F
     # counted apart from the turn's prefill: positions 40 .. 52 (native: those under F copied), or all 53
     assert evs[-1].reencoded_tokens == (53 - F if path == "native" else 53) and evs[-1].prefill_tokens == 31
+    assert evs[-1].reencode_decode_seconds == 0  # before the first token: in its time, as the prefill
     ref = e_far.new_session_kv()
     e_far.prefill(ref, history[:53])  # what the re-encode ran
     assert run(e_far, ref, history, 6) == later
@@ -135,7 +136,10 @@ def test_a_turn_that_crosses_while_decoding_is_re_encoded_at_that_step(m):
     e_late, e_default = Engine(m, late(), prefill_chunk=16), Engine(m, paged(), prefill_chunk=16)
     a, d = e_late.new_session_kv(), e_default.new_session_kv()
     history = ids(58, seed=7)
-    out = run(e_late, a, history, 12)  # positions 58 .. 69: fed up to 68
+    evs = list(e_late.generate(a, history, GenerateParams(max_tokens=12)))  # positions 58 .. 69: fed up to 68
+    out = [e.token_id for e in evs if isinstance(e, TokenGenerated)]
+    # the re-encode's seconds, apart: a decode-rate sample leaves them out (the runtime's decode_tokens_per_second)
+    assert evs[-1].reencoded_tokens == 64 and 0 < evs[-1].reencode_decode_seconds < evs[-1].total_seconds
     assert out[:7] == run(e_default, d, history, 7)  # up to the crossing: the default's tokens
     assert a.epoch == 1 and a.cache.far_from == F and a.next_position == 58 + 11
     tokens = history + out
