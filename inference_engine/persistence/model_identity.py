@@ -32,6 +32,25 @@ def _combined(hashes: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{n}\0{h}\n" for n, h in sorted(hashes.items())).encode()).hexdigest()
 
 
+def _weight_files(d: Path, derived: bool) -> list[str]:
+    """The weight files (and config.json) the identity hashes. Not the derived start-up files the backends keep beside
+    the model (hidden: `.kakeya-packed-int4.safetensors`, `.kakeya-native-*-<build>.safetensors`, ...): they are made
+    from the weights and written, replaced and pruned by every build that starts on the model, so hashing them made a
+    daemon restarted after another build (an upgrade, a second checkout) refuse and set aside every saved session.
+    derived=True: with them, as identities were made before 2026-12-01 (legacy_weights_sha256)."""
+    files = sorted(p.name for p in d.iterdir() if p.is_file() and (derived or not p.name.startswith(".")))
+    return [n for n in files if n.endswith(WEIGHT_SUFFIXES)] + [n for n in files if n == "config.json"]
+
+
+def legacy_weights_sha256(model_dir: str) -> str | None:
+    """weights_sha256 as daemons before 2026-12-01 made it (the derived start-up files included), over the directory as
+    it is now: a session saved then, while the derived files present now were present, still matches."""
+    d = Path(model_dir) if model_dir else None
+    if d is None or not d.is_dir():
+        return None
+    return _combined(_file_hashes(d, _weight_files(d, derived=True)))
+
+
 def model_identity(model_id: str, model_dir: str, weights_format: str, backend: str) -> dict:
     """The identity record a session manifest carries; two records are compatible iff equal."""
     d = Path(model_dir) if model_dir else None
@@ -39,8 +58,7 @@ def model_identity(model_id: str, model_dir: str, weights_format: str, backend: 
         weights = tokenizer = "unknown"
     else:
         files = sorted(p.name for p in d.iterdir() if p.is_file())
-        weight_files = [n for n in files if n.endswith(WEIGHT_SUFFIXES)] + [n for n in files if n == "config.json"]
-        weights = _combined(_file_hashes(d, weight_files))
+        weights = _combined(_file_hashes(d, _weight_files(d, derived=False)))
         tok = [n for n in files if n in TOKENIZER_FILES]
         tokenizer = _combined(_file_hashes(d, tok)) if tok else "none"
     return {"model_id": model_id, "weights_sha256": weights, "tokenizer_sha256": tokenizer,

@@ -42,7 +42,7 @@ from inference_engine.kv.registry import StrategyUnknownHere, strategy_from_dict
 from inference_engine.kv.slot_cache import CacheState, Pieces, SaveMark
 from inference_engine.kv.strategy import KVStrategy
 from inference_engine.persistence.leases import DEFAULT_TTL_S, Lease, Leases
-from inference_engine.persistence.model_identity import identity_mismatch, model_identity
+from inference_engine.persistence.model_identity import identity_mismatch, legacy_weights_sha256, model_identity
 from inference_engine.persistence.state_dir import (MANIFEST_NAME, RELEASED_NAME, StateDir, StateFileError, check_segment, fsync_dir,
                                                     manifest_bytes, read_manifest, read_segment, write_atomic, write_atomic_pieces)
 from inference_engine.session.store import PersistedSession
@@ -167,6 +167,8 @@ class SessionFiles:
         self.engine = engine
         info = engine.model_info
         self.identity = model_identity(info.model_id, info.path, info.weights, info.backend)
+        self._model_path = info.path
+        self._legacy: list = []  # legacy_weights_sha256, made on the first mismatch only (it hashes the derived files)
         self.bytes_written = 0  # since start
         self._fresh: _Template | None = None  # see _template
         self.closed = False
@@ -317,13 +319,22 @@ class SessionFiles:
             self.leases.release(lease)  # e.g. another strategy: kept in place for a daemon that serves it
             raise
 
+    def _legacy_weights(self) -> str | None:
+        if not self._legacy:
+            self._legacy.append(legacy_weights_sha256(self._model_path))
+        return self._legacy[0]
+
     def _load(self, session_id: str, lease: Lease) -> PersistedSession:
         d = lease.path
         try:
             body = read_manifest(d)
         except StateFileError as e:
             self._unusable(session_id, str(e))
-        problem = identity_mismatch(body.get("model") or {}, self.identity)
+        saved_model = body.get("model") or {}
+        problem = identity_mismatch(saved_model, self.identity)
+        if problem and saved_model.get("weights_sha256") == self._legacy_weights() and not identity_mismatch(
+                dict(saved_model, weights_sha256=self.identity["weights_sha256"]), self.identity):
+            problem = None  # saved before the identity left the derived start-up files out, which have not changed since
         if problem:
             self._unusable(session_id, problem)
         try:

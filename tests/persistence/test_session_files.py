@@ -354,6 +354,50 @@ def test_foreign_weights_are_refused_and_set_aside(tmp_path):
     assert not StateDir(tmp_path).has(sid)
 
 
+def test_the_derived_files_beside_the_model_are_not_its_identity(tmp_path):
+    """The backends keep derived start-up files next to the model (hidden `.kakeya-*.safetensors`: packed and native
+    blocks), written, replaced and pruned by every build that starts on it. A session saved before one appeared or
+    changed resumes after a restart (before 2026-12-01 they were hashed into weights_sha256, and a restart after
+    another build - the 4-hour bench's SIGKILL - set every session aside); the weights themselves still count."""
+    from inference_engine.persistence.model_identity import model_identity
+
+    model = shutil.copytree(tiny_model_dir("llama"), tmp_path / "model")
+    st = KVStrategy("sink_window", SINK, WINDOW)
+    root = tmp_path / "state"
+    kept = runtime(root, st, model)
+    s = kept.create_session(ids(30))
+    turn(kept, s.id, 3)
+    before = model_identity("m", str(model), "fp32", "torch")
+    (model / ".kakeya-native-head-int4-0123abcd.safetensors").write_bytes(b"derived, made by another build")
+    assert model_identity("m", str(model), "fp32", "torch") == before
+    again = restarted(root, st, model)
+    assert again.history(s.id) == kept.history(s.id)
+    assert turn(again, s.id, 4) == turn(kept, s.id, 4)
+
+
+def test_a_session_saved_with_the_derived_files_in_its_identity_still_loads(tmp_path):
+    """A manifest written before the fix names weights_sha256 over the derived files too: it loads while they are what
+    they were; with them changed since, it is refused as before (nothing can tell those files from weights then)."""
+    from inference_engine.persistence.model_identity import legacy_weights_sha256
+
+    model = shutil.copytree(tiny_model_dir("llama"), tmp_path / "model")
+    (model / ".kakeya-packed-int4.safetensors").write_bytes(b"derived")
+    st = KVStrategy("sink_window", SINK, WINDOW)
+    root = tmp_path / "state"
+    rt = runtime(root, st, model)
+    s = rt.create_session(ids(30))
+    turn(rt, s.id, 3)
+    d = StateDir(root).data_dir(s.id)
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    doc["body"]["model"]["weights_sha256"] = legacy_weights_sha256(str(model))  # as the daemon before wrote it
+    (d / MANIFEST_NAME).write_bytes(state_dir.manifest_bytes(doc["body"]))
+    again = restarted(root, st, model)
+    assert again.history(s.id) == rt.history(s.id) and len(turn(again, s.id, 2)) == 2
+    (model / ".kakeya-packed-int4.safetensors").write_bytes(b"derived, by another build")
+    with pytest.raises(SessionStateUnusable, match="weights_sha256"):
+        restarted(root, st, model).history(s.id)
+
+
 def test_other_strategy_is_refused_and_the_files_kept(tmp_path):
     sid, _, _ = _saved_session(tmp_path)
     other = runtime(tmp_path, KVStrategy("sink_window", SINK, WINDOW))
