@@ -220,13 +220,6 @@ class PagedCache(SinkWindowCache):
             other.update_and_fetch(layer, kv[layer, 0].to(dtype), kv[layer, 1].to(dtype))
         other.commit()
 
-    def copy_prefix(self, other: "PagedCache", chunk: int) -> int:
-        """`copyable_prefix` and `copy_rows` in steps of `chunk` positions: the positions written (0: none)."""
-        upto = self.copyable_prefix(other) if chunk >= 1 else 0
-        for a in range(0, upto, chunk):
-            self.copy_rows(other, a, min(upto, a + chunk))
-        return upto
-
     # -- step ---------------------------------------------------------------------------------
     def prepare(self, positions: range | torch.Tensor, ids: torch.Tensor | None = None) -> AttentionLayout:
         t = len(positions) if isinstance(positions, range) else positions.numel()

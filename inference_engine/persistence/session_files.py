@@ -26,6 +26,7 @@ rebuilt store; only the small tail is cloned (it outlives the load).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -168,7 +169,6 @@ class SessionFiles:
         info = engine.model_info
         self.identity = model_identity(info.model_id, info.path, info.weights, info.backend)
         self._model_path = info.path
-        self._legacy: list = []  # legacy_weights_sha256, made on the first mismatch only (it hashes the derived files)
         self.bytes_written = 0  # since start
         self._fresh: _Template | None = None  # see _template
         self.closed = False
@@ -319,10 +319,10 @@ class SessionFiles:
             self.leases.release(lease)  # e.g. another strategy: kept in place for a daemon that serves it
             raise
 
+    @functools.cached_property
     def _legacy_weights(self) -> str | None:
-        if not self._legacy:
-            self._legacy.append(legacy_weights_sha256(self._model_path))
-        return self._legacy[0]
+        """legacy_weights_sha256 of the model, made on the first mismatch only (it hashes the derived files)."""
+        return legacy_weights_sha256(self._model_path)
 
     def _load(self, session_id: str, lease: Lease) -> PersistedSession:
         d = lease.path
@@ -332,7 +332,7 @@ class SessionFiles:
             self._unusable(session_id, str(e))
         saved_model = body.get("model") or {}
         problem = identity_mismatch(saved_model, self.identity)
-        if problem and saved_model.get("weights_sha256") == self._legacy_weights() and not identity_mismatch(
+        if problem and saved_model.get("weights_sha256") == self._legacy_weights and not identity_mismatch(
                 dict(saved_model, weights_sha256=self.identity["weights_sha256"]), self.identity):
             problem = None  # saved before the identity left the derived start-up files out, which have not changed since
         if problem:

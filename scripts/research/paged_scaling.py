@@ -54,6 +54,26 @@ from bench_common import ROOT, fill_with_random_kv, run_metadata, write_json  # 
 OUT = ROOT / "results" / "research" / "paged_scaling.json"
 
 
+def merge(files: list[str], out: str) -> int:
+    """Runs of this script merged into one file (one experiment, its parts side by side): per run its file, commit,
+    command, CPU and load at start, its far_from and RAM budget, the decode step per length and arm, `full`'s reference
+    and the ratios. Each run's cells were interleaved within it; runs one after another are compared by their ratios."""
+    import json
+
+    runs = []
+    for f in files:
+        d = json.loads(pathlib.Path(f).read_text())
+        lengths = d["lengths"]
+        runs.append({"file": f, "commit": d["commit"], "dirty_worktree": d["dirty_worktree"], "date_utc": d["date_utc"],
+                     "command": d["command"], "cpu": d["machine"]["cpu"],
+                     "load_average_at_start": d["machine"]["load_average_at_start"],
+                     "far_from": d["config"].get("far_from", 0), "page_ram_mb": d["config"].get("page_ram_mb"),
+                     "decode_step_s": {n: v["decode_step_s"] for n, v in lengths.items() if n.isdigit()},
+                     "full_reference": lengths.get("full_reference"), "ratios": lengths.get("ratios", {})})
+    write_json(pathlib.Path(out), run_metadata({"merge": files}) | {"what": "paged_scaling runs merged", "runs": runs})
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="1024,8192,32768,102400")
@@ -85,7 +105,10 @@ def main() -> int:
                          "daemon's, 128); the rest, and past the shortlist's start the older compact keys, in "
                          "memory-mapped spill files")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON files into --out and stop")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
 
     import torch
 

@@ -56,6 +56,14 @@ def before_crossing(m, n, seed):
     return e, kv, first + run(e, kv, first, 1) + ids(30, seed=seed + 1)
 
 
+def copy_prefix(old, other, chunk) -> int:
+    """What Engine._switch_far copies: `copyable_prefix`, then `copy_rows` `chunk` positions at a time."""
+    upto = old.copyable_prefix(other)
+    for a in range(0, upto, chunk):
+        old.copy_rows(other, a, min(upto, a + chunk))
+    return upto
+
+
 def same_state(a, b) -> bool:
     """The two caches' whole saved state (slab, page store, compact keys, far_keys, slot map) bit for bit."""
     x, y = a.state(), b.state()
@@ -152,7 +160,7 @@ def test_a_turn_that_crosses_while_decoding_is_re_encoded_at_that_step(m):
 @pytest.mark.parametrize("kw", [{}, {"page_ram_mb": 1e-9}, {"kv_dtype": "fp16"}],
                          ids=["ram", "spilled", "fp16"])
 def test_the_positions_under_far_from_are_copied_not_encoded_again(mn, kw):
-    """copy_prefix: a session holding positions past F hands its K/V of positions under F to the far_from cache (from
+    """copyable_prefix + copy_rows: a session holding positions past F hands its K/V of positions under F to the far_from cache (from
     the page store, in RAM or spilled, and the sink from the slab), through that cache's own API; then prefilling the
     rest gives, bit for bit, the cache of a far_from F session that prefilled every token (positions under F are the
     same bits under both layouts, on the native step)."""
@@ -162,7 +170,7 @@ def test_the_positions_under_far_from_are_copied_not_encoded_again(mn, kw):
     feed(m, old, history, 16)
     fresh = make_cache(late(**kw), m.geometry(), max_step=16, max_context=64)
     fresh.switch_far()
-    assert old.copy_prefix(fresh, 16) == F and fresh.next_position == F
+    assert copy_prefix(old, fresh, 16) == F and fresh.next_position == F
     feed(m, fresh, history[F:], 16)
     ref = make_cache(paged(far_from=F, **kw), m.geometry(), max_step=16, max_context=64)
     feed(m, ref, history, 16)
@@ -183,16 +191,16 @@ def test_the_copy_is_refused_where_it_would_not_be_exact(m):
         c.switch_far()
         return c
 
-    assert filled(58, page_compressor="int8").copy_prefix(target(page_compressor="int8"), 16) == 0
+    assert copy_prefix(filled(58, page_compressor="int8"), target(page_compressor="int8"), 16) == 0
     if importlib.util.find_spec("kakeyalattice") is not None:  # a lossy resident store: its rows read back are decoded
-        assert filled(58, compressor="kakeya_e8").copy_prefix(target(compressor="kakeya_e8"), 16) == 0
-    assert filled(48).copy_prefix(target(), 16) == 0  # positions 36 .. 47 in the window: 36 .. 39 not archived
+        assert copy_prefix(filled(58, compressor="kakeya_e8"), target(compressor="kakeya_e8"), 16) == 0
+    assert copy_prefix(filled(48), target(), 16) == 0  # positions 36 .. 47 in the window: 36 .. 39 not archived
     unswitched = make_cache(late(), m.geometry(), max_step=16, max_context=64)
-    assert filled(58).copy_prefix(unswitched, 16) == 0
+    assert copy_prefix(filled(58), unswitched, 16) == 0
     used = target()
     feed(m, used, ids(4, seed=14), 4)
-    assert filled(58).copy_prefix(used, 16) == 0
-    assert filled(58).copy_prefix(target(), 16) == F
+    assert copy_prefix(filled(58), used, 16) == 0
+    assert copy_prefix(filled(58), target(), 16) == F
 
 
 def test_a_session_with_a_lossy_resident_store_is_encoded_again_whole(m):

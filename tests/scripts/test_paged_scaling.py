@@ -42,3 +42,10 @@ def test_paged_scaling_interleaves_lengths_arms_and_the_full_reference(tmp_path)
     assert len(ratios) == 2 * len(keys) and all(v > 0 for v in ratios.values())
     # every length, dtype, query and arm took its steps: the whole-step calls counted for both lengths and the reference
     assert lengths["native_steps"]["whole"] >= steps * 2 * (2 * 2 * 2 + 2)
+    merged = tmp_path / "merged.json"  # --merge: runs side by side in one file, each with its provenance and ratios
+    r = subprocess.run([sys.executable, str(SCRIPT), "--merge", str(out), str(out), "--out", str(merged)], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(merged.read_text())["runs"]
+    assert len(runs) == 2 and runs[0]["far_from"] == 1024 and runs[0]["ratios"] == ratios
+    assert set(runs[0]["decode_step_s"]) == {"700", "1400"} and runs[0]["cpu"] == doc["machine"]["cpu"]
