@@ -111,6 +111,15 @@ class PagedCache(SinkWindowCache):
         self.far_target = far_from
         self.far_from = max_context if strategy.far_after == "context" else far_from
         self.far_layout = strategy.far_layout  # where those queries see their chosen pages (`_far_slots`)
+        # choice_every > 1: from the trained context on, only a query at choice_from + k * choice_every chooses its
+        # pages; the others take the pages the last of those chose (`_choice_source`), kept across steps and saved (a
+        # row whose source's choice is not held, after a history written without attention, chooses itself)
+        self.choice_every, self.choice_from = strategy.choice_every, max_context
+        if self.choice_every > 1 and any(w is not None for w in g.layer_windows):
+            raise ValueError(f"choice_every {self.choice_every} needs a model whose layers all attend globally: a local "
+                             f"layer's window would hide pages another query chose")
+        self._choice: torch.Tensor | None = None  # (L, Hkv, M) the pages, in position order, of the last committed choice
+        self._choice_pos = -1  # the position whose query made them
         self._rotate: RotateKeys | None = None  # the backend's rotate_keys, from the first step
         self._resident_rows: Callable | None = None  # the backend's fused-step attention of resident rows (recall_hook)
         self._recalled_rows: Callable | None = None  # the backend's attention of a row over recalled rows + slab
@@ -261,9 +270,27 @@ class PagedCache(SinkWindowCache):
                 raise CacheInvariantError("inv1", f"positions {missing[:4]}... are neither archived nor resident")
             cols = torch.tensor([where[p] for p in range(self.archived_end, cand_end)], device=dev)
         far = np.arange(first, first + t) >= self.far_from  # rows that choose through far_keys
-        return {"cand_end": cand_end, "c": c, "n_pages": n_pages, "windows": windows, "allowed": {}, "free": {},
-                "cols": cols, "first": first, "t": t, "far": "all" if far.all() else ("some" if far.any() else "none"),
-                "far_rows": torch.from_numpy(far).to(dev)}
+        plan: Plan = {"cand_end": cand_end, "c": c, "n_pages": n_pages, "windows": windows, "allowed": {}, "free": {},
+                      "cols": cols, "first": first, "t": t, "far": "all" if far.all() else ("some" if far.any() else "none"),
+                      "far_rows": torch.from_numpy(far).to(dev), "choice_src": None, "choice_out": None}
+        if self.choice_every > 1 and first + t - 1 >= self.choice_from:
+            src = np.array([self._choice_source(p) for p in range(first, first + t)], dtype=np.int64)
+            # a source before the step whose choice the cache does not hold (a history written without attention, as
+            # bench_common.fill_with_random_kv writes it, or a state saved without it): the row chooses itself
+            held = (src >= first) | (src == self._choice_pos)
+            src = np.where(held, src, np.arange(first, first + t))
+            g = self.geometry
+            plan["choice_src"] = src
+            # every row's pages per layer and KV head (position order), as the step's recall makes or takes them
+            plan["choice_out"] = torch.full((g.num_layers, t, g.num_kv_heads, self.recall_pages), -1, dtype=torch.long)
+        return plan
+
+    def _choice_source(self, p: int) -> int:
+        """The position whose query chooses the pages a query at p attends to: p itself, or from the trained context on
+        with choice_every > 1 the last position at or before p that is choice_from plus a multiple of choice_every."""
+        if self.choice_every == 1 or p < self.choice_from:
+            return p
+        return p - (p - self.choice_from) % self.choice_every
 
     def _recall_allowed(self, plan: Plan, w: int | None) -> torch.Tensor:
         """(T, C) bool: which candidates each of the step's queries may recall under model window w (made on first use
@@ -459,7 +486,13 @@ class PagedCache(SinkWindowCache):
         once a step, after far choice started if it does), or None when this session's pages are not exact fp32 / fp16
         rows or its compact keys not a RowQuant. Views, not copies: valid until the step commits."""
         if "native" not in plan:
-            plan["native"] = self._native_view(layout)
+            view = plan["native"] = self._native_view(layout)
+            if view is not None:  # choice_every: the kept choice, and where each row's pages go (or empty), then K,
+                # the first position it applies at and the kept choice's position
+                out, none = plan["choice_out"], torch.empty(0, dtype=torch.long)
+                kept = self._choice if out is not None and self._choice is not None else none
+                view["tables"] += [kept, out if out is not None else none]
+                view["meta"] += [self.choice_every if out is not None else 1, self.choice_from, self._choice_pos]
         return plan["native"]
 
     def _native_view(self, layout: AttentionLayout) -> dict | None:
@@ -699,6 +732,31 @@ class PagedCache(SinkWindowCache):
 
     def _choose_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan,
                       w: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's pages per KV head (`_choose_own_pages`), except, with choice_every > 1, a query past the
+        trained context whose position does not choose: it takes the pages its source position chose (`_choice_source`),
+        from this step's row there or from the choice the cache kept. Every row's pages (position order) are noted in
+        the plan for the commit."""
+        idx, ok = self._choose_own_pages(layer, q, k_all, plan, w)
+        src = plan["choice_src"]
+        if src is None:
+            return idx, ok
+        first = plan["first"]
+        own, order = idx.sort(-1)
+        own_ok = ok.gather(-1, order)
+        idx, ok = own.clone(), own_ok.clone()
+        for j, s in enumerate(src.tolist()):
+            if s == first + j:
+                continue
+            if s >= first:  # a row of this step chose them
+                idx[:, j], ok[:, j] = own[:, s - first], own_ok[:, s - first]
+            else:  # the last committed choice (_plan_step checked its position)
+                kept = cast(torch.Tensor, self._choice)[layer].to(idx.device)
+                idx[:, j], ok[:, j] = kept, True
+        plan["choice_out"][layer] = idx.transpose(0, 1).cpu()
+        return idx, ok
+
+    def _choose_own_pages(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan,
+                          w: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's top pages per KV head: idx (Hkv, T, M) page indices and ok (Hkv, T, M) (the
         page holds a key the query may see). Every candidate is scored through its compact code:
         archived ones as stored, still-resident ones (a long prefill chunk) encoded on the fly, by
@@ -973,6 +1031,14 @@ class PagedCache(SinkWindowCache):
         return kv[0], kv[1]
 
     def _on_commit(self, layout: AttentionLayout, n_keep: int) -> None:
+        plan = self._step
+        if plan is not None and plan["choice_out"] is not None and n_keep and plan["first"] + n_keep - 1 >= self.choice_from:
+            out = plan["choice_out"][:, n_keep - 1]  # (L, Hkv, M): the last kept row's pages, its source's choice
+            if bool((out < 0).any()):  # written without attention (no choice made): none kept
+                self._choice, self._choice_pos = None, -1
+            else:
+                self._choice = out.clone(memory_format=torch.contiguous_format)
+                self._choice_pos = int(plan["choice_src"][n_keep - 1])
         self._step = None
 
     def _on_abort(self) -> None:
@@ -1051,7 +1117,11 @@ class PagedCache(SinkWindowCache):
         tensors |= {f"keys.{k}": v for k, v in self.keys.state(start, lazy=lazy).items()}
         if self._far_current():  # up to date (not before a loaded session's first step, nor on MLX)
             tensors |= {f"far_keys.{k}": v for k, v in self.far_keys.state(start, lazy=lazy).items()}
-        return tensors, {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows, "far_from": self.far_from}
+        meta = {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows, "far_from": self.far_from}
+        if self._choice is not None:  # choice_every > 1 past the context: the pages later rows take
+            tensors["choice.pages"] = self._choice.clone()
+            meta["choice_pos"] = self._choice_pos
+        return tensors, meta
 
     def _load_extra_state(self, tensors: dict, meta: dict) -> None:
         rows = int(meta["archived_rows"])
@@ -1074,6 +1144,8 @@ class PagedCache(SinkWindowCache):
         if self.shortlisting and self.next_position < self.far_from:
             self._update_bounds()
         self.evicted_total = int(meta["evicted_total"])
+        if "choice.pages" in tensors:
+            self._choice, self._choice_pos = tensors["choice.pages"].clone(), int(meta["choice_pos"])
 
 
 def _top(x: torch.Tensor, k: int, stable: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,12 @@ class KVStrategy:
     # ran far_from from its start (the positions it holds at or past far_from are written again first: the engine
     # re-encodes the session once, docs/paged.md "far_from once past the context")
     far_after: str = "start"
+    # paged, at positions from the trained context on: a query at p chooses its pages itself only at every
+    # `choice_every`-th position from the context (p - context divisible by it); the others attend to the pages the
+    # last of those chose (at most choice_every - 1 positions earlier), each with its own window and its own view
+    # of them. A function of the position, so chunks, verify blocks and one-token steps still agree bit for bit;
+    # 1 = every query chooses (the default). Below the trained context every query chooses, whatever it is.
+    choice_every: int = 1
 
     def __post_init__(self) -> None:
         if self.name not in self.NAMES:
@@ -105,6 +111,10 @@ class KVStrategy:
                              f"under the trained context): without one the layout starts at the trained context anyway")
         if self.far_layout != "packed" and self.name != "paged":
             raise ValueError(f"far_layout applies to the paged strategy only, not {self.name!r}")
+        if isinstance(self.choice_every, bool) or not isinstance(self.choice_every, int) or self.choice_every < 1:
+            raise ValueError(f"choice_every must be an int >= 1 (1: every query chooses its pages), got {self.choice_every!r}")
+        if self.choice_every != 1 and self.name != "paged":
+            raise ValueError(f"choice_every applies to the paged strategy only, not {self.name!r}")
         if isinstance(self.page_ram_mb, bool) or not isinstance(self.page_ram_mb, (int, float)) or not 0 <= self.page_ram_mb < 2 ** 40:
             raise ValueError(f"page_ram_mb must be a number >= 0 (MB of host RAM for a session's pages; 0: all in RAM), "
                              f"got {self.page_ram_mb!r}")
@@ -127,6 +137,8 @@ class KVStrategy:
             out["far_layout"] = self.far_layout
             if self.far_from:
                 out["far_after"] = self.far_after
+            if self.choice_every != 1:
+                out["choice_every"] = str(self.choice_every)
         return out
 
     @property

@@ -69,6 +69,12 @@ def _add_serve(sub) -> None:
                         "one that ran --page-far-from from its start (re-encoded once from its tokens if it already holds "
                         "positions past --page-far-from; docs/paged.md, 'far_from once past the context'). Not given: "
                         "context with the default --page-far-from, start with one given")
+    p.add_argument("--page-choice-every", type=int, default=d.page_choice_every, metavar="N",
+                   help="paged, from the trained context on: a query chooses its pages itself at every N-th position, "
+                        "the others attend to the pages the last of those chose (each with its own window): about N "
+                        "times less page-choice work per token past the context; 1 = every query chooses (the default). "
+                        "Below the trained context every query chooses. A function of the position: chunks, verify "
+                        "blocks and one-token steps agree bit for bit (docs/paged.md, 'Choosing every N positions')")
     p.add_argument("--page-spill-dir", default=None, metavar="DIR",
                    help="paged: where the page store's spill files are created (unlinked at once: nothing is left behind) "
                         "(default: <state dir>/spill with --persist turn, else the system temp dir)")
@@ -224,6 +230,7 @@ def serve_config(args) -> ServeConfig:
         page_far_from=args.page_far_from,
         page_far_layout=args.page_far_layout,
         page_far_after=args.page_far_after,
+        page_choice_every=args.page_choice_every,
         page_spill_dir=args.page_spill_dir,
         malloc_mmap_threshold_kb=args.malloc_mmap_threshold_kb,
         malloc_trim=args.malloc_trim == "on",

@@ -56,6 +56,9 @@ class ServeConfig:
     # paged with page_far_from: from a session's start | once it passes the trained context; None = "context" for paged's
     # default far_from, "start" for one given (`resolved_far_after`)
     page_far_after: str | None = None
+    # paged, from the trained context on: a query chooses its pages at every N-th position, the others attend to the
+    # last choice's pages (1 = every query chooses)
+    page_choice_every: int = 1
     page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
     # glibc: allocations of at least this many KiB get maps of their own, returned to the OS when freed (0 = glibc's
     # dynamic threshold, under which freed MB-sized tensors stay with the heap): server/host_memory.py
@@ -187,6 +190,7 @@ class ServeConfig:
                                           shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
                                           page_ram_mb=self.page_ram_mb, far_from=self.resolved_far_from,
                                           far_layout=self.page_far_layout, far_after=self.resolved_far_after,
+                                          choice_every=self.page_choice_every,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
 
@@ -226,6 +230,9 @@ def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
     if cfg.kv_strategy == "paged" and cfg.page_far_layout != "packed":
         raise ConfigError(f"--page-far-layout {cfg.page_far_layout} runs on --backend torch only (it moves recalled keys "
                           "with its rotate_keys); with --backend mlx use packed (paged stops at the trained context there)")
+    if cfg.kv_strategy == "paged" and cfg.page_choice_every != 1:
+        raise ConfigError(f"--page-choice-every {cfg.page_choice_every} runs on --backend torch only (it applies past the "
+                          "trained context, where paged stops on --backend mlx); with --backend mlx use 1")
     if cfg.kv_strategy == "paged" and cfg.page_far_from:
         raise ConfigError(f"--page-far-from {cfg.page_far_from} runs on --backend torch only (InfLLM's layout moves recalled "
                           "keys with its rotate_keys); with --backend mlx use 0 (paged stops at the trained context there)")

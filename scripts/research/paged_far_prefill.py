@@ -25,6 +25,8 @@ the native CPU step on). Arms:
                         (`--page-far-from 4096 --page-far-after context`) runs one append that takes a session past the
                         trained context from under N, such as a whole 32k prompt (the session is switched at the
                         append's start, Engine._switch_far); without it an arm keeps the trained context (far_from 0).
+  <arm>+ceN             that arm with a query choosing its pages at every N-th position past the trained context
+                        (`--page-choice-every N`), the others taking the last choice's pages.
 --start-random N first fills each (paged) arm's cache with N positions of random K/V through its own API, then prefills
 real tokens from N on: the cost far into a history (past the shortlist's 256 pages, say) in minutes.
 --interleave runs the arms chunk by chunk in turn (each arm its own session; a drift in the box's speed then lands on
@@ -147,8 +149,9 @@ def main(argv=None) -> int:
         sf = [int(m[2:]) for m in mods if m.startswith("sf") and m[2:].isdigit()]
         w = [int(m[1:]) for m in mods if m.startswith("w") and m[1:].isdigit()]
         far = [int(m[3:]) for m in mods if m.startswith("far") and m[3:].isdigit()]
+        ce = [int(m[2:]) for m in mods if m.startswith("ce") and m[2:].isdigit()]
         return dataclasses.replace(paged, **({"shortlist_from": sf[0]} if sf else {}), **({"window": w[0]} if w else {}),
-                                   **({"far_from": far[0]} if far else {}))
+                                   **({"far_from": far[0]} if far else {}), **({"choice_every": ce[0]} if ce else {}))
 
     caches = {arm: make_cache(strategy_of(arm), model.geometry(), max_step=args.chunk, max_context=ctx) for arm in names}
     shortlist_froms = {arm: strategy_of(arm).shortlist_from for arm in names if base[arm] != "full"}

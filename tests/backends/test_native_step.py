@@ -882,11 +882,15 @@ SHORTLISTED = KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, shortlist_
 SHORTLISTED_FP16 = dataclasses.replace(SHORTLISTED, kv_dtype="fp16")
 # past far_from the chosen pages at their gaps scaled down ("spread"), not packed next to the window
 SPREAD = KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, far_from=40, far_layout="spread")
+# past the trained context a query chooses its pages at every third position only (--page-choice-every 3)
+CHOICE3 = dataclasses.replace(SHORTLISTED, choice_every=3)
 
 
 @pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=8, recall_pages=2), SHORTLISTED,
-                                      SHORTLISTED_FP16, SPREAD, dataclasses.replace(SHORTLISTED, far_layout="spread")],
-                         ids=["exact", "shortlisted-spilled", "shortlisted-spilled-fp16", "spread", "shortlisted-spread"])
+                                      SHORTLISTED_FP16, SPREAD, dataclasses.replace(SHORTLISTED, far_layout="spread"),
+                                      CHOICE3, KVStrategy("paged", 4, 12, page_size=8, recall_pages=2, choice_every=4)],
+                         ids=["exact", "shortlisted-spilled", "shortlisted-spilled-fp16", "spread", "shortlisted-spread",
+                              "shortlisted-choice-every-3", "exact-choice-every-4"])
 def test_native_segments_keep_paged_verify_blocks_equal_to_one_token_steps_past_the_context(strategy):
     """Row-exactness holds through the segments (row-independent kernels, the native recall's rows each on their
     own): verify blocks of 5 give one-token steps' logits bit for bit, below the trained context (64 here) and past it
@@ -948,9 +952,10 @@ def test_a_prefill_chunk_ranks_its_own_pages_by_bounds_made_once_with_the_same_b
 
 @pytest.mark.parametrize("strategy", [KVStrategy("paged", 4, 12, page_size=4, recall_pages=2), SHORTLISTED,
                                       KVStrategy("paged", 4, 12, page_size=4, recall_pages=2, kv_dtype="fp16"),
-                                      SHORTLISTED_FP16, SPREAD, dataclasses.replace(SHORTLISTED_FP16, far_layout="spread")],
+                                      SHORTLISTED_FP16, SPREAD, dataclasses.replace(SHORTLISTED_FP16, far_layout="spread"),
+                                      CHOICE3],
                          ids=["exact", "shortlisted-spilled", "exact-fp16", "shortlisted-spilled-fp16", "spread",
-                              "shortlisted-spilled-fp16-spread"])
+                              "shortlisted-spilled-fp16-spread", "shortlisted-choice-every-3"])
 def test_native_recall_chooses_and_attends_as_the_python_path(strategy, monkeypatch):
     """Each layer's native recall of row-exact rows (page choice, reads from either tier, attention) against the kv
     layer's Python path on the same queries and tables: decode steps and verify blocks (whose later rows' candidates

@@ -121,3 +121,17 @@ def test_page_far_layout_reaches_the_paged_strategy_and_is_checked():
         serve_config(serve_args("--kv-strategy", "sink_window", "--page-far-layout", "spread")).validate()
     with pytest.raises(ConfigError, match="--page-far-layout spread runs on --backend torch only"):
         serve_config(serve_args("--kv-strategy", "paged", "--page-far-layout", "spread", "--backend", "mlx")).validate()
+
+
+def test_page_choice_every_reaches_the_paged_strategy_and_is_checked():
+    from inference_engine.server.config import ConfigError
+
+    assert serve_config(serve_args("--kv-strategy", "paged")).strategy()[0].choice_every == 1
+    cfg = serve_config(serve_args("--kv-strategy", "paged", "--page-choice-every", "4"))
+    assert cfg.strategy()[0].choice_every == 4 and cfg.strategy()[0].describe()["choice_every"] == "4"
+    with pytest.raises(ConfigError, match="choice_every must be an int >= 1"):
+        serve_config(serve_args("--kv-strategy", "paged", "--page-choice-every", "0")).validate()
+    with pytest.raises(ConfigError, match="choice_every applies to the paged strategy only"):
+        serve_config(serve_args("--kv-strategy", "sink_window", "--page-choice-every", "2")).validate()
+    with pytest.raises(ConfigError, match="--page-choice-every 2 runs on --backend torch only"):
+        serve_config(serve_args("--kv-strategy", "paged", "--page-choice-every", "2", "--backend", "mlx")).validate()

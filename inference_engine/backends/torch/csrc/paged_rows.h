@@ -180,6 +180,13 @@ struct PagedConfig {
   int64_t sink, window, P, M, S, shortlist_from, far_distance, far_from, bounds_rows;
   bool bounds_far;  // the bounds table holds far_keys' bounds (page choice past the context has started)
   bool far_spread;  // rows at or past far_from see their pages "spread" (gaps scaled), else "packed" (kv/paged.py)
+  // choice_every > 1: a row at p >= choice_from takes the pages its source position chose (kv/paged.py
+  // `_choice_source`: p - (p - choice_from) % choice_every), a row of the step or the kept choice (made at kept_pos)
+  int64_t choice_every, choice_from, kept_pos;
+
+  int64_t choice_source(int64_t p) const {
+    return choice_every <= 1 || p < choice_from ? p : p - (p - choice_from) % choice_every;
+  }
 };
 
 // One paged session's step as kv/paged.py hands it over (`_native_view`, once a step): its tables, their bookkeeping,
@@ -201,13 +208,17 @@ struct PagedView {
             const at::Tensor& sink_cols, const at::Tensor& inv_freq_)
       : tables(std::move(tables_)), meta(std::move(meta_)), rows(rows_.contiguous()), mask(mask_.contiguous()),
         inv_freq(inv_freq_.contiguous()) {
-    TORCH_CHECK(tables.size() == 11 && meta.size() == 20, "paged view: 11 tables and 20 numbers");
+    TORCH_CHECK(tables.size() == 13 && meta.size() == 23, "paged view: 13 tables and 23 numbers");
     TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(1) == 3, "paged view: rows must be (T, 3) int64");
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == rows.size(0),
                 "paged view: mask must be (T, N) bool");
     TORCH_CHECK(inv_freq.scalar_type() == at::kFloat, "paged view: inv_freq must be fp32");
     cf = PagedConfig{meta[9], meta[10], meta[11], meta[12], meta[13], meta[14], meta[15], meta[16], meta[17], meta[18] != 0,
-                    meta[19] != 0};
+                    meta[19] != 0, meta[20], meta[21], meta[22]};
+    TORCH_CHECK(cf.choice_every >= 1, "paged view: choice_every must be >= 1");
+    for (int t : {11, 12})
+      TORCH_CHECK(tables[t].numel() == 0 || (tables[t].scalar_type() == at::kLong && tables[t].is_contiguous()),
+                  "paged view: the kept choice and the rows' choices must be int64, contiguous (or empty)");
     TORCH_CHECK(cf.P >= 1 && cf.P <= kChunk && cf.M >= 0 && cf.sink >= 0 && cf.window >= 0,
                 "paged view: the page size must be 1 .. 256");
     const bool four = tables[0].scalar_type() == at::kByte;
@@ -237,6 +248,14 @@ struct PagedView {
                 "paged view: the page store must be (L, 2, Hkv, rows, D) for this model");
     TORCH_CHECK(tables[10].size(0) == layers && tables[10].size(2) == Hkv && tables[10].size(4) == D,
                 "paged view: bounds must be (L, 2, Hkv, pages, D) for this model");
+    if (cf.choice_every > 1) {
+      TORCH_CHECK(tables[12].dim() == 4 && tables[12].size(0) == layers && tables[12].size(1) == T &&
+                      tables[12].size(2) == Hkv && tables[12].size(3) == cf.M,
+                  "paged view: the rows' choices must be (L, T, Hkv, M)");
+      TORCH_CHECK(tables[11].numel() == 0 || (tables[11].dim() == 3 && tables[11].size(0) == layers &&
+                                              tables[11].size(1) == Hkv && tables[11].size(2) == cf.M),
+                  "paged view: the kept choice must be (L, Hkv, M)");
+    }
     const int64_t N = mask.size(1);
     const int64_t* rp = rows.data_ptr<int64_t>();
     for (int64_t j = 0; j < T; ++j)

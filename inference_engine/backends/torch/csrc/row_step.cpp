@@ -1351,7 +1351,23 @@ class RowStep {
         for (int64_t i = lo; i < hi; ++i) fn(i);
       });
     };
-    each_task([&](int64_t i) { plan_begin(cf, tasks[i], ranks[i], G, D, tasks[i].far ? far_codes : codes, freq); });
+    // choice_every > 1: the tasks that take another position's pages (their source task here, or -2: the kept choice)
+    // choose nothing themselves
+    std::vector<int64_t> source(T * Hkv, -1);
+    if (cf.choice_every > 1)
+      for (int64_t i = 0; i < T * Hkv; ++i) {
+        const int64_t p0 = cf.choice_source(tasks[i].pos);
+        if (p0 == tasks[i].pos) continue;
+        const int64_t r0 = p0 - rp[0];
+        if (r0 >= 0 && r0 < T && rp[r0 * 3] == p0)
+          source[i] = r0 * Hkv + tasks[i].h;
+        else if (p0 == cf.kept_pos && view.tables[11].numel() > 0)
+          source[i] = -2;
+        // else its source's choice is not held (kv/paged.py: a history written without attention): it chooses itself
+      }
+    each_task([&](int64_t i) {
+      if (source[i] == -1) plan_begin(cf, tasks[i], ranks[i], G, D, tasks[i].far ? far_codes : codes, freq);
+    });
     for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t j = 0; j < static_cast<int64_t>(ranks[i].ranked.size()); j += kRankPages) items.push_back({i, j});
     // the whole pages past the bounds table that several rows rank (a prefill chunk's own): their bounds made once
@@ -1407,7 +1423,29 @@ class RowStep {
     });
     // 3: the chosen pages; 4: the attention's parts, every task's shared out together; 5: each row's parts merged
     items.clear();
-    each_task([&](int64_t i) { finish_choice(cf, tasks[i], G, D, view.sinks); });
+    each_task([&](int64_t i) {
+      if (source[i] == -1) finish_choice(cf, tasks[i], G, D, view.sinks);
+    });
+    if (cf.choice_every > 1) {  // the others take their source's pages (final above), then what follows from them
+      const int64_t* kept = view.tables[11].numel() ? view.tables[11].data_ptr<int64_t>() : nullptr;
+      each_task([&](int64_t i) {
+        if (source[i] == -1) return;
+        PagedTask& t = tasks[i];
+        if (source[i] >= 0) {
+          t.pages = tasks[source[i]].pages;
+        } else {
+          const int64_t* k = kept + (l * Hkv + t.h) * cf.M;
+          t.pages.assign(k, k + cf.M);
+        }
+        finish_choice(cf, t, G, D, view.sinks);
+      });
+      int64_t* out = view.tables[12].data_ptr<int64_t>();
+      for (int64_t i = 0; i < T * Hkv; ++i) {  // every row's pages, for the commit
+        const PagedTask& t = tasks[i];
+        int64_t* o = out + ((l * T + t.row) * Hkv + t.h) * cf.M;
+        for (int64_t m = 0; m < cf.M; ++m) o[m] = m < static_cast<int64_t>(t.pages.size()) ? t.pages[m] : -1;
+      }
+    }
     for (int64_t i = 0; i < T * Hkv; ++i)
       for (int64_t c = 0; c < part_count(tasks[i]); ++c) items.push_back({i, c});
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
