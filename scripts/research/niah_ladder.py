@@ -115,6 +115,10 @@ ARMS = {
     # --page-far-from 4096 --page-far-after context (docs/paged.md, "far_from once past the context")
     "paged_4+508_p64_m8_far4k+kv_fp16": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
                                              page_far_from=4096, kv_dtype="fp16"),
+    # the same with a query choosing its pages at every 4th position past the trained context, the others taking the
+    # last choice's pages (--page-choice-every 4; under the context the same bits)
+    "paged_4+508_p64_m8_far4k_ce4+kv_fp16": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,
+                                                 page_far_from=4096, kv_dtype="fp16", page_choice_every=4),
     # paged as the daemon runs it since 2026-12-01: far_from 4096 once past the trained context (--page-far-after
     # context): under it the default's bits, past it paged_4+508_p64_m8_far4k+kv_fp16's on these tasks
     "paged_4+508_p64_m8_far4k_ctx+kv_fp16": dict(kv_strategy="paged", sink=4, window=508, page_size=64, recall_pages=8,

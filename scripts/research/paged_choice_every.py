@@ -16,7 +16,7 @@ at --full-reference tokens), so a drift in the box's speed lands on every cell a
 step that chooses. A step's time is a round's time over its steps (the mean: a rate, not a median, which would pick
 the steps that do not choose).
 
-    .venv/bin/python scripts/research/paged_choice_every.py --lengths 1024,32768 --every 1,2,4 --rounds 12
+    .venv/bin/python scripts/research/paged_choice_every.py --lengths 1024,32768 --every 1,2,4,8
 Writes results/research/paged_choice_every.json.
 """
 from __future__ import annotations
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--lengths", default="1024,32768", help="histories (the first is the reference, under the context)")
     ap.add_argument("--every", default="1,2,4", help="comma list of --page-choice-every values")
-    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=32,
+                    help="rounds of lcm(--every) steps per cell (32 x 8 = 256 steps: four pages of 64 completed, each "
+                         "with its archive and bounds, in every cell)")
     ap.add_argument("--full-reference", type=int, default=1024, help="also time `full` at this many tokens (0: no)")
     ap.add_argument("--far-from", type=int, default=4096, help="paged's far_from past the context (the daemon's default)")
     ap.add_argument("--page-ram-mb", type=float, default=128)
