@@ -741,17 +741,16 @@ class PagedCache(SinkWindowCache):
         if src is None:
             return idx, ok
         first = plan["first"]
-        own, order = idx.sort(-1)
+        own, order = idx.sort(-1)  # position order
         own_ok = ok.gather(-1, order)
-        idx, ok = own.clone(), own_ok.clone()
-        for j, s in enumerate(src.tolist()):
-            if s == first + j:
-                continue
-            if s >= first:  # a row of this step chose them
-                idx[:, j], ok[:, j] = own[:, s - first], own_ok[:, s - first]
-            else:  # the last committed choice (_plan_step checked its position)
-                kept = cast(torch.Tensor, self._choice)[layer].to(idx.device)
-                idx[:, j], ok[:, j] = kept, True
+        before = src < first  # rows taking the kept choice (_plan_step: its position is theirs)
+        rows = torch.from_numpy(np.where(before, np.arange(len(src)), src - first)).to(idx.device)
+        idx, ok = own.index_select(1, rows), own_ok.index_select(1, rows)  # a row of this step chose them, or it did
+        if before.any():
+            at = torch.from_numpy(np.flatnonzero(before)).to(idx.device)
+            kept = cast(torch.Tensor, self._choice)[layer].to(idx.device)  # (Hkv, M)
+            idx[:, at] = kept[:, None]
+            ok[:, at] = True
         plan["choice_out"][layer] = idx.transpose(0, 1).cpu()
         return idx, ok
 
