@@ -1143,8 +1143,15 @@ class PagedCache(SinkWindowCache):
         if self.shortlisting and self.next_position < self.far_from:
             self._update_bounds()
         self.evicted_total = int(meta["evicted_total"])
-        if "choice.pages" in tensors:
-            self._choice, self._choice_pos = tensors["choice.pages"].clone(), int(meta["choice_pos"])
+        choice = tensors.get("choice.pages")
+        g = self.geometry
+        if choice is not None and self.choice_every > 1:  # kept for the rows after it (else unused: not kept)
+            pages = -(-rows // self.page_size)
+            if (tuple(choice.shape) != (g.num_layers, g.num_kv_heads, self.recall_pages) or choice.dtype != torch.long
+                    or bool(((choice < 0) | (choice >= max(pages, 1))).any())):
+                raise ValueError(f"the saved page choice must be ({g.num_layers}, {g.num_kv_heads}, {self.recall_pages}) "
+                                 f"int64 pages under {pages}, got {tuple(choice.shape)} {choice.dtype}")
+            self._choice, self._choice_pos = choice.clone(), int(meta["choice_pos"])
 
 
 def _top(x: torch.Tensor, k: int, stable: bool) -> tuple[torch.Tensor, torch.Tensor]:

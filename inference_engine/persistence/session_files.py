@@ -379,7 +379,8 @@ class SessionFiles:
         # saved under the other of fp32 / fp16 resident K/V, or (paged) with far_from at the trained context where this
         # daemon applies far_from once past it (same_strategy): the cache is this daemon's kind
         mine = {"kv_dtype": e.strategy.kv_dtype} | (
-            {"far_from": e.strategy.far_from, "far_after": e.strategy.far_after} if e.strategy.name == "paged" else {})
+            {"far_from": e.strategy.far_from, "far_after": e.strategy.far_after,
+             "choice_every": e.strategy.choice_every} if e.strategy.name == "paged" else {})
         meta = dict(body["cache_meta"], strategy=dict(body["cache_meta"]["strategy"], **mine))
         if any(k.startswith("store.") and k != SLOT_MAP for k in tail):  # a store saved whole
             kv = SessionKV.from_state(CacheState(tail, meta), e.model.geometry(), max_step=e.prefill_chunk,
@@ -512,11 +513,15 @@ def same_strategy(saved: KVStrategy, serving: KVStrategy) -> bool:
     and fp16 resident K/V load into each other (rows converted as they load: exactly from fp16, rounded to fp16 the
     other way, so a session moved between the two continues, though not bit for bit as it would have), and a paged
     session saved with far_from at the trained context loads where far_from applies once past it (far_after "context":
-    it is that session until then)."""
+    it is that session until then). A paged session's choice_every is the serving daemon's (`--page-choice-every`: how
+    often queries past the context choose their pages, not what the session holds): a session past the context
+    continues under the daemon's, from its next choice position (its rows choose themselves until then)."""
     if serving.far_after == "context" and saved.far_from == 0 and saved.name == serving.name == "paged":
         # saved under the trained context's layout: what a far_after "context" session is until it passes the context
         # (one saved past it is re-encoded at its next step, as any that crosses there)
         saved = dataclasses.replace(saved, far_from=serving.far_from, far_after="context")
+    if saved.name == serving.name == "paged":
+        saved = dataclasses.replace(saved, choice_every=serving.choice_every)
     if {saved.kv_dtype, serving.kv_dtype} <= {"fp32", "fp16"}:
         return dataclasses.replace(saved, kv_dtype=serving.kv_dtype) == serving
     return saved == serving

@@ -967,7 +967,7 @@ def test_native_recall_chooses_and_attends_as_the_python_path(strategy, monkeypa
     m = TorchCausalLM.load(tiny_model_dir("llama", max_position_embeddings=64), weights="int4")
     assert m.use_native_step() is True
     native_attend = PagedCache._native_attend
-    seen = {"rows": 0, "far": 0, "fresh": 0, "spilled": 0, "shortlist": 0}
+    seen = {"rows": 0, "far": 0, "fresh": 0, "spilled": 0, "shortlist": 0, "choice": 0}
     scale = m.spec.attn_scale if m.spec.attn_scale is not None else m.spec.head_dim ** -0.5
 
     def checked(self, layer, q, k_all, v_all, layout, plan):
@@ -975,7 +975,11 @@ def test_native_recall_chooses_and_attends_as_the_python_path(strategy, monkeypa
         assert o is not None
         if plan["far"] == "some":  # the Python path scores a step across the context exactly; the rows choose alone
             return o
+        native_choice = None if plan["choice_out"] is None else plan["choice_out"][layer].clone()
         idx, _ = self._choose_pages(layer, q, k_all, plan, None)
+        if native_choice is not None:  # choice_every: the pages each row took, as the commit keeps them, alike
+            assert torch.equal(native_choice, plan["choice_out"][layer])
+            seen["choice"] += 1
         ref = self._attend_rows(layer, q, k_all, v_all, layout, plan, None, idx, scale, 0.0, 0.0, m.rotate_keys)
         # the Python path shortlists a step's rows by the step's page count; each native row by its own, as the
         # one-token step at its position does: rows on the other side of shortlist_from are not compared
@@ -1001,6 +1005,7 @@ def test_native_recall_chooses_and_attends_as_the_python_path(strategy, monkeypa
     assert seen["rows"] > 0 and seen["far"] > 0 and seen["fresh"] > 0
     if strategy.shortlist_from == SHORTLISTED.shortlist_from:
         assert seen["spilled"] > 0 and seen["shortlist"] > 0
+    assert (seen["choice"] > 0) == (strategy.choice_every > 1)
     # fp16 K/V: the slab and the page store (both tiers) hold fp16 rows
     want = torch.float16 if strategy.kv_dtype == "fp16" else torch.float32
     assert cache.store.k[0].dtype == cache.pages.codec.dtype == want

@@ -761,3 +761,42 @@ def test_a_paged_session_saved_under_the_trained_context_loads_where_far_from_ap
     back = restarted(tmp_path / "state-restart-0", old, short)  # saved under far_after "context": refused by the old
     with pytest.raises(SessionStateUnusable, match="far_after=context"):
         back.history(s.id)
+
+
+def test_a_paged_session_is_resumed_under_the_daemons_choice_every(tmp_path):
+    """--page-choice-every is how often queries past the context choose their pages, not what a session holds: a session
+    saved between two choice positions resumes under the same N as the never-stopped one (its kept choice saved with
+    it: the same tokens), and under another N it loads too (restarting a daemon with another setting keeps its
+    sessions), continuing under that N."""
+    short = tiny_model_dir("llama", max_position_embeddings=64)
+    four = KVStrategy("paged", 4, 12, page_size=8, recall_pages=2, choice_every=4)
+    root = tmp_path / "state"
+    kept = runtime(root, four, short)
+    s = kept.create_session(ids(80))
+    turn(kept, s.id, 3)  # positions to 82: the kept choice made at 80
+    assert kept.store.get(s.id).kv.cache._choice_pos == 80
+    same = restarted(root, four, short)
+    one = restarted(root, dataclasses.replace(four, choice_every=1), short)
+    for rt in (kept, same, one):
+        rt.append(s.id, [7, 8])
+    want = turn(kept, s.id, 8)
+    assert turn(same, s.id, 8) == want
+    assert len(turn(one, s.id, 8)) == 8 and one.store.get(s.id).kv.cache.choice_every == 1
+
+
+def test_a_saved_page_choice_of_the_wrong_shape_sets_the_session_aside(tmp_path):
+    """The kept choice is checked as it loads (shape, dtype, pages the session holds): a damaged one is an unusable
+    session, not an out-of-range read in the native recall."""
+    from inference_engine.kv.factory import make_cache
+
+    m = load_model(str(tiny_model_dir("llama", max_position_embeddings=64)))
+    s = KVStrategy("paged", 4, 12, page_size=8, recall_pages=2, choice_every=4)
+    a = make_cache(s, m.geometry(), max_step=16, max_context=64)
+    from factories import feed
+
+    feed(m, a, ids(70), 1, row_exact=True)
+    for bad in (torch.zeros(2, 2, dtype=torch.long), torch.full(tuple(a._choice.shape), 999, dtype=torch.long)):
+        st = a.state()
+        st.tensors["choice.pages"] = bad
+        with pytest.raises(ValueError, match="the saved page choice must be"):
+            make_cache(s, m.geometry(), max_step=16, max_context=64).load_state(st)
