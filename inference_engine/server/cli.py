@@ -72,7 +72,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--page-choice-every", type=int, default=d.page_choice_every, metavar="N",
                    help="paged, from the trained context on: a query chooses its pages itself at every N-th position, "
                         "the others attend to the pages the last of those chose (each with its own window): about N "
-                        "times less page-choice work per token past the context; 1 = every query chooses (the default). "
+                        "times less page-choice work per token past the context; 1 = every query chooses. Not given: 4 on the "
+                        "torch backend (1 on MLX, where paged stops at the context). "
                         "Below the trained context every query chooses. A function of the position: chunks, verify "
                         "blocks and one-token steps agree bit for bit (docs/paged.md, 'Choosing every N positions')")
     p.add_argument("--page-spill-dir", default=None, metavar="DIR",

@@ -22,6 +22,9 @@ STRATEGY_WINDOWS = {"paged": 508}
 # 4,096-8,192), and under it the session is the trained context's bit for bit (docs/paged.md, "far_from once past the
 # context"); torch only (MLX: paged stops at the trained context)
 PAGED_FAR_FROM = 4096
+# paged's --page-choice-every on torch: a query past the trained context chooses its pages at every 4th position (the
+# pre-registered ladder check, docs/paged.md "Choosing every N positions past the context")
+PAGED_CHOICE_EVERY = 4
 
 
 class ConfigError(ValueError):
@@ -57,8 +60,9 @@ class ServeConfig:
     # default far_from, "start" for one given (`resolved_far_after`)
     page_far_after: str | None = None
     # paged, from the trained context on: a query chooses its pages at every N-th position, the others attend to the
-    # last choice's pages (1 = every query chooses)
-    page_choice_every: int = 1
+    # last choice's pages (1 = every query chooses); None = paged's default, PAGED_CHOICE_EVERY on torch
+    # (`resolved_choice_every`)
+    page_choice_every: int | None = None
     page_spill_dir: str | None = None  # paged: where spill files go; None = <state dir>/spill with --persist turn, else temp
     # glibc: allocations of at least this many KiB get maps of their own, returned to the OS when freed (0 = glibc's
     # dynamic threshold, under which freed MB-sized tensors stay with the heap): server/host_memory.py
@@ -167,6 +171,14 @@ class ServeConfig:
         return "context" if self.page_far_from is None and self.resolved_far_from else "start"
 
     @property
+    def resolved_choice_every(self) -> int:
+        """--page-choice-every as given, else paged's default on the torch backend (PAGED_CHOICE_EVERY: past the trained
+        context, where the MLX backend's paged stops), else 1."""
+        if self.page_choice_every is not None:
+            return self.page_choice_every
+        return PAGED_CHOICE_EVERY if self.kv_strategy == "paged" and self.backend == "torch" else 1
+
+    @property
     def resolved_window(self) -> int:
         """--window as given, else the strategy's default window."""
         return self.window if self.window is not None else STRATEGY_WINDOWS.get(self.kv_strategy, DEFAULT_WINDOW)
@@ -190,7 +202,7 @@ class ServeConfig:
                                           shortlist_pages=self.page_shortlist, shortlist_from=self.page_shortlist_from,
                                           page_ram_mb=self.page_ram_mb, far_from=self.resolved_far_from,
                                           far_layout=self.page_far_layout, far_after=self.resolved_far_after,
-                                          choice_every=self.page_choice_every,
+                                          choice_every=self.resolved_choice_every,
                                           **{k: v for k, v in options.items() if k in fields})
         return strategy, options
 
@@ -230,7 +242,7 @@ def check_backend_flags(cfg: ServeConfig, backend: str) -> None:
     if cfg.kv_strategy == "paged" and cfg.page_far_layout != "packed":
         raise ConfigError(f"--page-far-layout {cfg.page_far_layout} runs on --backend torch only (it moves recalled keys "
                           "with its rotate_keys); with --backend mlx use packed (paged stops at the trained context there)")
-    if cfg.kv_strategy == "paged" and cfg.page_choice_every != 1:
+    if cfg.kv_strategy == "paged" and cfg.page_choice_every not in (None, 1):
         raise ConfigError(f"--page-choice-every {cfg.page_choice_every} runs on --backend torch only (it applies past the "
                           "trained context, where paged stops on --backend mlx); with --backend mlx use 1")
     if cfg.kv_strategy == "paged" and cfg.page_far_from:

@@ -365,6 +365,7 @@ def main() -> int:
         product = {k: v for k, v in overrides.items() if k not in research_fields and k != "page_query"}
         if product.get("kv_strategy") == "paged":  # an arm names its layout: without a far_from, the trained context's
             product.setdefault("page_far_from", 0)  # (every paged arm's before paged's default far_from, 2026-12-01)
+            product.setdefault("page_choice_every", 1)  # and its choice: every query's (the default before 2026-12-01's N = 4)
         research = {k: v for k, v in overrides.items() if k in research_fields}
         missing = sorted(set(product) - fields)
         if missing:

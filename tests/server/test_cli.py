@@ -126,9 +126,15 @@ def test_page_far_layout_reaches_the_paged_strategy_and_is_checked():
 def test_page_choice_every_reaches_the_paged_strategy_and_is_checked():
     from inference_engine.server.config import ConfigError
 
-    assert serve_config(serve_args("--kv-strategy", "paged")).strategy()[0].choice_every == 1
-    cfg = serve_config(serve_args("--kv-strategy", "paged", "--page-choice-every", "4"))
-    assert cfg.strategy()[0].choice_every == 4 and cfg.strategy()[0].describe()["choice_every"] == "4"
+    # paged's default on torch (PAGED_CHOICE_EVERY, the pre-registered ladder check past the context): 4; given: as given
+    assert serve_config(serve_args("--kv-strategy", "paged")).strategy()[0].choice_every == 4
+    cfg = serve_config(serve_args("--kv-strategy", "paged", "--page-choice-every", "1"))
+    assert cfg.strategy()[0].choice_every == 1 and "choice_every" not in cfg.strategy()[0].describe()
+    assert serve_config(serve_args("--kv-strategy", "paged")).strategy()[0].describe()["choice_every"] == "4"
+    # on MLX (paged stops at the trained context there) the default is 1, and other strategies keep 1
+    serve_config(serve_args("--kv-strategy", "paged", "--backend", "mlx")).validate()
+    assert serve_config(serve_args("--kv-strategy", "paged", "--backend", "mlx")).resolved_choice_every == 1
+    assert serve_config(serve_args()).strategy()[0].choice_every == 1
     with pytest.raises(ConfigError, match="choice_every must be an int >= 1"):
         serve_config(serve_args("--kv-strategy", "paged", "--page-choice-every", "0")).validate()
     with pytest.raises(ConfigError, match="choice_every applies to the paged strategy only"):
