@@ -612,9 +612,10 @@ def test_kakeya_serve_builds_a_paged_engine():
     args = build_parser().parse_args(["serve", "--kv-strategy", "paged", "--sink", "4", "--window", "60", "--page-size", "32",
                                       "--recall-pages", "4", "--page-compressor", "int8"])
     engine = build_engine(serve_config(args), model())
-    # paged's default far_from: 4096 once past the trained context (docs/paged.md, "far_from once past the context")
+    # paged's default far_from: 4096 once past the trained context (docs/paged.md, "far_from once past the context"),
+    # and past it a choice at every 4th position ("Choosing every N positions past the context")
     assert engine.strategy == KVStrategy("paged", 4, 60, page_size=32, recall_pages=4, page_compressor="int8",
-                                         far_from=4096, far_after="context")
+                                         far_from=4096, far_after="context", choice_every=4)
     assert engine.strategy_info().name == "paged" and dict(engine.strategy_info().params)["recall_pages"] == "4"
     assert type(engine.new_session_kv().cache).__name__ == "PagedCache"
     for given, want in ((["--page-far-from", "0"], (0, "start")), (["--page-far-from", "2048"], (2048, "start")),
