@@ -274,7 +274,7 @@ class PagedCache(SinkWindowCache):
                       "cols": cols, "first": first, "t": t, "far": "all" if far.all() else ("some" if far.any() else "none"),
                       "far_rows": torch.from_numpy(far).to(dev), "choice_src": None, "choice_out": None}
         if self.choice_every > 1 and first + t - 1 >= self.choice_from:
-            src = np.array([self._choice_source(p) for p in range(first, first + t)], dtype=np.int64)
+            src = self._choice_source(np.arange(first, first + t, dtype=np.int64))
             # a source before the step whose choice the cache does not hold (a history written without attention, as
             # bench_common.fill_with_random_kv writes it, or a state saved without it): the row chooses itself
             held = (src >= first) | (src == self._choice_pos)
@@ -285,12 +285,11 @@ class PagedCache(SinkWindowCache):
             plan["choice_out"] = torch.full((g.num_layers, t, g.num_kv_heads, self.recall_pages), -1, dtype=torch.long)
         return plan
 
-    def _choice_source(self, p: int) -> int:
-        """The position whose query chooses the pages a query at p attends to: p itself, or from the trained context on
-        with choice_every > 1 the last position at or before p that is choice_from plus a multiple of choice_every."""
-        if self.choice_every == 1 or p < self.choice_from:
-            return p
-        return p - (p - self.choice_from) % self.choice_every
+    def _choice_source(self, p: np.ndarray) -> np.ndarray:
+        """The positions whose queries choose the pages the queries at positions p attend to: p itself, or from the
+        trained context on with choice_every > 1 the last position at or before p that is choice_from plus a multiple
+        of choice_every."""
+        return np.where(p < self.choice_from, p, p - (p - self.choice_from) % self.choice_every)
 
     def _recall_allowed(self, plan: Plan, w: int | None) -> torch.Tensor:
         """(T, C) bool: which candidates each of the step's queries may recall under model window w (made on first use
@@ -1118,7 +1117,7 @@ class PagedCache(SinkWindowCache):
             tensors |= {f"far_keys.{k}": v for k, v in self.far_keys.state(start, lazy=lazy).items()}
         meta = {"evicted_total": self.evicted_total, "archived_rows": self.pages.rows, "far_from": self.far_from}
         if self._choice is not None:  # choice_every > 1 past the context: the pages later rows take
-            tensors["choice.pages"] = self._choice.clone()
+            tensors["choice.pages"] = self._choice  # replaced at a commit, never written in place
             meta["choice_pos"] = self._choice_pos
         return tensors, meta
 

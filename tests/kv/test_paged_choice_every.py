@@ -7,6 +7,7 @@ A model trained to 64 positions (kv.test_paged.short_context_model), int4 weight
 Python path (the native recall's tests: tests/backends/test_native_step.py)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ def test_the_option_is_checked_and_described():
 
 def test_the_source_position_follows_the_context():
     c = new_cache(short_context_model("int4"), paged(choice_every=3), max_step=16)
-    assert [c._choice_source(p) for p in (0, 63, 64, 65, 66, 67, 70)] == [0, 63, 64, 64, 64, 67, 70]
+    assert c._choice_source(np.array([0, 63, 64, 65, 66, 67, 70])).tolist() == [0, 63, 64, 64, 64, 67, 70]
 
 
 def test_steps_and_verify_blocks_agree_and_rows_take_their_sources_pages(m):
