@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVER_VERSION = "0.3.0"
+SERVER_VERSION = "0.4.0"
 MAX_TOKENS_PER_CALL = 1 << 20
 
 

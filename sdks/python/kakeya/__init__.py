@@ -35,4 +35,4 @@ __all__ = [
     "UnavailableError", "InternalError", "SessionNotSavedWarning", "AlreadyExistsError", "SessionOwnedElsewhereError",
     "SESSION_HEADER",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"

@@ -37,4 +37,4 @@ export {
   type KakeyaErrorOptions,
 } from "./errors.js";
 
-export const VERSION = "0.3.0";
+export const VERSION = "0.4.0";
