@@ -272,7 +272,11 @@ class PagedCache(SinkWindowCache):
         far = np.arange(first, first + t) >= self.far_from  # rows that choose through far_keys
         plan: Plan = {"cand_end": cand_end, "c": c, "n_pages": n_pages, "windows": windows, "allowed": {}, "free": {},
                       "cols": cols, "first": first, "t": t, "far": "all" if far.all() else ("some" if far.any() else "none"),
-                      "far_rows": torch.from_numpy(far).to(dev), "choice_src": None, "choice_out": None}
+                      "far_rows": torch.from_numpy(far).to(dev), "choice_src": None, "choice_out": None,
+                      # rows whose own candidates span more than shortlist_from pages (each chooses through the
+                      # shortlist as its one-row step would, and as the native recall's tasks do)
+                      "short_rows": -(-(np.arange(first + 1, first + t + 1) - self.window - self.sink) // self.page_size)
+                      > self.shortlist_from}
         if self.choice_every > 1 and first + t - 1 >= self.choice_from:
             src = self._choice_source(np.arange(first, first + t, dtype=np.int64))
             # a source before the step whose choice the cache does not hold (a history written without attention, as
@@ -735,11 +739,15 @@ class PagedCache(SinkWindowCache):
         trained context whose position does not choose: it takes the pages its source position chose (`_choice_source`),
         from this step's row there or from the choice the cache kept. Every row's pages (position order) are noted in
         the plan for the commit."""
+        src, first = plan["choice_src"], plan["first"]
+        if src is not None and bool((src < first).all()):  # every row takes the kept choice: nothing to score
+            kept = cast(torch.Tensor, self._choice)[layer].to(q.device)  # (Hkv, M)
+            idx = kept[:, None].expand(-1, plan["t"], -1)
+            plan["choice_out"][layer] = idx.transpose(0, 1).cpu()
+            return idx, torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
         idx, ok = self._choose_own_pages(layer, q, k_all, plan, w)
-        src = plan["choice_src"]
         if src is None:
             return idx, ok
-        first = plan["first"]
         own, order = idx.sort(-1)  # position order
         own_ok = ok.gather(-1, order)
         before = src < first  # rows taking the kept choice (_plan_step: its position is theirs)
@@ -759,19 +767,41 @@ class PagedCache(SinkWindowCache):
         page holds a key the query may see). Every candidate is scored through its compact code:
         archived ones as stored, still-resident ones (a long prefill chunk) encoded on the fly, by
         the same codec and the same scoring call."""
+        hkv, t, c, n_pages = k_all.shape[0], q.shape[1], plan["c"], plan["n_pages"]
+        span = n_pages * self.page_size
+        if n_pages <= self.recall_pages:  # every page is chosen, whatever the scores: nothing to score
+            key = ("every_page", w)
+            if key not in plan:
+                ok = F.pad(self._recall_allowed(plan, w), (0, span - c), value=False).view(t, n_pages, -1).any(-1)  # (T, pages)
+                plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
+            return plan[key]
+        far = plan["far"] if self.far_active else "none"
+        if not self.shortlist or n_pages <= self.shortlist_from:
+            return self._choose_exact(layer, q, k_all, plan, w, far)
+        short = plan["short_rows"]  # (T,) rows with more than shortlist_from candidate pages of their own
+        if far != "some" and short.all():
+            return self._choose_shortlisted(layer, q, k_all, plan, w)
+        # a step across shortlist_from or the trained context: each row chooses as its one-row step at its position
+        idx, ok = (None, None) if short.all() else self._choose_exact(layer, q, k_all, plan, w, far)
+        rows = torch.from_numpy(short).to(q.device)
+        for far_side in ((True, False) if far == "some" else (far == "all",)):
+            si, so = self._choose_shortlisted(layer, q, k_all, plan, w, far=far_side)
+            if idx is None or ok is None:
+                idx, ok = si, so
+                continue
+            take = (rows & (plan["far_rows"] == far_side))[None, :, None]
+            idx, ok = torch.where(take, si, idx), torch.where(take, so, ok)
+        assert idx is not None and ok is not None
+        return idx, ok
+
+    def _choose_exact(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan, w: int | None,
+                      far: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_choose_own_pages` scoring every candidate's compact key (no shortlist); far: "none", "all" or "some" (a
+        step across the trained context: each row scores as a one-row step at its position would)."""
         hkv, d, p = k_all.shape[0], k_all.shape[2], self.page_size
         g, t = q.shape[0] // hkv, q.shape[1]
         c, n_pages = plan["c"], plan["n_pages"]
         span = n_pages * p
-        if n_pages <= self.recall_pages:  # every page is chosen, whatever the scores: nothing to score
-            key = ("every_page", w)
-            if key not in plan:
-                ok = F.pad(self._recall_allowed(plan, w), (0, span - c), value=False).view(t, n_pages, p).any(-1)  # (T, pages)
-                plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
-            return plan[key]
-        far = plan["far"] if self.far_active else "none"
-        if self.shortlist and n_pages > self.shortlist_from and far != "some":
-            return self._choose_shortlisted(layer, q, k_all, plan, w)
 
         def scored(far_side: bool) -> torch.Tensor:
             codes, sc = self._candidate_codes(layer, k_all, plan, far_side)
@@ -945,14 +975,15 @@ class PagedCache(SinkWindowCache):
             self._update_bounds()
 
     def _choose_shortlisted(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan,
-                            w: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                            w: int | None, far: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`_choose_pages` through a shortlist (Quest's bound, arXiv 2406.10774, as a coarse stage): each query ranks
         the pages wholly visible to it by their bound, max over its group of sum max(q * hi, q * lo), keeps the top
         `shortlist_pages` and every page it sees in part, scores those pages' compact keys exactly, and keeps its
         top `recall_pages` pages by best key, as the exact path does. Equal to the exact path whenever the pages it
         would choose are in the shortlist. A step of many queries scores the union of their shortlists in one call
-        (per KV head) and masks each query to its own."""
-        sc = self._shortlist_scores(layer, q, k_all, plan, w)
+        (per KV head) and masks each query to its own. far: score every row past the trained context (True) or
+        under it (False), whatever the step's rows; None: as the step's rows are, all past it or not."""
+        sc = self._shortlist_scores(layer, q, k_all, plan, w, far)
         pages_u, page_scores = sc["pages_u"], sc["page_scores"]
         hkv, t, u = page_scores.shape
         n_pages, m = plan["n_pages"], self.recall_pages
@@ -964,7 +995,8 @@ class PagedCache(SinkWindowCache):
             idx, ok = F.pad(idx, (0, min(m, n_pages) - k)), F.pad(ok, (0, min(m, n_pages) - k), value=False)
         return idx, ok
 
-    def _shortlist_scores(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan, w: int | None) -> dict:
+    def _shortlist_scores(self, layer: int, q: torch.Tensor, k_all: torch.Tensor, plan: Plan, w: int | None,
+                          far: bool | None = None) -> dict:
         """The shortlisted choice's scores (research scripts read them too): bound (Hkv, T, pages) per query and
         whole page (-inf where it sees the page in part or not at all), short (Hkv, T, pages) the pages each query
         scores, pages_u (Hkv, U) their union per head, page_scores (Hkv, T, U) each one's best compact-key score for
@@ -981,7 +1013,8 @@ class PagedCache(SinkWindowCache):
                          "n_whole": int(ranked[-1]) + 1 if ranked.numel() else 0}
         sl = plan[key]
         seen, whole = sl["seen"], sl["whole"]
-        far = plan["far"] == "all" and self.far_active  # ("some" takes the exact path)
+        if far is None:
+            far = plan["far"] == "all" and self.far_active  # ("some": _choose_own_pages asks for each side)
         if far:
             q = self._far_queries(layer, q, plan)
         nb, n_whole = min(self.bounds.rows, n_pages), sl["n_whole"]

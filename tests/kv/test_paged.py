@@ -715,6 +715,26 @@ def test_up_to_shortlist_from_pages_the_choice_is_exact():
     assert not torch.equal(feed(m, new_cache(m, paged(shortlist_pages=3, shortlist_from=0)), history, 16), exact)
 
 
+@pytest.mark.parametrize("context, shortlist_from", [(None, 6), (None, 9), (64, 6)])
+def test_verify_blocks_across_shortlist_from_equal_one_token_steps(context, shortlist_from):
+    """A row chooses through the shortlist iff its own candidates span more than shortlist_from pages, as its one-token
+    step does (and the native recall's tasks do), also in a block across that bound or across the trained context
+    (64: both at once): verify blocks of 5 and 7 give one-token steps' logits bit for bit (int4: row-independent
+    linears; the Python path). Before, a block's rows all followed its last row."""
+    from inference_engine.backends.torch.model import TorchCausalLM
+
+    m = TorchCausalLM.load(str(tiny_model_dir("llama", **({"max_position_embeddings": context} if context else {}))),
+                           weights="int4")
+    assert m.native_step is None
+    history = ids(150, seed=5)
+    runs = {}
+    for chunk in (1, 5, 7):
+        cache = new_cache(m, paged(shortlist_pages=3, shortlist_from=shortlist_from), max_step=16)
+        runs[chunk] = feed(m, cache, history, chunk, row_exact=True)
+        assert cache.shortlisting
+    assert torch.equal(runs[1], runs[5]) and torch.equal(runs[1], runs[7])
+
+
 def test_page_bounds_round_outward_to_float16():
     m = model()
     cache = new_cache(m, paged(shortlist_pages=3, shortlist_from=0))
