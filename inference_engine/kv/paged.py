@@ -782,7 +782,10 @@ class PagedCache(SinkWindowCache):
         if far != "some" and short.all():
             return self._choose_shortlisted(layer, q, k_all, plan, w)
         # a step across shortlist_from or the trained context: each row chooses as its one-row step at its position
-        idx, ok = (None, None) if short.all() else self._choose_exact(layer, q, k_all, plan, w, far)
+        idx: torch.Tensor | None = None
+        ok: torch.Tensor | None = None
+        if not short.all():
+            idx, ok = self._choose_exact(layer, q, k_all, plan, w, far)
         rows = torch.from_numpy(short).to(q.device)
         for far_side in ((True, False) if far == "some" else (far == "all",)):
             si, so = self._choose_shortlisted(layer, q, k_all, plan, w, far=far_side)
