@@ -772,8 +772,8 @@ class PagedCache(SinkWindowCache):
         if n_pages <= self.recall_pages:  # every page is chosen, whatever the scores: nothing to score
             key = ("every_page", w)
             if key not in plan:
-                ok = F.pad(self._recall_allowed(plan, w), (0, span - c), value=False).view(t, n_pages, -1).any(-1)  # (T, pages)
-                plan[key] = (torch.arange(n_pages, device=ok.device).expand(hkv, t, n_pages), ok.expand(hkv, t, n_pages))
+                seen = F.pad(self._recall_allowed(plan, w), (0, span - c), value=False).view(t, n_pages, -1).any(-1)  # (T, pages)
+                plan[key] = (torch.arange(n_pages, device=seen.device).expand(hkv, t, n_pages), seen.expand(hkv, t, n_pages))
             return plan[key]
         far = plan["far"] if self.far_active else "none"
         if not self.shortlist or n_pages <= self.shortlist_from:
