@@ -17,7 +17,8 @@ step that chooses. A step's time is a round's time over its steps (the mean: a r
 the steps that do not choose).
 
     .venv/bin/python scripts/research/paged_choice_every.py --lengths 1024,32768 --every 1,2,4,8
-Writes results/research/paged_choice_every.json.
+Writes results/research/paged_choice_every.json. `--step python` times the Python pieces instead (the recall in
+kv/paged.py, where a step whose rows all take the kept choice scores nothing).
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--far-from", type=int, default=4096, help="paged's far_from past the context (the daemon's default)")
     ap.add_argument("--page-ram-mb", type=float, default=128)
     ap.add_argument("--chunk", type=int, default=512, help="positions a fill step appends")
+    ap.add_argument("--step", choices=("native", "python"), default="native",
+                    help="the native CPU step (the daemon's on CPU), or the Python pieces with the recall in kv/paged.py "
+                         "(`--compile off`, and the path a CUDA daemon runs)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
@@ -64,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     everies = [int(x) for x in args.every.split(",")]
     model = TorchCausalLM.load(resolve_model(args.model), weights=args.weights)
-    if not model.use_native_step():
+    if args.step == "python":
+        model.use_native_step(False)
+    elif not model.use_native_step():
         raise SystemExit("the native step is unavailable here (see the log)")
     geometry, context = model.geometry(), model.spec.max_context
     t_fill = time.perf_counter()
