@@ -992,8 +992,10 @@ class PagedCache(SinkWindowCache):
         n_pages, m = plan["n_pages"], self.recall_pages
         k = min(m, u)
         best, at_u = _top(page_scores, k, stable=sc["far"])
-        idx = pages_u.gather(1, at_u.reshape(hkv, -1)).view(hkv, t, k)
         ok = best > float("-inf")
+        # a slot that holds no page (a local layer's row with fewer pages than recall_pages) says page 0, whatever the
+        # union of the step's shortlists is: past the context the listed pages are packed before the window in order
+        idx = pages_u.gather(1, at_u.reshape(hkv, -1)).view(hkv, t, k).masked_fill(~ok, 0)
         if k < min(m, n_pages):  # fewer pages in every shortlist than recall_pages: the rest chosen as nothing
             idx, ok = F.pad(idx, (0, min(m, n_pages) - k)), F.pad(ok, (0, min(m, n_pages) - k), value=False)
         return idx, ok
@@ -1020,11 +1022,16 @@ class PagedCache(SinkWindowCache):
             far = plan["far"] == "all" and self.far_active  # ("some": _choose_own_pages asks for each side)
         if far:
             q = self._far_queries(layer, q, plan)
-        nb, n_whole = min(self.bounds.rows, n_pages), sl["n_whole"]
+        # the bounds table is made from far_keys once far choice has started (_start_far_choice): a row under the
+        # context in a step across it (or after a rejected one) makes its bounds from its own codes, as natively
+        nb = min(self.bounds.rows, n_pages) if far == self.far_active else 0
+        n_whole = sl["n_whole"]
         parts = [self.bounds.read(layer)[:, :, :nb]] if nb else []  # (2, Hkv, nb, D)
         if nb < n_whole:  # pages not (yet) complete in the key table: the same bounds, from the step's codes
             recent = torch.arange(nb * p, n_whole * p, device=q.device).expand(hkv, -1)
             parts.append(self._page_bounds(*self._codes_at(layer, k_all, plan, far, recent)))
+        if not parts:  # no page seen whole by any row (a local layer's window) and no bounds yet
+            parts = [torch.zeros(2, hkv, 0, d, device=q.device)]
         hi, lo = (x.float() for x in (parts[0] if len(parts) == 1 else torch.cat(parts, 2)))  # (Hkv, >= n_whole, D)
         if hi.shape[1] < n_pages:  # pages nobody sees whole: never ranked
             hi, lo = (F.pad(x, (0, 0, 0, n_pages - x.shape[1])) for x in (hi, lo))

@@ -715,21 +715,26 @@ def test_up_to_shortlist_from_pages_the_choice_is_exact():
     assert not torch.equal(feed(m, new_cache(m, paged(shortlist_pages=3, shortlist_from=0)), history, 16), exact)
 
 
-@pytest.mark.parametrize("context, shortlist_from", [(None, 6), (None, 9), (64, 6)])
-def test_verify_blocks_across_shortlist_from_equal_one_token_steps(context, shortlist_from):
+@pytest.mark.parametrize("arch, context, shortlist_pages, shortlist_from", [
+    ("llama", None, 3, 6), ("llama", None, 3, 9), ("llama", 64, 3, 6), ("llama", 64, 3, 4), ("llama", 64, 1, 3),
+    ("gemma3", None, 1, 5), ("gemma3", 64, 3, 6)])
+def test_verify_blocks_across_shortlist_from_equal_one_token_steps(arch, context, shortlist_pages, shortlist_from):
     """A row chooses through the shortlist iff its own candidates span more than shortlist_from pages, as its one-token
     step does (and the native recall's tasks do), also in a block across that bound or across the trained context
-    (64: both at once): verify blocks of 5 and 7 give one-token steps' logits bit for bit (int4: row-independent
-    linears; the Python path). Before, a block's rows all followed its last row."""
+    (64: both at once; shortlist_from <= 5: rows under the context shortlisted too, their page bounds made from their
+    own keys' codes, not from the far-choice bounds table); on local-window layers (gemma3) too, where a row may see
+    fewer pages than it recalls (the empty slots say page 0, as a one-token step's padding does). Verify blocks of 5
+    and 7 give one-token steps' logits bit for bit (int4: row-independent linears; the Python path). Before, a block's
+    rows all followed its last row."""
     from inference_engine.backends.torch.model import TorchCausalLM
 
-    m = TorchCausalLM.load(str(tiny_model_dir("llama", **({"max_position_embeddings": context} if context else {}))),
+    m = TorchCausalLM.load(str(tiny_model_dir(arch, **({"max_position_embeddings": context} if context else {}))),
                            weights="int4")
     assert m.native_step is None
     history = ids(150, seed=5)
     runs = {}
     for chunk in (1, 5, 7):
-        cache = new_cache(m, paged(shortlist_pages=3, shortlist_from=shortlist_from), max_step=16)
+        cache = new_cache(m, paged(shortlist_pages=shortlist_pages, shortlist_from=shortlist_from), max_step=16)
         runs[chunk] = feed(m, cache, history, chunk, row_exact=True)
         assert cache.shortlisting
     assert torch.equal(runs[1], runs[5]) and torch.equal(runs[1], runs[7])
