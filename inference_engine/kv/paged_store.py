@@ -51,6 +51,14 @@ class IdentityRows:
     def encode(self, rows: torch.Tensor) -> dict:
         return {"rows": rows.to(self.dtype)}
 
+    def in_place(self, rows: torch.Tensor) -> bool:
+        """`encode_into` takes these rows (any)."""
+        return True
+
+    def encode_into(self, rows: torch.Tensor, views: dict) -> None:
+        """encode(rows) written into `views` (a table's rows, rows' shape)."""
+        views["rows"].copy_(rows)
+
     def decode(self, payload: dict) -> torch.Tensor:
         return payload["rows"]
 
@@ -85,6 +93,18 @@ class RowQuant:
             return {"codes": q.to(torch.int8), "scale": scale}
         u = (q + 8).to(torch.uint8).view(rows.shape[0], -1, 2)  # 1 .. 15
         return {"codes": u[..., 0] | (u[..., 1] << 4), "scale": scale}
+
+    def in_place(self, rows: torch.Tensor) -> bool:
+        """`encode_into` takes these rows: 8-bit codes, a backend's kernel (`set_row_quant_kernel`), CPU fp32 / fp16
+        rows (A, B, C, n, D) with the last dimension contiguous."""
+        return (_quant8_kernel is not None and self.bits == 8 and rows.dim() == 5 and rows.stride(-1) == 1
+                and rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.float16))
+
+    def encode_into(self, rows: torch.Tensor, views: dict) -> None:
+        """encode(rows) written into `views` (a table's codes and scale, rows' leading shape) by the backend's kernel,
+        the same bits (after `in_place`)."""
+        assert _quant8_kernel is not None
+        _quant8_kernel(rows, views["codes"], views["scale"])
 
     def group_max_scores(self, q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                          path: str | None = None) -> torch.Tensor:
@@ -166,6 +186,17 @@ _scoring: str | None = None
 _score_kernel: Callable | None = None
 _query_int8 = os.environ.get("KAKEYA_PAGE_QUERY", "int8") != "fp32"
 _query_toggle: Callable[[int], object] | None = None
+
+
+_quant8_kernel: Callable | None = None
+
+
+def set_row_quant_kernel(kernel: Callable | None) -> None:
+    """A backend's in-place RowQuant(8) encode, kernel(x (A, B, C, n, D), codes, scale) writing into views of a table
+    (backends/torch/native.py: the native CPU step's row_quant8_into), the same bits as `RowQuant.encode`: a decode
+    step's evicted row is archived with it in one call, not ~10 torch calls."""
+    global _quant8_kernel
+    _quant8_kernel = kernel
 
 
 def set_score_kernel(kernel: Callable | None, query_toggle: Callable[[int], object] | None = None) -> None:
@@ -344,10 +375,23 @@ class RowTable(Generic[CodecT]):
 
     def write_all(self, start: int, rows: torch.Tensor) -> None:
         """Encode rows (L, S, Hkv, n, D) of every layer into rows start .. start + n - 1 (after
-        `reserve`): one encode and one copy per payload name."""
+        `reserve`): one encode and one copy per payload name; or, where the codec writes in place (`encode_into`) and
+        the rows land in one run of the table, one call into it."""
+        codec: Any = self.codec  # IdentityRows and RowQuant write in place; other codecs (lattice) do not
+        if getattr(codec, "in_place", None) is not None and codec.in_place(rows):
+            views = self._views(start, rows.shape[3])
+            if views is not None:
+                codec.encode_into(rows, views)
+                return
         d = rows.shape[4]
         payload = self.codec.encode(rows.reshape(-1, d))
         self._put(start, {name: payload[name].reshape(*rows.shape[:4], *shape) for name, (shape, _) in self.layout.items()})
+
+    def _views(self, start: int, n: int) -> dict | None:
+        """The payload of rows start .. start + n - 1 (after `reserve`) per name, (L, S, Hkv, n, *trailing) views to
+        write in place, counted as written; None where they are not one run (nothing done then)."""
+        self.written = max(self.written, start + n)
+        return {name: x[:, :, :, start:start + n] for name, x in self.data.items()}
 
     def _put(self, start: int, payload: dict) -> None:
         """Coded rows (L, S, Hkv, n, *trailing) per payload name into rows start .. start + n - 1."""
@@ -644,16 +688,33 @@ class SpillingRowTable(RowTable[CodecT]):
         a = start
         while a < start + n:  # a page (or the rest of one) at a time: a piece never wraps the ring
             b = min(start + n, (a // self.page + 1) * self.page)
-            if b - self.first_ram_row > self.ram_rows:
-                self.reserve(self.ram_rows)
-                self._spill((b - self.first_ram_row - self.ram_rows + self.page - 1) // self.page)
-            else:
-                self.reserve(b)
-            slot = self._slot(a)
+            slot = self._piece(a, b)
             for name, x in self.data.items():
                 x[:, :, :, slot:slot + b - a] = payload[name][:, :, :, a - start:b - start].to(x.device, x.dtype)
-            self.written = max(self.written, slot + b - a)
             a = b
+
+    def _piece(self, a: int, b: int) -> int:
+        """Room in the ring for rows a .. b - 1 (within one page; the ring's oldest pages spilled past ram_rows),
+        counted as written: the slot of row a."""
+        assert self.ram_rows is not None
+        if b - self.first_ram_row > self.ram_rows:
+            self.reserve(self.ram_rows)
+            self._spill((b - self.first_ram_row - self.ram_rows + self.page - 1) // self.page)
+        else:
+            self.reserve(b)
+        slot = self._slot(a)
+        self.written = max(self.written, slot + b - a)
+        return slot
+
+    def _views(self, start: int, n: int) -> dict | None:
+        if self.ram_rows is None:
+            return super()._views(start, n)
+        if start != self.rows:
+            raise ValueError(f"a spilling table appends: its rows end at {self.rows}, not {start}")
+        if n < 1 or start // self.page != (start + n - 1) // self.page:  # more than one piece: _put writes them
+            return None
+        slot = self._piece(start, start + n)
+        return {name: x[:, :, :, slot:slot + n] for name, x in self.data.items()}
 
     def _spill(self, pages: int) -> None:
         """Move the ring's oldest `pages` (complete) pages to the spill file."""

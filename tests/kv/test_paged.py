@@ -10,7 +10,7 @@ from inference_engine.engine.generate import Engine
 from inference_engine.engine.requests import GenerateParams
 from inference_engine.engine.steps import forward
 from inference_engine.kv.factory import make_cache
-from inference_engine.kv.paged_store import RowQuant, RowTable, make_row_codec
+from inference_engine.kv.paged_store import RowQuant, RowTable, SpillingRowTable, make_row_codec
 from inference_engine.kv.strategy import KVStrategy
 
 
@@ -164,6 +164,51 @@ def _with_native_kernel():
         if mod is None:
             pytest.skip("no native extension here")
         paged_store.set_score_kernel(mod.group_max_scores, mod.score_q8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_native_row_quant_writes_encodes_bits_in_place(dtype):
+    """The native in-place RowQuant(8) encode (row_quant8_into: a decode step's archived key row, one call) writes the
+    codes and scales torch's RowQuant.encode makes, bit for bit, into strided views of a table: random rows, an all-zero
+    row, rows under fp16's smallest normal, huge rows and rows whose x / s falls on halves (round half to even); and a
+    table's write_all takes it for one run of rows and torch's path otherwise, the same payload either way."""
+    from inference_engine.backends.torch import native
+    from inference_engine.kv import paged_store
+
+    mod = native.load()
+    if mod is None:
+        pytest.skip("no native extension here")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2, 4, 5, 64, generator=g) * torch.logspace(-6, 3, 5)[:, None]
+    x[0, 0, 0, 0] = 0
+    # s = 127 * 2^-4 / 127 = 2^-4 exactly, and x / s = -9.5 .. 9.5 in halves: rounded half to even
+    x[0, 0, 0, 1] = torch.tensor([127.0] + [k % 20 - 9.5 for k in range(63)]) * 2.0 ** -4
+    x = x.to(dtype)
+    rows = x[:, :1]  # a strided view, as paged archives keys: kv[:, :1]
+    codec = RowQuant(8, 64)
+    want = codec.encode(rows.reshape(-1, 64))
+    codes = torch.full((3, 1, 4, 9, 64), 99, dtype=torch.int8)[:, :, :, 2:7]  # strided views into a bigger table
+    scale = torch.zeros(3, 1, 4, 9, 1, dtype=torch.float16)[:, :, :, 2:7]
+    mod.row_quant8_into(rows, codes, scale)
+    assert torch.equal(codes.reshape(-1, 64), want["codes"]) and torch.equal(scale.reshape(-1, 1), want["scale"])
+    saved = paged_store._quant8_kernel
+    tables = {}
+    try:
+        for name, kernel in (("native", mod.row_quant8_into), ("torch", None)):
+            paged_store.set_row_quant_kernel(kernel)
+            # a ring of 16 rows in pages of 8: runs in one page (in place), runs across pages (torch's pieces), and
+            # runs past the ring (its oldest page spilled to the file first)
+            t = tables[name] = SpillingRowTable(codec, ram_rows=16, num_layers=3, num_kv_heads=4, head_dim=64,
+                                                stack=1, page=8, device="cpu")
+            src = torch.cat([x[:, :1]] * 3, 3)  # (3, 1, 4, 15, 64)
+            for start, n in ((0, 5), (5, 1), (6, 7), (13, 3), (16, 4), (20, 1), (21, 11)):
+                t.reserve(start + n)
+                t.write_all(start, src[:, :, :, :n])
+                t.rows = start + n
+    finally:
+        paged_store.set_row_quant_kernel(saved)
+    assert tables["native"].cold_pages == tables["torch"].cold_pages > 0
+    assert all(torch.equal(tables["native"].span(0, 32)[k], tables["torch"].span(0, 32)[k]) for k in ("codes", "scale"))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -251,6 +251,7 @@ class NativeRowStep:
 
         # the page choice's one-pass scoring of compact keys (kv/paged_store measures whether it is the fastest path)
         paged_store.set_score_kernel(module.group_max_scores, module.score_q8)
+        paged_store.set_row_quant_kernel(module.row_quant8_into)  # a decode step's archived key row, in one call
         rotary = model.rotary
         # paged recall past the trained context turns queries by RoPE in C++: plain rotary tables only
         plain = getattr(rotary, "attention_scaling", 1.0) == 1.0 and getattr(rotary, "rope_type", "default") == "default"

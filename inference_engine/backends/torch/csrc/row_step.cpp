@@ -844,6 +844,50 @@ inline int64_t& score_q8() {
 // (score_q8, the default: quantize_query, score_keys_q8) or as it is. Each key's codes are read once per query row
 // set, straight from the packed bytes, and dotted with the G query rows in vectors; nothing else is read or written. The page choice of a decode step scores thousands of keys per layer with it (torch's path:
 // unpack, convert, two batched matmuls, a max: ~10 calls and a float copy of every code).
+// kv/paged_store.RowQuant(8).encode written in place (paged archives a decode step's evicted row with it): x (A, B, C,
+// N, D) fp32 or fp16, any strides with the last dimension contiguous -> codes (A, B, C, N, D) int8 and scale (A, B, C,
+// N, 1) fp16, views into the key table. Per row: s = max |x| / 127, at least fp16's smallest normal (2^-14), rounded to
+// fp16 (nearest even); code = round-half-even(x / s) in [-127, 127]. Every step is one IEEE operation as torch's, so
+// the same bits as RowQuant.encode.
+template <typename T>
+void row_quant8_rows(const at::Tensor& x, at::Tensor& codes, at::Tensor& scale) {
+  const int64_t D = x.size(4);
+  const T* xp = x.data_ptr<T>();
+  int8_t* cp = codes.data_ptr<int8_t>();
+  c10::Half* sp = scale.data_ptr<c10::Half>();
+  for (int64_t a = 0; a < x.size(0); ++a)
+    for (int64_t b = 0; b < x.size(1); ++b)
+      for (int64_t c = 0; c < x.size(2); ++c)
+        for (int64_t n = 0; n < x.size(3); ++n) {
+          const T* row = xp + a * x.stride(0) + b * x.stride(1) + c * x.stride(2) + n * x.stride(3);
+          float amax = 0.f;
+          for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(row[d])));
+          float s = amax / 127.f;
+          s = s < 6.103515625e-05f ? 6.103515625e-05f : s;
+          const c10::Half h(s);
+          const float sf = static_cast<float>(h);
+          sp[a * scale.stride(0) + b * scale.stride(1) + c * scale.stride(2) + n * scale.stride(3)] = h;
+          int8_t* out = cp + a * codes.stride(0) + b * codes.stride(1) + c * codes.stride(2) + n * codes.stride(3);
+          for (int64_t d = 0; d < D; ++d) {
+            float v = std::nearbyint(static_cast<float>(row[d]) / sf);
+            out[d] = static_cast<int8_t>(v > 127.f ? 127.f : (v < -127.f ? -127.f : v));
+          }
+        }
+}
+
+void row_quant8_into(const at::Tensor& x, at::Tensor codes, at::Tensor scale) {
+  TORCH_CHECK(x.dim() == 5 && codes.dim() == 5 && scale.dim() == 5, "row_quant8_into: 5-dimensional x, codes, scale");
+  TORCH_CHECK(x.stride(4) == 1 && codes.stride(4) == 1, "row_quant8_into: the last dimension must be contiguous");
+  for (int64_t i = 0; i < 4; ++i)
+    TORCH_CHECK(codes.size(i) == x.size(i) && scale.size(i) == x.size(i), "row_quant8_into: shapes differ");
+  TORCH_CHECK(codes.size(4) == x.size(4) && scale.size(4) == 1, "row_quant8_into: codes (..., D), scale (..., 1)");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scale.scalar_type() == at::kHalf,
+              "row_quant8_into: codes int8, scale fp16");
+  if (x.scalar_type() == at::kFloat) row_quant8_rows<float>(x, codes, scale);
+  else if (x.scalar_type() == at::kHalf) row_quant8_rows<c10::Half>(x, codes, scale);
+  else TORCH_CHECK(false, "row_quant8_into: x must be fp32 or fp16");
+}
+
 at::Tensor group_max_scores(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "group_max_scores: q must be (B, G, M, D) fp32");
   const int64_t B = q.size(0), G = q.size(1), M = q.size(2), D = q.size(3);
@@ -1702,6 +1746,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_max_scores", &group_max_scores,
         "compact keys' scores: q (B, G, M, D) fp32, codes (B, C, D/2) uint8 (4-bit) or (B, C, D) int8, scale (B, C, 1) "
         "fp16 -> (B, M, C) fp32, max over g (kv/paged_store.RowQuant.group_max_scores)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("row_quant8_into", &row_quant8_into,
+        "kv/paged_store.RowQuant(8).encode in place: x (A, B, C, N, D) fp32/fp16 -> codes (A, B, C, N, D) int8, scale "
+        "(A, B, C, N, 1) fp16 (views; the last dimension contiguous), the same bits",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("refined_head", &refined_head,
         "linear.RefinedHead's logits: x (M, K) fp32, q4 blocks of the head (N columns) or of it and its 4-bit residual "
