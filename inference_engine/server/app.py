@@ -450,10 +450,10 @@ def serve_forever(cfg: ServeConfig) -> int:
         info.model_id, cfg.bind.rsplit(":", 1)[0] + f":{running.port}", info.kv_strategy, params, info.session_capacity,
         f", metrics on :{cfg.metrics_port}/metrics" if cfg.metrics_port else "",
     )
-    print(f"READY {running.port}", flush=True)
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before READY: a supervisor's SIGTERM right after it stops us gracefully
         signal.signal(sig, lambda *_: done.set())
+    print(f"READY {running.port}", flush=True)
     done.wait()
     running.stop(2.0)
     return 0

@@ -87,7 +87,19 @@ def start_once(args, model_dir: pathlib.Path, arm: str, work: pathlib.Path) -> d
         ready = time.perf_counter() - t0
         rss = resident_mb(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # it did not stop: every thread's stack into its log (faulthandler), then say so
+            proc.send_signal(signal.SIGUSR1)
+            try:
+                proc.wait(timeout=5)  # the dump is written in the handler; the daemon does not exit on SIGUSR1
+            except subprocess.TimeoutExpired:
+                pass
+            proc.kill()
+            proc.wait()
+            tail = log.read_text(errors="replace")[-6000:]
+            raise SystemExit(f"{arm}: the daemon did not exit within 120 s of SIGTERM (READY line {line!r}); its log's "
+                             f"end, with every thread's stack:\n{tail}") from None
     if not line.startswith("READY"):
         raise SystemExit(f"{arm}: the daemon did not start ({line!r}); see {log}")
     stamps, prev = {}, launched
