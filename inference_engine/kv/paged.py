@@ -821,7 +821,7 @@ class PagedCache(SinkWindowCache):
         if not plan["free"][w]:
             scores[..., :c].masked_fill_(~allowed, float("-inf"))
         page_scores = scores.view(hkv, t, n_pages, p).amax(-1)  # (Hkv, T, pages): a page's best key
-        best, idx = _top(page_scores, min(self.recall_pages, n_pages), stable=far != "none")
+        best, idx = _top(page_scores, min(self.recall_pages, n_pages))
         return idx, best > float("-inf")
 
     def _candidate_codes(self, layer: int, k_all: torch.Tensor, plan: Plan,
@@ -991,7 +991,7 @@ class PagedCache(SinkWindowCache):
         hkv, t, u = page_scores.shape
         n_pages, m = plan["n_pages"], self.recall_pages
         k = min(m, u)
-        best, at_u = _top(page_scores, k, stable=sc["far"])
+        best, at_u = _top(page_scores, k)
         ok = best > float("-inf")
         # a slot that holds no page (a local layer's row with fewer pages than recall_pages) says page 0, whatever the
         # union of the step's shortlists is: past the context the listed pages are packed before the window in order
@@ -1038,7 +1038,7 @@ class PagedCache(SinkWindowCache):
         qf = q.reshape(hkv, g * t, d).float()
         bound = torch.baddbmm(torch.bmm(qf.clamp(min=0), hi.transpose(1, 2)), qf.clamp(max=0), lo.transpose(1, 2))
         bound = bound.view(hkv, g, t, n_pages).amax(1).masked_fill_(~whole, float("-inf"))  # (Hkv, T, pages)
-        top, at = _top(bound, min(self.shortlist, n_pages), stable=far)
+        top, at = _top(bound, min(self.shortlist, n_pages))
         short = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, at, top > float("-inf"))
         short |= sl["part"]  # pages a query sees in part: always scored
         pages_u, valid_u = _rows_per_head(short.any(1))  # (Hkv, U): the union of the step's shortlists per head
@@ -1196,13 +1196,12 @@ class PagedCache(SinkWindowCache):
             self._choice, self._choice_pos = choice.clone(), int(meta["choice_pos"])
 
 
-def _top(x: torch.Tensor, k: int, stable: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest along the last axis (values, indices). stable: ties go to the lower index, whatever the axis'
-    length (topk's order among ties depends on it). Past the trained context every candidate scores at one distance,
-    so equal keys (a repeated token's, at the first layer) tie exactly, and a verify block, which sees a page more
-    than its first rows' one-token steps, must break the tie as they do."""
-    if not stable:
-        return x.topk(k, -1)
+def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the last axis (values, indices), ties to the lower index whatever the axis' length (topk's
+    order among ties depends on it), as the native recall breaks them (csrc/paged_rows.h). Equal keys tie exactly
+    (past the trained context every candidate scores at one distance; int4 codes under it), and a verify block, which
+    sees more pages (and a wider union of shortlists) than its first rows' one-token steps, must break the tie as they
+    do: with topk under the context a rejected-draft run chose page 4 where its steps chose page 17 (2026-12-02)."""
     vals, idx = x.sort(dim=-1, descending=True, stable=True)
     return vals[..., :k], idx[..., :k]
 
